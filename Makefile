@@ -1,0 +1,31 @@
+# Set-up and entry points. `make train` and `make test` work on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build of torch, already on disk on CPU machines; on a GPU machine: make TORCH_SPEC=torch setup
+TORCH_SPEC ?= torch==2.13.0
+STEPS ?= 3
+
+.PHONY: setup train test agents bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+agents: setup
+	$(VENV)/bin/harnessrl harness install mini-swe-agent
+	$(VENV)/bin/harnessrl harness install opencode
+
+train: setup
+	$(VENV)/bin/harnessrl harness install mini-swe-agent
+	$(VENV)/bin/harnessrl train --steps $(STEPS) --out runs/default
+
+test: setup agents
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,219 @@
+"""The shared data model: sampling, completions, turns, traces, rollouts, groups, rows.
+
+Responsibility: the records every part of harnessrl exchanges, and the one function
+(`check_turn_faithful`) that decides whether a recorded turn may ever be trained.
+
+Invariants (DESIGN.md §3):
+  1. Token faithfulness. A turn stores the exact `prompt_ids` the engine consumed and the
+     `completion_ids` it sampled with their `completion_logprobs` (natural log, of the
+     temperature/top-p/top-k distribution the id was drawn from). Concatenating
+     `prompt_ids + completion_ids` of a turn reproduces the engine's input and output exactly.
+     A turn whose ids/logprobs fail `check_turn_faithful` is stored with
+     `status="unfaithful"`, kept for inspection and never trained.
+  6. Versions are per turn: `Turn.policy_version` is the engine's version at dispatch.
+  7. Groups are explicit: rollouts of a group share `group_id`; nothing groups by text.
+
+What this module deliberately does not do: render text, call engines, or build rows.
+Records that cross a process, HTTP or disk boundary are pydantic models; in-process
+values are frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+"""Why generation ended: `stop` (EOS id or stop string), `length` (the max_tokens cap or the
+context limit was hit, whatever else happened), `tool_calls` (stop and the reply parsed to
+tool calls; only in protocol responses, never from an engine)."""
+
+TurnStatus = Literal["ok", "error", "unfaithful"]
+"""`ok`: trainable; `error`: upstream/engine failed, the agent got an error; `unfaithful`:
+ids/logprobs failed validation (kept, never trained)."""
+
+RolloutStatus = Literal["ok", "agent_error", "timeout", "verifier_error", "infra_error"]
+"""Exactly one terminal status per rollout (DESIGN.md §3.3)."""
+
+
+class Sampling(BaseModel):
+    """Sampling parameters actually used for one generation (recorded per turn)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Softmax temperature; 0 means greedy (logprobs are then those of the T=1 distribution)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass kept; 1.0 disables it."""
+    top_k: int = Field(default=0, ge=0)
+    """Number of highest-probability ids kept; 0 disables it."""
+    max_tokens: int = Field(default=256, ge=1)
+    """Cap on completion ids for this generation."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; generation ends when the decoded completion contains one (the ids that
+    produced it are kept, so the completion ids stay exactly what was sampled)."""
+    seed: int | None = None
+    """Per-request sampling seed; None draws from the engine's generator."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What an engine returns for one prompt.
+
+    Shapes: `completion_ids` and `completion_logprobs` both have length T (T >= 0).
+    """
+
+    prompt_ids: tuple[int, ...]
+    """The exact ids the engine consumed."""
+    completion_ids: tuple[int, ...]
+    """The ids the engine sampled, in order (EOS included when it was sampled)."""
+    completion_logprobs: tuple[float, ...]
+    """Natural-log probability of each sampled id under the distribution it was drawn from."""
+    finish_reason: Literal["stop", "length"]
+    policy_version: int
+    """Engine weight version at dispatch (when the request was admitted)."""
+
+
+class Turn(BaseModel):
+    """One LLM call of a rollout, as recorded by the proxy or the white-box loop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    turn_index: int
+    """0-based position in the session's trace, in order of arrival."""
+    protocol: str = "chat.completions"
+    """Wire protocol of the request: `chat.completions`, `responses`, `messages`, `white_box`."""
+    request: dict[str, Any]
+    """The request body as received (before sampling overrides)."""
+    response: dict[str, Any] | None = None
+    """The unary response body as sent (for streams: the equivalent unary body)."""
+    prompt_ids: list[int] = Field(default_factory=list)
+    completion_ids: list[int] = Field(default_factory=list)
+    completion_logprobs: list[float] = Field(default_factory=list)
+    sampling: Sampling | None = None
+    """Sampling actually used (after the run's overrides)."""
+    policy_version: int = -1
+    """Engine weight version at dispatch; -1 when no generation happened."""
+    finish_reason: str | None = None
+    status: TurnStatus = "ok"
+    error: str | None = None
+    started_at: float = Field(default_factory=time.time)
+    """Unix time (s) the request arrived."""
+    latency_s: float = 0.0
+    headers: dict[str, str] = Field(default_factory=dict)
+    """Headers of interest: x-session-id, x-stainless-retry-count, x-codex-turn-metadata, ..."""
+    request_kind: str | None = None
+    """What the agent's own headers say the call is (`turn`, `compaction`, ...), if they say."""
+    usage: dict[str, int] = Field(default_factory=dict)
+    """Usage reported to the agent: prompt_tokens, completion_tokens, total_tokens."""
+
+
+class Trace(BaseModel):
+    """All turns of one proxy session (one rollout)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str
+    rollout_id: str | None = None
+    turns: list[Turn] = Field(default_factory=list)
+    opened_at: float = Field(default_factory=time.time)
+    closed_at: float | None = None
+    rejected_calls: int = 0
+    """Calls that arrived with this session's key after it was revoked."""
+
+
+class Rollout(BaseModel):
+    """One agent run on one task: its trace, its reward and its terminal status."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    group_id: int
+    task_id: str
+    harness: str
+    status: RolloutStatus
+    reward: float | None = None
+    """Scalar reward; None when the rollout could not be scored (excluded from baselines)."""
+    reward_parts: dict[str, float] = Field(default_factory=dict)
+    error: str | None = None
+    trace: Trace
+    timings_s: dict[str, float] = Field(default_factory=dict)
+    """Wall seconds per phase: sandbox, agent, verify, total."""
+    final_answer: str | None = None
+    """What the agent submitted / its last assistant text, when known."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Group(BaseModel):
+    """G rollouts of the same task; `group_id` is also the seed that picked the task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_id: int
+    task_id: str
+    rollouts: list[Rollout]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One training row (a packed unit of one rollout's tokens).
+
+    Shapes: every per-token field has length T = len(input_ids).
+    `sampler_logprobs[t]` is 0.0 and `policy_versions[t]` is -1 where `completion_mask[t]` is 0.
+    The logprob at index t is that of `input_ids[t]` given `input_ids[:t]`.
+    """
+
+    input_ids: tuple[int, ...]
+    completion_mask: tuple[int, ...]
+    sampler_logprobs: tuple[float, ...]
+    policy_versions: tuple[int, ...]
+    rollout_id: str
+    group_id: int
+    advantage: float = 0.0
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(self.completion_mask)
+
+
+def check_turn_faithful(turn: Turn) -> str | None:
+    """Return why `turn` violates token faithfulness, or None when it holds.
+
+    Checks (DESIGN.md §3.1): non-empty prompt ids; `len(completion_ids) ==
+    len(completion_logprobs)`; `usage.completion_tokens` (when reported) equals that length;
+    every logprob finite and <= 0; every id a non-negative int.
+    """
+    if not turn.prompt_ids:
+        return "prompt_ids is empty"
+    n_ids, n_lps = len(turn.completion_ids), len(turn.completion_logprobs)
+    if n_ids != n_lps:
+        return f"len(completion_ids)={n_ids} != len(completion_logprobs)={n_lps}"
+    reported = turn.usage.get("completion_tokens")
+    if reported is not None and reported != n_ids:
+        return f"usage.completion_tokens={reported} != len(completion_ids)={n_ids}"
+    for i, lp in enumerate(turn.completion_logprobs):
+        if not math.isfinite(lp) or lp > 0.0:
+            return f"completion_logprobs[{i}]={lp!r} is not a finite value <= 0"
+    for i, tok in enumerate([*turn.prompt_ids, *turn.completion_ids]):
+        if tok < 0:
+            return f"token id {tok} at position {i} is negative"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where an agent reaches the proxy for one rollout."""
+
+    base_url: str
+    """OpenAI-style base URL ending in `/v1`, e.g. `http://127.0.0.1:8000/v1`."""
+    api_key: str
+    """The rollout's unguessable session key."""
+    model: str
+    """Model name the agent should request."""
+    keyed_base_url: str = ""
+    """Base URL carrying the key as a path prefix (`/r/<key>/v1`) for agents that cannot set keys."""
+    extra: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,38 @@
+"""Shared fixtures: the tiny random Llama with the real SmolLM2 tokenizer, offline hub, one torch thread."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """A cached 2-layer random Llama with the SmolLM2 tokenizer (built once per machine)."""
+    from harnessrl.engine.model_store import TINY_MODEL, resolve_model
+
+    return resolve_model(TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    from harnessrl.engine.model_store import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    """Tests share 2 cores with the engine thread; keep torch to one intra-op thread."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return
+    torch.set_num_threads(1)
