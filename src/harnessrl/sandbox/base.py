@@ -72,6 +72,11 @@ class Sandbox(Protocol):
         """Write a file relative to `workdir`, creating parents."""
         ...
 
+    async def kill_processes(self) -> int:
+        """Kill every process started in the sandbox (and any that escaped into new sessions),
+        keeping the directory; returns how many were killed. Called before verification."""
+        ...
+
     async def close(self) -> None:
         """Kill every process of the sandbox and remove its directory; idempotent."""
         ...

@@ -1,0 +1,127 @@
+"""Keeps groups of rollouts in flight and hands completed groups to the consumer.
+
+Responsibility: dispatch groups (G rollouts of the task chosen by the seed `group_id`) under a
+concurrency limit on rollouts and a budget of groups the consumer has allowed, and deliver each
+group when all of its rollouts have finished.
+
+Staleness (DESIGN.md §1, §6): the consumer (the trainer) grants `allow(n)` group tickets. It grants
+`(max_staleness + 1) * groups_per_step` at start and `groups_per_step` after each optimizer step,
+so a group dispatched while the policy is at version v is consumed, in dispatch order, no later
+than step v + max_staleness. With `max_staleness = 0` this is the synchronous loop: rollouts for
+step k start only after the weights of step k-1 are on the engine. Groups that finish out of
+order can still be staler; the trainer measures staleness per turn and drops what is too old.
+
+Invariants: group ids are consecutive from `first_group_id` (the data position for resume);
+all G rollouts of a group share `group_id` and its task; `close()` cancels everything in flight
+and returns only after every rollout released its resources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from harnessrl.harness.base import Harness
+from harnessrl.rewards.base import Verifier
+from harnessrl.rollout.runner import RolloutLimits, SessionHost, run_rollout
+from harnessrl.sandbox.base import SandboxBackend
+from harnessrl.tasks.base import Task, TaskSource
+from harnessrl.types import Group
+
+log = logging.getLogger(__name__)
+
+
+class Orchestrator:
+    """Runs groups of rollouts concurrently; `get_group()` returns them as they complete."""
+
+    def __init__(
+        self,
+        tasks: TaskSource,
+        harness: Harness,
+        backend: SandboxBackend,
+        sessions: SessionHost,
+        verifier_for: Callable[[Task], Verifier],
+        *,
+        group_size: int,
+        max_concurrent_rollouts: int,
+        limits: RolloutLimits,
+        first_group_id: int = 0,
+    ) -> None:
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if max_concurrent_rollouts < 1:
+            raise ValueError(f"max_concurrent_rollouts must be >= 1, got {max_concurrent_rollouts}")
+        self._tasks_source = tasks
+        self._harness = harness
+        self._backend = backend
+        self._sessions = sessions
+        self._verifier_for = verifier_for
+        self._group_size = group_size
+        self._limits = limits
+        self._rollout_slots = asyncio.Semaphore(max_concurrent_rollouts)
+        self._tickets = asyncio.Semaphore(0)
+        self._done: asyncio.Queue[Group] = asyncio.Queue()
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self.next_group_id = first_group_id
+        """Group id (= task seed) of the next group to dispatch: the data position."""
+        self.rollouts_started = 0
+        self.rollouts_finished = 0
+
+    def allow(self, n_groups: int) -> None:
+        """Let `n_groups` more groups be dispatched."""
+        for _ in range(n_groups):
+            self._tickets.release()
+
+    def start(self) -> None:
+        if self._dispatcher is None:
+            self._dispatcher = asyncio.create_task(self._dispatch(), name="orchestrator-dispatch")
+
+    async def get_group(self) -> Group:
+        """Wait for the next completed group (in completion order)."""
+        if self._dispatcher is not None and self._dispatcher.done():
+            self._dispatcher.result()  # re-raise a dispatcher failure instead of hanging
+        return await self._done.get()
+
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def close(self) -> None:
+        """Stop dispatching, cancel in-flight rollouts and wait until each released its resources."""
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+        for task in list(self._in_flight):
+            task.cancel()
+        await asyncio.gather(*self._in_flight, return_exceptions=True)
+        self._in_flight.clear()
+
+    async def _dispatch(self) -> None:
+        while True:
+            await self._tickets.acquire()
+            group_id = self.next_group_id
+            self.next_group_id += 1
+            task = asyncio.create_task(self._run_group(group_id), name=f"group-{group_id}")
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+    async def _run_group(self, group_id: int) -> None:
+        task = self._tasks_source.get(group_id)
+        verifier = self._verifier_for(task)
+        rollouts = await asyncio.gather(
+            *(self._run_one(task, group_id, verifier) for _ in range(self._group_size))
+        )
+        await self._done.put(Group(group_id=group_id, task_id=task.task_id, rollouts=list(rollouts)))
+
+    async def _run_one(self, task: Task, group_id: int, verifier: Verifier):  # noqa: ANN202
+        async with self._rollout_slots:
+            self.rollouts_started += 1
+            rollout = await run_rollout(
+                task, group_id, self._harness, self._backend, self._sessions, verifier, self._limits
+            )
+            self.rollouts_finished += 1
+            log.debug("rollout %s of group %d: %s reward=%s", rollout.rollout_id, group_id,
+                      rollout.status, rollout.reward)
+            return rollout

@@ -1,0 +1,200 @@
+"""One rollout, top to bottom: sandbox → proxy session → agent → kill → revoke → verify → release.
+
+Responsibility: run one agent on one task and return a `Rollout` with exactly one terminal
+status, its trace, its reward and its timings. `run_rollout` never raises for agent, sandbox or
+verifier faults (a bad rollout is data, DESIGN.md §3.4); it re-raises only cancellation, after
+releasing everything.
+
+Invariants (DESIGN.md §3.3, §3.5):
+  * every resource taken is released in `finally`: processes, the sandbox directory, the proxy
+    key; teardown is shielded from cancellation;
+  * the agent's processes are dead and its key revoked before the verifier runs; hidden tests
+    enter the sandbox only inside the verifier;
+  * status precedence: infra_error > verifier_error > timeout > agent_error > ok. Timed-out and
+    failed agents are still verified, so their reward is known (usually 0).
+
+What it does not do: choose tasks, group rollouts or bound staleness (`orchestrator.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from harnessrl.harness.base import Harness, HarnessResult
+from harnessrl.rewards.base import Reward, Verifier
+from harnessrl.sandbox.base import Sandbox, SandboxBackend
+from harnessrl.tasks.base import Task
+from harnessrl.types import Endpoint, Rollout, RolloutStatus, Trace
+
+log = logging.getLogger(__name__)
+
+
+class SessionHost(Protocol):
+    """What the runner needs from the proxy (or the white-box recorder): keyed sessions."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    def open_session(self, rollout_id: str) -> tuple[str, str]:
+        """Open a session; returns `(session_id, key)`."""
+        ...
+
+    def close_session(self, session_id: str) -> Trace:
+        """Revoke the session's key and return its final trace."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutLimits:
+    agent_timeout_s: float = 300.0
+    """Wall-clock limit of the agent phase."""
+    verify_timeout_s: float = 120.0
+    """Wall-clock limit of the verifier (beyond its own per-test limits)."""
+
+
+async def run_rollout(
+    task: Task,
+    group_id: int,
+    harness: Harness,
+    backend: SandboxBackend,
+    sessions: SessionHost,
+    verifier: Verifier,
+    limits: RolloutLimits = RolloutLimits(),
+    rollout_id: str | None = None,
+) -> Rollout:
+    """Run `harness` on `task` in a fresh sandbox and score it.
+
+    Returns a `Rollout` whatever the agent, sandbox or verifier did. Raises only
+    `asyncio.CancelledError` (after releasing every resource).
+    """
+    rollout_id = rollout_id or uuid.uuid4().hex[:16]
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    sandbox: Sandbox | None = None
+    session_id: str | None = None
+    trace: Trace | None = None
+    result: HarnessResult | None = None
+    reward: Reward | None = None
+    status: RolloutStatus = "ok"
+    error: str | None = None
+    try:
+        # 1) sandbox with a fresh copy of the task's workspace
+        try:
+            sandbox = await backend.create(rollout_id, dict(task.workspace))
+        except Exception as exc:  # noqa: BLE001 - a failed sandbox is this rollout's data
+            status, error = "infra_error", f"sandbox create failed: {_describe(exc)}"
+            return _finish(task, group_id, harness, rollout_id, status, error, None, None, None, timings, t0)
+        timings["sandbox_s"] = time.monotonic() - t0
+
+        # 2) a keyed proxy session; the key is the agent's API key
+        session_id, key = sessions.open_session(rollout_id)
+        endpoint = Endpoint(
+            base_url=sessions.base_url,
+            api_key=key,
+            model=sessions.model_name,
+            keyed_base_url=sessions.base_url.replace("/v1", f"/r/{key}/v1", 1),
+        )
+
+        # 3) the agent runs its own loop until it exits or times out
+        t_agent = time.monotonic()
+        try:
+            result = await harness.run(task, sandbox, endpoint, limits.agent_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a harness fault is this rollout's data
+            status, error = "infra_error", f"harness {harness.name} raised: {_describe(exc)}"
+        timings["agent_s"] = time.monotonic() - t_agent
+
+        # 4) every agent process dead, 5) key revoked, before the hidden tests come in
+        await sandbox.kill_processes()
+        trace = sessions.close_session(session_id)
+        session_id = None
+        if result is not None:
+            if result.timed_out:
+                status, error = "timeout", f"agent exceeded {limits.agent_timeout_s:.0f} s"
+            elif result.error is not None:
+                status, error = "agent_error", result.error
+
+        # 6) verify (also after a timeout or an agent error: the workspace is still scored)
+        if status != "infra_error":
+            t_verify = time.monotonic()
+            reward = await _verify(verifier, task, sandbox, result, limits.verify_timeout_s)
+            timings["verify_s"] = time.monotonic() - t_verify
+            if reward.error is not None:
+                status, error = "verifier_error", reward.error
+        return _finish(task, group_id, harness, rollout_id, status, error, trace, result, reward, timings, t0)
+    finally:
+        # 7) release everything, even under cancellation
+        await asyncio.shield(_release(sessions, session_id, sandbox))
+
+
+async def _verify(
+    verifier: Verifier, task: Task, sandbox: Sandbox, result: HarnessResult | None, timeout_s: float
+) -> Reward:
+    answer = result.final_answer if result is not None else None
+    try:
+        return await asyncio.wait_for(verifier.score(task, sandbox, answer), timeout_s)
+    except asyncio.TimeoutError:
+        return Reward(value=None, error=f"verifier exceeded {timeout_s:.0f} s")
+    except Exception as exc:  # noqa: BLE001 - a verifier crash is this rollout's data
+        return Reward(value=None, error=f"verifier crashed: {_describe(exc)}")
+
+
+async def _release(sessions: SessionHost, session_id: str | None, sandbox: Sandbox | None) -> None:
+    if session_id is not None:
+        try:
+            sessions.close_session(session_id)
+        except Exception:  # noqa: BLE001 - teardown must go on
+            log.exception("closing proxy session %s failed", session_id)
+    if sandbox is not None:
+        try:
+            await sandbox.close()
+        except Exception:  # noqa: BLE001 - teardown must go on
+            log.exception("closing sandbox failed")
+
+
+def _finish(
+    task: Task,
+    group_id: int,
+    harness: Harness,
+    rollout_id: str,
+    status: RolloutStatus,
+    error: str | None,
+    trace: Trace | None,
+    result: HarnessResult | None,
+    reward: Reward | None,
+    timings: dict[str, float],
+    t0: float,
+) -> Rollout:
+    timings["total_s"] = time.monotonic() - t0
+    scored = reward is not None and reward.error is None and status != "infra_error"
+    return Rollout(
+        rollout_id=rollout_id,
+        group_id=group_id,
+        task_id=task.task_id,
+        harness=harness.name,
+        status=status,
+        reward=reward.value if scored and reward is not None else None,
+        reward_parts=dict(reward.parts) if reward is not None else {},
+        error=error,
+        trace=trace or Trace(session_id="", rollout_id=rollout_id),
+        timings_s=timings,
+        final_answer=result.final_answer if result is not None else None,
+        metadata={
+            "exit_code": result.exit_code if result is not None else None,
+            "log_tail": (result.log_tail[-2000:] if result is not None else ""),
+        },
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
