@@ -1,0 +1,426 @@
+"""The local sandbox: one directory and one set of process groups per rollout on this machine.
+
+Responsibility: implement the `Sandbox` seam with subprocesses, rlimits and, when installed,
+bubblewrap (`sandbox/bwrap.py` says exactly what bubblewrap isolates).
+
+Layout of a sandbox `<root_dir>/<sandbox_id>/`: `work/` (the workdir: a fresh copy of the
+task's workspace, written file by file from the task's texts, never linked), `home/` (HOME,
+with the XDG config/cache/data/state dirs inside), `tmp/` (TMPDIR), `run/` (XDG_RUNTIME_DIR).
+
+Every command (exec or spawn):
+  * starts a new session (`start_new_session=True`), so its pid is its process group id;
+    the sandbox records every such group;
+  * gets an environment built from scratch: PATH, LANG, HOME, TMPDIR, XDG_*, the markers
+    `HARNESSRL_SANDBOX_ID` / `HARNESSRL_SANDBOX_DIR`, then what the caller passes. Nothing of
+    the parent's environment (API keys, proxy URLs) is inherited;
+  * gets rlimits from `SandboxConfig` (CPU seconds, address space, file size, processes);
+  * runs under bubblewrap when `use_bwrap` is True, or None and a working `bwrap` is found.
+
+`close()` kills every process of the sandbox (its groups, and stragglers found by marker or
+working directory, see `sandbox/procs.py`: SIGTERM, grace, SIGKILL), removes the directory,
+is idempotent, and runs to completion even when the task awaiting it is cancelled.
+
+What is NOT isolated without bubblewrap: the filesystem (commands run as our user, root, and
+can read and write anything the host lets root touch; only the file API `read_file` /
+`write_file` refuses paths outside the workdir), the network, other processes (they can see
+and signal them), and /tmp. RLIMIT_NPROC counts processes per real user and is ignored by the
+kernel for root, so `max_processes` has no effect when we run as root. A process that clears
+its environment, leaves the sandbox directory and its process group escapes `close()`
+without bubblewrap (with it, the PID namespace ends it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import resource
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harnessrl.errors import SandboxError
+from harnessrl.sandbox.base import ExecResult
+from harnessrl.sandbox.bwrap import DEFAULT_SYSTEM_PATHS, bwrap_argv, bwrap_path
+from harnessrl.sandbox.procs import (
+    DIR_VAR,
+    MARKER_VAR,
+    find_processes,
+    kill_sandbox_processes,
+    leftover_processes,
+)
+
+__all__ = [
+    "LocalSandbox",
+    "LocalSandboxBackend",
+    "SandboxConfig",
+    "leftover_processes",
+    "leftover_sandboxes",
+]
+
+TRUNCATION_MARKER = "\n[harnessrl: output truncated, {dropped} more bytes]\n"
+"""Appended to captured output that hit the cap."""
+_XDG = {
+    "XDG_CONFIG_HOME": "home/.config",
+    "XDG_CACHE_HOME": "home/.cache",
+    "XDG_DATA_HOME": "home/.local/share",
+    "XDG_STATE_HOME": "home/.local/state",
+    "XDG_RUNTIME_DIR": "run",
+}
+
+
+def default_root_dir() -> Path:
+    """`$TMPDIR/harnessrl-sandboxes` (the system temp dir when TMPDIR is unset)."""
+    return Path(tempfile.gettempdir()) / "harnessrl-sandboxes"
+
+
+class SandboxConfig(BaseModel):
+    """Limits and placement of local sandboxes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root_dir: Path = Field(default_factory=default_root_dir)
+    """Directory holding one subdirectory per sandbox."""
+    use_bwrap: bool | None = None
+    """Run commands under bubblewrap: True requires it, False never, None when it works here."""
+    cpu_s: int | None = Field(default=600, ge=1)
+    """RLIMIT_CPU per process, CPU seconds (SIGXCPU, then SIGKILL); None = unlimited."""
+    address_space_bytes: int | None = Field(default=8 << 30, ge=1 << 20)
+    """RLIMIT_AS of `exec` commands, bytes; None = unlimited."""
+    spawn_address_space_bytes: int | None = Field(default=None, ge=1 << 20)
+    """RLIMIT_AS of spawned agents, bytes. None by default: Node/Bun agents reserve tens of GiB
+    of virtual address space. Their children inherit it."""
+    file_size_bytes: int | None = Field(default=1 << 30, ge=1)
+    """RLIMIT_FSIZE per process, bytes (a write past it fails with EFBIG / SIGXFSZ)."""
+    max_processes: int | None = Field(default=None, ge=1)
+    """RLIMIT_NPROC. Counts all processes of the real user and is ignored for root, so it only
+    acts when running unprivileged; None = unchanged."""
+    output_cap_bytes: int = Field(default=1 << 20, ge=1)
+    """Captured bytes kept of each of stdout and stderr of `exec`; the rest is counted, dropped."""
+    kill_grace_s: float = Field(default=0.5, ge=0.0)
+    """Seconds between SIGTERM and SIGKILL at `close()`."""
+    pipe_grace_s: float = Field(default=0.2, ge=0.0)
+    """After an exec'd command exits, seconds to wait for background children holding its
+    output pipes before returning without their output."""
+    path: str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    """PATH of sandboxed commands unless the caller's env sets one."""
+    system_paths: tuple[str, ...] = DEFAULT_SYSTEM_PATHS
+    """Host paths bound read-only under bubblewrap."""
+    bind_python: bool = True
+    """Under bubblewrap, also bind this interpreter's `sys.prefix` and `sys.base_prefix`
+    read-only (so agents installed in our virtual environment run)."""
+
+
+def _rlimit_setter(limits: dict[int, int]) -> Callable[[], None]:
+    def apply() -> None:
+        for which, value in limits.items():
+            resource.setrlimit(which, (value, value))
+
+    return apply
+
+
+def _resolve_inside(base: Path, rel_path: str | Path) -> Path:
+    """`base / rel_path` with symlinks resolved; raises SandboxError when it leaves `base`."""
+    candidate = (base / rel_path).resolve()
+    if not candidate.is_relative_to(base):
+        raise SandboxError(f"path {str(rel_path)!r} escapes the sandbox directory {base}")
+    return candidate
+
+
+async def _drain(stream: asyncio.StreamReader, cap_bytes: int) -> tuple[bytearray, int]:
+    """Read `stream` to EOF, keeping the first `cap_bytes`; returns (kept, dropped count)."""
+    kept = bytearray()
+    dropped = 0
+    while chunk := await stream.read(1 << 16):
+        room = cap_bytes - len(kept)
+        kept += chunk[:room]
+        dropped += max(0, len(chunk) - room)
+    return kept, dropped
+
+
+def _decode(kept: bytearray, dropped: int) -> str:
+    text = kept.decode("utf-8", errors="replace")
+    return text + TRUNCATION_MARKER.format(dropped=dropped) if dropped else text
+
+
+class LocalSandbox:
+    """One rollout's directory and processes on this machine. Create via `LocalSandboxBackend`."""
+
+    def __init__(
+        self, sandbox_id: str, root: Path, config: SandboxConfig, bwrap: str | None,
+        ro_binds: Sequence[Path],
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self._root = root
+        self._config = config
+        self._bwrap = bwrap
+        self._ro_binds = tuple(ro_binds)
+        self._pgids: set[int] = set()
+        self._spawned: list[asyncio.subprocess.Process] = []
+        self._close_task: asyncio.Task[None] | None = None
+        self.closed = False
+        """True once `close()` started; no command can start after that."""
+
+    @property
+    def root(self) -> Path:
+        """The sandbox directory (parent of workdir, home, tmp)."""
+        return self._root
+
+    @property
+    def workdir(self) -> Path:
+        return self._root / "work"
+
+    @property
+    def home(self) -> Path:
+        return self._root / "home"
+
+    @property
+    def uses_bwrap(self) -> bool:
+        return self._bwrap is not None
+
+    def base_env(self) -> dict[str, str]:
+        """The environment every command starts from (before the caller's additions)."""
+        env = {
+            "PATH": self._config.path,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "HOME": str(self.home),
+            "TMPDIR": str(self._root / "tmp"),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        env.update({k: str(self._root / v) for k, v in _XDG.items()})
+        return env
+
+    def _env(self, extra: dict[str, str] | None) -> dict[str, str]:
+        env = self.base_env()
+        env.update(extra or {})
+        # The markers are set last: a caller cannot remove them (leak detection relies on them).
+        env[MARKER_VAR] = self.sandbox_id
+        env[DIR_VAR] = str(self._root)
+        return env
+
+    def _argv(self, argv: Sequence[str], cwd: Path) -> list[str]:
+        if self._bwrap is None:
+            return list(argv)
+        ro = list(self._ro_binds)
+        if self._config.bind_python:
+            import sys
+
+            ro += [Path(p) for p in {sys.prefix, sys.base_prefix}]
+        return bwrap_argv(
+            self._bwrap, argv, sandbox_dir=self._root, sandbox_root=self._root.parent,
+            cwd=cwd, ro_binds=ro, system_paths=self._config.system_paths,
+        )
+
+    def _limits(self, address_space_bytes: int | None) -> dict[int, int]:
+        cfg = self._config
+        limits = {
+            resource.RLIMIT_CPU: cfg.cpu_s,
+            resource.RLIMIT_AS: address_space_bytes,
+            resource.RLIMIT_FSIZE: cfg.file_size_bytes,
+            resource.RLIMIT_NPROC: cfg.max_processes,
+        }
+        return {k: v for k, v in limits.items() if v is not None}
+
+    async def _start(
+        self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
+        address_space_bytes: int | None, stdout: int, stderr: int,
+    ) -> asyncio.subprocess.Process:
+        if self.closed:
+            raise SandboxError(f"sandbox {self.sandbox_id} is closed; cannot run {argv[0]!r}")
+        run_dir = _resolve_inside(self._root, cwd) if cwd is not None else self.workdir
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv(argv, run_dir), cwd=run_dir, env=self._env(env),
+                stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                start_new_session=True, preexec_fn=_rlimit_setter(self._limits(address_space_bytes)),
+            )
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise SandboxError(f"sandbox {self.sandbox_id} cannot start {argv[0]!r}: {e}") from e
+        self._pgids.add(proc.pid)
+        return proc
+
+    async def exec(
+        self, cmd: str | list[str], timeout_s: float, env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> ExecResult:
+        """Run `cmd` (a string runs under `bash -c`) for at most `timeout_s` wall seconds.
+
+        At the timeout (or when the awaiting task is cancelled) the command's whole process
+        group gets SIGKILL. stdout and stderr keep `output_cap_bytes` each, then a marker.
+        A missing executable comes back as returncode 127, like a shell's.
+        """
+        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else cmd
+        started = time.monotonic()
+        try:
+            proc = await self._start(
+                argv, env, cwd, self._config.address_space_bytes, asyncio.subprocess.PIPE,
+                asyncio.subprocess.PIPE,
+            )
+        except FileNotFoundError as e:
+            return ExecResult(127, "", f"{argv[0]}: {e}", False, time.monotonic() - started)
+        assert proc.stdout is not None and proc.stderr is not None, "exec pipes were requested"
+        cap = self._config.output_cap_bytes
+        readers = [asyncio.ensure_future(_drain(s, cap)) for s in (proc.stdout, proc.stderr)]
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+            # Background children may keep the pipes open; give them a moment, not forever.
+            await asyncio.wait(readers, timeout=self._config.pipe_grace_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            _kill_group(proc.pid)
+            await proc.wait()
+            await asyncio.wait(readers, timeout=self._config.pipe_grace_s)
+        except BaseException:
+            # Cancelled: kill the group now; close() reaps and scans for stragglers.
+            _kill_group(proc.pid)
+            for reader in readers:
+                reader.cancel()
+            raise
+        outputs = []
+        for reader in readers:
+            if reader.done():
+                outputs.append(_decode(*reader.result()))
+            else:
+                reader.cancel()
+                outputs.append("")
+        assert proc.returncode is not None, "the command was waited for"
+        return ExecResult(
+            proc.returncode, outputs[0], outputs[1], timed_out, time.monotonic() - started
+        )
+
+    async def spawn(
+        self, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
+        log_path: Path | None = None,
+    ) -> asyncio.subprocess.Process:
+        """Start a background process (an agent) in its own process group, stdin closed,
+        stdout and stderr appended to `log_path` (discarded when None).
+
+        Raises `SandboxError` when the sandbox is closed or the process cannot start
+        (FileNotFoundError when `argv[0]` does not exist without bubblewrap).
+        """
+        log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+        out = log.fileno() if log is not None else asyncio.subprocess.DEVNULL
+        try:
+            proc = await self._start(
+                argv, env, cwd, self._config.spawn_address_space_bytes, out, asyncio.subprocess.STDOUT
+            )
+        finally:
+            if log is not None:
+                log.close()
+        self._spawned.append(proc)
+        return proc
+
+    def read_file(self, rel_path: str) -> bytes:
+        """Bytes of `rel_path` under workdir. Raises FileNotFoundError, or SandboxError when the
+        path (after symlinks) leaves the workdir."""
+        return _resolve_inside(self.workdir.resolve(), rel_path).read_bytes()
+
+    def write_file(self, rel_path: str, data: str | bytes) -> None:
+        """Write `rel_path` under workdir, creating parents. Raises SandboxError when the path
+        (after symlinks) leaves the workdir."""
+        target = _resolve_inside(self.workdir.resolve(), rel_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data.encode() if isinstance(data, str) else data)
+
+    def list_processes(self) -> list[int]:
+        """Pids alive in this sandbox (its groups, its marker, or a cwd inside its directory)."""
+        return find_processes(self.sandbox_id, self._root, self._pgids)
+
+    async def close(self) -> None:
+        """Kill every process, remove the directory; idempotent and shielded from cancellation
+        (a cancelled caller gets CancelledError while the teardown still completes)."""
+        self.closed = True
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._teardown())
+        await asyncio.shield(self._close_task)
+
+    async def kill_processes(self) -> int:
+        """Kill every process of the sandbox (its groups and stragglers), keep the directory.
+
+        Returns how many live processes were found. Raises SandboxError when some survive
+        SIGKILL. Called before verification, so hidden tests never meet a live agent process.
+        """
+        if not self._pgids:
+            return 0
+        found, survivors = await asyncio.to_thread(
+            kill_sandbox_processes, self.sandbox_id, self._root, self._pgids,
+            self._config.kill_grace_s,
+        )
+        for proc in self._spawned:
+            if proc.pid not in survivors:
+                await proc.wait()
+        if survivors:
+            raise SandboxError(f"sandbox {self.sandbox_id}: pids {survivors} survived SIGKILL")
+        return found
+
+    async def _teardown(self) -> None:
+        try:
+            await self.kill_processes()
+        finally:
+            await asyncio.to_thread(shutil.rmtree, self._root, ignore_errors=True)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class LocalSandboxBackend:
+    """Creates `LocalSandbox`es under `config.root_dir`.
+
+    Args:
+        config: limits and placement; defaults to `SandboxConfig()`.
+        ro_binds: paths bound read-only into every sandbox under bubblewrap (agent install
+            trees); ignored without bubblewrap, where the whole filesystem is visible.
+
+    Raises `SandboxError` when `use_bwrap=True` and no working bwrap is installed.
+    """
+
+    def __init__(self, config: SandboxConfig | None = None, ro_binds: Sequence[Path] = ()) -> None:
+        self.config = config or SandboxConfig()
+        self.ro_binds = tuple(Path(p).resolve() for p in ro_binds)
+        found = bwrap_path() if self.config.use_bwrap is not False else None
+        if self.config.use_bwrap is True and found is None:
+            raise SandboxError("use_bwrap=True but no working `bwrap` (apt-get install bubblewrap)")
+        self.bwrap = found
+
+    async def create(self, rollout_id: str, workspace: dict[str, str]) -> LocalSandbox:
+        """A new sandbox whose workdir holds a fresh copy of `workspace` (path -> text).
+
+        Raises SandboxError when a workspace path is absolute or escapes the workdir.
+        """
+        sandbox_id = f"{_UNSAFE.sub('_', rollout_id)[:64]}-{secrets.token_hex(4)}"
+        root = self.config.root_dir.resolve() / sandbox_id
+        try:
+            root.mkdir(parents=True)
+            for sub in ("work", "home", "tmp", *_XDG.values()):
+                (root / sub).mkdir(parents=True, exist_ok=True)
+            (root / "run").chmod(0o700)
+            sandbox = LocalSandbox(sandbox_id, root, self.config, self.bwrap, self.ro_binds)
+            for rel_path, text in workspace.items():
+                if Path(rel_path).is_absolute():
+                    raise SandboxError(f"workspace path {rel_path!r} is absolute")
+                sandbox.write_file(rel_path, text)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        return sandbox
+
+
+def leftover_sandboxes(root: Path) -> list[Path]:
+    """Sandbox directories still present under `root` (empty after every sandbox closed)."""
+    return sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
