@@ -36,3 +36,19 @@ class HarnessInstallError(HarnessRLError):
 
 class TaskError(HarnessRLError):
     """A task source is malformed; the message names the file, line and field."""
+
+
+class RequestError(HarnessRLError):
+    """A request from an agent is malformed or asks for something we cannot honour.
+
+    `param` names the offending field (`messages[3].content`, `n`, ...); the proxy answers
+    it with a 4xx status (`status_code`) and an OpenAI-style error body. Never a 5xx.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_request",
+                 status_code: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status_code = status_code

@@ -1,0 +1,371 @@
+"""The chat layer: the one place where messages + tools render to prompt ids and completion
+ids parse back to an assistant message (DESIGN.md §2, "chat layer").
+
+Rendering uses the model's own chat template (`tokenizer.apply_chat_template`, text mode,
+`add_generation_prompt=True`), then tokenises the text once with `add_special_tokens=False`
+(the template already writes every special token it wants). Conventions, all documented here
+because they decide which tokens the model sees:
+
+* Content may be a string, null, or a list of text parts `[{"type": "text", "text": ...}]`;
+  text parts are joined with "\\n" (as vLLM does). Other part types are rejected.
+* Role `developer` is rendered as `system`.
+* Tool calls use the hermes convention: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+  </tool_call>`. When the template supports tools (its source mentions `tools`), tools and
+  replayed tool calls are handed to the template. Otherwise (SmolLM2's template):
+    - the tool list is described in the system prompt (`TOOL_SYSTEM_PROMPT`, the hermes /
+      Qwen2.5 wording), appended to the first system message or inserted as one;
+    - a replayed assistant message renders as its text, then "\\n", then one hermes block per
+      call (`tool_calls: []` changes nothing: the text is kept);
+    - `tool` messages render as a `user` message holding `<tool_response>\\n...\\n
+      </tool_response>`; consecutive tool messages share one user message (Qwen2.5 form).
+* `reasoning_content` replayed by an agent is passed to the template when the template
+  mentions `reasoning_content`; otherwise it is dropped, as such templates define no place
+  for it (the model never saw it as text).
+
+Parsing decodes the completion without its trailing EOS id and without special tokens. A
+leading `<think>...</think>` block becomes `reasoning`. When the request had tools, every
+`<tool_call>` block holding a JSON object with a string `name` becomes a `ToolCall`
+(arguments re-serialised as a JSON string); blocks that fail to parse stay in the text.
+
+What this module deliberately does not do: talk HTTP, sample, or build training rows. The
+ids it renders are handed to the engine, which reports the ids it consumed; those are what
+get recorded, never a re-render (DESIGN.md §9).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from harnessrl.errors import RequestError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+TOOL_SYSTEM_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+"""Tool description added to the system prompt for templates without tool support."""
+
+_MESSAGE_KEYS = frozenset(
+    {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning",
+     "refusal", "annotations", "cache_control"}
+)
+"""Accepted message keys; `refusal`, `annotations`, `cache_control` are ignored (they do not
+change what the model sees)."""
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    """`call_<hex>` for parsed calls; whatever the agent sent for replayed ones."""
+    name: str
+    arguments: str
+    """The arguments as a JSON string (OpenAI wire form)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One validated chat message (roles normalised: `developer` -> `system`)."""
+
+    role: Role
+    content: str
+    """Text content; "" when the agent sent null or nothing."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
+    """Replayed `reasoning_content`, if any."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedAssistant:
+    content: str | None
+    """Assistant text; None when the reply is only tool calls."""
+    tool_calls: list[ToolCall]
+    reasoning: str | None
+
+
+def normalize_messages(raw: object) -> list[Message]:
+    """Validate OpenAI chat `messages` and convert them to `Message` records.
+
+    Raises:
+        RequestError: with `param` naming the offending field, e.g. `messages[3].content`.
+    """
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("'messages' must be a non-empty array", param="messages")
+    return [_normalize_message(i, m) for i, m in enumerate(raw)]
+
+
+def _normalize_message(i: int, m: object) -> Message:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise RequestError(f"{where} must be an object", param=where)
+    unknown = [k for k in m if k not in _MESSAGE_KEYS]
+    if unknown:
+        raise RequestError(f"unsupported field {where}.{unknown[0]}", param=f"{where}.{unknown[0]}")
+    role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise RequestError(f"{where}.role={m.get('role')!r} is not one of {sorted(_ROLES)}",
+                           param=f"{where}.role")
+    raw_calls = m.get("tool_calls")
+    if raw_calls is not None and role != "assistant" and raw_calls != []:
+        raise RequestError(f"{where}.tool_calls is only allowed on assistant messages",
+                           param=f"{where}.tool_calls")
+    content = _content_text(m.get("content"), f"{where}.content", nullable=role == "assistant")
+    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise RequestError(f"{where}.reasoning_content must be a string", param=f"{where}.reasoning_content")
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise RequestError(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return Message(
+        role=role,  # type: ignore[arg-type]
+        content=content,
+        tool_calls=_normalize_tool_calls(raw_calls, f"{where}.tool_calls"),
+        tool_call_id=m.get("tool_call_id"),
+        name=m.get("name"),
+        reasoning=reasoning or None,
+    )
+
+
+def _content_text(content: object, where: str, *, nullable: bool) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if nullable:
+            return ""
+        raise RequestError(f"{where} must not be null for this role", param=where)
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or an array of text parts", param=where)
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{where}[{j}].type={kind!r} is not supported (text parts only)",
+                               param=f"{where}[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _normalize_tool_calls(raw: object, where: str) -> tuple[ToolCall, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise RequestError(f"{where} must be an array", param=where)
+    calls: list[ToolCall] = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"{where}[{j}].function.name must be a string", param=f"{where}[{j}].function.name")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        if not isinstance(args, str):
+            raise RequestError(f"{where}[{j}].function.arguments must be a JSON string",
+                               param=f"{where}[{j}].function.arguments")
+        call_id = call.get("id")
+        calls.append(ToolCall(id=call_id if isinstance(call_id, str) else "", name=fn["name"], arguments=args))
+    return tuple(calls)
+
+
+def normalize_tools(raw: object) -> list[dict[str, Any]]:
+    """Validate OpenAI `tools` (function tools only); returns them unchanged.
+
+    Raises:
+        RequestError: `tools`, `tools[i].type` or `tools[i].function.name` is malformed.
+    """
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise RequestError("'tools' must be an array", param="tools")
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise RequestError(f"tools[{i}].type={kind!r} is not supported (function tools only)",
+                               param=f"tools[{i}].type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"tools[{i}].function.name must be a string", param=f"tools[{i}].function.name")
+    return raw
+
+
+def hermes_tool_call(call: ToolCall) -> str:
+    """One call in the hermes convention; arguments as a JSON object when they parse."""
+    try:
+        args: object = json.loads(call.arguments)
+    except ValueError:
+        args = call.arguments
+    return "<tool_call>\n" + json.dumps({"name": call.name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+
+
+class ChatLayer:
+    """Renders messages to prompt ids and parses completion ids, for one tokenizer.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        eos_token_ids: ids that end a completion (stripped before parsing); defaults to the
+            tokenizer's EOS id and `<|im_end|>` when the vocabulary has it.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        self.template_has_tools = "tools" in template
+        self.template_has_reasoning = "reasoning_content" in template
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _default_eos(tokenizer))
+
+    def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt ids for `messages` (+ `tools`), ending with the assistant generation prompt.
+
+        Raises:
+            RequestError: the chat template rejected the conversation (param `messages`).
+        """
+        return self._encode(self.render_text(messages, tools))
+
+    def render_text(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The prompt text `render` tokenises (see the module docstring for conventions)."""
+        dicts = self._template_messages(messages, tools or [])
+        try:
+            text = self.tokenizer.apply_chat_template(
+                dicts, tools=list(tools) if tools and self.template_has_tools else None,
+                tokenize=False, add_generation_prompt=True,
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja raises arbitrary types (TemplateError, TypeError)
+            raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        assert isinstance(text, str), f"apply_chat_template returned {type(text).__name__}"
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _template_messages(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            if self.template_has_tools:
+                out.append(self._native_message(m))
+            elif m.role == "tool":
+                block = "<tool_response>\n" + m.content + "\n</tool_response>"
+                if out and out[-1].get("_tool_responses"):
+                    out[-1]["content"] += "\n" + block
+                else:
+                    out.append({"role": "user", "content": block, "_tool_responses": True})
+            elif m.role == "assistant" and m.tool_calls:
+                blocks = "\n".join(hermes_tool_call(c) for c in m.tool_calls)
+                out.append(self._with_reasoning({"role": "assistant",
+                                                 "content": (m.content + "\n" if m.content else "") + blocks}, m))
+            else:
+                out.append(self._with_reasoning({"role": m.role, "content": m.content}, m))
+        for d in out:
+            d.pop("_tool_responses", None)
+        if tools and not self.template_has_tools:
+            described = TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            if out and out[0]["role"] == "system":
+                out[0]["content"] = out[0]["content"] + "\n\n" + described
+            else:
+                out.insert(0, {"role": "system", "content": described})
+        return out
+
+    def _native_message(self, m: Message) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_str(c.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        return self._with_reasoning(d, m)
+
+    def _with_reasoning(self, d: dict[str, Any], m: Message) -> dict[str, Any]:
+        if m.reasoning and self.template_has_reasoning:
+            d["reasoning_content"] = m.reasoning
+        return d
+
+    def parse(self, completion_ids: Sequence[int], has_tools: bool, *, call_id_seed: str = "") -> ParsedAssistant:
+        """Parse sampled ids into assistant text, tool calls (when `has_tools`) and reasoning.
+
+        Tool call ids are `call_<24 hex>` from blake2b(`call_id_seed:index`); pass a seed
+        unique per turn (the proxy uses `session_id:turn_index`). With no seed, the ids are
+        derived from the completion ids.
+        """
+        ids = list(completion_ids)
+        if ids and ids[-1] in self.eos_token_ids:
+            ids.pop()
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        reasoning = None
+        think = _THINK_RE.match(text)
+        if think:
+            reasoning, text = think.group(1).strip(), text[think.end():]
+        if not has_tools:
+            return ParsedAssistant(content=text, tool_calls=[], reasoning=reasoning)
+        seed = call_id_seed or hashlib.blake2b(repr(completion_ids).encode(), digest_size=8).hexdigest()
+        calls: list[ToolCall] = []
+        kept: list[str] = []
+        pos = 0
+        for match in _TOOL_CALL_RE.finditer(text):
+            call = _parse_hermes(match.group(1), _call_id(seed, len(calls)))
+            if call is None:
+                continue
+            kept.append(text[pos:match.start()])
+            pos = match.end()
+            calls.append(call)
+        kept.append(text[pos:])
+        content = "".join(kept).strip() if calls else text
+        return ParsedAssistant(content=content or (None if calls else ""), tool_calls=calls, reasoning=reasoning)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id decoded on its own (the `token` of OpenAI logprobs entries)."""
+        return self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+
+
+def _parse_hermes(body: str, call_id: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(id=call_id, name=obj["name"],
+                    arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _call_id(seed: str, index: int) -> str:
+    return "call_" + hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=12).hexdigest()
+
+
+def _json_or_str(arguments: str) -> object:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def _default_eos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        eos.append(int(tokenizer.eos_token_id))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end >= 0 and im_end != tokenizer.unk_token_id and im_end not in eos:
+        eos.append(im_end)
+    return eos

@@ -1,0 +1,238 @@
+"""The shared capture function: validate -> render -> sampling overrides -> engine -> parse ->
+record the Turn -> OpenAI chat-completions response.
+
+Both harness kinds go through here (DESIGN.md style rule 6): the HTTP route wraps
+`complete_chat` (or its two halves, `prepare_chat` then `generate_chat`, so a stream can
+start before generation); the white-box loop calls `complete_chat` directly without HTTP.
+
+Invariants:
+  * The recorded `prompt_ids` / `completion_ids` / `completion_logprobs` are the engine's
+    `Completion` fields, never a re-render (DESIGN.md §3.1, §9).
+  * Sampling is the run's (`ProxyConfig`) when `enforce_sampling`; the values used are
+    recorded in `Turn.sampling` (§3.2). `max_tokens` is capped by `max_tokens_cap` and by the
+    context left (`engine.max_context_tokens - len(prompt_ids)`).
+  * Every call is recorded as one turn: bad input and engine failures with
+    `status="error"`; turns failing `check_turn_faithful` with `status="unfaithful"`.
+  * `usage` is truthful: prompt ids consumed and completion ids sampled by the engine.
+  * Bad input gives 4xx (`RequestError`), engine failures 5xx; never `choices: []`.
+
+What this module deliberately does not do: HTTP framing, SSE, keys (see `app.py`, `sse.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from harnessrl.engine.base import Engine
+from harnessrl.engine.chat import ChatLayer, ParsedAssistant
+from harnessrl.errors import ContextLengthError, EngineError, RequestError
+from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.sessions import Session
+from harnessrl.proxy.wire import ChatRequest, error_body, parse_chat_request
+from harnessrl.types import Completion, Sampling, Turn, check_turn_faithful
+
+log = logging.getLogger(__name__)
+
+RECORDED_HEADERS = ("x-session-id", "x-session-affinity", "x-stainless-retry-count", "session-id",
+                    "x-codex-turn-metadata", "user-agent")
+"""Headers copied into `Turn.headers` (looked up lower-case)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureDeps:
+    engine: Engine
+    chat: ChatLayer
+    config: ProxyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOutcome:
+    """Result of one call: the status and body the agent gets, and the recorded turn."""
+
+    status_code: int
+    body: dict[str, Any]
+    """The unary chat.completion body (200) or an OpenAI-style error body."""
+    turn: Turn
+    stream: bool
+    """The agent asked for SSE (`sse.py` synthesises it from `body`)."""
+    include_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A validated, rendered call ready for the engine."""
+
+    session: Session
+    request: ChatRequest
+    body: dict[str, Any]
+    headers: dict[str, str]
+    prompt_ids: list[int]
+    sampling: Sampling
+    turn_index: int
+    started_at: float
+    started_perf_s: float
+
+
+async def complete_chat(deps: CaptureDeps, session: Session, body: dict[str, Any],
+                        headers: Mapping[str, str]) -> ChatOutcome:
+    """Serve one chat-completions call for `session` and record it as a turn.
+
+    Args:
+        body: the decoded request body (kept as `Turn.request`).
+        headers: request headers; a case-insensitive mapping, or a dict with lower-case keys.
+
+    Returns:
+        The outcome; `status_code` 200 with a chat.completion body, 4xx for bad input, 5xx
+        when the engine failed. Never raises for the agent's input or engine faults.
+    """
+    prepared = prepare_chat(deps, session, body, headers)
+    if isinstance(prepared, ChatOutcome):
+        return prepared
+    return await generate_chat(deps, prepared)
+
+
+def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any],
+                 headers: Mapping[str, str]) -> PreparedChat | ChatOutcome:
+    """Validate and render; returns a recorded 4xx outcome when the input is bad."""
+    started_at, started_perf_s = time.time(), time.perf_counter()
+    turn_index = session.reserve_turn_index()
+    kept = {k: v for k in RECORDED_HEADERS if (v := headers.get(k)) is not None}
+    try:
+        request = parse_chat_request(body)
+        prompt_ids = deps.chat.render(request.messages, request.tools)
+        sampling = resolve_sampling(deps.config, request, len(prompt_ids), deps.engine.max_context_tokens)
+    except RequestError as exc:
+        turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, str(exc))
+        return ChatOutcome(exc.status_code, error_body(exc.message, param=exc.param, code=exc.code), turn,
+                           stream=body.get("stream") is True, include_usage=False)
+    return PreparedChat(session, request, body, kept, prompt_ids, sampling, turn_index, started_at, started_perf_s)
+
+
+async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
+    """Run the engine on a prepared call, parse, record, and build the response."""
+    try:
+        completion = await deps.engine.generate(p.prompt_ids, p.sampling)
+    except ContextLengthError as exc:
+        return _failed(p, 400, error_body(str(exc), param="messages", code="context_length_exceeded"), str(exc))
+    except EngineError as exc:
+        msg = f"engine error: {exc}"
+        return _failed(p, 503, error_body(msg, type_="server_error", code="engine_error"), msg)
+    except Exception as exc:  # noqa: BLE001 - any engine fault is recorded and answered, never dropped
+        log.exception("engine failed on session %s turn %d", p.session.session_id, p.turn_index)
+        msg = f"engine failed: {type(exc).__name__}: {exc}"
+        return _failed(p, 500, error_body(msg, type_="server_error", code="engine_error"), msg)
+    parsed = deps.chat.parse(completion.completion_ids, bool(p.request.tools),
+                             call_id_seed=f"{p.session.session_id}:{p.turn_index}")
+    response = build_response(deps, p.request, completion, parsed)
+    turn = Turn.model_construct(
+        turn_index=p.turn_index, protocol="chat.completions", request=p.body, response=response,
+        prompt_ids=list(completion.prompt_ids), completion_ids=list(completion.completion_ids),
+        completion_logprobs=list(completion.completion_logprobs), sampling=p.sampling,
+        policy_version=completion.policy_version, finish_reason=response["choices"][0]["finish_reason"],
+        status="ok", error=None, started_at=p.started_at, latency_s=time.perf_counter() - p.started_perf_s,
+        headers=p.headers, request_kind=request_kind(p.headers), usage=response["usage"],
+    )
+    reason = check_turn_faithful(turn)
+    if reason is not None:
+        turn.status, turn.error = "unfaithful", reason
+    p.session.record(turn)
+    return ChatOutcome(200, response, turn, stream=p.request.stream, include_usage=p.request.include_usage)
+
+
+def resolve_sampling(config: ProxyConfig, request: ChatRequest, prompt_tokens: int,
+                     max_context_tokens: int) -> Sampling:
+    """The sampling actually used: the run's values when `enforce_sampling`, and
+    `max_tokens = min(max_tokens_cap, agent's max_tokens, context left)`.
+
+    Raises:
+        RequestError: the prompt leaves no room for a completion (code
+            `context_length_exceeded`, the message gives both numbers).
+    """
+    left = max_context_tokens - prompt_tokens
+    if left < 1:
+        raise RequestError(
+            f"the prompt has {prompt_tokens} tokens and the context limit is {max_context_tokens} tokens "
+            f"(max_context_tokens), which leaves no room for a completion",
+            param="messages", code="context_length_exceeded")
+    max_tokens = min(config.max_tokens_cap, left, request.max_tokens or config.max_tokens_cap)
+    if config.enforce_sampling:
+        return Sampling(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                        max_tokens=max_tokens, stop=request.stop)
+    return Sampling(
+        temperature=config.temperature if request.temperature is None else request.temperature,
+        top_p=config.top_p if request.top_p is None or request.top_p == 0.0 else request.top_p,
+        top_k=config.top_k if request.top_k is None else request.top_k,
+        max_tokens=max_tokens, stop=request.stop, seed=request.seed,
+    )
+
+
+def build_response(deps: CaptureDeps, request: ChatRequest, completion: Completion,
+                   parsed: ParsedAssistant) -> dict[str, Any]:
+    """The unary OpenAI chat.completion body. `finish_reason`: `length` when truncated (even
+    with parsed tool calls), `tool_calls` when calls were parsed, else `stop`."""
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed.tool_calls
+        ]
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if completion.finish_reason == "length":
+        finish = "length"
+    else:
+        finish = "tool_calls" if parsed.tool_calls else "stop"
+    n_prompt, n_completion = len(completion.prompt_ids), len(completion.completion_ids)
+    return {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model or deps.config.model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                     "logprobs": _logprobs(deps.chat, completion) if request.logprobs else None}],
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                  "total_tokens": n_prompt + n_completion},
+    }
+
+
+def _logprobs(chat: ChatLayer, completion: Completion) -> dict[str, Any]:
+    """OpenAI-format logprobs: one entry per sampled id, with its token string and bytes."""
+    strings = chat.token_strings(completion.completion_ids)
+    return {"content": [
+        {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+        for s, lp in zip(strings, completion.completion_logprobs, strict=True)
+    ]}
+
+
+def request_kind(headers: Mapping[str, str]) -> str | None:
+    """What the agent's headers say the call is: `request_kind` of `x-codex-turn-metadata`."""
+    meta = headers.get("x-codex-turn-metadata")
+    if meta is None:
+        return None
+    try:
+        kind = orjson.loads(meta).get("request_kind")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def _failed(p: PreparedChat, status: int, body: dict[str, Any], error: str) -> ChatOutcome:
+    turn = _error_turn(p.session, p.turn_index, p.body, p.headers, p.started_at, p.started_perf_s, error)
+    turn.prompt_ids, turn.sampling = list(p.prompt_ids), p.sampling
+    return ChatOutcome(status, body, turn, stream=p.request.stream, include_usage=p.request.include_usage)
+
+
+def _error_turn(session: Session, turn_index: int, body: dict[str, Any], headers: dict[str, str],
+                started_at: float, started_perf_s: float, error: str) -> Turn:
+    turn = Turn(turn_index=turn_index, request=body, status="error", error=error, started_at=started_at,
+                latency_s=time.perf_counter() - started_perf_s, headers=headers,
+                request_kind=request_kind(headers))
+    session.record(turn)
+    return turn

@@ -1,0 +1,43 @@
+"""`ProxyConfig`: the settings of the intercepting proxy (one pydantic model, extra="forbid").
+
+What this module deliberately does not do: start anything. `server.ProxyServer` and the CLI
+read it. Sampling values here are the run's: with `enforce_sampling` they override whatever
+an agent sends (DESIGN.md §3.2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ProxyConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Interface the server binds."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port; 0 lets the OS pick one (read it back from `ProxyServer.base_url`)."""
+    model_name: str = "harnessrl-policy"
+    """Model id listed by `GET /v1/models` (requests may name any model; it is echoed back)."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Run's sampling temperature (0 = greedy)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Run's nucleus mass; 1.0 disables it."""
+    top_k: int = Field(default=0, ge=0)
+    """Run's top-k; 0 disables it."""
+    enforce_sampling: bool = True
+    """True: temperature/top_p/top_k/seed from the agent are ignored and the run's are used.
+    False: the agent's values win where it sends them (useful for hand tests, never for RL)."""
+    max_tokens_cap: int = Field(default=1024, ge=1)
+    """Upper bound on completion ids per call; the agent's `max_tokens` /
+    `max_completion_tokens` can only lower it. The context left also caps it."""
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """Request bodies above this get 413."""
+    trace_path: Path | None = None
+    """JSONL file to which each session's trace is appended when it closes; None keeps
+    traces in memory only."""
+    stream_keepalive_s: float = Field(default=15.0, gt=0.0)
+    """While a streamed call generates, an SSE comment is sent this often (keeps clients'
+    read timeouts from firing on slow CPU generation)."""
