@@ -1,0 +1,266 @@
+"""Policy-gradient losses: one pure function per variant, `LossInputs -> LossOutputs`.
+
+Responsibility: the per-token surrogate objectives, their off-policy correction, masking of
+non-finite ratios, the optional KL penalty, and the metrics that describe them.
+
+The ratio. There is no separate pi_old recompute: every ratio is
+`r_t = exp(trainer_logprob_t - sampler_logprob_t)`, numerator the policy being trained
+(current weights, with gradient), denominator the sampler's recorded logprob of the token
+(the behaviour policy that actually drew it, at the turn's `policy_version`). Staleness and
+trainer/engine mismatch both show up in `r_t`, and the clip bounds them.
+
+Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+You Off-Policy RL Training"): the importance weight is capped at `tis_cap`. Because the
+sampler is the ratio's denominator, the PPO / GSPO clip already stops the gradient of A > 0
+tokens above `1 + epsilon_high`; the cap binds for A < 0 tokens, whose loss becomes
+`-max(surrogate, tis_cap * A)`: identical to dual-clip PPO (Ye et al. 2020, "Mastering Complex
+Control in MOBA Games with Deep RL", eq. 5). CISPO's clipped weight is itself the truncated
+weight.
+
+Normalisation: the loss of one micro-batch is `sum_t loss_t / num_tokens_global`, where
+`num_tokens_global` is the number of trained tokens (mask 1) in the whole optimizer step's
+batch. Summing the micro-batch losses' gradients therefore gives exactly the gradient of the
+token mean over the global batch, however the rows are split (gradient accumulation is exact).
+Tokens masked for non-finite ratios contribute 0 to the sum but stay in the denominator.
+
+Non-finite ratios (inf/NaN log-ratios, or exp overflow) are masked *before* any
+multiplication with `torch.where`, counted in `nonfinite_count`, and never reach the loss or
+its gradient (0 * inf would be NaN).
+
+What this module does not do: compute logprobs (`packing.py`) or advantages
+(`advantages.py`), step optimizers, or branch on the variant (`loss_fn_for` picks once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from harnessrl.errors import ConfigError
+
+
+class LossConfig(BaseModel):
+    """Loss variant and its hyper-parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    """Which surrogate: PPO-clip (token ratio), GSPO (sequence ratio), CISPO (clipped weight)."""
+    epsilon_low: float = Field(default=0.2, gt=0.0)
+    """PPO-clip lower bound `1 - epsilon_low` (Schulman et al. 2017)."""
+    epsilon_high: float = Field(default=0.28, gt=0.0)
+    """PPO-clip upper bound `1 + epsilon_high`; 0.28 is DAPO's clip-higher (Yu et al. 2025)."""
+    gspo_epsilon_low: float = Field(default=3e-4, gt=0.0)
+    """GSPO lower bound on the sequence ratio (Zheng et al. 2025, §5.1: 3e-4)."""
+    gspo_epsilon_high: float = Field(default=4e-4, gt=0.0)
+    """GSPO upper bound on the sequence ratio (Zheng et al. 2025, §5.1: 4e-4)."""
+    cispo_epsilon_high: float = Field(default=4.0, gt=0.0)
+    """CISPO caps the IS weight at `1 + cispo_epsilon_high`; no lower bound (MiniMax-M1 §3.1
+    sets the lower bound out of reach; the upper value is ours, tune it)."""
+    tis_cap: float = Field(default=2.0, gt=1.0)
+    """Truncated-IS cap C on the ratio for A < 0 tokens (Yao et al. 2025 use C = 2)."""
+    kl_coef: float = Field(default=0.0, ge=0.0)
+    """Weight of the k3 KL penalty to a reference policy; 0 disables it."""
+
+
+@dataclass(frozen=True, slots=True)
+class LossInputs:
+    """One micro-batch, flattened. Every `_T` tensor has shape [T] (the packed tokens).
+
+    The logprob at index t is that of token t given the tokens before it in its row.
+    """
+
+    trainer_logprobs_T: torch.Tensor
+    """float32, with gradient: current policy's logprob of each token (0 where mask is 0)."""
+    sampler_logprobs_T: torch.Tensor
+    """float32: the engine's logprob of each sampled token (0 where mask is 0)."""
+    advantages_T: torch.Tensor
+    """float32: the row's advantage on each token."""
+    mask_T: torch.Tensor
+    """bool: True for trained (sampled) tokens."""
+    seq_ids_T: torch.Tensor
+    """int64: which row each token belongs to (GSPO's sequences)."""
+    num_tokens_global: int
+    """Trained tokens in the whole optimizer step's batch (the normaliser)."""
+    ref_logprobs_T: torch.Tensor | None = None
+    """float32: a reference policy's logprobs (for the KL penalty), or None."""
+
+
+@dataclass(frozen=True, slots=True)
+class LossOutputs:
+    loss: torch.Tensor
+    """Scalar: this micro-batch's share of the global token-mean loss (call `.backward()`)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """ratio_mean/min/max, clip_low_frac, clip_high_frac, is_truncated_frac, nonfinite_count,
+    num_valid_tokens, mismatch_kl (k3 of sampler vs trainer), kl (k3 to the reference)."""
+
+
+LossFn = Callable[[LossInputs], LossOutputs]
+
+
+@dataclass(frozen=True, slots=True)
+class _Ratios:
+    valid_T: torch.Tensor  # bool: mask & finite ratio
+    log_ratio_T: torch.Tensor  # 0 where not valid; grad flows to trainer logprobs
+    ratio_T: torch.Tensor  # exp(log_ratio_T), finite everywhere
+    nonfinite_count: int
+
+
+def _ratios(inputs: LossInputs) -> _Ratios:
+    """Token log-ratios with non-finite entries replaced by 0 *before* exp (no NaN grads)."""
+    mask = inputs.mask_T.bool()
+    log_ratio = inputs.trainer_logprobs_T.float() - inputs.sampler_logprobs_T.float()
+    with torch.no_grad():
+        ok = torch.isfinite(log_ratio) & torch.isfinite(torch.exp(log_ratio))
+        ok &= torch.isfinite(inputs.advantages_T)
+    valid = mask & ok
+    safe_log_ratio = torch.where(valid, log_ratio, torch.zeros_like(log_ratio))
+    nonfinite = int((mask & ~ok).sum().item())
+    return _Ratios(valid, safe_log_ratio, torch.exp(safe_log_ratio), nonfinite)
+
+
+def _k3(log_rho_T: torch.Tensor) -> torch.Tensor:
+    """k3 estimator `rho - 1 - log rho` of KL (Schulman 2020, "Approximating KL Divergence")."""
+    return torch.exp(log_rho_T) - 1.0 - log_rho_T
+
+
+def _finish(
+    inputs: LossInputs, r: _Ratios, loss_T: torch.Tensor, cfg: LossConfig, extra: dict[str, float]
+) -> LossOutputs:
+    """Mask, add the KL penalty, normalise by `num_tokens_global`, and collect metrics."""
+    if inputs.num_tokens_global <= 0:
+        raise ValueError(f"num_tokens_global={inputs.num_tokens_global} must be > 0")
+    zeros = torch.zeros_like(loss_T)
+    adv = torch.where(r.valid_T, inputs.advantages_T.float(), zeros)
+    if cfg.kl_coef > 0.0 and inputs.ref_logprobs_T is not None:
+        log_rho = torch.where(r.valid_T, inputs.ref_logprobs_T.float() - inputs.trainer_logprobs_T.float(), zeros)
+        kl_T = _k3(log_rho)
+        loss_T = loss_T + cfg.kl_coef * kl_T
+    else:
+        kl_T = None
+    loss = torch.where(r.valid_T, loss_T, zeros).sum() / inputs.num_tokens_global
+    with torch.no_grad():
+        n = int(r.valid_T.sum().item())
+        ratios = r.ratio_T[r.valid_T]
+        metrics = {
+            "num_valid_tokens": float(n),
+            "nonfinite_count": float(r.nonfinite_count),
+            "ratio_mean": float(ratios.mean()) if n else 1.0,
+            "ratio_min": float(ratios.min()) if n else 1.0,
+            "ratio_max": float(ratios.max()) if n else 1.0,
+            "mismatch_kl": float(_k3(-r.log_ratio_T)[r.valid_T].mean()) if n else 0.0,
+            "kl": float(kl_T[r.valid_T].mean()) if (kl_T is not None and n) else 0.0,
+        }
+        metrics["advantage_mean"] = float(adv[r.valid_T].mean()) if n else 0.0
+        metrics.update(extra)
+    return LossOutputs(loss=loss, metrics=metrics)
+
+
+def _frac(flags_T: torch.Tensor, valid_T: torch.Tensor) -> float:
+    n = int(valid_T.sum().item())
+    return float((flags_T & valid_T).sum().item()) / n if n else 0.0
+
+
+def _clipped_surrogate(
+    ratio_T: torch.Tensor, adv_T: torch.Tensor, eps_low: float, eps_high: float, tis_cap: float
+) -> torch.Tensor:
+    """`-max(min(r A, clip(r, 1-eps_low, 1+eps_high) A), C A)` for A < 0; without the C term
+    for A >= 0 (clip-higher: Yu et al. 2025 DAPO eq. 10; cap: Ye et al. 2020 dual-clip)."""
+    surrogate = torch.minimum(ratio_T * adv_T, torch.clamp(ratio_T, 1.0 - eps_low, 1.0 + eps_high) * adv_T)
+    capped = torch.maximum(surrogate, tis_cap * adv_T)
+    return -torch.where(adv_T < 0, capped, surrogate)
+
+
+def ppo_clip_loss(inputs: LossInputs, cfg: LossConfig = LossConfig()) -> LossOutputs:
+    """PPO-clip with asymmetric bounds and a truncated-IS cap, per token.
+
+    `loss_t = -min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)`, and for A_t < 0 the
+    result is floored at `-(tis_cap * A_t)`; `r_t = exp(trainer_lp - sampler_lp)`.
+    Sources: Schulman et al. 2017 (PPO, eq. 7); Yu et al. 2025 (DAPO clip-higher, eq. 10);
+    Yao et al. 2025 (truncated IS) realised as dual-clip (Ye et al. 2020).
+    """
+    r = _ratios(inputs)
+    adv = torch.where(r.valid_T, inputs.advantages_T.float(), torch.zeros_like(r.ratio_T))
+    loss_T = _clipped_surrogate(r.ratio_T, adv, cfg.epsilon_low, cfg.epsilon_high, cfg.tis_cap)
+    with torch.no_grad():
+        extra = {
+            "clip_low_frac": _frac((r.ratio_T < 1.0 - cfg.epsilon_low) & (adv < 0), r.valid_T),
+            "clip_high_frac": _frac((r.ratio_T > 1.0 + cfg.epsilon_high) & (adv > 0), r.valid_T),
+            "is_truncated_frac": _frac((r.ratio_T > cfg.tis_cap) & (adv < 0), r.valid_T),
+        }
+    return _finish(inputs, r, loss_T, cfg, extra)
+
+
+def _sequence_log_ratio(r: _Ratios, seq_ids_T: torch.Tensor) -> torch.Tensor:
+    """Per-token copy of its sequence's mean log-ratio over valid tokens ([T], with grad)."""
+    _, inverse = torch.unique(seq_ids_T, return_inverse=True)
+    num_seq = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    weights = r.valid_T.float()
+    sums = torch.zeros(num_seq, dtype=r.log_ratio_T.dtype).index_add(0, inverse, r.log_ratio_T * weights)
+    counts = torch.zeros(num_seq, dtype=weights.dtype).index_add(0, inverse, weights)
+    return (sums / counts.clamp(min=1.0))[inverse]
+
+
+def gspo_loss(inputs: LossInputs, cfg: LossConfig = LossConfig()) -> LossOutputs:
+    """GSPO: clipped sequence-level ratio, in its token form (GSPO-token).
+
+    `s_i = exp(mean_{t in i} log r_t)` (geometric mean of the token ratios of sequence i);
+    token form `s_{i,t} = sg(s_i) * exp(log r_t - sg(log r_t))` (value s_i, gradient
+    s_i * grad log pi(y_t)); `loss_t = -min(s A, clip(s, 1-eps_low, 1+eps_high) A)`, floored at
+    `-(tis_cap * A)` for A < 0. Source: Zheng et al. 2025, "Group Sequence Policy
+    Optimization", eqs. 5-7 and 13 (GSPO-token). With the global token mean the sequence
+    terms are weighted by their trained-token count.
+    """
+    r = _ratios(inputs)
+    adv = torch.where(r.valid_T, inputs.advantages_T.float(), torch.zeros_like(r.ratio_T))
+    seq_log_ratio = _sequence_log_ratio(r, inputs.seq_ids_T).detach()
+    s_T = torch.exp(seq_log_ratio + r.log_ratio_T - r.log_ratio_T.detach())
+    loss_T = _clipped_surrogate(s_T, adv, cfg.gspo_epsilon_low, cfg.gspo_epsilon_high, cfg.tis_cap)
+    with torch.no_grad():
+        extra = {
+            "clip_low_frac": _frac((s_T < 1.0 - cfg.gspo_epsilon_low) & (adv < 0), r.valid_T),
+            "clip_high_frac": _frac((s_T > 1.0 + cfg.gspo_epsilon_high) & (adv > 0), r.valid_T),
+            "is_truncated_frac": _frac((s_T > cfg.tis_cap) & (adv < 0), r.valid_T),
+        }
+    return _finish(inputs, r, loss_T, cfg, extra)
+
+
+def cispo_loss(inputs: LossInputs, cfg: LossConfig = LossConfig()) -> LossOutputs:
+    """CISPO: `loss_t = -sg(min(r_t, 1 + eps_high)) * A_t * log pi(y_t)`.
+
+    The clipped IS weight is stop-gradient, so every token keeps a gradient (none is dropped
+    as in PPO-clip); the weight is the truncated IS weight. Source: MiniMax 2025,
+    "MiniMax-M1", §3.1, eq. 4-5 (lower bound unused).
+    """
+    r = _ratios(inputs)
+    adv = torch.where(r.valid_T, inputs.advantages_T.float(), torch.zeros_like(r.ratio_T))
+    weight = torch.clamp(r.ratio_T, max=1.0 + cfg.cispo_epsilon_high).detach()
+    logprob = torch.where(r.valid_T, inputs.trainer_logprobs_T.float(), torch.zeros_like(r.ratio_T))
+    loss_T = -weight * adv * logprob
+    with torch.no_grad():
+        truncated = _frac(r.ratio_T > 1.0 + cfg.cispo_epsilon_high, r.valid_T)
+        extra = {"clip_low_frac": 0.0, "clip_high_frac": truncated, "is_truncated_frac": truncated}
+    return _finish(inputs, r, loss_T, cfg, extra)
+
+
+def loss_fn_for(name: str, cfg: LossConfig | None = None) -> LossFn:
+    """The loss named `name` (`ppo_clip`, `gspo`, `cispo`) bound to `cfg`: `fn(inputs)`.
+
+    Raises:
+        ConfigError: unknown name.
+    """
+    cfg = cfg or LossConfig()
+    match name:
+        case "ppo_clip":
+            return partial(ppo_clip_loss, cfg=cfg)
+        case "gspo":
+            return partial(gspo_loss, cfg=cfg)
+        case "cispo":
+            return partial(cispo_loss, cfg=cfg)
+        case _:
+            raise ConfigError(f"loss={name!r} is not one of 'ppo_clip', 'gspo', 'cispo'")
