@@ -1,0 +1,187 @@
+"""opencode (npm `opencode-ai`, pinned in `install.py`) as a loop-owning harness.
+
+Responsibility: run `opencode run` headless on one task inside a sandbox, pointed at the
+proxy through a provider config file, and pick its last text reply as the final answer.
+
+How the endpoint reaches the agent: `<home>/.harnessrl/opencode/opencode.json`, named by
+`OPENCODE_CONFIG`, declares one `@ai-sdk/openai-compatible` provider `harnessrl` with
+`baseURL` = the proxy and `apiKey` = the rollout key, and sets both `model` and `small_model`
+to it, so opencode's title-generation call also comes to the proxy (and is recorded) instead
+of going to some other provider. The key is not in the agent's environment or argv.
+
+Behaviour to know (measured, see the harness-client notes): opencode always streams chat
+completions with `stream_options.include_usage`; it generates a title in parallel with the
+first turn; it compacts the conversation when the reported usage nears `context_tokens`;
+it loops without end on a truncated stream or `choices: []`, which the wall-clock timeout
+bounds. Auto-update, sharing, LSP downloads, model-list fetches and default plugins are
+disabled through env; HOME and the XDG dirs point inside the sandbox (opencode keeps a SQLite
+DB and logs under its data dir).
+
+The prompt reaches `opencode run` on stdin (it reads a non-terminal stdin as the message),
+from `<home>/.harnessrl/opencode/instruction.md`, through `sh -c 'exec "$@" < file'` (the
+shell replaces itself, so the process tree is just opencode). Not on the command line: an
+argument containing a space is wrapped in literal double quotes by `opencode run`, and
+passing the words separately breaks on words its argument parser reads as numbers
+(`42` -> "G.includes is not a function", exit 1, measured with 1.18.33). Stdin delivers the
+instruction byte for byte, newlines and runs of spaces included.
+
+What this module deliberately does not do: pass the endpoint through the environment, or
+talk to opencode's server mode.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harnessrl.harness.base import HarnessResult
+from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, base_env, run_agent_process
+from harnessrl.harness.install import agent_executable
+from harnessrl.sandbox.base import Sandbox
+from harnessrl.tasks.base import Task
+from harnessrl.types import Endpoint
+
+AGENT = "opencode"
+PROVIDER_ID = "harnessrl"
+
+_OPENCODE_ENV = {
+    "OPENCODE_DISABLE_AUTOUPDATE": "1",
+    "OPENCODE_DISABLE_MODELS_FETCH": "1",
+    "OPENCODE_DISABLE_SHARE": "1",
+    "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+    "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+    "OPENCODE_DISABLE_CLAUDE_CODE": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+Permission = Literal["allow", "ask", "deny"]
+
+
+class OpencodeConfig(BaseModel):
+    """Options of the opencode harness."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    context_tokens: int = Field(default=8192, ge=256)
+    """Context window declared to opencode (`limit.context`); it compacts near this."""
+    output_tokens: int = Field(default=1024, ge=1)
+    """Completion cap declared to opencode (`limit.output`); sent as `max_tokens`."""
+    tool_call: bool = True
+    """Declare the model as tool-calling (opencode then sends its 9 tools)."""
+    permission: dict[str, Permission] = Field(
+        default_factory=lambda: {"bash": "allow", "edit": "allow", "webfetch": "deny"}
+    )
+    """opencode's `permission` block; anything left at `ask` would block a headless run."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further `opencode run` options (e.g. `["--agent", "build"]`)."""
+    kill_grace_s: float = Field(default=2.0, ge=0.0)
+    """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
+
+
+class OpencodeHarness:
+    """Runs `opencode run --format json` in the sandbox workdir; see the module docstring."""
+
+    name = AGENT
+
+    def __init__(self, config: OpencodeConfig | None = None) -> None:
+        self.config = config or OpencodeConfig()
+
+    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        """Run opencode on `task` for at most `timeout_s` wall seconds.
+
+        Raises:
+            HarnessInstallError: opencode is not installed (the message gives the
+                `harnessrl harness install opencode` command). Agent failures never raise.
+        """
+        executable = agent_executable(AGENT)
+        state = agent_state_dir(sandbox, AGENT)
+        config_path = state / "opencode.json"
+        config_path.write_text(json.dumps(self.provider_config(endpoint), indent=2))
+        prompt_path = state / "instruction.md"
+        prompt_path.write_text(task.instruction)
+        argv = [
+            "/bin/sh", "-c", 'exec "$@" < "$0"', str(prompt_path),
+            str(executable), "run",
+            "-m", f"{PROVIDER_ID}/{endpoint.model}",
+            "--format", "json",
+            *self.config.extra_args,
+        ]  # fmt: skip
+        env = base_env(sandbox, {**_OPENCODE_ENV, "OPENCODE_CONFIG": str(config_path)})
+        log_path = agent_log_path(sandbox, AGENT)
+        run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
+        events = read_json_events(log_path)
+        error = None
+        if not run.timed_out and run.exit_code != 0:
+            error = f"opencode exited with code {run.exit_code}: {_last_error(events, run.log_tail)}"
+        return HarnessResult(
+            exit_code=run.exit_code,
+            timed_out=run.timed_out,
+            final_answer=last_text(events),
+            error=error,
+            log_tail=run.log_tail,
+        )
+
+    def provider_config(self, endpoint: Endpoint) -> dict[str, Any]:
+        """The `opencode.json` content for `endpoint` (see the module docstring)."""
+        model_ref = f"{PROVIDER_ID}/{endpoint.model}"
+        return {
+            "$schema": "https://opencode.ai/config.json",
+            "provider": {
+                PROVIDER_ID: {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "harnessrl proxy",
+                    "options": {"baseURL": endpoint.base_url, "apiKey": endpoint.api_key},
+                    "models": {
+                        endpoint.model: {
+                            "name": endpoint.model,
+                            "tool_call": self.config.tool_call,
+                            "limit": {"context": self.config.context_tokens, "output": self.config.output_tokens},
+                        }
+                    },
+                }
+            },
+            "model": model_ref,
+            "small_model": model_ref,
+            "autoupdate": False,
+            "share": "disabled",
+            "permission": dict(self.config.permission),
+        }
+
+
+def read_json_events(log_path: Path) -> list[dict[str, Any]]:
+    """The JSON event objects `opencode run --format json` printed (other log lines skipped)."""
+    events: list[dict[str, Any]] = []
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return events
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            events.append(obj)
+    return events
+
+
+def last_text(events: list[dict[str, Any]]) -> str | None:
+    """Text of the last `text` event (the agent's final reply), or None."""
+    for event in reversed(events):
+        part = event.get("part")
+        if event.get("type") == "text" and isinstance(part, dict) and isinstance(part.get("text"), str):
+            return part["text"]
+    return None
+
+
+def _last_error(events: list[dict[str, Any]], log_tail: str) -> str:
+    for event in reversed(events):
+        if event.get("type") == "error":
+            return json.dumps(event.get("error", event))[:500]
+    lines = [ln for ln in log_tail.splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else "no output"

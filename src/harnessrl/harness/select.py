@@ -1,0 +1,46 @@
+"""Picking a harness from config: `make_harness(kind, options)` with one `match`.
+
+Responsibility: turn a harness kind and its option table (from the run config) into a
+`Harness`, validating the options with that harness's pydantic config (`extra="forbid"`).
+
+What this module deliberately does not do: install agents (that is `harnessrl harness
+install`; a missing agent raises `HarnessInstallError` when a rollout starts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from harnessrl.errors import ConfigError
+from harnessrl.harness.base import Harness
+from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
+from harnessrl.harness.mini_swe_agent import MiniSweAgentConfig, MiniSweAgentHarness
+from harnessrl.harness.opencode import OpencodeConfig, OpencodeHarness
+
+HARNESS_KINDS = ("mini-swe-agent", "opencode", "command")
+"""Kinds `make_harness` accepts (the white-box loop adds `white_box`)."""
+
+
+def make_harness(kind: str, options: dict[str, Any]) -> Harness:
+    """Build the harness `kind` with `options` (the fields of its config model).
+
+    Raises:
+        ConfigError: unknown kind, or options that fail validation (the message names the key).
+    """
+    try:
+        match kind:
+            case "mini-swe-agent" | "mini_swe_agent":
+                return MiniSweAgentHarness(MiniSweAgentConfig.model_validate(options))
+            case "opencode":
+                return OpencodeHarness(OpencodeConfig.model_validate(options))
+            case "command":
+                return CommandHarness(CommandHarnessConfig.model_validate(options))
+            case _:
+                raise ConfigError(f"harness.kind={kind!r} is unknown; expected one of {', '.join(HARNESS_KINDS)}")
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"harness.options.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"harness {kind!r}: {problems}") from exc
