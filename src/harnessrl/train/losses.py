@@ -97,7 +97,8 @@ class LossOutputs:
     """Scalar: this micro-batch's share of the global token-mean loss (call `.backward()`)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """ratio_mean/min/max, clip_low_frac, clip_high_frac, is_truncated_frac, nonfinite_count,
-    num_valid_tokens, mismatch_kl (k3 of sampler vs trainer), kl (k3 to the reference)."""
+    num_valid_tokens, mismatch_kl (k3 estimate of KL(sampler || trainer) on the sampled tokens,
+    `r - 1 - ln r`), kl (k3 to the reference)."""
 
 
 LossFn = Callable[[LossInputs], LossOutputs]
@@ -153,7 +154,7 @@ def _finish(
             "ratio_mean": float(ratios.mean()) if n else 1.0,
             "ratio_min": float(ratios.min()) if n else 1.0,
             "ratio_max": float(ratios.max()) if n else 1.0,
-            "mismatch_kl": float(_k3(-r.log_ratio_T)[r.valid_T].mean()) if n else 0.0,
+            "mismatch_kl": float(_k3(r.log_ratio_T)[r.valid_T].mean()) if n else 0.0,
             "kl": float(kl_T[r.valid_T].mean()) if (kl_T is not None and n) else 0.0,
         }
         metrics["advantage_mean"] = float(adv[r.valid_T].mean()) if n else 0.0

@@ -1,0 +1,173 @@
+"""Losses: hand-computed values and gradients, clip fractions, non-finite masking, KL."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harnessrl.errors import ConfigError
+from harnessrl.train.losses import (
+    LossConfig,
+    LossInputs,
+    cispo_loss,
+    gspo_loss,
+    loss_fn_for,
+    ppo_clip_loss,
+)
+
+
+def _inputs(
+    trainer: list[float],
+    ratios: list[float],
+    advantages: list[float],
+    *,
+    seq_ids: list[int] | None = None,
+    mask: list[bool] | None = None,
+    num_tokens_global: int | None = None,
+    ref: list[float] | None = None,
+) -> tuple[LossInputs, torch.Tensor]:
+    """Inputs whose token ratios are exactly `ratios` (sampler = trainer - ln r)."""
+    lp = torch.tensor(trainer, dtype=torch.float32, requires_grad=True)
+    sampler = torch.tensor([t - math.log(r) for t, r in zip(trainer, ratios, strict=True)])
+    n = len(trainer)
+    inputs = LossInputs(
+        trainer_logprobs_T=lp,
+        sampler_logprobs_T=sampler,
+        advantages_T=torch.tensor(advantages, dtype=torch.float32),
+        mask_T=torch.tensor(mask if mask is not None else [True] * n),
+        seq_ids_T=torch.tensor(seq_ids if seq_ids is not None else [0] * n),
+        num_tokens_global=num_tokens_global if num_tokens_global is not None else n,
+        ref_logprobs_T=None if ref is None else torch.tensor(ref),
+    )
+    return inputs, lp
+
+
+PPO_CFG = LossConfig(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0)
+
+
+def test_ppo_clip_hand_computed_value_gradient_and_fractions() -> None:
+    # token: r,   A  -> surrogate min(rA, clip(r, .8, 1.28) A), A<0 floored at 2A
+    # 1:    1.5, +1 -> min(1.5, 1.28) = 1.28   (clipped high, no grad)   loss -1.28
+    # 2:    0.5, -1 -> min(-0.5, -0.8) = -0.8  (clipped low, no grad)    loss +0.8
+    # 3:    1.1, +2 -> min(2.2, 2.2) = 2.2     (grad -r A = -2.2)        loss -2.2
+    # 4:    3.0, -1 -> min(-3, -1.28) = -3 -> max(-3, -2) = -2 (truncated, no grad)  loss +2
+    # sum = -0.68, / 4 tokens = -0.17; d/dlp = [0, 0, -2.2/4, 0]
+    inputs, lp = _inputs([-1.0, -2.0, -0.5, -3.0], [1.5, 0.5, 1.1, 3.0], [1.0, -1.0, 2.0, -1.0])
+    out = ppo_clip_loss(inputs, PPO_CFG)
+    assert out.loss.item() == pytest.approx(-0.17, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([0.0, 0.0, -0.55, 0.0]), atol=1e-6, rtol=0)
+    m = out.metrics
+    assert m["clip_high_frac"] == 0.25 and m["clip_low_frac"] == 0.25 and m["is_truncated_frac"] == 0.25
+    assert m["ratio_mean"] == pytest.approx(1.525, abs=1e-6)
+    assert m["ratio_min"] == pytest.approx(0.5, abs=1e-6) and m["ratio_max"] == pytest.approx(3.0, abs=1e-5)
+    assert m["nonfinite_count"] == 0 and m["num_valid_tokens"] == 4
+
+
+def test_ppo_without_tis_cap_keeps_the_unclipped_negative_branch() -> None:
+    # token 4 alone: r = 3, A = -1, cap 100: loss = -min(-3, -1.28) = 3; grad -r A = 3
+    inputs, lp = _inputs([-3.0], [3.0], [-1.0])
+    out = ppo_clip_loss(inputs, LossConfig(tis_cap=100.0))
+    assert out.loss.item() == pytest.approx(3.0, abs=1e-5)
+    out.loss.backward()
+    assert lp.grad.item() == pytest.approx(3.0, abs=1e-5)
+
+
+def test_global_token_normaliser_divides_the_sum() -> None:
+    # one token r = 1, A = 1: loss_t = -1; normalised by 10 global tokens -> -0.1
+    inputs, _ = _inputs([-1.0], [1.0], [1.0], num_tokens_global=10)
+    assert ppo_clip_loss(inputs, PPO_CFG).loss.item() == pytest.approx(-0.1, abs=1e-7)
+
+
+@pytest.mark.parametrize("loss_fn", [ppo_clip_loss, gspo_loss, cispo_loss])
+def test_non_finite_ratios_are_masked_counted_and_never_nan(loss_fn) -> None:
+    lp = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0], requires_grad=True)
+    sampler = torch.tensor([-1.0, float("nan"), -201.0, float("-inf"), -500.0])
+    # token 0: r = 1; token 1: NaN; token 2: log r = 200 (exp overflows); token 3: log r = inf;
+    # token 4: masked out (huge ratio, but not trained, so not counted)
+    inputs = LossInputs(
+        trainer_logprobs_T=lp,
+        sampler_logprobs_T=sampler,
+        advantages_T=torch.tensor([1.0, 1.0, -1.0, 1.0, 1.0]),
+        mask_T=torch.tensor([True, True, True, True, False]),
+        seq_ids_T=torch.zeros(5, dtype=torch.long),
+        num_tokens_global=4,
+    )
+    out = loss_fn(inputs, LossConfig())
+    assert math.isfinite(out.loss.item())
+    out.loss.backward()
+    assert torch.isfinite(lp.grad).all()
+    assert lp.grad[1:].abs().sum().item() == 0.0
+    assert out.metrics["nonfinite_count"] == 3 and out.metrics["num_valid_tokens"] == 1
+    assert all(math.isfinite(v) for v in out.metrics.values())
+
+
+def test_gspo_sequence_ratio_value_and_gradient() -> None:
+    # seq 0: log r = [ln 2, 0] -> s0 = exp(ln2 / 2) = 1.414214, A = +1, not clipped (eps_high .5)
+    # seq 1: log r = 3 x ln 0.9 -> s1 = 0.9, A = -1, not clipped (eps_low .2)
+    # loss = (2 * -1.414214 + 3 * 0.9) / 5 = -0.025686
+    # token form: d loss / d lp_t = -s_i A_i / 5 -> seq0: -0.282843, seq1: +0.18
+    cfg = LossConfig(gspo_epsilon_low=0.2, gspo_epsilon_high=0.5)
+    inputs, lp = _inputs(
+        [-1.0, -2.0, -1.0, -1.5, -0.5], [2.0, 1.0, 0.9, 0.9, 0.9], [1.0, 1.0, -1.0, -1.0, -1.0],
+        seq_ids=[7, 7, 3, 3, 3],
+    )
+    out = gspo_loss(inputs, cfg)
+    assert out.loss.item() == pytest.approx((-2 * math.sqrt(2) + 2.7) / 5, abs=1e-6)
+    out.loss.backward()
+    want = torch.tensor([-math.sqrt(2) / 5] * 2 + [0.18] * 3)
+    torch.testing.assert_close(lp.grad, want, atol=1e-6, rtol=0)
+    assert out.metrics["clip_high_frac"] == 0.0 and out.metrics["clip_low_frac"] == 0.0
+
+
+def test_gspo_clips_the_whole_sequence() -> None:
+    # default eps 3e-4 / 4e-4: seq ratio sqrt(2) with A > 0 is clipped: loss -(1.0004), no grad
+    inputs, lp = _inputs([-1.0, -2.0], [2.0, 1.0], [1.0, 1.0])
+    out = gspo_loss(inputs, LossConfig())
+    assert out.loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-6)
+    out.loss.backward()
+    assert lp.grad.abs().sum().item() == 0.0
+    assert out.metrics["clip_high_frac"] == 1.0
+
+
+def test_cispo_stop_gradient_clipped_weight() -> None:
+    # r = [1.5, 0.5, 10], A = [1, -1, 1], cap 1 + 4 = 5 -> w = [1.5, 0.5, 5]; lp = [-1, -2, -0.5]
+    # loss = -sum(w A lp) / 3 = -(-1.5 - 1.0 ... ) : -(1.5*-1) - (0.5*-1*-2) - (5*-0.5) = 1.5 - 1 + 2.5 = 3; / 3 = 1
+    # grad = -w A / 3 = [-0.5, 0.166667, -1.666667] (every token keeps a gradient)
+    inputs, lp = _inputs([-1.0, -2.0, -0.5], [1.5, 0.5, 10.0], [1.0, -1.0, 1.0])
+    out = cispo_loss(inputs, LossConfig(cispo_epsilon_high=4.0))
+    assert out.loss.item() == pytest.approx(1.0, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([-0.5, 0.5 / 3, -5 / 3]), atol=1e-6, rtol=0)
+    assert out.metrics["is_truncated_frac"] == pytest.approx(1 / 3)
+
+
+def test_k3_kl_penalty_to_reference() -> None:
+    # r = 1 and A = 0, so the surrogate is 0; ref - lp = [ln 2, ln 0.5]
+    # k3 = rho - 1 - ln rho = [2 - 1 - .693147, .5 - 1 + .693147] = [.306853, .193147], mean .25
+    # loss = 0.1 * (.306853 + .193147) / 2 = 0.025; d k3 / d lp = 1 - rho -> [-1, .5] * 0.1 / 2
+    inputs, lp = _inputs([-1.0, -1.0], [1.0, 1.0], [0.0, 0.0], ref=[-1.0 + math.log(2), -1.0 + math.log(0.5)])
+    out = ppo_clip_loss(inputs, LossConfig(kl_coef=0.1))
+    assert out.loss.item() == pytest.approx(0.025, abs=1e-7)
+    assert out.metrics["kl"] == pytest.approx(0.25, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([-0.05, 0.025]), atol=1e-7, rtol=0)
+    # off by default: the same inputs give a zero loss
+    assert ppo_clip_loss(inputs, LossConfig()).loss.item() == 0.0
+
+
+def test_mismatch_kl_metric() -> None:
+    # r = 2: k3 of the sampler against the trainer = r - 1 - ln r = 1 - 0.693147 = 0.306853
+    inputs, _ = _inputs([-1.0], [2.0], [0.0])
+    assert ppo_clip_loss(inputs, PPO_CFG).metrics["mismatch_kl"] == pytest.approx(1 - math.log(2), abs=1e-6)
+
+
+def test_loss_fn_for_binds_config_and_rejects_unknown_names() -> None:
+    inputs, _ = _inputs([-1.0], [1.5], [1.0])
+    fn = loss_fn_for("ppo_clip", LossConfig(epsilon_high=0.1))
+    assert fn(inputs).loss.item() == pytest.approx(-1.1, abs=1e-6)  # clipped at 1 + 0.1
+    assert loss_fn_for("gspo")(inputs).loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-6)
+    with pytest.raises(ConfigError, match="'grpo'"):
+        loss_fn_for("grpo")
