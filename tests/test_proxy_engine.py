@@ -1,0 +1,126 @@
+"""Proxy invariants with the real EmbeddedEngine on the tiny model: token faithfulness, logprob
+parity with a plain forward pass, SSE == unary, a real uvicorn socket, captured agent requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from harnessrl.engine.chat import ChatLayer
+from harnessrl.engine.model_store import load_causal_lm
+from harnessrl.proxy.app import ProxyDeps, make_app
+from harnessrl.proxy.capture import CaptureDeps
+from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.server import ProxyServer
+from harnessrl.proxy.sessions import SessionStore
+
+CAPTURES = Path("/work/shared/design/harness-clients/captures")
+CHAT_CAPTURES = sorted(CAPTURES.glob("*/chat-completions-*.json"))
+USER = [{"role": "user", "content": "Write a haiku about tests."}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from harnessrl.engine.embedded import EmbeddedEngine
+
+    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer, engine) -> ChatLayer:
+    return ChatLayer(tokenizer, eos_token_ids=engine.eos_token_ids)
+
+
+def in_process(engine, chat, **config) -> tuple[httpx.AsyncClient, SessionStore]:
+    store = SessionStore()
+    app = make_app(ProxyDeps(CaptureDeps(engine, chat, ProxyConfig(**config)), store))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"), store
+
+
+async def test_real_socket_sdk_unary_equals_stream_with_same_seed(engine, chat):
+    config = ProxyConfig(port=0, enforce_sampling=False, max_tokens_cap=12, temperature=1.0)
+    async with ProxyServer(engine, chat, config) as proxy:
+        assert proxy.base_url.startswith("http://127.0.0.1:") and proxy.port > 0
+        session_id, key = proxy.open_session("r1")
+        client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=key, max_retries=0)
+        unary = await client.chat.completions.create(model="tiny", messages=USER, seed=7)
+        # the SDK's stream helper refuses finish_reason=length, so accumulate chunks by hand
+        stream = await client.chat.completions.create(model="tiny", messages=USER, seed=7, stream=True,
+                                                      stream_options={"include_usage": True})
+        content, finish, usage = "", None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                finish = ch.finish_reason or finish
+        assert content == unary.choices[0].message.content and len(content) > 0
+        assert finish == unary.choices[0].finish_reason
+        assert usage.completion_tokens == unary.usage.completion_tokens
+        trace = proxy.close_session(session_id)
+        a, b = trace.turns
+        assert a.completion_ids == b.completion_ids and a.prompt_ids == b.prompt_ids
+        assert a.completion_logprobs == pytest.approx(b.completion_logprobs, abs=1e-6)
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="tiny", messages=USER)
+        assert trace.rejected_calls == 1
+
+
+async def test_recorded_ids_are_faithful_and_logprobs_match_a_forward_pass(engine, chat, tiny_model_dir):
+    http, store = in_process(engine, chat, temperature=0.8, max_tokens_cap=10)
+    session = store.open("r")
+    r = await http.post("/v1/chat/completions", json={"messages": USER},
+                        headers={"authorization": f"Bearer {session.key}"})
+    assert r.status_code == 200
+    turn = session.trace.turns[0]
+    assert turn.prompt_ids == chat.render(chat_messages(USER))  # what was rendered is what the engine consumed
+    assert len(turn.completion_ids) == len(turn.completion_logprobs) == r.json()["usage"]["completion_tokens"]
+    assert turn.status == "ok" and turn.sampling.temperature == 0.8
+    model = load_causal_lm(tiny_model_dir)
+    ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    n_prompt = len(turn.prompt_ids)
+    logp = torch.log_softmax(logits[n_prompt - 1:-1] / 0.8, dim=-1)
+    recomputed = logp.gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0].tolist()
+    assert recomputed == pytest.approx(turn.completion_logprobs, abs=1e-4)
+
+
+def chat_messages(raw):
+    from harnessrl.engine.chat import normalize_messages
+
+    return normalize_messages(raw)
+
+
+@pytest.mark.parametrize("capture", CHAT_CAPTURES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+async def test_captured_agent_requests_get_200(engine, chat, capture: Path):
+    http, store = in_process(engine, chat, max_tokens_cap=4)
+    session = store.open("cap")
+    recorded = json.loads(capture.read_text())
+    headers = {k: v for k, v in recorded["headers"].items()
+               if k.lower() not in ("authorization", "content-length", "host", "accept-encoding")}
+    headers["authorization"] = f"Bearer {session.key}"
+    body = recorded["body"]
+    r = await http.post("/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    if body.get("stream"):
+        events = [e for e in r.text.split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1] if e.startswith("data: ")]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)
+        wants_usage = (body.get("stream_options") or {}).get("include_usage", False)
+        assert ("usage" in chunks[-1]) == wants_usage
+    else:
+        out = r.json()
+        assert out["choices"][0]["message"]["role"] == "assistant"
+        assert out["usage"]["completion_tokens"] == len(session.trace.turns[0].completion_ids)
+    turn = session.trace.turns[0]
+    assert turn.status == "ok" and turn.sampling.max_tokens <= 4
+    assert turn.headers.get("user-agent") == next(v for k, v in recorded["headers"].items() if k.lower() == "user-agent")
