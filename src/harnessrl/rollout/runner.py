@@ -38,14 +38,12 @@ log = logging.getLogger(__name__)
 class SessionHost(Protocol):
     """What the runner needs from the proxy (or the white-box recorder): keyed sessions."""
 
-    @property
-    def base_url(self) -> str: ...
-
-    @property
-    def model_name(self) -> str: ...
-
     def open_session(self, rollout_id: str) -> tuple[str, str]:
         """Open a session; returns `(session_id, key)`."""
+        ...
+
+    def endpoint(self, key: str) -> Endpoint:
+        """Where an agent holding `key` reaches the proxy."""
         ...
 
     def close_session(self, session_id: str) -> Trace:
@@ -97,12 +95,7 @@ async def run_rollout(
 
         # 2) a keyed proxy session; the key is the agent's API key
         session_id, key = sessions.open_session(rollout_id)
-        endpoint = Endpoint(
-            base_url=sessions.base_url,
-            api_key=key,
-            model=sessions.model_name,
-            keyed_base_url=sessions.base_url.replace("/v1", f"/r/{key}/v1", 1),
-        )
+        endpoint = sessions.endpoint(key)
 
         # 3) the agent runs its own loop until it exits or times out
         t_agent = time.monotonic()

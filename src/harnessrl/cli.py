@@ -1,0 +1,102 @@
+"""The `harnessrl` command line: train, rollout, serve, session, harness.
+
+Responsibility: parse arguments, load and print the resolved config, and call one library
+function per command. torch and the engine are imported inside the commands, so
+`harnessrl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="harnessrl",
+    help="Asynchronous GRPO for LLM agents through harness interception.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+session_app = typer.Typer(help="Proxy sessions (rollout keys) on a running `harnessrl serve`.", no_args_is_help=True)
+harness_app = typer.Typer(help="Agent programs (harnesses): installation.", no_args_is_help=True)
+app.add_typer(session_app, name="session")
+app.add_typer(harness_app, name="harness")
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML run config (defaults apply without one).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key, e.g. --set train.learning_rate=1e-5 (repeatable).")]
+
+
+@app.command()
+def train(
+    config: ConfigOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory (default runs/<timestamp>).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Number of optimizer steps (overrides train.steps).")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Continue the run in this directory from its last checkpoint.")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Train the policy with asynchronous GRPO on rollouts of a real agent harness."""
+    from harnessrl.config import load_config, resolve_run_dir
+    from harnessrl.train.run import run_training
+
+    if resume is not None:
+        cfg = load_config(resume / "config.toml", set_ or [])
+        run_dir = resume
+    else:
+        cfg = load_config(config, set_ or [])
+        run_dir = resolve_run_dir(out)
+    if steps is not None:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
+    raise typer.Exit(run_training(cfg, run_dir, resume=resume is not None))
+
+
+@app.command()
+def rollout(
+    config: ConfigOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/rollout-<timestamp>).")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Number of tasks (groups) to run.")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Run rollouts without training (evaluation): writes rollouts.jsonl and prints a summary."""
+    from harnessrl.config import load_config, resolve_run_dir
+    from harnessrl.rollout.evaluate import run_evaluation
+
+    cfg = load_config(config, set_ or [])
+    raise typer.Exit(run_evaluation(cfg, resolve_run_dir(out, prefix="rollout-"), limit=limit))
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="smollm2-135m, tiny-random, a local HF directory or a cached hub id.")] = "smollm2-135m",
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 8000,
+    open_session: Annotated[bool, typer.Option("--open-session", help="Open one session and print its key.")] = False,
+    trace_path: Annotated[Optional[Path], typer.Option(help="Append closed sessions' traces to this JSONL file.")] = None,
+    threads: Annotated[int, typer.Option(help="torch threads for the engine.")] = 2,
+) -> None:
+    """Start the embedded engine and the intercepting proxy; point any agent at the printed URL."""
+    from harnessrl.proxy.cli import serve as serve_impl
+
+    serve_impl(model=model, host=host, port=port, open_session=open_session, trace_path=trace_path, threads=threads)
+
+
+@session_app.command("open")
+def session_open(
+    url: Annotated[str, typer.Option(help="Proxy root URL.")] = "http://127.0.0.1:8000",
+) -> None:
+    """Open a session on a running proxy and print its key and base URL."""
+    from harnessrl.proxy.cli import session_open as session_open_impl
+
+    session_open_impl(url)
+
+
+@harness_app.command("install")
+def harness_install(name: Annotated[str, typer.Argument(help="mini-swe-agent, opencode, ...")]) -> None:
+    """Install an agent program into the per-machine cache (idempotent, offline from the registries)."""
+    from harnessrl.harness.cli import install
+
+    install(name)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,260 @@
+"""Run configuration: one TOML file, validated by pydantic, defaults that form a working run.
+
+Responsibility: compose the per-component configs into `RunConfig`, load it from TOML, apply
+`--set a.b=value` overrides, validate cross-field constraints, and save the resolved config.
+Unknown keys are rejected with the key named (`extra="forbid"` everywhere).
+
+With no file at all the defaults train SmolLM2-135M-Instruct on the embedded CPU engine with
+mini-swe-agent on procedural tasks, G=4.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from harnessrl.errors import ConfigError
+from harnessrl.sandbox.local import SandboxConfig
+from harnessrl.train.losses import LossConfig
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class EngineConfig(BaseModel):
+    model_config = _FROZEN
+
+    kind: Literal["embedded"] = "embedded"
+    """Inference engine: `embedded` (in-process transformers, CPU or GPU)."""
+    model: str = "smollm2-135m"
+    """`smollm2-135m`, `tiny-random`, a local HF directory, or a hub id in the offline cache."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_threads: int = Field(default=1, ge=1)
+    """torch intra-op threads of the engine's decode thread."""
+    max_batch_size: int = Field(default=16, ge=1)
+    """Most sequences decoded together in one step."""
+    max_context_tokens: int = Field(default=4096, ge=64)
+    """Largest prompt + completion length served."""
+
+
+class SamplingConfig(BaseModel):
+    """The run's sampling parameters, enforced by the proxy whatever the agent sends."""
+
+    model_config = _FROZEN
+
+    temperature: float = Field(default=1.0, gt=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    max_tokens: int = Field(default=192, ge=1)
+    """Cap on completion tokens per turn (an agent's larger request is lowered to it)."""
+
+
+class TasksConfig(BaseModel):
+    model_config = _FROZEN
+
+    kind: Literal["procedural", "humaneval", "stdio"] = "procedural"
+    path: str | None = None
+    """JSONL file of stdin/stdout tasks (kind = stdio)."""
+    limit: int | None = Field(default=None, ge=1)
+    """Use only the first N tasks (after the source's seeded order)."""
+    kinds: list[str] | None = None
+    """Procedural task kinds (default: the generator's own set)."""
+    difficulty: int = Field(default=1, ge=1)
+    """Procedural difficulty knob."""
+
+
+class HarnessConfig(BaseModel):
+    model_config = _FROZEN
+
+    kind: str = "mini-swe-agent"
+    """`mini-swe-agent`, `opencode`, `command`, or `white_box`."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the chosen harness's own config model (validated by it)."""
+
+
+class RolloutConfig(BaseModel):
+    model_config = _FROZEN
+
+    group_size: int = Field(default=4, ge=1)
+    """G: rollouts per task (group)."""
+    max_concurrent_rollouts: int = Field(default=4, ge=1)
+    agent_timeout_s: float = Field(default=240.0, gt=0)
+    verify_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class TrainConfig(BaseModel):
+    model_config = _FROZEN
+
+    steps: int = Field(default=3, ge=1)
+    groups_per_step: int = Field(default=1, ge=1)
+    learning_rate: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Group-relative advantage estimator (`train/advantages.py`)."""
+    loss: LossConfig = LossConfig()
+    """Policy-gradient loss and its clipping / importance-sampling knobs (`train/losses.py`)."""
+    max_staleness: int = Field(default=1, ge=0)
+    """Most policy versions a trained token may lag behind; 0 runs rollouts and training in turn."""
+    token_budget: int = Field(default=4096, ge=64)
+    """Most tokens per packed micro-batch."""
+    fork_threshold_tokens: int = Field(default=1024, ge=0)
+    train_auxiliary: bool = False
+    """Also train auxiliary calls (titles, summaries); off by default."""
+    num_threads: int = Field(default=1, ge=1)
+    """torch intra-op threads of the training thread."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every N steps (0: only at the end)."""
+    lora_rank: int = Field(default=0, ge=0)
+    """LoRA rank via peft; 0 trains every weight."""
+
+
+class HooksConfig(BaseModel):
+    model_config = _FROZEN
+
+    agent_turn_fn: str | None = None
+    """Dotted path `pkg.module:fn` or `pkg.module.fn`: `(turns) -> turns`."""
+    train_turn_fn: str | None = None
+    """`(turn) -> bool`: whether a turn's completion trains (else it stays as context)."""
+    rollout_reward_fn: str | None = None
+    """`(outcome) -> float | None`: the rollout's reward (shaping)."""
+
+
+class LogConfig(BaseModel):
+    model_config = _FROZEN
+
+    report_to: list[Literal["jsonl", "tensorboard", "trackio"]] = Field(default_factory=lambda: ["jsonl"])
+    log_completions: int = Field(default=0, ge=0)
+    """Print this many sampled rollouts per step as conversations."""
+    level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+
+
+class RunConfig(BaseModel):
+    model_config = _FROZEN
+
+    seed: int = 0
+    engine: EngineConfig = EngineConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    tasks: TasksConfig = TasksConfig()
+    harness: HarnessConfig = HarnessConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    hooks: HooksConfig = HooksConfig()
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.tasks.kind == "stdio" and not self.tasks.path:
+            raise ValueError("tasks.path is required when tasks.kind = 'stdio'")
+        if self.sampling.max_tokens >= self.engine.max_context_tokens:
+            raise ValueError(
+                f"sampling.max_tokens ({self.sampling.max_tokens}) must be below "
+                f"engine.max_context_tokens ({self.engine.max_context_tokens})"
+            )
+        return self
+
+
+def load_config(path: Path | None, overrides: list[str] = ()) -> RunConfig:  # type: ignore[assignment]
+    """Load TOML (or defaults), apply `a.b=value` overrides (values parsed as TOML), validate.
+
+    Raises:
+        ConfigError: unreadable file, bad override, unknown key or invalid value (named).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for item in overrides:
+        _apply_override(data, item)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe_validation(exc, path)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as TOML text (round-trips through `load_config`)."""
+    return _to_toml(cfg.model_dump(mode="json", exclude_none=True))
+
+
+def resolve_run_dir(out: Path | None, prefix: str = "") -> Path:
+    if out is not None:
+        return out
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{prefix}{stamp}"
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    dotted, raw = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _describe_validation(exc: ValidationError, path: Path | None) -> str:
+    where = f" in {path}" if path is not None else ""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown key {key!r}{where}")
+        else:
+            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r}){where}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _to_toml(data: dict[str, Any]) -> str:
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    out = [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
+    for name, table in tables.items():
+        out.append(f"\n[{name}]")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                out.append(f"{k} = {_toml_inline(v)}")
+            else:
+                out.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _toml_inline(d: dict[str, Any]) -> str:
+    return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d.items()) + " }"
+
+
+def _toml_key(k: str) -> str:
+    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
+
+
+def _toml_value(v: Any) -> str:
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return _toml_inline(v)
+    raise ConfigError(f"cannot write {v!r} to TOML")

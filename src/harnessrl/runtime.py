@@ -1,0 +1,155 @@
+"""Assembles the rollout side of a run from its config: engine, chat layer, proxy, tasks,
+harness, sandbox backend and verifiers.
+
+Responsibility: the one place where `RunConfig` becomes live components, shared by
+`harnessrl rollout` and `harnessrl train`, and where they are torn down in reverse order.
+Each seam's implementation is picked by the `make_*` function of the module that defines it.
+
+What it does not do: run rollouts (`rollout/orchestrator.py`) or train (`train/loop.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from harnessrl.config import EngineConfig, HarnessConfig, RunConfig, TasksConfig
+from harnessrl.engine.base import Engine
+from harnessrl.engine.chat import ChatLayer
+from harnessrl.harness.base import Harness
+from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.server import ProxyServer
+from harnessrl.rewards.base import Verifier
+from harnessrl.sandbox.base import SandboxBackend
+from harnessrl.tasks.base import Task, TaskSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    model_dir: Path
+    engine: Engine
+    chat: ChatLayer
+    proxy: ProxyServer
+    tasks: TaskSource
+    harness: Harness
+    backend: SandboxBackend
+    verifier_for: Callable[[Task], Verifier]
+
+
+def make_engine(cfg: EngineConfig, model_dir: Path, seed: int) -> Engine:
+    match cfg.kind:
+        case "embedded":
+            from harnessrl.engine.embedded import EmbeddedEngine
+
+            return EmbeddedEngine(
+                model_dir,
+                dtype=cfg.dtype,
+                num_threads=cfg.num_threads,
+                max_batch_size=cfg.max_batch_size,
+                max_context_tokens=cfg.max_context_tokens,
+                seed=seed,
+            )
+
+
+def make_task_source(cfg: TasksConfig) -> TaskSource:
+    match cfg.kind:
+        case "procedural":
+            from harnessrl.tasks.procedural import ProceduralSource
+
+            kwargs = {"difficulty": cfg.difficulty}
+            if cfg.kinds:
+                kwargs["kinds"] = tuple(cfg.kinds)
+            source: TaskSource = ProceduralSource(**kwargs)
+        case "humaneval":
+            from harnessrl.tasks.humaneval import HumanEvalSource
+
+            source = HumanEvalSource()
+        case "stdio":
+            from harnessrl.tasks.stdio import StdioSource
+
+            assert cfg.path is not None, "validated by RunConfig"
+            source = StdioSource(Path(cfg.path))
+    if cfg.limit is not None:
+        source = LimitedSource(source, cfg.limit)
+    return source
+
+
+class LimitedSource:
+    """The first `limit` seeds of a source, cycled: `get(seed) = inner.get(seed % limit)`."""
+
+    def __init__(self, inner: TaskSource, limit: int) -> None:
+        self._inner = inner
+        self._limit = min(limit, len(inner))
+
+    def __len__(self) -> int:
+        return self._limit
+
+    def get(self, seed: int) -> Task:
+        return self._inner.get(seed % self._limit)
+
+
+def make_harness_for_run(cfg: HarnessConfig, proxy: ProxyServer) -> Harness:
+    if cfg.kind == "white_box":
+        from harnessrl.harness.python_loop import WhiteBoxConfig, WhiteBoxHarness
+
+        return WhiteBoxHarness(proxy.deps.capture, proxy.store, WhiteBoxConfig.model_validate(cfg.options))
+    from harnessrl.harness.select import make_harness
+
+    return make_harness(cfg.kind, dict(cfg.options))
+
+
+def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:
+    """The proxy enforces the run's sampling; it listens on a free loopback port."""
+    return ProxyConfig(
+        host="127.0.0.1",
+        port=0,
+        model_name=model_name,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        top_k=cfg.sampling.top_k,
+        enforce_sampling=True,
+        max_tokens_cap=cfg.sampling.max_tokens,
+    )
+
+
+@asynccontextmanager
+async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
+    """Start every rollout-side component; stop them all on exit, whatever happened."""
+    from harnessrl.engine.model_store import load_tokenizer, resolve_model
+    from harnessrl.rewards.select import verifier_for
+    from harnessrl.sandbox.local import LocalSandboxBackend
+
+    model_dir = resolve_model(cfg.engine.model)
+    engine = make_engine(cfg.engine, model_dir, cfg.seed)
+    try:
+        chat = ChatLayer(load_tokenizer(model_dir))
+        async with ProxyServer(engine, chat, proxy_config_for(cfg, "harnessrl-policy")) as proxy:
+            harness = make_harness_for_run(cfg.harness, proxy)
+            ro_binds = _agent_install_dirs(cfg.harness.kind)
+            backend = LocalSandboxBackend(cfg.sandbox, ro_binds=ro_binds)
+            yield Runtime(
+                model_dir=model_dir,
+                engine=engine,
+                chat=chat,
+                proxy=proxy,
+                tasks=make_task_source(cfg.tasks),
+                harness=harness,
+                backend=backend,
+                verifier_for=verifier_for,
+            )
+    finally:
+        engine.close()
+
+
+def _agent_install_dirs(kind: str) -> list[Path]:
+    from harnessrl.harness.install import agent_dir
+
+    if kind in ("mini-swe-agent", "mini_swe_agent", "opencode"):
+        path = agent_dir("mini-swe-agent" if kind.startswith("mini") else kind)
+        return [path] if path.exists() else []
+    return []

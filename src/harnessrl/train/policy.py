@@ -1,0 +1,130 @@
+"""The trained policy: loading (full or LoRA), the optimizer, weight export, checkpoints.
+
+Responsibility: everything about the trainer's copy of the model that is not the loss: build it
+from the same HF directory the engine serves, export full weights for the engine after each
+step (LoRA adapters merged), and save / restore checkpoints in HF `save_pretrained` format plus
+`trainer_state.pt` (optimizer, step, policy version, data position).
+
+What it does not do: compute losses (`losses.py`) or decide when to sync (`loop.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harnessrl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module
+    """The HF causal LM being trained (a peft model when `lora_rank > 0`)."""
+    optimizer: torch.optim.Optimizer
+    lora: bool
+
+
+def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, lora_rank: int) -> Policy:
+    """Load the policy in fp32 on CPU (train mode) with AdamW (Loshchilov & Hutter 2019).
+
+    Raises:
+        ConfigError: `lora_rank > 0` but peft is not installed.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    lora = lora_rank > 0
+    if lora:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as exc:
+            raise ConfigError("train.lora_rank > 0 needs peft (pip install 'harnessrl[lora]')") from exc
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                                 target_modules="all-linear", lora_dropout=0.0))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
+    return Policy(model=model, optimizer=optimizer, lora=lora)
+
+
+def export_weights(policy: Policy) -> dict[str, torch.Tensor]:
+    """Full (merged) weights under the base model's parameter names, detached copies.
+
+    Copies, so the engine never sees a tensor the optimizer later changes in place.
+    """
+    if not policy.lora:
+        return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    peft_model: Any = policy.model
+    peft_model.merge_adapter()
+    try:
+        out: dict[str, torch.Tensor] = {}
+        for key, value in peft_model.get_base_model().state_dict().items():
+            if "lora_" in key:
+                continue
+            out[key.replace(".base_layer", "")] = value.detach().clone()
+        return out
+    finally:
+        peft_model.unmerge_adapter()
+
+
+def save_checkpoint(policy: Policy, tokenizer: Any, directory: Path, state: dict[str, Any]) -> None:
+    """Write `directory` (HF `save_pretrained` model + tokenizer, `trainer_state.pt`) atomically."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model: Any = policy.model
+    if policy.lora:
+        model.save_pretrained(str(tmp / "adapter"))
+        merged = export_weights(policy)
+        base = model.get_base_model()
+        base.save_pretrained(str(tmp), state_dict=merged, safe_serialization=True)
+    else:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    torch.save({"optimizer": policy.optimizer.state_dict(), **state}, tmp / STATE_FILE)
+    (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)
+    tmp.rename(directory)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint directory with the highest step under `run_dir/checkpoints`, if any."""
+    root = run_dir / "checkpoints"
+    found = [p for p in root.glob("step-*") if (p / STATE_FILE).exists()] if root.exists() else []
+    return max(found, key=lambda p: int(p.name.split("-")[1])) if found else None
+
+
+def restore_checkpoint(policy: Policy, directory: Path) -> dict[str, Any]:
+    """Load weights and optimizer state from `directory`; returns the saved state dict
+    (step, policy_version, next_group_id, ...)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(directory / "model.safetensors"))
+    model: Any = policy.model
+    if policy.lora:
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        set_peft_model_state_dict(model, load_peft_weights(str(directory / "adapter")))
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        real_missing = [k for k in missing if "lm_head" not in k]
+        if real_missing or unexpected:
+            raise ConfigError(f"checkpoint {directory} does not match the model: missing {real_missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()
+    saved = torch.load(directory / STATE_FILE, weights_only=False)
+    policy.optimizer.load_state_dict(saved.pop("optimizer"))
+    return saved

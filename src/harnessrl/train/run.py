@@ -1,0 +1,265 @@
+"""`harnessrl train`: the asynchronous GRPO loop.
+
+Responsibility: the one top-to-bottom loop of a training run. Rollouts for the next steps run
+(on the engine, through the proxy, in sandboxes) while the current step trains; after each
+optimizer step the new weights go to the engine and `policy_version` increments.
+
+Staleness (DESIGN.md §1, §6): the orchestrator may run `(max_staleness + 1) * groups_per_step`
+groups ahead; a row whose oldest trained token was sampled more than `max_staleness` versions
+ago is dropped and counted. `max_staleness = 0` is the synchronous loop.
+
+CPU split: the engine decodes on its own thread with `engine.num_threads` torch threads; the
+trainer runs on one dedicated thread with `train.num_threads`, so on a 2-core machine each gets
+one core (set explicitly: two workers of 2 threads each oversubscribe and run far slower).
+
+Shutdown (completion, Ctrl-C, error): stop dispatch, cancel in-flight rollouts (each kills its
+agent, closes its sandbox and revokes its key), stop the proxy and the engine, flush files, and
+join the trainer thread; see `runtime.start_runtime` and `Orchestrator.close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from harnessrl.config import RunConfig, dump_config
+from harnessrl.types import Group, Rollout, Row
+
+log = logging.getLogger(__name__)
+
+
+def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
+    """Train per `cfg` in `run_dir`; returns the process exit code (130 on Ctrl-C)."""
+    from harnessrl.log import setup_logging
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(cfg.log.level, run_dir / "run.log")
+    if not resume:
+        (run_dir / "config.toml").write_text(dump_config(cfg), encoding="utf-8")
+    console = Console()
+    console.print(f"[bold]harnessrl train[/] → {run_dir}  (model {cfg.engine.model}, harness "
+                  f"{cfg.harness.kind}, tasks {cfg.tasks.kind}, G={cfg.rollout.group_size})")
+    try:
+        asyncio.run(train(cfg, run_dir, resume=resume, console=console))
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: rollouts cancelled, sandboxes closed, files flushed[/]")
+        return 130
+    return 0
+
+
+async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None) -> list[dict[str, Any]]:
+    """The training loop; returns the per-step metrics it logged."""
+    import torch
+
+    from harnessrl.engine.model_store import load_tokenizer
+    from harnessrl.log import make_sinks
+    from harnessrl.rollout.orchestrator import Orchestrator
+    from harnessrl.rollout.runner import RolloutLimits
+    from harnessrl.runtime import start_runtime
+    from harnessrl.train.advantages import advantage_fn_for
+    from harnessrl.train.console import final_table, print_conversation, step_line
+    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.train.policy import (export_weights, latest_checkpoint, load_policy,
+                                        restore_checkpoint, save_checkpoint)
+    from harnessrl.train.step import optimizer_step
+
+    console = console or Console()
+    loop = asyncio.get_running_loop()
+    trainer = ThreadPoolExecutor(1, thread_name_prefix="trainer",
+                                 initializer=torch.set_num_threads, initargs=(cfg.train.num_threads,))
+    history: list[dict[str, Any]] = []
+    sinks = make_sinks(list(cfg.log.report_to), run_dir, cfg.model_dump(mode="json"))
+    rollouts_fh = (run_dir / "rollouts.jsonl").open("a", encoding="utf-8")
+    try:
+        async with start_runtime(cfg) as rt:
+            # 0) the policy (same weights the engine serves), optimizer, hooks, resume point
+            policy = await loop.run_in_executor(trainer, lambda: load_policy(
+                rt.model_dir, learning_rate=cfg.train.learning_rate,
+                weight_decay=cfg.train.weight_decay, lora_rank=cfg.train.lora_rank))
+            tokenizer = load_tokenizer(rt.model_dir)
+            loss_fn = loss_fn_for(cfg.train.loss.kind, cfg.train.loss)
+            advantage_fn = advantage_fn_for(cfg.train.advantage)
+            hooks = _load_hooks(cfg)
+            start_step, version, next_group_id = 0, 0, 0
+            checkpoint = latest_checkpoint(run_dir) if resume else None
+            if checkpoint is not None:
+                state = await loop.run_in_executor(trainer, restore_checkpoint, policy, checkpoint)
+                start_step, version, next_group_id = state["step"], state["policy_version"], state["next_group_id"]
+                rt.engine.load_weights(await loop.run_in_executor(trainer, export_weights, policy), version)
+                console.print(f"resumed from {checkpoint} at step {start_step}, policy version {version}")
+            elif resume:
+                console.print("[yellow]no checkpoint found: starting from step 0[/]")
+
+            last_synced = await loop.run_in_executor(trainer, export_weights, policy)
+            orch = Orchestrator(
+                rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
+                group_size=cfg.rollout.group_size,
+                max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
+                limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
+                first_group_id=next_group_id,
+            )
+            groups_per_step = cfg.train.groups_per_step
+            orch.allow((cfg.train.max_staleness + 1) * groups_per_step)
+            orch.start()
+            try:
+                for step in range(start_step, cfg.train.steps):
+                    t_step = time.monotonic()
+                    # 1) pull the groups of this step (rollouts for later steps keep running)
+                    groups = [await orch.get_group() for _ in range(groups_per_step)]
+                    t_pulled = time.monotonic()
+                    for g in groups:
+                        for r in g.rollouts:
+                            rollouts_fh.write(r.model_dump_json() + "\n")
+                    rollouts_fh.flush()
+
+                    # 2) rewards (optionally reshaped by the hook) and group-relative advantages
+                    # 3) rows from traces, stamped with their rollout's advantage; stale rows dropped
+                    rows, row_metrics = _rows_for_step(groups, cfg, hooks, advantage_fn, version)
+
+                    # 4) one optimizer step on the trainer thread, while rollouts continue
+                    metrics: dict[str, Any] = {"step": step, **row_metrics}
+                    if rows:
+                        result = await loop.run_in_executor(trainer, lambda: optimizer_step(
+                            policy.model, policy.optimizer, rows, loss_fn,
+                            temperature=cfg.sampling.temperature, token_budget=cfg.train.token_budget,
+                            max_grad_norm=cfg.train.max_grad_norm))
+                        metrics.update(result.metrics)
+                    else:
+                        metrics["skipped"] = 1.0
+                    t_trained = time.monotonic()
+
+                    # 5) weight sync: the engine serves the new policy from its next decode step
+                    if rows and not metrics.get("skipped"):
+                        weights = await loop.run_in_executor(trainer, export_weights, policy)
+                        version += 1
+                        rt.engine.load_weights(weights, version)
+                        metrics["param_delta_l2"] = await loop.run_in_executor(
+                            trainer, _l2_distance, weights, last_synced)
+                        last_synced = weights
+                    orch.allow(groups_per_step)
+                    t_synced = time.monotonic()
+
+                    # 6) metrics, console, checkpoint
+                    metrics.update({
+                        "policy_version": version,
+                        "time/rollout_wait_s": t_pulled - t_step,
+                        "time/train_s": t_trained - t_pulled,
+                        "time/sync_s": t_synced - t_trained,
+                        "time/step_s": t_synced - t_step,
+                        "rollouts_in_flight_groups": orch.groups_in_flight,
+                    })
+                    history.append(metrics)
+                    for sink in sinks:
+                        sink.log(step, metrics)
+                    console.print(step_line(step, cfg.train.steps, metrics))
+                    for r in [r for g in groups for r in g.rollouts][: cfg.log.log_completions]:
+                        print_conversation(console, r)
+                    last = step + 1 == cfg.train.steps
+                    every = cfg.train.checkpoint_every
+                    if last or (every and (step + 1) % every == 0):
+                        # data position: the next group not yet dispatched (groups in flight
+                        # now are not replayed on resume)
+                        state = {"step": step + 1, "policy_version": version,
+                                 "next_group_id": orch.next_group_id}
+                        await loop.run_in_executor(trainer, save_checkpoint, policy, tokenizer,
+                                                   run_dir / "checkpoints" / f"step-{step + 1}", state)
+            finally:
+                await orch.close()
+        console.print(final_table(history))
+        return history
+    finally:
+        rollouts_fh.close()
+        for sink in sinks:
+            sink.close()
+        trainer.shutdown(wait=True, cancel_futures=True)
+
+
+def _rows_for_step(
+    groups: list[Group], cfg: RunConfig, hooks: dict[str, Any], advantage_fn: Any, version: int
+) -> tuple[list[Row], dict[str, float]]:
+    """Rewards → advantages → rows for the groups of one step, plus their metrics."""
+    from harnessrl.rollout.summary import summarize_groups
+    from harnessrl.train.advantages import stamp_advantage
+    from harnessrl.train.checks import untraceable_trained_tokens
+    from harnessrl.train.hooks import outcome_of
+    from harnessrl.train.samples import MergeStats, build_rows
+
+    reward_fn = hooks.get("rollout_reward_fn")
+    rows: list[Row] = []
+    stats = MergeStats()
+    counts: Counter[str] = Counter()
+    staleness: list[int] = []
+    shaped: list[Group] = []
+    for group in groups:
+        rollouts = [_reshape(r, reward_fn) for r in group.rollouts]
+        shaped.append(Group(group_id=group.group_id, task_id=group.task_id, rollouts=rollouts))
+        adv = advantage_fn([r.reward for r in rollouts])
+        if adv.zero_variance:
+            counts["groups_zero_variance"] += 1
+        for rollout, advantage in zip(rollouts, adv.advantages_G):
+            built, s = build_rows(
+                rollout, fork_threshold_tokens=cfg.train.fork_threshold_tokens,
+                train_turn_fn=hooks.get("train_turn_fn"), agent_turn_fn=hooks.get("agent_turn_fn"),
+                train_auxiliary=cfg.train.train_auxiliary)
+            stats = stats.merge(s)
+            if advantage is None:
+                counts["rows_unscored_dropped"] += len(built)
+                continue
+            if adv.zero_variance:
+                counts["rows_zero_variance_dropped"] += len(built)
+                continue
+            for row in stamp_advantage(built, advantage):
+                oldest = min(v for v, m in zip(row.policy_versions, row.completion_mask) if m)
+                if version - oldest > cfg.train.max_staleness:
+                    counts["rows_stale_dropped"] += 1
+                    continue
+                staleness.append(version - oldest)
+                rows.append(row)
+    metrics: dict[str, float] = {k: float(v) for k, v in counts.items()}
+    metrics.setdefault("rows_stale_dropped", 0.0)
+    summary = summarize_groups(shaped)
+    for key in ("reward_mean", "reward_std", "pass_rate", "turns_mean", "prompt_tokens", "completion_tokens"):
+        if key in summary:
+            metrics[key] = summary[key]
+    metrics.update({k: v for k, v in summary.items() if k.startswith("status/")})
+    metrics.update(stats.as_metrics())
+    metrics["rows"] = float(len(rows))
+    metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else math.nan
+    metrics["staleness_max"] = float(max(staleness)) if staleness else math.nan
+    metrics["invariant/untraceable_trained_tokens"] = float(
+        untraceable_trained_tokens(rows, [r for g in shaped for r in g.rollouts]))
+    return rows, metrics
+
+
+def _reshape(rollout: Rollout, reward_fn: Any) -> Rollout:
+    if reward_fn is None:
+        return rollout
+    from harnessrl.train.hooks import outcome_of
+
+    return rollout.model_copy(update={"reward": reward_fn(outcome_of(rollout))})
+
+
+def _load_hooks(cfg: RunConfig) -> dict[str, Any]:
+    from harnessrl.train.hooks import load_hook
+
+    hooks = {}
+    for name in ("agent_turn_fn", "train_turn_fn", "rollout_reward_fn"):
+        dotted = getattr(cfg.hooks, name)
+        if dotted:
+            hooks[name] = load_hook(dotted)
+    return hooks
+
+
+def _l2_distance(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """sqrt(sum over shared weights of ||a - b||^2): how far one step moved the parameters."""
+    import torch
+
+    return math.sqrt(sum(float(torch.sum((a[k] - b[k]) ** 2)) for k in a.keys() & b.keys()))

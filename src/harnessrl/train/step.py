@@ -1,0 +1,95 @@
+"""One optimizer step on a batch of rows: pack → trainer logprobs → loss → backward → clip → step.
+
+Responsibility: the algorithm-blind training step. The loss variant is a function passed in
+(`losses.loss_fn_for`); normalisation is the global token mean: every micro-batch's loss is
+`sum(loss_t) / num_trained_tokens_of_the_whole_batch`, so gradient accumulation over
+micro-batches equals one big batch.
+
+Metrics it returns: loss, grad_norm (before clipping), the loss's ratio and clip statistics
+(token-weighted over micro-batches), and `ratio_abs_dev`: mean |exp(trainer − sampler) − 1| over
+trained tokens at the weights *before* the update (at step 0 trainer and sampler hold the same
+weights, so this is the sampler/trainer parity check, DESIGN.md §3.2).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from harnessrl.train.losses import LossFn
+from harnessrl.train.packing import compute_trainer_logprobs, loss_inputs, pack_rows
+from harnessrl.types import Row
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: Sequence[Row],
+    loss_fn: LossFn,
+    *,
+    temperature: float,
+    token_budget: int,
+    max_grad_norm: float,
+) -> StepResult:
+    """Train on `rows` (advantages already stamped) with one optimizer update.
+
+    Rows with no trained token must not be passed (the samples builder drops them).
+    Returns metrics; `skipped=1` when there was nothing to train (no update happened).
+    """
+    t0 = time.perf_counter()
+    # 1) pack rows padding-free into micro-batches under the token budget
+    batches = pack_rows(rows, token_budget)
+    num_trained = sum(b.num_trained_tokens for b in batches)
+    if num_trained == 0:
+        return StepResult({"skipped": 1.0, "tokens_trained": 0.0})
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    mins: dict[str, float] = {}
+    maxs: dict[str, float] = {}
+    abs_dev_sum = 0.0
+    loss_total = 0.0
+    for batch in batches:
+        # 2) trainer logprobs of the sampled tokens (same temperature as the sampler)
+        trainer_lp_T = compute_trainer_logprobs(model, batch, temperature)
+        with torch.no_grad():
+            mask = batch.mask_T
+            ratio = torch.exp(trainer_lp_T.detach()[mask] - batch.sampler_logprobs_T[mask])
+            abs_dev_sum += float(torch.nan_to_num((ratio - 1).abs(), nan=0.0, posinf=0.0).sum())
+        # 3) loss, normalised by the whole batch's trained tokens, and backward
+        out = loss_fn(loss_inputs(batch, trainer_lp_T, num_trained))
+        out.loss.backward()
+        loss_total += float(out.loss.detach())
+        weight = batch.num_trained_tokens / num_trained
+        for key, value in out.metrics.items():
+            if key.endswith("_min"):
+                mins[key] = min(mins.get(key, value), value)
+            elif key.endswith("_max"):
+                maxs[key] = max(maxs.get(key, value), value)
+            elif key.endswith("_count") or key.startswith("num_"):
+                sums[key] = sums.get(key, 0.0) + value
+            else:
+                sums[key] = sums.get(key, 0.0) + weight * value
+    # 4) clip and update
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = {**sums, **mins, **maxs}
+    metrics.update(
+        loss=loss_total,
+        grad_norm=grad_norm,
+        ratio_abs_dev=abs_dev_sum / num_trained,
+        tokens_trained=float(num_trained),
+        tokens_packed=float(sum(b.num_tokens for b in batches)),
+        micro_batches=float(len(batches)),
+        train_s=time.perf_counter() - t0,
+    )
+    return StepResult(metrics)

@@ -1,0 +1,45 @@
+"""Summary numbers: pass@k against hand-computed values, statuses, rewards."""
+
+from __future__ import annotations
+
+import pytest
+
+from harnessrl.rollout.summary import pass_at_k, summarize_groups
+from harnessrl.types import Group, Rollout, Trace, Turn
+
+
+def _rollout(i: int, reward: float | None, status: str = "ok") -> Rollout:
+    turn = Turn(turn_index=0, request={}, prompt_ids=[1, 2, 3], completion_ids=[4, 5], completion_logprobs=[-0.1, -0.2])
+    return Rollout(rollout_id=f"r{i}", group_id=0, task_id="t", harness="h", status=status,
+                   reward=reward, trace=Trace(session_id=f"s{i}", turns=[turn]),
+                   timings_s={"agent_s": 2.0, "total_s": 3.0})
+
+
+def test_pass_at_k_hand_computed() -> None:
+    # n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    # n=4, c=0: never passes
+    assert pass_at_k(4, 0, 4) == 0.0
+    # n=4, c=3, k=2: n-c=1 < k -> 1.0
+    assert pass_at_k(4, 3, 2) == 1.0
+    # n=5, c=2, k=1: 1 - 3/5 = 0.4 = c/n
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="k=5"):
+        pass_at_k(4, 1, 5)
+
+
+def test_summarize_groups_counts_and_rewards() -> None:
+    g0 = Group(group_id=0, task_id="a", rollouts=[_rollout(0, 1.0), _rollout(1, 0.0), _rollout(2, None, "infra_error")])
+    g1 = Group(group_id=1, task_id="b", rollouts=[_rollout(3, 0.5), _rollout(4, 0.0), _rollout(5, 1.0, "timeout")])
+    s = summarize_groups([g0, g1])
+    assert s["rollouts"] == 6 and s["tasks"] == 2
+    assert s["scored"] == 5
+    assert s["pass_rate"] == pytest.approx(2 / 6)
+    # rewards 1, 0, 0.5, 0, 1: mean 0.5, population var = (0.25+0.25+0+0.25+0.25)/5 = 0.2
+    assert s["reward_mean"] == pytest.approx(0.5)
+    assert s["reward_std"] == pytest.approx(0.2 ** 0.5)
+    # each task: n=3, c=1 -> pass@1 = 1/3; pass@3 = 1
+    assert s["pass@1"] == pytest.approx(1 / 3)
+    assert s["pass@3"] == pytest.approx(1.0)
+    assert s["status/ok"] == 4 and s["status/infra_error"] == 1 and s["status/timeout"] == 1
+    assert s["prompt_tokens"] == 18 and s["completion_tokens"] == 12
