@@ -1,0 +1,354 @@
+"""The samples builder: one rollout's recorded turns -> training rows (DESIGN.md §5).
+
+Responsibility: decide which recorded turns are the agent's own, and merge them into rows of
+`input_ids`, `completion_mask`, `sampler_logprobs` and `policy_versions` by token prefixes.
+
+Which turns train (in this order):
+  1. Only `status="ok"` turns that pass `check_turn_faithful` are eligible; `error` and
+     `unfaithful` turns are excluded with their reason in `MergeStats.excluded`.
+  2. Retries: an eligible turn whose `prompt_ids` equal those of a *later* eligible turn is a
+     superseded retry (the agent used the later answer) and is excluded
+     (`retry_superseded`). Exact duplicates therefore train once, as the later turn.
+  3. Agent versus auxiliary turns (titles, summaries, compaction), decided structurally:
+     * Chains. Turns are taken in arrival order; turn j *continues* an earlier eligible
+       turn i when `prompt_i` is a prefix of `prompt_j` (j's conversation contains all of
+       i's prompt; the divergence, if any, lies inside i's completion or after it). Its
+       parent is the candidate with the longest common prefix between `prompt_j` and
+       `prompt_i + completion_i` (latest turn on ties). A turn with no parent starts a
+       new chain. A chain is a tree of turns under one root.
+     * Main chains. The final turn is the last eligible turn. Its chain is main, and so is
+       every chain whose root prompt shares at least `main_prefix_tokens` leading tokens
+       with the final chain's root prompt (the agent's system prompt and task survive a
+       compaction; a title or summariser call has its own system prompt and does not).
+     * A turn whose agent labelled it (`Turn.request_kind` set and not `"turn"`) is
+       auxiliary whatever its chain.
+     * `agent_turn_fn(turns) -> turns`, when given, replaces the structural rule: it gets
+       the eligible turns in order and returns the agent's turns (matched by `turn_index`).
+     Auxiliary turns are counted and not trained unless `train_auxiliary=True`.
+     Known limit: a summary request appended to the agent's own history, without a
+     `request_kind` label, is indistinguishable by tokens from a user follow-up; it is main.
+  4. `train_turn_fn(turn) -> bool` rejects a turn from training: its completion stays in
+     the row as context (mask 0).
+
+Merging (DESIGN.md §5). Each turn is merged into the row holding its parent's tokens:
+  * CLEAN: `prompt_ids` starts with the row's tokens: append the prompt tail (mask 0), then
+    the completion (mask 1, sampler logprobs, the turn's policy version).
+  * REALIGN: the divergence starts inside the row's last completion and would untrain fewer
+    than `fork_threshold_tokens` trained tokens: overwrite from the divergence (mask 0), append.
+  * FORK: otherwise, or for the root of a later chain: start a new row whose prompt is context.
+
+Invariants: every sampled token trains in at most one row; a trained token's id and logprob
+are exactly the engine's (no re-tokenisation); rows with no trained token are dropped; the
+logprob at index t is that of `input_ids[t]` given `input_ids[:t]`.
+
+What this module does not do: stamp advantages (see `advantages.py`), pack rows, or read
+rewards. Prefix comparisons are C-speed list-slice comparisons with a bisection for the
+divergence point; there is no per-token Python loop.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from harnessrl.types import Rollout, Row, Turn, check_turn_faithful
+
+MergeKind = Literal["clean", "realign", "fork"]
+AgentTurnFn = Callable[[list[Turn]], list[Turn]]
+TrainTurnFn = Callable[[Turn], bool]
+
+
+@dataclass(slots=True)
+class MergeStats:
+    """Counts from building rows of one or more rollouts; `merge` adds two together.
+
+    Fractions are over merged turns of main chains that follow the first one of their
+    rollout (the first turn starts a row and is neither CLEAN, REALIGN nor FORK).
+    """
+
+    num_clean: int = 0
+    num_realign: int = 0
+    num_fork: int = 0
+    num_turns: int = 0
+    """Recorded turns seen, all kinds."""
+    num_auxiliary: int = 0
+    """Eligible turns classified as auxiliary (trained only with `train_auxiliary`)."""
+    num_rejected_by_hook: int = 0
+    """Turns `train_turn_fn` kept as context only."""
+    num_rows: int = 0
+    num_dropped_rows: int = 0
+    """Rows built with no trained token (dropped)."""
+    tokens_trained: int = 0
+    tokens_untrained_by_realign: int = 0
+    """Sampled tokens that a REALIGN turned into context."""
+    tokens_total: int = 0
+    """Tokens in the kept rows (trained + context)."""
+    excluded: Counter[str] = field(default_factory=Counter)
+    """Turns never trained nor merged, by reason: `error`, `unfaithful`, `retry_superseded`."""
+
+    def merge(self, other: MergeStats) -> MergeStats:
+        """Return the element-wise sum of `self` and `other` (neither is modified)."""
+        return MergeStats(
+            num_clean=self.num_clean + other.num_clean,
+            num_realign=self.num_realign + other.num_realign,
+            num_fork=self.num_fork + other.num_fork,
+            num_turns=self.num_turns + other.num_turns,
+            num_auxiliary=self.num_auxiliary + other.num_auxiliary,
+            num_rejected_by_hook=self.num_rejected_by_hook + other.num_rejected_by_hook,
+            num_rows=self.num_rows + other.num_rows,
+            num_dropped_rows=self.num_dropped_rows + other.num_dropped_rows,
+            tokens_trained=self.tokens_trained + other.tokens_trained,
+            tokens_untrained_by_realign=self.tokens_untrained_by_realign
+            + other.tokens_untrained_by_realign,
+            tokens_total=self.tokens_total + other.tokens_total,
+            excluded=self.excluded + other.excluded,
+        )
+
+    def fractions(self) -> dict[str, float]:
+        """`{"clean": f, "realign": f, "fork": f}` over merged turns; zeros when none."""
+        n = self.num_clean + self.num_realign + self.num_fork
+        if n == 0:
+            return {"clean": 0.0, "realign": 0.0, "fork": 0.0}
+        return {"clean": self.num_clean / n, "realign": self.num_realign / n, "fork": self.num_fork / n}
+
+    def as_metrics(self, prefix: str = "samples/") -> dict[str, float]:
+        """Flat metrics for a `MetricsSink`: fractions, counts, and `excluded/<reason>`."""
+        out = {f"{prefix}frac_{k}": v for k, v in self.fractions().items()}
+        for name in ("num_turns", "num_auxiliary", "num_rejected_by_hook", "num_rows",
+                     "num_dropped_rows", "tokens_trained", "tokens_untrained_by_realign",
+                     "tokens_total"):
+            out[prefix + name] = float(getattr(self, name))
+        for reason, count in sorted(self.excluded.items()):
+            out[f"{prefix}excluded/{reason}"] = float(count)
+        return out
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id lists.
+
+    Compares list slices (C-speed) and bisects the first mismatch, so the total work is
+    O(len) element comparisons with O(log len) Python steps.
+    """
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _starts_with(seq: Sequence[int], prefix: Sequence[int]) -> bool:
+    return len(prefix) <= len(seq) and seq[: len(prefix)] == prefix
+
+
+@dataclass(slots=True)
+class _RowBuilder:
+    """Mutable row under construction (lists, extended in C)."""
+
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    last_completion_start: int = 0
+
+    @classmethod
+    def from_context(cls, prompt_ids: list[int]) -> _RowBuilder:
+        n = len(prompt_ids)
+        return cls(list(prompt_ids), [0] * n, [0.0] * n, [-1] * n, n)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:], self.mask[n:], self.logprobs[n:], self.versions[n:]
+
+    def append_context(self, ids: Sequence[int]) -> None:
+        k = len(ids)
+        self.tokens.extend(ids)
+        self.mask.extend([0] * k)
+        self.logprobs.extend([0.0] * k)
+        self.versions.extend([-1] * k)
+
+    def append_completion(self, turn: Turn, trained: bool) -> None:
+        self.last_completion_start = len(self.tokens)
+        if not trained:
+            self.append_context(turn.completion_ids)
+            return
+        k = len(turn.completion_ids)
+        self.tokens.extend(turn.completion_ids)
+        self.mask.extend([1] * k)
+        self.logprobs.extend(turn.completion_logprobs)
+        self.versions.extend([turn.policy_version] * k)
+
+
+def _merge_turn(
+    builder: _RowBuilder, turn: Turn, fork_threshold_tokens: int
+) -> tuple[MergeKind, _RowBuilder, int]:
+    """Merge `turn`'s prompt into `builder`; return (kind, the row to append to, untrained).
+
+    The returned row is `builder` (CLEAN, REALIGN) or a new row (FORK); `untrained` counts
+    trained tokens a REALIGN turned into context.
+    """
+    prompt = turn.prompt_ids
+    if _starts_with(prompt, builder.tokens):
+        builder.append_context(prompt[len(builder.tokens):])
+        return "clean", builder, 0
+    matched = common_prefix_len(builder.tokens, prompt)
+    if matched >= builder.last_completion_start:
+        untrained = sum(builder.mask[matched:])
+        if untrained < fork_threshold_tokens:
+            builder.truncate(matched)
+            builder.append_context(prompt[matched:])
+            return "realign", builder, untrained
+    return "fork", _RowBuilder.from_context(prompt), 0
+
+
+def _eligible_turns(turns: Sequence[Turn], stats: MergeStats) -> list[Turn]:
+    """Drop error, unfaithful and superseded-retry turns, counting each reason."""
+    ok: list[Turn] = []
+    for turn in turns:
+        if turn.status != "ok":
+            stats.excluded[turn.status] += 1
+        elif check_turn_faithful(turn) is not None:
+            stats.excluded["unfaithful"] += 1
+        else:
+            ok.append(turn)
+    last_index_of_prompt: dict[tuple[int, ...], int] = {}
+    for i, turn in enumerate(ok):
+        last_index_of_prompt[tuple(turn.prompt_ids)] = i
+    kept = [t for i, t in enumerate(ok) if last_index_of_prompt[tuple(t.prompt_ids)] == i]
+    if len(kept) < len(ok):
+        stats.excluded["retry_superseded"] += len(ok) - len(kept)
+    return kept
+
+
+def find_parents(turns: Sequence[Turn]) -> list[int | None]:
+    """Parent index of each turn in the chain forest (module docstring, rule 3).
+
+    `parents[j]` is the index i < j of the turn j continues, or None for a chain root.
+    """
+    parents: list[int | None] = []
+    for j, turn in enumerate(turns):
+        best, best_len = None, -1
+        for i in range(j - 1, -1, -1):
+            prev = turns[i]
+            # An earlier candidate cannot beat the best match if its whole text is not longer
+            # (ties go to the later turn); this keeps a linear chain O(turns) comparisons.
+            if len(prev.prompt_ids) + len(prev.completion_ids) <= best_len:
+                continue
+            if not _starts_with(turn.prompt_ids, prev.prompt_ids):
+                continue
+            n = len(prev.prompt_ids) + common_prefix_len(
+                prev.completion_ids, turn.prompt_ids[len(prev.prompt_ids):]
+            )
+            if n > best_len:
+                best, best_len = i, n
+        parents.append(best)
+    return parents
+
+
+def _root_of(parents: Sequence[int | None], j: int) -> int:
+    while (p := parents[j]) is not None:
+        j = p
+    return j
+
+
+def classify_main(
+    turns: Sequence[Turn], parents: Sequence[int | None], main_prefix_tokens: int
+) -> list[bool]:
+    """Whether each turn is the agent's own (main chains) rather than auxiliary.
+
+    Rule 3 of the module docstring: the final turn's chain is main, and so is every chain
+    whose root prompt shares >= `main_prefix_tokens` leading tokens with its root prompt;
+    a turn labelled by its agent with a `request_kind` other than `"turn"` is auxiliary.
+    """
+    if not turns:
+        return []
+    roots = [_root_of(parents, j) for j in range(len(turns))]
+    final_root_prompt = turns[roots[-1]].prompt_ids
+    main_root: dict[int, bool] = {}
+    for r in set(roots):
+        shared = common_prefix_len(turns[r].prompt_ids, final_root_prompt)
+        main_root[r] = r == roots[-1] or shared >= main_prefix_tokens
+    return [
+        main_root[roots[j]] and turns[j].request_kind in (None, "turn") for j in range(len(turns))
+    ]
+
+
+def build_rows(
+    rollout: Rollout,
+    *,
+    fork_threshold_tokens: int = 1024,
+    train_turn_fn: TrainTurnFn | None = None,
+    agent_turn_fn: AgentTurnFn | None = None,
+    train_auxiliary: bool = False,
+    main_prefix_tokens: int = 32,
+) -> tuple[list[Row], MergeStats]:
+    """Build the training rows of one rollout (module docstring for the rules).
+
+    Rows carry the rollout's `rollout_id` and `group_id` and `advantage=0.0` (stamped later).
+
+    Returns:
+        (rows in order of creation, stats). Rows hold >= 1 trained token each.
+    """
+    stats = MergeStats(num_turns=len(rollout.trace.turns))
+    eligible = _eligible_turns(rollout.trace.turns, stats)
+    parents = find_parents(eligible)
+    if agent_turn_fn is None:
+        is_main = classify_main(eligible, parents, main_prefix_tokens)
+    else:
+        chosen = {t.turn_index for t in agent_turn_fn(list(eligible))}
+        is_main = [t.turn_index in chosen for t in eligible]
+    stats.num_auxiliary = is_main.count(False)
+    builders: list[_RowBuilder] = []
+    builder_of: list[_RowBuilder | None] = [None] * len(eligible)
+    seen_main = False
+    for j, turn in enumerate(eligible):
+        if not (is_main[j] or train_auxiliary):
+            continue
+        parent = parents[j]
+        parent_row = builder_of[parent] if parent is not None else None
+        if parent_row is None:
+            row, kind = _RowBuilder.from_context(turn.prompt_ids), "fork"
+            builders.append(row)
+        else:
+            kind, row, untrained = _merge_turn(parent_row, turn, fork_threshold_tokens)
+            stats.tokens_untrained_by_realign += untrained
+            if row is not parent_row:
+                builders.append(row)
+        if is_main[j]:
+            if seen_main:
+                setattr(stats, f"num_{kind}", getattr(stats, f"num_{kind}") + 1)
+            seen_main = True
+        trained = train_turn_fn is None or bool(train_turn_fn(turn))
+        stats.num_rejected_by_hook += not trained
+        row.append_completion(turn, trained)
+        builder_of[j] = row
+    return _finish_rows(builders, rollout, stats), stats
+
+
+def _finish_rows(builders: list[_RowBuilder], rollout: Rollout, stats: MergeStats) -> list[Row]:
+    rows: list[Row] = []
+    for b in builders:
+        n_trained = sum(b.mask)
+        if n_trained == 0:
+            stats.num_dropped_rows += 1
+            continue
+        stats.tokens_trained += n_trained
+        stats.tokens_total += len(b.tokens)
+        rows.append(
+            Row(
+                input_ids=tuple(b.tokens),
+                completion_mask=tuple(b.mask),
+                sampler_logprobs=tuple(b.logprobs),
+                policy_versions=tuple(b.versions),
+                rollout_id=rollout.rollout_id,
+                group_id=rollout.group_id,
+            )
+        )
+    stats.num_rows += len(rows)
+    return rows
