@@ -1,0 +1,130 @@
+"""Procedural tasks with exact answers, generated from a seed.
+
+Responsibility: a built-in, dependency-free task family (`procedural`) that a 135M model can
+sometimes solve, so the CPU default recipe has a reward signal. `rewards/exact_match.py`
+scores it.
+
+Kinds (numbers scale with `difficulty` d >= 1; n_max = 10**(d+1) - 1, so 99 at d=1):
+  * `add`: a + b, a, b in [0, n_max];        `sub`: a - b (may be negative);
+  * `mul`: a * b, a, b in [2, 10**d - 1 (at least 9)];
+  * `compare`: the larger of two distinct numbers in [1, n_max];
+  * `reverse`: a string of 2 + 2d lowercase letters, reversed;
+  * `count`: occurrences of a letter in a string of 4 + 4d letters from a 4-letter alphabet.
+Integer answers are compared as the first integer found; string answers as stripped text.
+
+Determinism: task `get(seed)` uses index i = seed % size and draws everything from
+`random.Random(f"procedural:{seed_offset + i}:{difficulty}")` (string seeds hash with SHA-512,
+stable across processes and Python versions), so the same (seed, constructor args) always
+gives the same task. The agent is asked to write its answer to `answer.txt`.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Callable, Sequence
+
+from harnessrl.errors import TaskError
+from harnessrl.tasks.base import Task
+
+ANSWER_FILE = "answer.txt"
+INSTRUCTION = """\
+{question}
+
+Write only the final answer ({what}) to the file `{answer_file}` in the current directory, \
+for example with `echo ANSWER > {answer_file}`.
+"""
+
+Generator = Callable[[random.Random, int], tuple[str, str, str]]
+"""(rng, difficulty) -> (question, answer, answer kind "int" | "str")."""
+
+
+def _n_max(d: int) -> int:
+    return 10 ** (d + 1) - 1
+
+
+def _add(rng: random.Random, d: int) -> tuple[str, str, str]:
+    a, b = rng.randint(0, _n_max(d)), rng.randint(0, _n_max(d))
+    return f"What is {a} + {b}?", str(a + b), "int"
+
+
+def _sub(rng: random.Random, d: int) -> tuple[str, str, str]:
+    a, b = rng.randint(0, _n_max(d)), rng.randint(0, _n_max(d))
+    return f"What is {a} - {b}?", str(a - b), "int"
+
+
+def _mul(rng: random.Random, d: int) -> tuple[str, str, str]:
+    hi = max(9, 10**d - 1)
+    a, b = rng.randint(2, hi), rng.randint(2, hi)
+    return f"What is {a} * {b}?", str(a * b), "int"
+
+
+def _compare(rng: random.Random, d: int) -> tuple[str, str, str]:
+    a, b = rng.sample(range(1, _n_max(d) + 1), 2)
+    return f"Which of the two numbers {a} and {b} is larger?", str(max(a, b)), "int"
+
+
+def _reverse(rng: random.Random, d: int) -> tuple[str, str, str]:
+    word = "".join(rng.choices(string.ascii_lowercase, k=2 + 2 * d))
+    return f"Reverse the string '{word}'.", word[::-1], "str"
+
+
+def _count(rng: random.Random, d: int) -> tuple[str, str, str]:
+    alphabet = rng.sample(string.ascii_lowercase, 4)
+    word = "".join(rng.choices(alphabet, k=4 + 4 * d))
+    letter = rng.choice(alphabet)
+    return f"How many times does the letter '{letter}' appear in '{word}'?", str(word.count(letter)), "int"
+
+
+KINDS: dict[str, Generator] = {
+    "add": _add, "sub": _sub, "mul": _mul, "compare": _compare, "reverse": _reverse,
+    "count": _count,
+}
+"""Every kind a `ProceduralSource` can draw from."""
+
+
+class ProceduralSource:
+    """Seeded arithmetic and string tasks as a `TaskSource`.
+
+    Args:
+        kinds: which generators to draw from (keys of `KINDS`); each task picks one by seed.
+        difficulty: >= 1; scales number sizes and string lengths (module docstring).
+        size: number of distinct tasks (`len`); seed i and i + size give the same task.
+        seed_offset: shifts the generator seeds, giving a disjoint-looking set (e.g. eval).
+
+    Raises TaskError for an unknown kind, difficulty < 1 or size < 1.
+    """
+
+    def __init__(
+        self, kinds: Sequence[str] = tuple(KINDS), difficulty: int = 1, size: int = 1000,
+        seed_offset: int = 0,
+    ) -> None:
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown or not kinds:
+            raise TaskError(f"ProceduralSource kinds: unknown {unknown or kinds!r}; known {sorted(KINDS)}")
+        if difficulty < 1:
+            raise TaskError(f"ProceduralSource difficulty must be >= 1, got {difficulty}")
+        if size < 1:
+            raise TaskError(f"ProceduralSource size must be >= 1, got {size}")
+        self.kinds = tuple(kinds)
+        self.difficulty = difficulty
+        self.size = size
+        self.seed_offset = seed_offset
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get(self, seed: int) -> Task:
+        index = self.seed_offset + seed % self.size
+        rng = random.Random(f"procedural:{index}:{self.difficulty}")
+        kind = self.kinds[rng.randrange(len(self.kinds))]
+        question, answer, answer_kind = KINDS[kind](rng, self.difficulty)
+        what = "a single integer" if answer_kind == "int" else "just the resulting text"
+        return Task(
+            task_id=f"procedural/{kind}/i={index}/d={self.difficulty}",
+            family="procedural",
+            instruction=INSTRUCTION.format(question=question, what=what, answer_file=ANSWER_FILE),
+            hidden_tests={"answer": answer, "answer_kind": answer_kind},
+            system_prompt="You are a careful assistant. Answer exactly.",
+            metadata={"kind": kind, "question": question},
+        )
