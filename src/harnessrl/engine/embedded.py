@@ -1,0 +1,464 @@
+"""The embedded engine: an in-process transformers model served with continuous batching.
+
+Responsibility: turn concurrent `generate(prompt_ids, sampling)` calls (from any thread or
+event loop) into batched decode steps on one model copy the engine owns, and return the
+sampled ids with their logprobs and the weight version at admission.
+
+How it works. One decode thread owns the model, the KV batch (`engine/batch.py`) and all
+per-request state. Requests and weight loads reach it through a queue. Each loop iteration:
+  1) drain the queue (new requests wait; a weight load is applied now, between steps);
+  2) admit waiting requests up to `max_batch_size`: prefill each alone (batch 1, its own
+     cache), sample its first id, merge its cache into the left-padded batch;
+  3) one decode step: a single forward over `[B, 1]` ids (per-row position ids and padding
+     mask), sample every row (`engine/sampler.py`), finish rows that hit max_tokens, an EOS id
+     or a stop string, and drop them from the batch.
+A request arriving mid-generation therefore joins at the next step; a finished one leaves.
+Results go back through an asyncio future (`loop.call_soon_threadsafe`) or a
+`concurrent.futures.Future` for `generate_blocking`.
+
+Why not transformers' own continuous batching (`generate_batch` / `ContinuousBatchingManager`,
+5.x): it has one `do_sample` switch for all requests and draws from the global RNG (no
+per-request greedy/sampled mix, no per-request seed), no stop strings, no hook to swap
+weights between its steps, and its paged-attention cache targets accelerators. The loop here
+is small and keeps token faithfulness under our control.
+
+Weight swaps (DESIGN §3.6): `load_weights` blocks the caller until the decode thread has
+copied the tensors into the model between two steps, so the caller may reuse its tensors
+afterwards. Requests in flight continue with the new weights from the next step; their
+`Completion.policy_version` stays the version at admission (dispatch). Requests still
+waiting when the swap happens are admitted under the new version.
+
+Threads: `torch.set_num_threads` sets the intra-op thread count of the *calling* thread
+(OpenMP's per-thread ICV; checked with torch 2.13: a value set in a thread does not change the
+main thread's `torch.get_num_threads()`), so the engine calls it inside its decode thread and a
+trainer in another thread keeps its own setting.
+
+What it deliberately does not do: chunked prefill (a long prompt stalls the batch for its
+prefill), prefix caching, speculative decoding, GPU streams. Prefill of a prompt runs alone.
+Invariants: `Completion.prompt_ids` is the input exactly; `len(completion_ids) ==
+len(completion_logprobs)`; every logprob finite and <= 0; `finish_reason == "length"`
+whenever the (context-clipped) max_tokens cap was reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import DynamicCache
+
+from harnessrl.engine.batch import KVBatch
+from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
+from harnessrl.engine.sampler import RowSampling, sample_next
+from harnessrl.engine.stop import StopWatcher
+from harnessrl.errors import ContextLengthError, EngineError
+from harnessrl.types import Completion, Sampling
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT_TOKENS = 8192
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Deliver = Callable[[Completion | BaseException], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters of the decode thread (a snapshot)."""
+
+    decode_steps: int
+    """Batched forward passes over `[B, 1]` ids."""
+    batched_steps: int
+    """Decode steps that ran with B > 1."""
+    max_batch_size_seen: int
+    prefills: int
+    generated_tokens: int
+    weight_loads: int
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt_ids: tuple[int, ...]
+    sampling: Sampling
+    max_new_tokens: int
+    deliver: Deliver
+    row: RowSampling
+    stop: StopWatcher | None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generator: torch.Generator | None = None
+    policy_version: int = -1
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _WeightLoad:
+    state_dict: dict[str, torch.Tensor]
+    version: int
+    done: concurrent.futures.Future[None]
+
+
+_STOP = object()
+
+
+class EmbeddedEngine:
+    """In-process engine over a local HF model directory (implements `engine.base.Engine`)."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        *,
+        dtype: str = "float32",
+        num_threads: int | None = None,
+        max_batch_size: int = 32,
+        max_context_tokens: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Load the model and tokenizer from `model_dir` and start the decode thread.
+
+        Args:
+            model_dir: local HF directory (see `model_store.resolve_model`).
+            dtype: `float32` (default), `bfloat16` or `float16`.
+            num_threads: torch intra-op threads of the decode thread; None leaves torch's default.
+            max_batch_size: most sequences decoded together; more requests wait.
+            max_context_tokens: cap on `len(prompt) + completion`; default the model's
+                `max_position_embeddings`, capped at 8192.
+            seed: seeds the generator that seeds requests without their own `seed`.
+
+        Raises:
+            EngineError: unknown dtype or non-positive sizes.
+        """
+        if dtype not in _DTYPES:
+            raise EngineError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        if max_batch_size < 1:
+            raise EngineError(f"max_batch_size={max_batch_size} must be >= 1")
+        if num_threads is not None and num_threads < 1:
+            raise EngineError(f"num_threads={num_threads} must be >= 1")
+        self._model = load_causal_lm(Path(model_dir), dtype=dtype)
+        self._tokenizer = load_tokenizer(Path(model_dir))
+        config = self._model.config
+        model_ctx = min(int(getattr(config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_TOKENS)), DEFAULT_MAX_CONTEXT_TOKENS)
+        if max_context_tokens is not None and max_context_tokens < 2:
+            raise EngineError(f"max_context_tokens={max_context_tokens} must be >= 2")
+        self._max_context_tokens = max_context_tokens if max_context_tokens is not None else model_ctx
+        self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
+        self._eos_token_ids = _eos_ids(self._model)
+        self._num_threads = num_threads
+        self._max_batch_size = max_batch_size
+        self._seed_gen = torch.Generator().manual_seed(seed)
+        self._version = 0
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._active: list[_Request] = []
+        self._batch = KVBatch()
+        self._stats = dict.fromkeys(EngineStats.__slots__, 0)  # type: ignore[attr-defined]
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="harnessrl-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self._max_context_tokens
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def tokenizer(self) -> object:
+        """The model directory's tokenizer (used for stop strings; handy for callers)."""
+        return self._tokenizer
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**self._stats)
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        """Generate one completion; concurrent calls are decoded in one batch.
+
+        Raises:
+            ContextLengthError: `len(prompt_ids) >= max_context_tokens`.
+            EngineError: empty prompt, an id outside `[0, vocab)`, or the engine is closed/failed.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Completion] = loop.create_future()
+
+        def deliver(result: Completion | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(_resolve_async, fut, result)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+                log.debug("dropping a result for a closed event loop")
+
+        request = self._make_request(prompt_ids, sampling, deliver)
+        fut.add_done_callback(lambda f: request.cancelled.set() if f.cancelled() else None)
+        self._submit(request)
+        return await fut
+
+    def generate_blocking(
+        self, prompt_ids: list[int], sampling: Sampling, timeout_s: float | None = None
+    ) -> Completion:
+        """Like `generate`, for callers without an event loop (never call it on the decode thread).
+
+        Raises:
+            EngineError: as `generate`, or no result within `timeout_s` (the request is cancelled).
+        """
+        fut: concurrent.futures.Future[Completion] = concurrent.futures.Future()
+
+        def deliver(result: Completion | BaseException) -> None:
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+
+        request = self._make_request(prompt_ids, sampling, deliver)
+        self._submit(request)
+        try:
+            return fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            request.cancelled.set()
+            raise EngineError(f"generation did not finish within timeout_s={timeout_s}") from None
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy `state_dict` into the engine's model between decode steps; blocks until applied.
+
+        Keys are the model's own `state_dict()` names; a subset updates only those tensors.
+        Requests in flight continue with the new weights from the next step and keep their
+        admission version.
+
+        Raises:
+            EngineError: an unknown key, a shape mismatch, or the engine is closed/failed.
+        """
+        own = self._model.state_dict()
+        unknown = sorted(set(state_dict) - set(own))
+        if unknown:
+            raise EngineError(f"load_weights: unknown parameter names {unknown[:5]} (of {len(unknown)})")
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise EngineError(
+                    f"load_weights: {name} has shape {tuple(tensor.shape)}, model has {tuple(own[name].shape)}"
+                )
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(_WeightLoad(state_dict, version, done))
+        done.result()
+
+    def close(self) -> None:
+        """Stop the decode thread and fail requests still pending; idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> EmbeddedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- caller side --------------------------------------------------------------------
+
+    def _make_request(self, prompt_ids: list[int], sampling: Sampling, deliver: Deliver) -> _Request:
+        prompt = self._check_prompt(prompt_ids)
+        max_new = min(sampling.max_tokens, self._max_context_tokens - len(prompt))
+        stop = StopWatcher(self._tokenizer, sampling.stop) if sampling.stop else None
+        row = RowSampling(sampling.temperature, sampling.top_p, sampling.top_k)
+        return _Request(prompt, sampling, max_new, deliver, row, stop)
+
+    def _check_prompt(self, prompt_ids: list[int]) -> tuple[int, ...]:
+        if not prompt_ids:
+            raise EngineError("prompt_ids is empty")
+        for i, tok in enumerate(prompt_ids):
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self._vocab_size:
+                raise EngineError(f"prompt_ids[{i}]={tok!r} is not a token id in [0, {self._vocab_size})")
+        if len(prompt_ids) >= self._max_context_tokens:
+            raise ContextLengthError(
+                f"len(prompt_ids)={len(prompt_ids)} leaves no room for a completion "
+                f"(max_context_tokens={self._max_context_tokens})"
+            )
+        return tuple(prompt_ids)
+
+    def _submit(self, item: object) -> None:
+        # Under the lock, so nothing is queued after `_STOP` or after the failure drain.
+        with self._close_lock:
+            if self._failure is not None:
+                raise EngineError(f"engine failed: {self._failure!r}")
+            if self._closed:
+                raise EngineError("engine is closed")
+            self._queue.put(item)
+
+    # -- decode thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._num_threads is not None:
+            torch.set_num_threads(self._num_threads)  # per-thread setting, see module docstring
+        try:
+            with torch.inference_mode():
+                while self._drain_queue():
+                    self._drop_cancelled()
+                    self._admit()
+                    if self._active:
+                        self._decode_step()
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails every request, then the engine
+            log.exception("embedded engine decode thread failed")
+            with self._close_lock:
+                self._failure = exc
+            self._fail_all(EngineError(f"engine failed: {exc!r}"))
+            return
+        self._fail_all(EngineError("engine is closed"))
+
+    def _drain_queue(self) -> bool:
+        """Take queued items (blocking when idle); False once asked to stop."""
+        idle = not self._active and not self._waiting
+        items = [self._queue.get()] if idle else []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        keep_running = True
+        for item in items:
+            if item is _STOP:
+                keep_running = False
+            elif isinstance(item, _WeightLoad):
+                self._apply_weights(item)
+            else:
+                assert isinstance(item, _Request), f"unexpected queue item {item!r}"
+                if keep_running:
+                    self._waiting.append(item)
+                else:
+                    item.deliver(EngineError("engine is closed"))
+        return keep_running
+
+    def _apply_weights(self, load: _WeightLoad) -> None:
+        try:
+            own = self._model.state_dict()
+            for name, tensor in load.state_dict.items():
+                own[name].copy_(tensor)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, who sent the tensors
+            load.done.set_exception(EngineError(f"load_weights failed: {exc!r}"))
+            return
+        self._version = load.version
+        self._stats["weight_loads"] += 1
+        load.done.set_result(None)
+
+    def _drop_cancelled(self) -> None:
+        self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
+        gone = [b for b, r in enumerate(self._active) if r.cancelled.is_set()]
+        if gone:
+            self._batch.remove(gone)
+            self._active = [r for r in self._active if not r.cancelled.is_set()]
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self._max_batch_size:
+            req = self._waiting.popleft()
+            req.policy_version = self._version
+            seed = req.sampling.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+            req.generator = torch.Generator().manual_seed(seed)
+            cache = DynamicCache(config=self._model.config)
+            out = self._model(
+                input_ids=torch.tensor([req.prompt_ids], dtype=torch.long),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            self._stats["prefills"] += 1
+            (tok,), (lp,) = sample_next(out.logits[:, -1, :], [req.row], [req.generator])
+            if self._append(req, tok, lp):
+                continue
+            self._batch.add(cache, len(req.prompt_ids), tok)
+            self._active.append(req)
+
+    def _decode_step(self) -> None:
+        inputs = self._batch.step_inputs()
+        out = self._model(**inputs, use_cache=True)
+        rows = [r.row for r in self._active]
+        gens = [r.generator for r in self._active]
+        ids, lps = sample_next(out.logits[:, -1, :], rows, gens)  # type: ignore[arg-type]
+        self._batch.commit_step(inputs["attention_mask"], ids)  # type: ignore[arg-type]
+        B = len(self._active)
+        self._stats["decode_steps"] += 1
+        self._stats["batched_steps"] += int(B > 1)
+        self._stats["max_batch_size_seen"] = max(self._stats["max_batch_size_seen"], B)
+        finished = [b for b, (req, tok, lp) in enumerate(zip(self._active, ids, lps)) if self._append(req, tok, lp)]
+        if finished:
+            self._batch.remove(finished)
+            done = set(finished)
+            self._active = [r for b, r in enumerate(self._active) if b not in done]
+
+    def _append(self, req: _Request, tok: int, lp: float) -> bool:
+        """Record one sampled id; deliver and return True when the request is finished."""
+        req.completion_ids.append(tok)
+        req.logprobs.append(lp)
+        self._stats["generated_tokens"] += 1
+        reason: Literal["stop", "length"] | None = None
+        hit_stop = req.stop.push(tok) if req.stop is not None else False
+        if len(req.completion_ids) >= req.max_new_tokens:
+            reason = "length"
+        elif tok in self._eos_token_ids or hit_stop:
+            reason = "stop"
+        if reason is None:
+            return False
+        req.deliver(
+            Completion(
+                prompt_ids=req.prompt_ids,
+                completion_ids=tuple(req.completion_ids),
+                completion_logprobs=tuple(req.logprobs),
+                finish_reason=reason,
+                policy_version=req.policy_version,
+            )
+        )
+        return True
+
+    def _fail_all(self, error: EngineError) -> None:
+        for req in [*self._active, *self._waiting]:
+            req.deliver(error)
+        self._active, self._waiting = [], collections.deque()
+        self._batch = KVBatch()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Request):
+                item.deliver(error)
+            elif isinstance(item, _WeightLoad):
+                item.done.set_exception(error)
+
+
+def _resolve_async(fut: asyncio.Future[Completion], result: Completion | BaseException) -> None:
+    if fut.done():
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)
+
+
+def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """EOS ids from the generation config (int or list), else the model config."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))

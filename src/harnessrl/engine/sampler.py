@@ -1,0 +1,101 @@
+"""Next-token choice for a batch of rows, each with its own sampling parameters, and its logprob.
+
+Responsibility: given the last-position logits of B rows, pick one id per row (greedy or
+sampled with the row's own `torch.Generator`) and return the natural-log probability of that
+id under the distribution it was drawn from.
+
+The distribution (the order of HF's `TemperatureLogitsWarper -> TopKLogitsWarper ->
+TopPLogitsWarper`, and of vLLM's sampler):
+  1. `lp = log_softmax(logits / T)`, with T = 1 when the row is greedy (temperature 0);
+  2. top-k: keep the k largest `lp` (ties at the k-th value are kept), renormalise;
+  3. top-p (nucleus, Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"):
+     keep the smallest prefix of ids sorted by probability whose mass reaches `top_p`
+     (an id is kept when the mass strictly before it is < top_p), renormalise.
+Renormalising is `lp - logsumexp(lp[kept])`. When neither filter is active, the logprob is
+exactly `log_softmax(logits / T)[id]`, what a trainer computes on the same ids.
+
+What it deliberately does not do: repetition penalties, min-p, logit bias, beam search.
+Invariant: every returned logprob is finite and <= 0 (the chosen id is always in the kept set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """Sampling parameters of one row (the subset of `types.Sampling` the sampler needs)."""
+
+    temperature: float
+    """0 means greedy (argmax; logprobs of the T=1 distribution)."""
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def filter_logprobs(lp_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Restrict a row's log-distribution to its top-k / top-p set and renormalise.
+
+    Args:
+        lp_V: log-probabilities over the vocabulary, shape [V], float32.
+        top_k: ids kept by rank; 0 keeps all.
+        top_p: nucleus mass kept, in (0, 1]; 1.0 keeps all.
+
+    Returns:
+        Shape [V]: renormalised log-probabilities, -inf outside the kept set.
+    """
+    if 0 < top_k < lp_V.shape[-1]:
+        kth_value = torch.topk(lp_V, top_k).values[-1]
+        lp_V = lp_V.masked_fill(lp_V < kth_value, float("-inf"))
+        lp_V = lp_V - torch.logsumexp(lp_V, dim=-1)
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(lp_V, descending=True)
+        probs = sorted_lp.exp()
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[0] = False  # the most likely id is always kept
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        lp_V = lp_V.masked_fill(drop, float("-inf"))
+        lp_V = lp_V - torch.logsumexp(lp_V, dim=-1)
+    return lp_V
+
+
+def sample_next(
+    logits_B_V: torch.Tensor,
+    rows: Sequence[RowSampling],
+    generators: Sequence[torch.Generator],
+) -> tuple[list[int], list[float]]:
+    """Choose the next id of every row and its logprob.
+
+    Args:
+        logits_B_V: last-position logits, shape [B, V] (cast to float32 here).
+        rows: B sampling parameter sets, one per row.
+        generators: B CPU generators; row b draws only from `generators[b]`, so a row's
+            samples depend on its own seed and logits, not on which rows share the batch.
+
+    Returns:
+        (ids, logprobs): two lists of length B.
+    """
+    assert logits_B_V.shape[0] == len(rows) == len(generators), "one RowSampling and generator per row"
+    temps_B = torch.tensor(
+        [r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32
+    )
+    lp_B_V = torch.log_softmax(logits_B_V.float() / temps_B.unsqueeze(-1), dim=-1)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for b, row in enumerate(rows):
+        lp_V = filter_logprobs(lp_B_V[b], row.top_k, row.top_p) if row.needs_filter else lp_B_V[b]
+        if row.temperature == 0:
+            tok = int(torch.argmax(lp_V))
+        else:
+            tok = int(torch.multinomial(lp_V.exp(), 1, generator=generators[b]))
+        ids.append(tok)
+        logprobs.append(float(lp_V[tok]))
+    return ids, logprobs
