@@ -195,7 +195,14 @@ def check_turn_faithful(turn: Turn) -> str | None:
     reported = turn.usage.get("completion_tokens")
     if reported is not None and reported != n_ids:
         return f"usage.completion_tokens={reported} != len(completion_ids)={n_ids}"
-    for i, lp in enumerate(turn.completion_logprobs):
+    lps = turn.completion_logprobs
+    # Fast path in C (min/max/sum): a non-finite value makes the sum non-finite, and a finite
+    # sum that overflowed only sends us to the exact per-element loop below.
+    if (not lps or (max(lps) <= 0.0 and math.isfinite(sum(lps)))) and min(turn.prompt_ids) >= 0 and (
+        not turn.completion_ids or min(turn.completion_ids) >= 0
+    ):
+        return None
+    for i, lp in enumerate(lps):
         if not math.isfinite(lp) or lp > 0.0:
             return f"completion_logprobs[{i}]={lp!r} is not a finite value <= 0"
     for i, tok in enumerate([*turn.prompt_ids, *turn.completion_ids]):

@@ -145,7 +145,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _starts_with(seq: Sequence[int], prefix: Sequence[int]) -> bool:
-    return len(prefix) <= len(seq) and seq[: len(prefix)] == prefix
+    n = len(prefix)
+    if n > len(seq) or (n and seq[n - 1] != prefix[-1]):  # cheap rejection first
+        return False
+    return seq[:n] == prefix
 
 
 @dataclass(slots=True)
@@ -157,6 +160,9 @@ class _RowBuilder:
     logprobs: list[float]
     versions: list[int]
     last_completion_start: int = 0
+    last_turn: int = -1
+    """Index of the turn whose completion ends the row: then `tokens == prompt + completion`
+    of that turn, so its children's prefix match (from `_parents_and_matches`) applies."""
 
     @classmethod
     def from_context(cls, prompt_ids: list[int]) -> _RowBuilder:
@@ -186,18 +192,20 @@ class _RowBuilder:
 
 
 def _merge_turn(
-    builder: _RowBuilder, turn: Turn, fork_threshold_tokens: int
+    builder: _RowBuilder, turn: Turn, fork_threshold_tokens: int, known_match: int
 ) -> tuple[MergeKind, _RowBuilder, int]:
     """Merge `turn`'s prompt into `builder`; return (kind, the row to append to, untrained).
 
-    The returned row is `builder` (CLEAN, REALIGN) or a new row (FORK); `untrained` counts
-    trained tokens a REALIGN turned into context.
+    `known_match` is the common prefix length of `turn.prompt_ids` and `builder.tokens` when
+    already known, else -1. The returned row is `builder` (CLEAN, REALIGN) or a new row
+    (FORK); `untrained` counts trained tokens a REALIGN turned into context.
     """
     prompt = turn.prompt_ids
-    if _starts_with(prompt, builder.tokens):
-        builder.append_context(prompt[len(builder.tokens):])
+    n_row = len(builder.tokens)
+    matched = known_match if known_match >= 0 else common_prefix_len(builder.tokens, prompt)
+    if matched == n_row:
+        builder.append_context(prompt[n_row:])
         return "clean", builder, 0
-    matched = common_prefix_len(builder.tokens, prompt)
     if matched >= builder.last_completion_start:
         untrained = sum(builder.mask[matched:])
         if untrained < fork_threshold_tokens:
@@ -217,13 +225,30 @@ def _eligible_turns(turns: Sequence[Turn], stats: MergeStats) -> list[Turn]:
             stats.excluded["unfaithful"] += 1
         else:
             ok.append(turn)
-    last_index_of_prompt: dict[tuple[int, ...], int] = {}
-    for i, turn in enumerate(ok):
-        last_index_of_prompt[tuple(turn.prompt_ids)] = i
-    kept = [t for i, t in enumerate(ok) if last_index_of_prompt[tuple(t.prompt_ids)] == i]
+    superseded = _superseded_retries(ok)
+    kept = [t for i, t in enumerate(ok) if i not in superseded]
     if len(kept) < len(ok):
         stats.excluded["retry_superseded"] += len(ok) - len(kept)
     return kept
+
+
+def _superseded_retries(turns: Sequence[Turn]) -> set[int]:
+    """Indices of turns whose exact `prompt_ids` a later turn repeats.
+
+    Bucketed by a cheap key (length and 32 sampled ids), compared exactly inside a bucket,
+    so a trace costs one key per turn rather than hashing every prompt in full.
+    """
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for i, turn in enumerate(turns):
+        p = turn.prompt_ids
+        key = (len(p), *p[:: max(1, len(p) // 32)], *p[-8:])
+        buckets.setdefault(key, []).append(i)
+    superseded: set[int] = set()
+    for members in buckets.values():
+        for pos, i in enumerate(members):
+            if any(turns[i].prompt_ids == turns[k].prompt_ids for k in members[pos + 1:]):
+                superseded.add(i)
+    return superseded
 
 
 def find_parents(turns: Sequence[Turn]) -> list[int | None]:
@@ -231,24 +256,30 @@ def find_parents(turns: Sequence[Turn]) -> list[int | None]:
 
     `parents[j]` is the index i < j of the turn j continues, or None for a chain root.
     """
+    return _parents_and_matches(turns)[0]
+
+
+def _parents_and_matches(turns: Sequence[Turn]) -> tuple[list[int | None], list[int]]:
+    """Parents, and for each turn with a parent i the length of the common prefix of its
+    prompt with `prompt_i + completion_i` (-1 for roots)."""
     parents: list[int | None] = []
+    matches: list[int] = []
     for j, turn in enumerate(turns):
+        prompt = turn.prompt_ids
         best, best_len = None, -1
         for i in range(j - 1, -1, -1):
-            prev = turns[i]
+            prev_p, prev_c = turns[i].prompt_ids, turns[i].completion_ids
             # An earlier candidate cannot beat the best match if its whole text is not longer
             # (ties go to the later turn); this keeps a linear chain O(turns) comparisons.
-            if len(prev.prompt_ids) + len(prev.completion_ids) <= best_len:
+            n_prev = len(prev_p)
+            if n_prev + len(prev_c) <= best_len or not _starts_with(prompt, prev_p):
                 continue
-            if not _starts_with(turn.prompt_ids, prev.prompt_ids):
-                continue
-            n = len(prev.prompt_ids) + common_prefix_len(
-                prev.completion_ids, turn.prompt_ids[len(prev.prompt_ids):]
-            )
+            n = n_prev + common_prefix_len(prev_c, prompt[n_prev:n_prev + len(prev_c)])
             if n > best_len:
                 best, best_len = i, n
         parents.append(best)
-    return parents
+        matches.append(best_len)
+    return parents, matches
 
 
 def _root_of(parents: Sequence[int | None], j: int) -> int:
@@ -297,7 +328,7 @@ def build_rows(
     """
     stats = MergeStats(num_turns=len(rollout.trace.turns))
     eligible = _eligible_turns(rollout.trace.turns, stats)
-    parents = find_parents(eligible)
+    parents, matches = _parents_and_matches(eligible)
     if agent_turn_fn is None:
         is_main = classify_main(eligible, parents, main_prefix_tokens)
     else:
@@ -316,7 +347,8 @@ def build_rows(
             row, kind = _RowBuilder.from_context(turn.prompt_ids), "fork"
             builders.append(row)
         else:
-            kind, row, untrained = _merge_turn(parent_row, turn, fork_threshold_tokens)
+            known = matches[j] if parent_row.last_turn == parent else -1
+            kind, row, untrained = _merge_turn(parent_row, turn, fork_threshold_tokens, known)
             stats.tokens_untrained_by_realign += untrained
             if row is not parent_row:
                 builders.append(row)
@@ -327,7 +359,7 @@ def build_rows(
         trained = train_turn_fn is None or bool(train_turn_fn(turn))
         stats.num_rejected_by_hook += not trained
         row.append_completion(turn, trained)
-        builder_of[j] = row
+        row.last_turn, builder_of[j] = j, row
     return _finish_rows(builders, rollout, stats), stats
 
 
