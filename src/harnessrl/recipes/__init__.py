@@ -1,0 +1,1 @@
+"""Ready-made hooks for configs (`hooks.rollout_reward_fn = "harnessrl.recipes.shaping:..."`)."""
