@@ -118,7 +118,7 @@ def session_key(request: Request) -> str | None:
 async def chat_completions(request: Request, session: Session, deps: ProxyDeps) -> Response:
     """`POST /v1/chat/completions`: unary JSON, or SSE synthesised from the complete result."""
     body = await read_json(request, deps.capture.config.max_body_bytes)
-    prepared = prepare_chat(deps.capture, session, body, request.headers)
+    prepared = await prepare_chat(deps.capture, session, body, request.headers)
     if isinstance(prepared, ChatOutcome):
         return json_response(prepared.status_code, prepared.body)
     if not prepared.request.stream:

@@ -21,6 +21,7 @@ What this module deliberately does not do: HTTP framing, SSE, keys (see `app.py`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 RECORDED_HEADERS = ("x-session-id", "x-session-affinity", "x-stainless-retry-count", "session-id",
                     "x-codex-turn-metadata", "user-agent")
 """Headers copied into `Turn.headers` (looked up lower-case)."""
+OFFLOAD_RENDER_CHARS = 16_384
+"""Message text above which rendering runs in a worker thread."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,21 +95,29 @@ async def complete_chat(deps: CaptureDeps, session: Session, body: dict[str, Any
         The outcome; `status_code` 200 with a chat.completion body, 4xx for bad input, 5xx
         when the engine failed. Never raises for the agent's input or engine faults.
     """
-    prepared = prepare_chat(deps, session, body, headers)
+    prepared = await prepare_chat(deps, session, body, headers)
     if isinstance(prepared, ChatOutcome):
         return prepared
     return await generate_chat(deps, prepared)
 
 
-def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any],
-                 headers: Mapping[str, str]) -> PreparedChat | ChatOutcome:
-    """Validate and render; returns a recorded 4xx outcome when the input is bad."""
+async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any],
+                       headers: Mapping[str, str]) -> PreparedChat | ChatOutcome:
+    """Validate and render; returns a recorded 4xx outcome when the input is bad.
+
+    Conversations above `OFFLOAD_RENDER_CHARS` characters are rendered in a worker thread
+    (template + tokenisation of a 60 KB request takes tens of ms and would stall the loop);
+    small ones inline, where a thread hop would cost more than the render.
+    """
     started_at, started_perf_s = time.time(), time.perf_counter()
     turn_index = session.reserve_turn_index()
     kept = {k: v for k in RECORDED_HEADERS if (v := headers.get(k)) is not None}
     try:
         request = parse_chat_request(body)
-        prompt_ids = deps.chat.render(request.messages, request.tools)
+        if sum(len(m.content) for m in request.messages) > OFFLOAD_RENDER_CHARS:
+            prompt_ids = await asyncio.to_thread(deps.chat.render, request.messages, request.tools)
+        else:
+            prompt_ids = deps.chat.render(request.messages, request.tools)
         sampling = resolve_sampling(deps.config, request, len(prompt_ids), deps.engine.max_context_tokens)
     except RequestError as exc:
         turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, str(exc))
