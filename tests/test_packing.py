@@ -170,3 +170,42 @@ def test_gradient_accumulation_one_pack_equals_eight_micro_batches(tiny_model_di
     for g1, g8 in zip(grads_1, grads_8, strict=True):
         torch.testing.assert_close(g1, g8, atol=1e-6, rtol=0)
     assert max(g.abs().max().item() for g in grads_1) > 1e-4  # the loss has a real gradient
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_trainer_logprobs_reproduce_embedded_engine_sampler_logprobs(
+    tiny_model_dir: Path, tokenizer, temperature: float
+) -> None:
+    """Parity (DESIGN §3.2): the trainer's logprobs on the engine's own ids equal its logprobs."""
+    import asyncio
+
+    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.model_store import load_causal_lm
+    from harnessrl.types import Sampling
+
+    prompts = [
+        list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False))
+        for q in ("Hi!", "Write a haiku about packing rows without padding.")
+    ]
+    engine = EmbeddedEngine(tiny_model_dir, num_threads=1, seed=1)
+    try:
+        sampling = Sampling(temperature=temperature, max_tokens=12, seed=3)
+        completions = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+    finally:
+        engine.close()
+    rows = []
+    for c in completions:
+        assert len(c.completion_ids) > 0
+        rows.append(Row(
+            input_ids=c.prompt_ids + c.completion_ids,
+            completion_mask=(0,) * len(c.prompt_ids) + (1,) * len(c.completion_ids),
+            sampler_logprobs=(0.0,) * len(c.prompt_ids) + c.completion_logprobs,
+            policy_versions=(-1,) * len(c.prompt_ids) + (c.policy_version,) * len(c.completion_ids),
+            rollout_id="r", group_id=0,
+        ))
+    model = load_causal_lm(tiny_model_dir)
+    (packed,) = pack_rows(rows, token_budget=10_000)
+    with torch.no_grad():
+        trainer = compute_trainer_logprobs(model, packed, temperature=temperature)
+    torch.testing.assert_close(trainer[packed.mask_T], packed.sampler_logprobs_T[packed.mask_T], atol=1e-4, rtol=0)
