@@ -181,6 +181,17 @@ def test_title_call_in_parallel_with_turn_one_is_auxiliary() -> None:
     assert len(rows) == 2 and rows[1].input_ids == tuple(title_prompt + [90, 91])
 
 
+def test_labelled_auxiliary_call_after_the_last_turn_does_not_become_final() -> None:
+    p0 = SYSTEM + TASK
+    turns = [
+        _turn(0, p0, [10, 11]),
+        _turn(1, p0 + [10, 11, 20], [30]),
+        _turn(2, list(range(2000, 2030)), [90], request_kind="title"),
+    ]
+    (row,), stats = build_rows(_rollout(turns))
+    assert row.input_ids == tuple(p0 + [10, 11, 20, 30]) and stats.num_auxiliary == 1
+
+
 def test_compaction_mid_run_keeps_the_continued_session_main() -> None:
     p0 = SYSTEM + TASK
     history = p0 + [10, 11, 20, 30, 21]
@@ -211,6 +222,10 @@ def test_compaction_appended_to_history_is_auxiliary_when_labelled() -> None:
     rows, stats = build_rows(_rollout(turns))
     assert stats.num_auxiliary == 1
     assert (stats.num_clean, stats.num_realign, stats.num_fork) == (1, 0, 1)
+    # an unknown label leaves the agent's own turns trainable
+    relabelled = [t.model_copy(update={"request_kind": "user_turn"}) for t in (turns[0], turns[1], turns[3])]
+    _, stats_unknown = build_rows(_rollout(relabelled))
+    assert stats_unknown.num_auxiliary == 0
     assert [r.input_ids for r in rows] == [tuple(p0 + [10, 11, 20, 30]), tuple(p0 + [91, 92, 40])]
     assert rows[1].completion_mask == tuple([0] * (len(p0) + 2) + [1])  # the summary is context
 

@@ -16,17 +16,22 @@ Which turns train (in this order):
        parent is the candidate with the longest common prefix between `prompt_j` and
        `prompt_i + completion_i` (latest turn on ties). A turn with no parent starts a
        new chain. A chain is a tree of turns under one root.
-     * Main chains. The final turn is the last eligible turn. Its chain is main, and so is
+     * Main chains. The final turn is the last eligible turn not labelled auxiliary (below).
+       Its chain is main, and so is
        every chain whose root prompt shares at least `main_prefix_tokens` leading tokens
        with the final chain's root prompt (the agent's system prompt and task survive a
        compaction; a title or summariser call has its own system prompt and does not).
-     * A turn whose agent labelled it (`Turn.request_kind` set and not `"turn"`) is
-       auxiliary whatever its chain.
+     * A turn whose agent labelled it as auxiliary (`Turn.request_kind` containing one of
+       `AUXILIARY_KIND_MARKERS`: compact, title, summar) is auxiliary whatever its chain; any
+       other label (or none) leaves the structural decision alone, so an unknown label never
+       stops the agent's own turns from training.
      * `agent_turn_fn(turns) -> turns`, when given, replaces the structural rule: it gets
        the eligible turns in order and returns the agent's turns (matched by `turn_index`).
      Auxiliary turns are counted and not trained unless `train_auxiliary=True`.
      Known limit: a summary request appended to the agent's own history, without a
      `request_kind` label, is indistinguishable by tokens from a user follow-up; it is main.
+     And an unlabelled auxiliary call that arrives after the agent's last turn becomes the
+     final turn (harnesses we know issue titles early and summaries with a label).
   4. `train_turn_fn(turn) -> bool` rejects a turn from training: its completion stays in
      the row as context (mask 0).
 
@@ -56,6 +61,8 @@ from typing import Literal
 from harnessrl.types import Rollout, Row, Turn, check_turn_faithful
 
 MergeKind = Literal["clean", "realign", "fork"]
+AUXILIARY_KIND_MARKERS = ("compact", "title", "summar")
+"""Substrings of a lower-cased `Turn.request_kind` that mark a call as auxiliary."""
 AgentTurnFn = Callable[[list[Turn]], list[Turn]]
 TrainTurnFn = Callable[[Turn], bool]
 
@@ -295,19 +302,24 @@ def classify_main(
 
     Rule 3 of the module docstring: the final turn's chain is main, and so is every chain
     whose root prompt shares >= `main_prefix_tokens` leading tokens with its root prompt;
-    a turn labelled by its agent with a `request_kind` other than `"turn"` is auxiliary.
+    a turn whose `request_kind` holds an `AUXILIARY_KIND_MARKERS` substring is auxiliary.
     """
     if not turns:
         return []
     roots = [_root_of(parents, j) for j in range(len(turns))]
-    final_root_prompt = turns[roots[-1]].prompt_ids
+    unlabelled = [j for j in range(len(turns)) if not _labelled_auxiliary(turns[j])]
+    final_root = roots[unlabelled[-1] if unlabelled else len(turns) - 1]
+    final_root_prompt = turns[final_root].prompt_ids
     main_root: dict[int, bool] = {}
     for r in set(roots):
         shared = common_prefix_len(turns[r].prompt_ids, final_root_prompt)
-        main_root[r] = r == roots[-1] or shared >= main_prefix_tokens
-    return [
-        main_root[roots[j]] and turns[j].request_kind in (None, "turn") for j in range(len(turns))
-    ]
+        main_root[r] = r == final_root or shared >= main_prefix_tokens
+    return [main_root[roots[j]] and not _labelled_auxiliary(turns[j]) for j in range(len(turns))]
+
+
+def _labelled_auxiliary(turn: Turn) -> bool:
+    kind = (turn.request_kind or "").lower()
+    return any(marker in kind for marker in AUXILIARY_KIND_MARKERS)
 
 
 def build_rows(
