@@ -20,6 +20,7 @@ Invariant: every returned logprob is finite and <= 0 (the chosen id is always in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,15 +57,29 @@ def filter_logprobs(lp_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         lp_V = lp_V.masked_fill(lp_V < kth_value, float("-inf"))
         lp_V = lp_V - torch.logsumexp(lp_V, dim=-1)
     if top_p < 1.0:
-        sorted_lp, order = torch.sort(lp_V, descending=True)
+        sorted_lp, order = _sorted_head(lp_V, top_p)
         probs = sorted_lp.exp()
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop_sorted = mass_before >= top_p
         drop_sorted[0] = False  # the most likely id is always kept
-        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        drop = torch.ones_like(lp_V, dtype=torch.bool).scatter_(-1, order, drop_sorted)
         lp_V = lp_V.masked_fill(drop, float("-inf"))
         lp_V = lp_V - torch.logsumexp(lp_V, dim=-1)
     return lp_V
+
+
+_TOP_P_HEAD_IDS = 1024
+"""Ids examined first for top-p: when they hold >= top_p of the mass the nucleus lies within
+them (exact), which avoids sorting the whole vocabulary."""
+
+
+def _sorted_head(lp_V: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The highest log-probabilities in descending order, enough of them to hold mass top_p."""
+    if lp_V.shape[-1] > _TOP_P_HEAD_IDS:
+        head = torch.topk(lp_V, _TOP_P_HEAD_IDS)
+        if float(torch.logsumexp(head.values, dim=-1)) >= math.log(top_p):
+            return head.values, head.indices
+    return torch.sort(lp_V, descending=True)
 
 
 def sample_next(
@@ -88,14 +103,29 @@ def sample_next(
         [r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32
     )
     lp_B_V = torch.log_softmax(logits_B_V.float() / temps_B.unsqueeze(-1), dim=-1)
-    ids: list[int] = []
-    logprobs: list[float] = []
-    for b, row in enumerate(rows):
-        lp_V = filter_logprobs(lp_B_V[b], row.top_k, row.top_p) if row.needs_filter else lp_B_V[b]
-        if row.temperature == 0:
-            tok = int(torch.argmax(lp_V))
-        else:
-            tok = int(torch.multinomial(lp_V.exp(), 1, generator=generators[b]))
-        ids.append(tok)
-        logprobs.append(float(lp_V[tok]))
-    return ids, logprobs
+    if any(r.needs_filter for r in rows):
+        lp_B_V = torch.stack(
+            [filter_logprobs(lp_B_V[b], r.top_k, r.top_p) if r.needs_filter else lp_B_V[b] for b, r in enumerate(rows)]
+        )
+    ids_B = torch.argmax(lp_B_V, dim=-1)
+    sampled = [b for b, r in enumerate(rows) if r.temperature > 0]
+    if sampled:
+        ids_B[sampled] = _inverse_cdf_sample(lp_B_V[sampled], [generators[b] for b in sampled])
+    logprobs_B = lp_B_V.gather(-1, ids_B.unsqueeze(-1)).squeeze(-1)
+    return ids_B.tolist(), logprobs_B.tolist()
+
+
+def _inverse_cdf_sample(lp_S_V: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One draw per row from `exp(lp)` by inverse-CDF: the first id whose cumulative mass exceeds u.
+
+    One uniform per row from the row's own generator (`torch.multinomial` costs a random
+    number per vocabulary entry). The CDF is accumulated in float64; with `u` in [0, 1) the
+    target `u * total` lies below the last CDF entry, so an id is always found, and an id of
+    zero probability (CDF equal to its predecessor's) cannot be chosen.
+    """
+    cdf_S_V = torch.cumsum(lp_S_V.exp(), dim=-1, dtype=torch.float64)
+    u_S = torch.cat([torch.rand((1,), generator=g, dtype=torch.float64) for g in generators])
+    target_S_1 = (u_S * cdf_S_V[:, -1]).unsqueeze(-1)
+    ids_S = torch.searchsorted(cdf_S_V, target_S_1, right=True).squeeze(-1)
+    assert int(ids_S.max()) < lp_S_V.shape[-1], "inverse-CDF draw ran past the vocabulary"
+    return ids_S
