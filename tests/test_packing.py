@@ -209,3 +209,13 @@ async def test_trainer_logprobs_reproduce_embedded_engine_sampler_logprobs(
     with torch.no_grad():
         trainer = compute_trainer_logprobs(model, packed, temperature=temperature)
     torch.testing.assert_close(trainer[packed.mask_T], packed.sampler_logprobs_T[packed.mask_T], atol=1e-4, rtol=0)
+
+
+def test_greedy_temperature_uses_the_unscaled_distribution(model: torch.nn.Module) -> None:
+    (packed,) = pack_rows(_random_rows(2, seed=4), token_budget=10_000)
+    with torch.no_grad():
+        greedy = compute_trainer_logprobs(model, packed, temperature=0.0)
+        plain = compute_trainer_logprobs(model, packed, temperature=1.0)
+        hot = compute_trainer_logprobs(model, packed, temperature=0.5)
+    torch.testing.assert_close(greedy, plain, atol=0, rtol=0)
+    assert (hot - plain).abs().max() > 1e-3

@@ -11,7 +11,9 @@ Row isolation. The forward passes `position_ids` and no attention mask (and `use
 transformers (>= 4.5x, checked on 5.x for Llama with sdpa and eager) then detects the packed
 rows from the position resets (`masking_utils.find_packed_sequence_indices`) and builds a
 block-diagonal causal mask, so no token attends across rows. `tests/test_packing.py` checks
-that a row's logprobs inside a pack equal those computed alone (1e-5).
+that a row's logprobs inside a pack equal those computed alone (1e-5). With sdpa/eager that
+mask is a dense [T, T] boolean (64 MiB at T = 8192); `flash_attention_2` on GPU takes the same
+position ids and runs varlen kernels without it.
 
 Oversized rows: a row longer than the budget gets a micro-batch of its own; rows are never
 dropped or truncated (a too-long row is the trainer's memory problem to report, not a silent
