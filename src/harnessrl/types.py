@@ -110,6 +110,9 @@ class Turn(BaseModel):
     """What the agent's own headers say the call is (`turn`, `compaction`, ...), if they say."""
     usage: dict[str, int] = Field(default_factory=dict)
     """Usage reported to the agent: prompt_tokens, completion_tokens, total_tokens."""
+    notes: list[str] = Field(default_factory=list)
+    """What the proxy did to the request that `request` alone does not show (e.g. hosted tools
+    the engine cannot run, dropped before rendering)."""
 
 
 class Trace(BaseModel):

@@ -7,6 +7,8 @@ harnesses where its executable is.
 * `mini-swe-agent`: a venv made with the system `python3 -m venv`, then
   `pip install mini-swe-agent==<pin>` into it (about 750 MB).
 * `opencode`: `npm install --prefix <dir> opencode-ai@<pin>` (about 355 MB).
+* `pi`, `codex`, `claude-code`: the same npm form with `@mariozechner/pi-coding-agent`
+  (about 205 MB), `@openai/codex` (about 425 MB), `@anthropic-ai/claude-code`.
 
 Invariants:
   * An install is complete only when its record file (`installed.json`) exists; the record is
@@ -24,6 +26,7 @@ design notes on harness clients); change them only after re-measuring.
 from __future__ import annotations
 
 import fcntl
+import re
 import shutil
 import subprocess
 import time
@@ -71,6 +74,27 @@ AGENTS: dict[str, AgentSpec] = {
         package="opencode-ai",
         version="1.18.33",
         executable="node_modules/.bin/opencode",
+    ),
+    "pi": AgentSpec(
+        name="pi",
+        manager="npm",
+        package="@mariozechner/pi-coding-agent",
+        version="0.73.1",
+        executable="node_modules/.bin/pi",
+    ),
+    "codex": AgentSpec(
+        name="codex",
+        manager="npm",
+        package="@openai/codex",
+        version="0.171.0",
+        executable="node_modules/.bin/codex",
+    ),
+    "claude-code": AgentSpec(
+        name="claude-code",
+        manager="npm",
+        package="@anthropic-ai/claude-code",
+        version="2.1.332",
+        executable="node_modules/.bin/claude",
     ),
 }
 
@@ -226,7 +250,10 @@ def _installed_version(spec: AgentSpec, target: Path) -> str:
         case "npm":
             argv = [str(target / spec.executable), "--version"]
     out = _run(argv, _VERSION_TIMEOUT_S, f"{spec.name} version check").strip()
-    return out.splitlines()[-1].strip() if out else ""
+    last = out.splitlines()[-1].strip() if out else ""
+    # npm CLIs decorate it (`codex-cli 0.171.0`, `2.1.332 (Claude Code)`): keep the version token.
+    found = re.search(r"\d+\.\d+\.\d+\S*", last)
+    return found.group(0) if found else last
 
 
 def _system_python() -> str:

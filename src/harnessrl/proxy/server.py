@@ -21,11 +21,18 @@ import uvicorn
 from harnessrl.engine.base import Engine
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.errors import ConfigError
-from harnessrl.proxy.app import ProxyDeps, make_app
+from harnessrl.proxy import anthropic, responses
+from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_app
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.types import Endpoint, Trace
+
+
+def native_protocols() -> dict[str, ProtocolHandler]:
+    """The protocol routes served besides chat completions: Responses API and Anthropic Messages."""
+    return {"responses": responses.handle, "messages": anthropic.handle,
+            "messages/count_tokens": anthropic.count_tokens}
 
 
 class ProxyServer:
@@ -36,7 +43,7 @@ class ProxyServer:
         self.config = config or ProxyConfig()
         self.store = SessionStore(self.config.trace_path)
         self.deps = ProxyDeps(CaptureDeps(engine, chat, self.config), self.store)
-        self.app = make_app(self.deps)
+        self.app = make_app(self.deps, protocols=native_protocols())
         self.shutdown_timeout_s = shutdown_timeout_s
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
