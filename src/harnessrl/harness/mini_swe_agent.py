@@ -16,6 +16,8 @@ Protocols (mini-swe-agent 2.4 configs):
   * `tool_calls=True`: `mini.yaml`, one `bash` tool called through OpenAI tool calls.
 The run ends when a command prints `COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` (the rest of its
 output is the submission), at `step_limit`, or after `max_format_errors` bad replies in a row.
+`HarnessResult.final_answer` is that submission exactly as mini recorded it (trailing newline
+kept; None when empty); mini exits 0 at its limits, so only crashes set `error`.
 
 Environment (measured, see the harness-client notes): `MSWEA_CONFIGURED=true` (no set-up
 wizard), `MSWEA_COST_TRACKING=ignore_errors` (unknown model prices abort otherwise),
