@@ -25,8 +25,9 @@ train: setup
 	$(VENV)/bin/harnessrl harness install mini-swe-agent
 	$(VENV)/bin/harnessrl train --steps $(STEPS) --out runs/default
 
+# pytest exits 5 when it collects no test: that is not a failure of the set-up.
 test: setup agents
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) runs

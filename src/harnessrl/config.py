@@ -64,6 +64,10 @@ class TasksConfig(BaseModel):
     """Procedural task kinds (default: the generator's own set)."""
     difficulty: int = Field(default=1, ge=1)
     """Procedural difficulty knob."""
+    seed_offset: int = 0
+    """Procedural: shifts the task generator's seeds (a held-out set uses another offset)."""
+    answer_via: Literal["file", "reply"] = "file"
+    """Procedural: the agent writes `answer.txt` (`file`) or replies with the answer (`reply`)."""
 
 
 class HarnessConfig(BaseModel):

@@ -61,7 +61,7 @@ def make_task_source(cfg: TasksConfig) -> TaskSource:
         case "procedural":
             from harnessrl.tasks.procedural import ProceduralSource
 
-            kwargs = {"difficulty": cfg.difficulty}
+            kwargs = {"difficulty": cfg.difficulty, "seed_offset": cfg.seed_offset, "answer_via": cfg.answer_via}
             if cfg.kinds:
                 kwargs["kinds"] = tuple(cfg.kinds)
             source: TaskSource = ProceduralSource(**kwargs)

@@ -35,6 +35,10 @@ Write only the final answer ({what}) to the file `{answer_file}` in the current 
 for example with `echo ANSWER > {answer_file}`.
 """
 
+REPLY_INSTRUCTION = "{question} Reply with only the {what}."
+"""Instruction when `answer_via="reply"`: the answer is the assistant's reply itself (the
+verifier reads `final_answer`), for single-turn chat harnesses."""
+
 Generator = Callable[[random.Random, int], tuple[str, str, str]]
 """(rng, difficulty) -> (question, answer, answer kind "int" | "str")."""
 
@@ -91,13 +95,15 @@ class ProceduralSource:
         difficulty: >= 1; scales number sizes and string lengths (module docstring).
         size: number of distinct tasks (`len`); seed i and i + size give the same task.
         seed_offset: shifts the generator seeds, giving a disjoint-looking set (e.g. eval).
+        answer_via: `file` asks the agent to write `answer.txt`; `reply` asks for the answer
+            as the reply itself (single-turn harnesses).
 
     Raises TaskError for an unknown kind, difficulty < 1 or size < 1.
     """
 
     def __init__(
         self, kinds: Sequence[str] = tuple(KINDS), difficulty: int = 1, size: int = 1000,
-        seed_offset: int = 0,
+        seed_offset: int = 0, answer_via: str = "file",
     ) -> None:
         unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
@@ -110,6 +116,9 @@ class ProceduralSource:
         self.difficulty = difficulty
         self.size = size
         self.seed_offset = seed_offset
+        if answer_via not in ("file", "reply"):
+            raise TaskError(f"ProceduralSource answer_via must be 'file' or 'reply', got {answer_via!r}")
+        self.answer_via = answer_via
 
     def __len__(self) -> int:
         return self.size
@@ -119,11 +128,16 @@ class ProceduralSource:
         rng = random.Random(f"procedural:{index}:{self.difficulty}")
         kind = self.kinds[rng.randrange(len(self.kinds))]
         question, answer, answer_kind = KINDS[kind](rng, self.difficulty)
-        what = "a single integer" if answer_kind == "int" else "just the resulting text"
+        if self.answer_via == "reply":
+            what = "number" if answer_kind == "int" else "resulting text"
+            instruction = REPLY_INSTRUCTION.format(question=question, what=what)
+        else:
+            what = "a single integer" if answer_kind == "int" else "just the resulting text"
+            instruction = INSTRUCTION.format(question=question, what=what, answer_file=ANSWER_FILE)
         return Task(
             task_id=f"procedural/{kind}/i={index}/d={self.difficulty}",
             family="procedural",
-            instruction=INSTRUCTION.format(question=question, what=what, answer_file=ANSWER_FILE),
+            instruction=instruction,
             hidden_tests={"answer": answer, "answer_kind": answer_kind},
             system_prompt="You are a careful assistant. Answer exactly.",
             metadata={"kind": kind, "question": question},
