@@ -7,6 +7,7 @@ seeds matter; EOS and stop strings are made to fire by choosing them from a firs
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
 import shutil
@@ -19,6 +20,7 @@ from harnessrl.engine.base import Engine
 from harnessrl.engine.embedded import EmbeddedEngine
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer, resolve_model
 from harnessrl.engine.sampler import RowSampling, filter_logprobs, sample_next
+from harnessrl.engine.stop import StopWatcher
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
 
@@ -121,6 +123,23 @@ def test_filter_logprobs_hand_values() -> None:
     assert ids == [0] and lps[0] == pytest.approx(math.log(0.5), abs=1e-6)
 
 
+@pytest.mark.parametrize("scale", [0.5, 8.0])  # near-uniform (full sort) and peaked (top-1024 path)
+def test_top_p_matches_a_full_sort_reference(scale: float) -> None:
+    lp = torch.log_softmax(torch.randn(5000, generator=torch.Generator().manual_seed(1)) * scale, dim=-1)
+    probs, order = torch.sort(lp.exp().double(), descending=True)
+    kept, mass = [], 0.0
+    for p_i, i in zip(probs.tolist(), order.tolist()):  # smallest prefix reaching 0.9
+        kept.append(i)
+        mass += p_i
+        if mass >= 0.9:
+            break
+    out = filter_logprobs(lp, 0, 0.9)
+    assert sorted(torch.nonzero(torch.isfinite(out)).squeeze(-1).tolist()) == sorted(kept)
+    assert float(torch.logsumexp(out, dim=-1)) == pytest.approx(0.0, abs=1e-5)
+    if scale == 8.0:
+        assert len(kept) < 1024, "the peaked case must exercise the fast path"
+
+
 def test_max_tokens_clipped_to_context(tiny_model_dir: Path) -> None:
     with EmbeddedEngine(tiny_model_dir, num_threads=1, max_context_tokens=24) as eng:
         c = eng.generate_blocking(list(range(10, 30)), Sampling(temperature=0.0, max_tokens=100), timeout_s=60)
@@ -195,8 +214,32 @@ async def test_request_joins_mid_generation(engine: EmbeddedEngine, reference_mo
 async def test_cancelled_request_leaves_the_batch(engine: EmbeddedEngine) -> None:
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(engine.generate(PROMPTS[0], Sampling(max_tokens=5000)), timeout=0.3)
+    batched_before = engine.stats().batched_steps
     c = await engine.generate(PROMPTS[3], Sampling(temperature=0.0, max_tokens=3))
     assert len(c.completion_ids) == 3
+    assert engine.stats().batched_steps == batched_before, "the cancelled request kept decoding"
+
+
+def test_blocking_calls_from_threads_batch_together(engine: EmbeddedEngine) -> None:
+    sampling = Sampling(temperature=0.0, max_tokens=20)
+    batched_before = engine.stats().batched_steps
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        done = list(pool.map(lambda p: engine.generate_blocking(p, sampling, timeout_s=60), PROMPTS[:3]))
+    for c, p in zip(done, PROMPTS[:3]):
+        check_faithful(c, p)
+        assert c.completion_ids == engine.generate_blocking(p, sampling).completion_ids
+    assert engine.stats().batched_steps > batched_before
+
+
+def test_stop_watcher_handles_split_characters(tokenizer) -> None:  # noqa: ANN001
+    text = "naïve café 🙂 done. END here"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    watcher = StopWatcher(tokenizer, ["END"])
+    hits = [watcher.push(t) for t in ids]
+    first = hits.index(True)
+    assert "END" in tokenizer.decode(ids[: first + 1]) and "END" not in tokenizer.decode(ids[:first])
+    assert watcher.text == text
+    assert "\ufffd" not in watcher.text
 
 
 async def test_load_weights_bumps_version_and_changes_outputs(tiny_model_dir: Path) -> None:

@@ -28,10 +28,13 @@ afterwards. Requests in flight continue with the new weights from the next step;
 `Completion.policy_version` stays the version at admission (dispatch). Requests still
 waiting when the swap happens are admitted under the new version.
 
-Threads: `torch.set_num_threads` sets the intra-op thread count of the *calling* thread
-(OpenMP's per-thread ICV; checked with torch 2.13: a value set in a thread does not change the
-main thread's `torch.get_num_threads()`), so the engine calls it inside its decode thread and a
-trainer in another thread keeps its own setting.
+Threads: with torch's OpenMP backend (the CPU wheels), `torch.set_num_threads(n)` sets the
+calling thread's intra-op count *and* a process default that each thread adopts when it first
+runs a parallel torch op; a thread already initialised keeps its own count (checked with torch
+2.13: a main thread that has run ops keeps 1 after another thread sets 2, one that has not
+yet run any adopts 2). The engine therefore calls it first thing in its decode thread, so
+decode work uses exactly `num_threads`; a trainer running in another thread should call
+`torch.set_num_threads` itself (before or after the engine starts) to keep its own count.
 
 What it deliberately does not do: chunked prefill (a long prompt stalls the batch for its
 prefill), prefix caching, speculative decoding, GPU streams. Prefill of a prompt runs alone.
