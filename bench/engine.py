@@ -66,7 +66,9 @@ def real_tokens(ids: list[int], eos_ids: tuple[int, ...]) -> list[int]:
     return ids
 
 
-def bench_engine(engine: EmbeddedEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def bench_engine(
+    engine: EmbeddedEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[list[int]]]:
     sampling = Sampling(temperature=0.0, max_tokens=max_tokens)
 
     async def run() -> list[list[int]]:
@@ -88,7 +90,9 @@ def bench_generate_seq(model, prompts, max_tokens, eos_ids) -> tuple[float, list
     return time.perf_counter() - t0, outs
 
 
-def bench_generate_static(model, prompts, max_tokens, eos_ids, pad_id) -> tuple[float, list[list[int]]]:  # noqa: ANN001
+def bench_generate_static(  # noqa: ANN001
+    model, prompts, max_tokens, eos_ids, pad_id
+) -> tuple[float, list[list[int]]]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)

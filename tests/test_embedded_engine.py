@@ -78,8 +78,11 @@ async def test_logprob_parity_single_and_concurrent(
     # Same seed, same prompt: batching with other rows does not change the sampled ids.
     assert many[1].completion_ids == single.completion_ids
     if temperature == 0.0:
-        greedy = [int(torch.argmax(reference_model(torch.tensor([[*PROMPTS[1], *single.completion_ids[:k]]])).logits[0, -1]))
-                  for k in range(3)]
+        with torch.no_grad():
+            greedy = [
+                int(torch.argmax(reference_model(torch.tensor([[*PROMPTS[1], *single.completion_ids[:k]]])).logits[0, -1]))
+                for k in range(3)
+            ]
         assert list(single.completion_ids[:3]) == greedy
 
 
@@ -91,7 +94,9 @@ async def test_seeded_sampling_is_reproducible(engine: EmbeddedEngine) -> None:
     assert a.completion_ids != c.completion_ids
 
 
-async def test_top_k_top_p_logprobs_are_renormalised(engine: EmbeddedEngine, reference_model: torch.nn.Module) -> None:
+async def test_top_k_top_p_logprobs_are_renormalised(
+    engine: EmbeddedEngine, reference_model: torch.nn.Module
+) -> None:
     c = await engine.generate(PROMPTS[2], Sampling(temperature=0.8, top_k=5, top_p=0.9, max_tokens=6, seed=1))
     check_faithful(c, PROMPTS[2])
     ids = torch.tensor([[*c.prompt_ids, *c.completion_ids]])

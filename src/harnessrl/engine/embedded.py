@@ -149,7 +149,9 @@ class EmbeddedEngine:
         self._model = load_causal_lm(Path(model_dir), dtype=dtype)
         self._tokenizer = load_tokenizer(Path(model_dir))
         config = self._model.config
-        model_ctx = min(int(getattr(config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_TOKENS)), DEFAULT_MAX_CONTEXT_TOKENS)
+        model_ctx = min(
+            int(getattr(config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_TOKENS)), DEFAULT_MAX_CONTEXT_TOKENS
+        )
         if max_context_tokens is not None and max_context_tokens < 2:
             raise EngineError(f"max_context_tokens={max_context_tokens} must be >= 2")
         self._max_context_tokens = max_context_tokens if max_context_tokens is not None else model_ctx
@@ -402,7 +404,7 @@ class EmbeddedEngine:
         self._stats["decode_steps"] += 1
         self._stats["batched_steps"] += int(B > 1)
         self._stats["max_batch_size_seen"] = max(self._stats["max_batch_size_seen"], B)
-        finished = [b for b, (req, tok, lp) in enumerate(zip(self._active, ids, lps)) if self._append(req, tok, lp)]
+        finished = [b for b, req in enumerate(self._active) if self._append(req, ids[b], lps[b])]
         if finished:
             self._batch.remove(finished)
             done = set(finished)

@@ -105,7 +105,10 @@ def sample_next(
     lp_B_V = torch.log_softmax(logits_B_V.float() / temps_B.unsqueeze(-1), dim=-1)
     if any(r.needs_filter for r in rows):
         lp_B_V = torch.stack(
-            [filter_logprobs(lp_B_V[b], r.top_k, r.top_p) if r.needs_filter else lp_B_V[b] for b, r in enumerate(rows)]
+            [
+                filter_logprobs(lp_B_V[b], r.top_k, r.top_p) if r.needs_filter else lp_B_V[b]
+                for b, r in enumerate(rows)
+            ]
         )
     ids_B = torch.argmax(lp_B_V, dim=-1)
     sampled = [b for b, r in enumerate(rows) if r.temperature > 0]
