@@ -43,3 +43,21 @@ def test_summarize_groups_counts_and_rewards() -> None:
     assert s["pass@3"] == pytest.approx(1.0)
     assert s["status/ok"] == 4 and s["status/infra_error"] == 1 and s["status/timeout"] == 1
     assert s["prompt_tokens"] == 18 and s["completion_tokens"] == 12
+
+
+def test_action_format_credit_hand_computed() -> None:
+    from harnessrl.recipes.shaping import FORMAT_BONUS, action_format_credit
+    from harnessrl.train.hooks import outcome_of
+
+    def turn(i: int, content: str) -> Turn:
+        return Turn(turn_index=i, request={}, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.5],
+                    response={"choices": [{"message": {"role": "assistant", "content": content}}]})
+
+    good = "THOUGHT: look\n```mswea_bash_command\nls\n```"
+    two = good + "\n```bash\npwd\n```"
+    r = _rollout(0, 0.0).model_copy(update={"trace": Trace(session_id="s", turns=[turn(0, good), turn(1, "no action"), turn(2, two), turn(3, good)])})
+    # 2 of 4 replies hold exactly one action block: 0 + 0.3 * 0.5 * (1 - 0) = 0.15
+    assert action_format_credit(outcome_of(r)) == pytest.approx(FORMAT_BONUS * 0.5)
+    solved = r.model_copy(update={"reward": 1.0})
+    assert action_format_credit(outcome_of(solved)) == 1.0
+    assert action_format_credit(outcome_of(r.model_copy(update={"reward": None}))) is None

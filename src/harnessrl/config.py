@@ -85,7 +85,7 @@ class RolloutConfig(BaseModel):
     group_size: int = Field(default=4, ge=1)
     """G: rollouts per task (group)."""
     max_concurrent_rollouts: int = Field(default=4, ge=1)
-    agent_timeout_s: float = Field(default=240.0, gt=0)
+    agent_timeout_s: float = Field(default=180.0, gt=0)
     verify_timeout_s: float = Field(default=60.0, gt=0)
 
 
@@ -123,8 +123,9 @@ class HooksConfig(BaseModel):
     """Dotted path `pkg.module:fn` or `pkg.module.fn`: `(turns) -> turns`."""
     train_turn_fn: str | None = None
     """`(turn) -> bool`: whether a turn's completion trains (else it stays as context)."""
-    rollout_reward_fn: str | None = None
-    """`(outcome) -> float | None`: the rollout's reward (shaping)."""
+    rollout_reward_fn: str | None = "harnessrl.recipes.shaping:action_format_credit"
+    """`(outcome) -> float | None`: the rollout's reward (shaping). The default gives a small
+    model partial credit for well-formed actions (see `recipes/shaping.py`); "" disables it."""
 
 
 class LogConfig(BaseModel):

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from harnessrl.config import EngineConfig, HarnessConfig, RunConfig, TasksConfig
+from harnessrl.config import EngineConfig, RunConfig, TasksConfig
 from harnessrl.engine.base import Engine
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.harness.base import Harness
@@ -93,16 +93,6 @@ class LimitedSource:
         return self._inner.get(seed % self._limit)
 
 
-def make_harness_for_run(cfg: HarnessConfig, proxy: ProxyServer) -> Harness:
-    if cfg.kind == "white_box":
-        from harnessrl.harness.python_loop import WhiteBoxConfig, WhiteBoxHarness
-
-        return WhiteBoxHarness(proxy.deps.capture, proxy.store, WhiteBoxConfig.model_validate(cfg.options))
-    from harnessrl.harness.select import make_harness
-
-    return make_harness(cfg.kind, dict(cfg.options))
-
-
 def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:
     """The proxy enforces the run's sampling; it listens on a free loopback port."""
     return ProxyConfig(
@@ -121,6 +111,8 @@ def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:
 async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
     """Start every rollout-side component; stop them all on exit, whatever happened."""
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
+    from harnessrl.harness.install import installed_agent_dirs
+    from harnessrl.harness.select import make_harness
     from harnessrl.rewards.select import verifier_for
     from harnessrl.sandbox.local import LocalSandboxBackend
 
@@ -129,9 +121,10 @@ async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
     try:
         chat = ChatLayer(load_tokenizer(model_dir))
         async with ProxyServer(engine, chat, proxy_config_for(cfg, "harnessrl-policy")) as proxy:
-            harness = make_harness_for_run(cfg.harness, proxy)
-            ro_binds = _agent_install_dirs(cfg.harness.kind)
-            backend = LocalSandboxBackend(cfg.sandbox, ro_binds=ro_binds)
+            harness = make_harness(cfg.harness.kind, dict(cfg.harness.options),
+                                   capture=proxy.deps.capture, store=proxy.store)
+            # agents installed in the per-machine cache are bound read-only into sandboxes
+            backend = LocalSandboxBackend(cfg.sandbox, ro_binds=installed_agent_dirs())
             yield Runtime(
                 model_dir=model_dir,
                 engine=engine,
@@ -145,11 +138,3 @@ async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
     finally:
         engine.close()
 
-
-def _agent_install_dirs(kind: str) -> list[Path]:
-    from harnessrl.harness.install import agent_dir
-
-    if kind in ("mini-swe-agent", "mini_swe_agent", "opencode"):
-        path = agent_dir("mini-swe-agent" if kind.startswith("mini") else kind)
-        return [path] if path.exists() else []
-    return []

@@ -54,8 +54,9 @@ class MiniSweAgentConfig(BaseModel):
     tool_calls: bool = False
     """Use the tool-call protocol (`mini.yaml`); False uses the text protocol
     (`mini_textbased.yaml`, ```` ```mswea_bash_command ```` blocks) for models without tool calls."""
-    step_limit: int = Field(default=20, ge=1)
-    """Most model calls per rollout (mini's `agent.step_limit`)."""
+    step_limit: int = Field(default=4, ge=1)
+    """Most model calls per rollout (mini's `agent.step_limit`). Kept small by default: every
+    call's tokens are generated and then trained on; raise it for capable models."""
     cost_limit: float = Field(default=0.0, ge=0.0)
     """mini's dollar cost limit; 0 disables it (a local model has no price)."""
     max_format_errors: int = Field(default=3, ge=0)

@@ -3,6 +3,13 @@
 * `opencode_tool_use_reward`: the reference recipe's shaping (reference-system.md §1 "Verify and
   reward"): no `bash` call → -0.1; else the verifier's reward (0 on timeout) minus
   `min(0.5, 0.03 * max(0, tool_calls - 20))`.
+* `action_format_credit`: the default recipe's shaping for small models. A 135M model rarely
+  solves a task outright, so a group's verifier rewards are mostly all 0 and carry no gradient.
+  This adds partial credit for replies that are well-formed actions of the agent's text
+  protocol (exactly one fenced ```` ```mswea_bash_command ```` or ```` ```bash ```` block):
+  `r + bonus * (fraction of well-formed replies) * (1 - r)`, so a solved task still scores 1
+  and an unscored rollout stays None. Tool-call replies (when the request had tools) count as
+  well-formed too.
 * `first_token_parity_reward`: a smoke-test reward with variance even for a random-weight model
   (1.0 when the first completion id of the first ok turn is even, else 0.0). It says nothing
   about the task; it exists so a pipeline test can see a gradient.
@@ -10,7 +17,14 @@
 
 from __future__ import annotations
 
-from harnessrl.train.hooks import RolloutOutcome
+import re
+
+from harnessrl.train.hooks import RolloutOutcome, tool_call_names
+
+FORMAT_BONUS = 0.3
+"""Most partial credit `action_format_credit` gives for well-formed replies."""
+
+_ACTION_BLOCK = re.compile(r"```(?:mswea_bash_command|bash)[^\n]*\n.*?```", re.DOTALL)
 
 
 def opencode_tool_use_reward(outcome: RolloutOutcome) -> float | None:
@@ -21,6 +35,23 @@ def opencode_tool_use_reward(outcome: RolloutOutcome) -> float | None:
     base = 0.0 if outcome.timed_out else outcome.reward
     total_calls = sum(outcome.tool_calls_by_name.values())
     return base - min(0.5, 0.03 * max(0, total_calls - 20))
+
+
+def action_format_credit(outcome: RolloutOutcome) -> float | None:
+    if outcome.reward is None:
+        return None
+    replies = 0
+    well_formed = 0
+    for turn in outcome.rollout.trace.turns:
+        if turn.status != "ok" or not turn.response or not turn.response.get("choices"):
+            continue
+        replies += 1
+        message = turn.response["choices"][0].get("message") or {}
+        content = message.get("content") or ""
+        if tool_call_names(turn) or len(_ACTION_BLOCK.findall(content)) == 1:
+            well_formed += 1
+    fraction = well_formed / replies if replies else 0.0
+    return outcome.reward + FORMAT_BONUS * fraction * (1.0 - outcome.reward)
 
 
 def first_token_parity_reward(outcome: RolloutOutcome) -> float | None:
