@@ -136,7 +136,7 @@ def test_blocks_convert_to_chat_messages():
     ({"messages": MESSAGES, "mcp_servers": []}, "mcp_servers"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"messages": MESSAGES, "tools": [TOOL], "tool_choice": {"type": "any"}}, "tool_choice"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
 ])
 def test_unsupported_input_is_rejected_naming_the_field(body, param):
     with pytest.raises(RequestError) as info:

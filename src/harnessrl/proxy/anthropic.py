@@ -11,7 +11,8 @@ Keys: Claude Code sends `x-api-key` (ANTHROPIC_API_KEY) or `Authorization: Beare
 Request conversion (each unsupported field or block type -> 400 naming it, in Anthropic's
 error form `{"type": "error", "error": {"type", "message"}}`):
 * `system` (string or text blocks) -> a leading system message.
-* `messages[i]` with role user/assistant; content a string or blocks:
+* `messages[i]` with role user/assistant/system (Claude Code sends system messages between
+  turns; they become system messages in place); content a string or blocks:
   - user `text` blocks -> a user message (consecutive text blocks joined with "\\n");
     `tool_result` (content a string or text blocks; `is_error` adds nothing the model sees,
     as in the API's own rendering of tool results) -> a `tool` message, in block order;
@@ -24,7 +25,8 @@ error form `{"type": "error", "error": {"type", "message"}}`):
 * `tool_choice` `auto` / `none` (`any` and `tool` -> 400: the engine cannot force a call);
   `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences` -> chat fields.
 * Ignored: `metadata`, `cache_control` (anywhere), `service_tier`, `thinking` (the chat
-  template decides whether the model thinks), `context_management`.
+  template decides whether the model thinks), `context_management` (Claude Code asks to
+  clear old thinking; nothing is stored here), `output_config` with only `effort`.
 
 Result: content blocks `thinking` (when the completion had a `<think>` block; empty
 `signature`), `text` (when there is text, or nothing else), `tool_use` (input = the parsed
@@ -136,9 +138,12 @@ def to_chat_body(body: dict[str, Any]) -> native.Converted:
         RequestError: unsupported field or block type, or a malformed one; `param` names it
             (`messages[2].content[0].type`, `tools[1].input_schema`, ...).
     """
-    for key in body:
+    for key, value in body.items():
+        if key == "output_config" and isinstance(value, dict) and set(value) <= {"effort"}:
+            continue  # effort only steers Anthropic's own models; `format` would change the output
         if key not in USED_FIELDS and key not in IGNORED_FIELDS:
-            raise RequestError(f"unsupported field '{key}'", param=key)
+            raise RequestError(f"unsupported field '{key}'" if key != "output_config"
+                               else f"output_config={value!r} is not supported (only 'effort')", param=key)
     notes: list[str] = []
     messages = _system(body.get("system"))
     raw = body.get("messages")
@@ -184,8 +189,10 @@ def _message(m: object, where: str, notes: list[str]) -> list[dict[str, Any]]:
     if not isinstance(m, dict):
         raise RequestError(f"{where} must be an object", param=where)
     role, content = m.get("role"), m.get("content")
-    if role not in ("user", "assistant"):
-        raise RequestError(f"{where}.role={role!r} is not one of assistant, user", param=f"{where}.role")
+    if role not in ("user", "assistant", "system"):
+        raise RequestError(f"{where}.role={role!r} is not one of assistant, system, user", param=f"{where}.role")
+    if role == "system":  # Claude Code puts system reminders between turns
+        return [{"role": "system", "content": _text_blocks(content, f"{where}.content")}]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):

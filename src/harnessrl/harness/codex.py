@@ -1,0 +1,118 @@
+"""Codex CLI (npm `@openai/codex`, pinned in `install.py`) as a loop-owning harness.
+
+Responsibility: run `codex exec` headless on one task inside a sandbox, pointed at the proxy's
+Responses API (`POST /v1/responses`; Codex refuses `wire_api = "chat"`), and take the last
+message it writes with `-o` as the final answer.
+
+How the endpoint reaches the agent: `<home>/.harnessrl/codex/config.toml` (the directory is
+`CODEX_HOME`) declares one model provider `harnessrl` with `wire_api = "responses"` and
+`base_url` = the proxy's keyed base URL (`/r/<key>/v1`), so no key travels in the
+environment or argv; approvals are off (`approval_policy = "never"`), Codex's own sandbox is
+off (the rollout's sandbox isolates it), update checks and analytics are off.
+
+Behaviour to know (measured, see the harness-client notes): Codex always streams; it sends
+`x-codex-turn-metadata` with `request_kind` (`turn`, `compaction`), recorded as
+`Turn.request_kind`; it compacts when usage passes `auto_compact_tokens`; it sends a hosted
+`web_search` tool (dropped by the proxy with a note) unless `web_search = "disabled"`, which
+this harness sets. A response cut at the token cap (`response.incomplete`) is a stream error
+to Codex: it retries the call up to 5 times, then exits 1. It tries DNS for github.com and
+chatgpt.com at start; offline these fail fast.
+
+What this module deliberately does not do: pass the endpoint through the environment, or use
+Codex's MCP / app-server modes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harnessrl.harness.base import HarnessResult
+from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, base_env, run_agent_process
+from harnessrl.harness.install import agent_executable
+from harnessrl.sandbox.base import Sandbox
+from harnessrl.tasks.base import Task
+from harnessrl.types import Endpoint
+
+AGENT = "codex"
+PROVIDER_ID = "harnessrl"
+
+
+class CodexConfig(BaseModel):
+    """Options of the Codex harness."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    context_tokens: int = Field(default=32000, ge=256)
+    """`model_context_window` declared to Codex."""
+    auto_compact_tokens: int = Field(default=24000, ge=128)
+    """`model_auto_compact_token_limit`: Codex compacts when reported usage passes it."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further `codex exec` options."""
+    kill_grace_s: float = Field(default=2.0, ge=0.0)
+    """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
+
+
+class CodexHarness:
+    """Runs `codex exec --skip-git-repo-check --ephemeral` in the sandbox workdir."""
+
+    name = AGENT
+
+    def __init__(self, config: CodexConfig | None = None) -> None:
+        self.config = config or CodexConfig()
+
+    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        """Run Codex on `task` for at most `timeout_s` wall seconds.
+
+        Raises:
+            HarnessInstallError: Codex is not installed (the message gives the install command).
+                Agent failures never raise.
+        """
+        executable = agent_executable(AGENT)
+        state = agent_state_dir(sandbox, AGENT)
+        (state / "config.toml").write_text(self.config_toml(endpoint))
+        answer_path = state / "last_message.txt"
+        argv = [str(executable), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
+                "-c", 'web_search="disabled"', "-o", str(answer_path), *self.config.extra_args, task.instruction]
+        env = base_env(sandbox, {"CODEX_HOME": str(state), "DO_NOT_TRACK": "1"})
+        log_path = agent_log_path(sandbox, AGENT)
+        run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
+        error = None
+        if not run.timed_out and run.exit_code != 0:
+            lines = [ln for ln in run.log_tail.splitlines() if ln.strip()]
+            error = f"codex exited with code {run.exit_code}: {lines[-1][:500] if lines else 'no output'}"
+        return HarnessResult(exit_code=run.exit_code, timed_out=run.timed_out, final_answer=_read(answer_path),
+                             error=error, log_tail=run.log_tail)
+
+    def config_toml(self, endpoint: Endpoint) -> str:
+        """The `config.toml` content for `endpoint` (see the module docstring)."""
+        base_url = endpoint.keyed_base_url or endpoint.base_url
+        q = json.dumps  # a JSON string literal is a valid TOML basic string
+        return "\n".join([
+            f"model = {q(endpoint.model)}",
+            f"model_provider = {q(PROVIDER_ID)}",
+            'approval_policy = "never"',
+            'sandbox_mode = "danger-full-access"',
+            "check_for_update_on_startup = false",
+            f"model_context_window = {self.config.context_tokens}",
+            f"model_auto_compact_token_limit = {self.config.auto_compact_tokens}",
+            "",
+            f"[model_providers.{PROVIDER_ID}]",
+            'name = "harnessrl proxy"',
+            f"base_url = {q(base_url)}",
+            'wire_api = "responses"',
+            "",
+            "[analytics]",
+            "enabled = false",
+            "",
+        ])  # fmt: skip
+
+
+def _read(path: Path) -> str | None:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+    return text.strip() or None
