@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from harnessrl.errors import RequestError
-from harnessrl.proxy.capture import RECORDED_HEADERS, ChatOutcome, PreparedChat, generate_chat, prepare_chat, request_kind
+from harnessrl.proxy.capture import (RECORDED_HEADERS, CaptureDeps, ChatOutcome, PreparedChat, generate_chat,
+                                     prepare_chat, request_kind)
 from harnessrl.proxy.sessions import Session
 from harnessrl.types import Turn
 
@@ -75,7 +76,8 @@ def record_rejected(session: Session, protocol: str, body: dict[str, Any], heade
     return turn
 
 
-async def prepare(call: Call, deps: Any, converted: Converted, headers: Mapping[str, str]) -> PreparedChat | ChatOutcome:
+async def prepare(call: Call, deps: CaptureDeps, converted: Converted,
+                  headers: Mapping[str, str]) -> PreparedChat | ChatOutcome:
     """`capture.prepare_chat` on the converted body; a 4xx outcome comes back restamped."""
     prepared = await prepare_chat(deps, call.session, converted.chat_body, headers)
     if isinstance(prepared, ChatOutcome):
@@ -83,14 +85,14 @@ async def prepare(call: Call, deps: Any, converted: Converted, headers: Mapping[
     return prepared
 
 
-async def generate(call: Call, deps: Any, prepared: PreparedChat) -> ChatOutcome:
+async def generate(call: Call, deps: CaptureDeps, prepared: PreparedChat) -> ChatOutcome:
     """`capture.generate_chat`, restamped (the caller sets `Turn.response` once it is built)."""
     outcome = await generate_chat(deps, prepared)
     restamp(call, outcome.turn, None)
     return outcome
 
 
-async def generate_with_keepalive(call: Call, deps: Any, prepared: PreparedChat,
+async def generate_with_keepalive(call: Call, deps: CaptureDeps, prepared: PreparedChat,
                                   keepalive_s: float) -> AsyncIterator[ChatOutcome | None]:
     """Generate in a task; yield None every `keepalive_s` while it runs, then the outcome."""
     task = asyncio.ensure_future(generate(call, deps, prepared))
