@@ -81,7 +81,7 @@ async def test_fifty_faulty_rollouts_leave_nothing(tiny_model_dir: Path, sandbox
     from harnessrl.proxy.server import ProxyServer
 
     harness = CommandHarness(CommandHarnessConfig(
-        argv=[sys.executable, "{state_dir}/agent.py", "{base_url}", "{api_key}", "{instruction_file}"],
+        argv=["python3", "{state_dir}/agent.py", "{base_url}", "{api_key}", "{instruction_file}"],
         files={"agent.py": AGENT}, kill_grace_s=0.5))
     engine = EmbeddedEngine(tiny_model_dir, num_threads=1, seed=0)
     groups = []

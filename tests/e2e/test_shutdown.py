@@ -41,7 +41,7 @@ def _config(tmp_path: Path, sandboxes: Path) -> Path:
         f"[sandbox]\nroot_dir = {json.dumps(str(sandboxes))}\n"
         "[harness]\nkind = \"command\"\n"
         "[harness.options]\n"
-        f"argv = [{json.dumps(sys.executable)}, \"{{state_dir}}/agent.py\", \"{{base_url}}\", \"{{api_key}}\"]\n"
+        "argv = [\"python3\", \"{state_dir}/agent.py\", \"{base_url}\", \"{api_key}\"]\n"
         f"files = {{ \"agent.py\" = {json.dumps(AGENT)} }}\n"
     )
     return config

