@@ -21,19 +21,36 @@ from harnessrl.harness.claude_code import ClaudeCodeConfig, ClaudeCodeHarness
 from harnessrl.harness.codex import CodexConfig, CodexHarness
 from harnessrl.harness.opencode import OpencodeConfig, OpencodeHarness
 from harnessrl.harness.pi import PiConfig, PiHarness
+from harnessrl.harness.python_loop import WhiteBoxConfig, WhiteBoxHarness
+from harnessrl.proxy.capture import CaptureDeps
+from harnessrl.proxy.sessions import SessionStore
 
-HARNESS_KINDS = ("mini-swe-agent", "opencode", "command", "pi", "codex", "claude-code")
-"""Kinds `make_harness` accepts (the white-box loop adds `white_box`)."""
+HARNESS_KINDS = ("mini-swe-agent", "opencode", "command", "white_box", "pi", "codex", "claude-code")
+"""Kinds `make_harness` accepts."""
 
 
-def make_harness(kind: str, options: dict[str, Any]) -> Harness:
+def make_harness(
+    kind: str,
+    options: dict[str, Any],
+    *,
+    capture: CaptureDeps | None = None,
+    store: SessionStore | None = None,
+) -> Harness:
     """Build the harness `kind` with `options` (the fields of its config model).
+
+    Args:
+        capture, store: the proxy's capture dependencies and session store; required by the
+            white-box loop, which samples through them without HTTP.
 
     Raises:
         ConfigError: unknown kind, or options that fail validation (the message names the key).
     """
     try:
         match kind:
+            case "white_box":
+                if capture is None or store is None:
+                    raise ConfigError("harness.kind='white_box' needs the proxy's capture deps and session store")
+                return WhiteBoxHarness(capture, store, WhiteBoxConfig.model_validate(options))
             case "mini-swe-agent" | "mini_swe_agent":
                 return MiniSweAgentHarness(MiniSweAgentConfig.model_validate(options))
             case "opencode":
