@@ -17,9 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+AGENTS ?= mini-swe-agent opencode pi codex claude-code
+
 agents: setup
-	$(VENV)/bin/harnessrl harness install mini-swe-agent
-	$(VENV)/bin/harnessrl harness install opencode
+	for a in $(AGENTS); do $(VENV)/bin/harnessrl harness install $$a || exit 1; done
 
 train: setup
 	$(VENV)/bin/harnessrl harness install mini-swe-agent

@@ -125,16 +125,21 @@ async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
                                    capture=proxy.deps.capture, store=proxy.store)
             # agents installed in the per-machine cache are bound read-only into sandboxes
             backend = LocalSandboxBackend(cfg.sandbox, ro_binds=installed_agent_dirs())
-            yield Runtime(
-                model_dir=model_dir,
-                engine=engine,
-                chat=chat,
-                proxy=proxy,
-                tasks=make_task_source(cfg.tasks),
-                harness=harness,
-                backend=backend,
-                verifier_for=verifier_for,
-            )
+            try:
+                yield Runtime(
+                    model_dir=model_dir,
+                    engine=engine,
+                    chat=chat,
+                    proxy=proxy,
+                    tasks=make_task_source(cfg.tasks),
+                    harness=harness,
+                    backend=backend,
+                    verifier_for=verifier_for,
+                )
+            finally:
+                # fail generations still pending (their agents are gone) so that the proxy
+                # answers them at once and shuts down without waiting on them
+                engine.close()
     finally:
         engine.close()
 
