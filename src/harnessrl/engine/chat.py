@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from harnessrl.engine.tokencache import SegmentEncoder
 from harnessrl.errors import RequestError
 
 if TYPE_CHECKING:
@@ -223,14 +224,20 @@ class ChatLayer:
         tokenizer: a Hugging Face tokenizer with a chat template.
         eos_token_ids: ids that end a completion (stripped before parsing); defaults to the
             tokenizer's EOS id and `<|im_end|>` when the vocabulary has it.
+        encode_cache_tokens: bound on the ids cached per message piece (`tokencache.py`):
+            a re-sent history is not tokenised again; 0 disables the cache.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int] | None = None,
+                 *, encode_cache_tokens: int = 2_000_000) -> None:
         self.tokenizer = tokenizer
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self.template_has_tools = "tools" in template
         self.template_has_reasoning = "reasoning_content" in template
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _default_eos(tokenizer))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.segments = SegmentEncoder(backend, encode_cache_tokens) if backend is not None else None
+        """Piecewise encoder with a cache of message ids (None for slow tokenizers)."""
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Prompt ids for `messages` (+ `tools`), ending with the assistant generation prompt.
@@ -238,7 +245,7 @@ class ChatLayer:
         Raises:
             RequestError: the chat template rejected the conversation (param `messages`).
         """
-        return self._encode(self.render_text(messages, tools))
+        return self.encode(self.render_text(messages, tools))
 
     def render_text(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> str:
         """The prompt text `render` tokenises (see the module docstring for conventions)."""
@@ -253,13 +260,16 @@ class ChatLayer:
         assert isinstance(text, str), f"apply_chat_template returned {type(text).__name__}"
         return text
 
-    def _encode(self, text: str) -> list[int]:
-        # The Rust backend directly: same ids as `tokenizer.encode(..., add_special_tokens=False)`
-        # (tested) without transformers' per-call Python overhead (~0.7 ms per call measured).
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            return backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str) -> list[int]:
+        """Ids of rendered prompt `text`: exactly `tokenizer.encode(text, add_special_tokens=False)`
+        (tested), through the Rust backend and the per-message cache when there is one."""
+        if self.segments is not None:
+            return self.segments.encode(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def uncached_chars(self, text: str) -> int:
+        """Characters of `text` that `encode` would still have to tokenise."""
+        return self.segments.uncached_chars(text) if self.segments is not None else len(text)
 
     def _template_messages(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
