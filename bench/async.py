@@ -50,7 +50,7 @@ def main() -> None:
         f"rollout.max_concurrent_rollouts={2 * args.group_size * args.groups_per_step}",
         f"train.groups_per_step={args.groups_per_step}", "train.learning_rate=1e-6",
         # every group trains (no zero-variance skips), so both runs do the same work per step
-        "hooks.rollout_reward_fn=\"harnessrl.recipes.shaping:first_token_parity_reward\"",
+        "hooks.rollout_reward_fn=\"harnessrl.recipes.shaping:alternating_smoke_reward\"",
     ]
     sync_s, sync_hist = run_once(overrides, 0, args.steps)
     async_s, async_hist = run_once(overrides, 1, args.steps)

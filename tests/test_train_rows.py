@@ -22,7 +22,7 @@ def test_advantages_stamped_and_stale_rows_dropped() -> None:
     fresh = Group(group_id=0, task_id="t", rollouts=[_rollout(0, 0, 1.0, 2), _rollout(1, 0, 0.0, 2)])
     stale = Group(group_id=1, task_id="t", rollouts=[_rollout(0, 1, 1.0, 0), _rollout(1, 1, 0.0, 0)])
     flat = Group(group_id=2, task_id="t", rollouts=[_rollout(0, 2, 0.0, 2), _rollout(1, 2, 0.0, 2)])
-    rows, m = _rows_for_step([fresh, stale, flat], cfg, {}, grpo_advantages, version=2)
+    rows, m, _ = _rows_for_step([fresh, stale, flat], cfg, {}, grpo_advantages, version=2)
     # fresh group: rewards 1, 0 -> mean 0.5, population std 0.5 -> advantages +1, -1 (eps 1e-6)
     assert [r.rollout_id for r in rows] == ["r0-0", "r0-1"]
     assert rows[0].advantage == pytest.approx(1.0, abs=1e-5) and rows[1].advantage == pytest.approx(-1.0, abs=1e-5)
@@ -37,6 +37,6 @@ def test_advantages_stamped_and_stale_rows_dropped() -> None:
 def test_unscored_rollouts_get_no_rows() -> None:
     cfg = load_config(None, ['hooks.rollout_reward_fn=""'])
     group = Group(group_id=0, task_id="t", rollouts=[_rollout(0, 0, 1.0, 0), _rollout(1, 0, None, 0), _rollout(2, 0, 0.0, 0)])
-    rows, m = _rows_for_step([group], cfg, {}, grpo_advantages, version=0)
+    rows, m, _ = _rows_for_step([group], cfg, {}, grpo_advantages, version=0)
     assert sorted(r.rollout_id for r in rows) == ["r0-0", "r0-2"]
     assert m["rows_unscored_dropped"] == 1

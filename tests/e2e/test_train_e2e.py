@@ -20,8 +20,8 @@ from harnessrl.sandbox.procs import leftover_processes
 from harnessrl.train.policy import latest_checkpoint
 from harnessrl.train.run import train
 
-# A reward with variance even for random weights, so the step has a gradient.
-PARITY_REWARD = "harnessrl.recipes.shaping:first_token_parity_reward"
+# A reward with variance in every group (0, 1, 0, 1 ...), so the step has a gradient.
+PARITY_REWARD = "harnessrl.recipes.shaping:alternating_smoke_reward"
 
 
 def _overrides(tmp_path: Path, harness: str, *extra: str) -> list[str]:
@@ -52,6 +52,7 @@ def _assert_trained_and_clean(run_dir: Path, sandboxes: Path) -> dict:
     assert m["policy_version"] == 1
     assert m["invariant/untraceable_trained_tokens"] == 0
     assert m["ratio_abs_dev"] < 1e-3, "step-0 sampler/trainer logprobs disagree"
+    assert m["step0/ratio_abs_dev"] < 1e-3
     assert leftover_sandboxes(sandboxes) == []
     assert leftover_processes(sandboxes) == []
     assert latest_checkpoint(run_dir) is not None

@@ -10,19 +10,22 @@
   `r + bonus * (fraction of well-formed replies) * (1 - r)`, so a solved task still scores 1
   and an unscored rollout stays None. Tool-call replies (when the request had tools) count as
   well-formed too.
-* `first_token_parity_reward`: a smoke-test reward with variance even for a random-weight model
-  (1.0 when the first completion id of the first ok turn is even, else 0.0). It says nothing
-  about the task; it exists so a pipeline test can see a gradient.
+* `alternating_smoke_reward`: a pipeline smoke-test reward, 0.0, 1.0, 0.0, ... in call order
+  (None for unscored rollouts), so every group of two or more has variance and a gradient even
+  with a random-weight model. It says nothing about the task: for tests and benchmarks only.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from harnessrl.train.hooks import RolloutOutcome, tool_call_names
 
 FORMAT_BONUS = 0.3
 """Most partial credit `action_format_credit` gives for well-formed replies."""
+
+_SMOKE_COUNTER = itertools.count()
 
 _ACTION_BLOCK = re.compile(r"```(?:mswea_bash_command|bash)[^\n]*\n.*?```", re.DOTALL)
 
@@ -54,8 +57,7 @@ def action_format_credit(outcome: RolloutOutcome) -> float | None:
     return outcome.reward + FORMAT_BONUS * fraction * (1.0 - outcome.reward)
 
 
-def first_token_parity_reward(outcome: RolloutOutcome) -> float | None:
-    for turn in outcome.rollout.trace.turns:
-        if turn.status == "ok" and turn.completion_ids:
-            return 1.0 if turn.completion_ids[0] % 2 == 0 else 0.0
-    return None
+def alternating_smoke_reward(outcome: RolloutOutcome) -> float | None:
+    if outcome.reward is None:
+        return None
+    return float(next(_SMOKE_COUNTER) % 2)

@@ -69,7 +69,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.train.losses import loss_fn_for
     from harnessrl.train.policy import (export_weights, latest_checkpoint, load_policy,
                                         restore_checkpoint, save_checkpoint)
-    from harnessrl.train.step import optimizer_step
+    from harnessrl.train.step import optimizer_step, sampler_parity
 
     console = console or Console()
     loop = asyncio.get_running_loop()
@@ -122,7 +122,16 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
 
                     # 2) rewards (optionally reshaped by the hook) and group-relative advantages
                     # 3) rows from traces, stamped with their rollout's advantage; stale rows dropped
-                    rows, row_metrics = _rows_for_step(groups, cfg, hooks, advantage_fn, version)
+                    rows, row_metrics, candidates = _rows_for_step(groups, cfg, hooks, advantage_fn, version)
+                    if step == start_step and checkpoint is None:
+                        # step-0 check: trainer and sampler hold the same weights now
+                        parity = await loop.run_in_executor(trainer, lambda: sampler_parity(
+                            policy.model, candidates, temperature=cfg.sampling.temperature,
+                            token_budget=cfg.train.token_budget))
+                        if parity is not None:
+                            row_metrics["step0/ratio_abs_dev"] = parity
+                            mark = "ok" if parity <= 1e-3 else "[red]ABOVE 1e-3[/]"
+                            console.print(f"step-0 check: mean |exp(trainer - sampler logprob) - 1| = {parity:.2e} ({mark})")
 
                     # 4) one optimizer step on the trainer thread, while rollouts continue
                     metrics: dict[str, Any] = {"step": step, **row_metrics}
@@ -184,8 +193,9 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
 
 def _rows_for_step(
     groups: list[Group], cfg: RunConfig, hooks: dict[str, Any], advantage_fn: Any, version: int
-) -> tuple[list[Row], dict[str, float]]:
-    """Rewards → advantages → rows for the groups of one step, plus their metrics."""
+) -> tuple[list[Row], dict[str, float], list[Row]]:
+    """Rewards → advantages → rows for the groups of one step, plus their metrics and every
+    row built (before unscored, zero-variance and stale rows were dropped)."""
     from harnessrl.rollout.summary import summarize_groups
     from harnessrl.train.advantages import stamp_advantage
     from harnessrl.train.checks import untraceable_trained_tokens
@@ -194,6 +204,7 @@ def _rows_for_step(
 
     reward_fn = hooks.get("rollout_reward_fn")
     rows: list[Row] = []
+    built_all: list[Row] = []
     stats = MergeStats()
     counts: Counter[str] = Counter()
     staleness: list[int] = []
@@ -210,6 +221,7 @@ def _rows_for_step(
                 train_turn_fn=hooks.get("train_turn_fn"), agent_turn_fn=hooks.get("agent_turn_fn"),
                 train_auxiliary=cfg.train.train_auxiliary)
             stats = stats.merge(s)
+            built_all.extend(built)
             if advantage is None:
                 counts["rows_unscored_dropped"] += len(built)
                 continue
@@ -236,7 +248,7 @@ def _rows_for_step(
     metrics["staleness_max"] = float(max(staleness)) if staleness else math.nan
     metrics["invariant/untraceable_trained_tokens"] = float(
         untraceable_trained_tokens(rows, [r for g in shaped for r in g.rollouts]))
-    return rows, metrics
+    return rows, metrics, built_all
 
 
 def _reshape(rollout: Rollout, reward_fn: Any) -> Rollout:

@@ -93,3 +93,24 @@ def optimizer_step(
         train_s=time.perf_counter() - t0,
     )
     return StepResult(metrics)
+
+
+def sampler_parity(
+    model: torch.nn.Module, rows: Sequence[Row], *, temperature: float, token_budget: int, max_rows: int = 8
+) -> float | None:
+    """Mean |exp(trainer_logprob - sampler_logprob) - 1| over the trained tokens of up to
+    `max_rows` rows, without gradient; None when there is no trained token.
+
+    Run on the first batch of a run, when trainer and engine hold the same weights: it checks
+    that the trainer computes the sampler's distribution (same temperature, same ids, same
+    context). DESIGN.md §3.2; on the CPU default with fp32 it must be <= 1e-3.
+    """
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in pack_rows(list(rows)[:max_rows], token_budget):
+            lp_T = compute_trainer_logprobs(model, batch, temperature)
+            mask = batch.mask_T
+            dev = (torch.exp(lp_T[mask] - batch.sampler_logprobs_T[mask]) - 1).abs()
+            total += float(dev.sum())
+            count += int(mask.sum())
+    return total / count if count else None
