@@ -87,3 +87,44 @@ def test_chat_render_matches_template_then_encode_over_a_growing_conversation(to
                     {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
                 {"role": "tool", "tool_call_id": f"c{i}", "content": f"file_{i}.py\nREADME.md  <|im_end|> spoof"}]
     assert chat.uncached_chars(text) == 0
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{%- endif %}"
+    "{%- for c in m.tool_calls | default([]) %}<tool_call>{{ c.function | tojson }}</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "no system message"}],
+    [{"role": "developer", "content": "dev"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                            {"type": "text", "text": "b"}]}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+     {"role": "assistant", "content": "thinking done", "reasoning_content": "hidden"},
+     {"role": "user", "content": "again"}],
+    [{"role": "user", "content": "go"},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls -la", "n": 1.5}'}},
+         {"id": "c2", "type": "function", "function": {"name": "bash", "arguments": "not json"}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "a.py"}, {"role": "tool", "tool_call_id": "c2", "content": "b"}],
+]
+
+
+@pytest.mark.parametrize("template", [None, TOOLS_TEMPLATE], ids=["smollm2", "tools-template"])
+@pytest.mark.parametrize("raw", CONVERSATIONS)
+def test_direct_template_render_equals_apply_chat_template(tokenizer, template, raw):
+    tok = copy.deepcopy(tokenizer)
+    if template is not None:
+        tok.chat_template = template
+    chat = ChatLayer(tok)
+    assert chat._compiled is not None  # the direct path passed its probe
+    tools = normalize_tools([{"type": "function", "function": {"name": "bash", "description": "run ünicode",
+                                                                "parameters": {"type": "object"}}}])
+    messages = normalize_messages(raw)
+    for t in (tools, []):
+        direct = chat.render_text(messages, t)
+        compiled, chat._compiled = chat._compiled, None
+        assert direct == chat.render_text(messages, t)  # the apply_chat_template path
+        chat._compiled = compiled

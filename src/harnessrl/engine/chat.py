@@ -34,12 +34,15 @@ get recorded, never a re-render (DESIGN.md §9).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+
+import orjson
 
 from harnessrl.engine.tokencache import SegmentEncoder
 from harnessrl.errors import RequestError
@@ -67,6 +70,8 @@ _MESSAGE_KEYS = frozenset(
 change what the model sees)."""
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+"""Keys `apply_chat_template` aliases to one another (such messages take its own path)."""
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
@@ -114,33 +119,36 @@ def normalize_messages(raw: object) -> list[Message]:
 
 
 def _normalize_message(i: int, m: object) -> Message:
-    where = f"messages[{i}]"
+    # Hot path (every message of every call): the error text is built only when raised.
     if not isinstance(m, dict):
-        raise RequestError(f"{where} must be an object", param=where)
-    unknown = [k for k in m if k not in _MESSAGE_KEYS]
-    if unknown:
-        raise RequestError(f"unsupported field {where}.{unknown[0]}", param=f"{where}.{unknown[0]}")
+        raise RequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+    if not _MESSAGE_KEYS.issuperset(m):
+        key = next(k for k in m if k not in _MESSAGE_KEYS)
+        raise RequestError(f"unsupported field messages[{i}].{key}", param=f"messages[{i}].{key}")
     role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
     if role is None:
-        raise RequestError(f"{where}.role={m.get('role')!r} is not one of {sorted(_ROLES)}",
-                           param=f"{where}.role")
+        raise RequestError(f"messages[{i}].role={m.get('role')!r} is not one of {sorted(_ROLES)}",
+                           param=f"messages[{i}].role")
     raw_calls = m.get("tool_calls")
     if raw_calls is not None and role != "assistant" and raw_calls != []:
-        raise RequestError(f"{where}.tool_calls is only allowed on assistant messages",
-                           param=f"{where}.tool_calls")
-    content = _content_text(m.get("content"), f"{where}.content", nullable=role == "assistant")
+        raise RequestError(f"messages[{i}].tool_calls is only allowed on assistant messages",
+                           param=f"messages[{i}].tool_calls")
+    content = m.get("content")
+    if not isinstance(content, str):
+        content = _content_text(content, f"messages[{i}].content", nullable=role == "assistant")
     reasoning = m.get("reasoning_content", m.get("reasoning"))
     if reasoning is not None and not isinstance(reasoning, str):
-        raise RequestError(f"{where}.reasoning_content must be a string", param=f"{where}.reasoning_content")
-    for key in ("tool_call_id", "name"):
-        if m.get(key) is not None and not isinstance(m[key], str):
-            raise RequestError(f"{where}.{key} must be a string", param=f"{where}.{key}")
+        raise RequestError(f"messages[{i}].reasoning_content must be a string", param=f"messages[{i}].reasoning_content")
+    tool_call_id, name = m.get("tool_call_id"), m.get("name")
+    for key, value in (("tool_call_id", tool_call_id), ("name", name)):
+        if value is not None and not isinstance(value, str):
+            raise RequestError(f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}")
     return Message(
         role=role,  # type: ignore[arg-type]
         content=content,
-        tool_calls=_normalize_tool_calls(raw_calls, f"{where}.tool_calls"),
-        tool_call_id=m.get("tool_call_id"),
-        name=m.get("name"),
+        tool_calls=() if raw_calls is None else _normalize_tool_calls(raw_calls, f"messages[{i}].tool_calls"),
+        tool_call_id=tool_call_id,
+        name=name,
         reasoning=reasoning or None,
     )
 
@@ -210,11 +218,17 @@ def normalize_tools(raw: object) -> list[dict[str, Any]]:
 
 def hermes_tool_call(call: ToolCall) -> str:
     """One call in the hermes convention; arguments as a JSON object when they parse."""
+    return _hermes_block(call.name, call.arguments)
+
+
+@functools.lru_cache(maxsize=8192)
+def _hermes_block(name: str, arguments: str) -> str:
+    # Cached: an agent re-sends every earlier call on each turn.
     try:
-        args: object = json.loads(call.arguments)
+        args: object = json.loads(arguments)
     except ValueError:
-        args = call.arguments
-    return "<tool_call>\n" + json.dumps({"name": call.name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+        args = arguments
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
 
 class ChatLayer:
@@ -238,6 +252,40 @@ class ChatLayer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.segments = SegmentEncoder(backend, encode_cache_tokens) if backend is not None else None
         """Piecewise encoder with a cache of message ids (None for slow tokenizers)."""
+        self._template_kwargs: dict[str, Any] = {}
+        self._compiled: Any = None
+        self._compiled = self._direct_template(template)
+
+    def _direct_template(self, template: str) -> Any:
+        """The compiled template `apply_chat_template` renders with, called directly.
+
+        `apply_chat_template` deep-copies every message (and the tools) into plain data on each
+        call, about 60% of the render time of a 60 KB conversation; our message dicts are plain
+        data already. Used only if it renders a probe conversation exactly as
+        `apply_chat_template` does; None otherwise (and on any other transformers layout).
+        """
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(template)
+            self._template_kwargs = dict(self.tokenizer.special_tokens_map)
+        except Exception:  # noqa: BLE001 - any failure keeps the public apply_chat_template path
+            return None
+        probe = normalize_messages([
+            {"role": "system", "content": "S"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "r"}, {"role": "user", "content": "v"}])
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        try:
+            via_api = self.render_text(probe, tools)
+            self._compiled = compiled
+            direct = self.render_text(probe, tools)
+        except RequestError:
+            return None
+        finally:
+            self._compiled = None
+        return compiled if direct == via_api else None
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Prompt ids for `messages` (+ `tools`), ending with the assistant generation prompt.
@@ -250,11 +298,14 @@ class ChatLayer:
     def render_text(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> str:
         """The prompt text `render` tokenises (see the module docstring for conventions)."""
         dicts = self._template_messages(messages, tools or [])
+        template_tools = list(tools) if tools and self.template_has_tools else None
         try:
-            text = self.tokenizer.apply_chat_template(
-                dicts, tools=list(tools) if tools and self.template_has_tools else None,
-                tokenize=False, add_generation_prompt=True,
-            )
+            if self._compiled is not None and not any(k in d for d in dicts for k in _REASONING_KEYS):
+                text = self._compiled.render(messages=dicts, tools=template_tools, documents=None,
+                                             add_generation_prompt=True, **self._template_kwargs)
+            else:
+                text = self.tokenizer.apply_chat_template(dicts, tools=template_tools, tokenize=False,
+                                                          add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - jinja raises arbitrary types (TemplateError, TypeError)
             raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
         assert isinstance(text, str), f"apply_chat_template returned {type(text).__name__}"
@@ -291,7 +342,7 @@ class ChatLayer:
         for d in out:
             d.pop("_tool_responses", None)
         if tools and not self.template_has_tools:
-            described = TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            described = _tool_system_prompt(tools)
             if out and out[0]["role"] == "system":
                 out[0]["content"] = out[0]["content"] + "\n\n" + described
             else:
@@ -351,6 +402,20 @@ class ChatLayer:
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id decoded on its own (the `token` of OpenAI logprobs entries)."""
         return self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+
+
+def _tool_system_prompt(tools: Sequence[dict[str, Any]]) -> str:
+    try:
+        key = orjson.dumps(list(tools))
+    except TypeError:  # not plain JSON (e.g. ints above 64 bits): described without the cache
+        return TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    return _described_tools(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _described_tools(key: bytes) -> str:
+    # Keyed by the tools' exact JSON (orjson keeps key order and round-trips every value).
+    return TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in orjson.loads(key)))
 
 
 def _parse_hermes(body: str, call_id: str) -> ToolCall | None:
