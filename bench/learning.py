@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 async def evaluate_greedy(model_dir: Path, n_prompts: int, seed_offset: int, threads: int) -> dict[str, float]:
     """Greedy held-out accuracy of the model in `model_dir` on `n_prompts` compare tasks."""
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.engine.chat import ChatLayer, normalize_messages
     from harnessrl.engine.embedded import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer
     from harnessrl.tasks.procedural import ProceduralSource
@@ -41,8 +41,9 @@ async def evaluate_greedy(model_dir: Path, n_prompts: int, seed_offset: int, thr
     engine = EmbeddedEngine(model_dir, num_threads=threads, max_batch_size=64)
     try:
         tasks = [source.get(i) for i in range(n_prompts)]
-        prompts = [chat.render([{"role": "system", "content": t.system_prompt},
-                                {"role": "user", "content": t.instruction}]) for t in tasks]
+        prompts = [chat.render(normalize_messages([{"role": "system", "content": t.system_prompt},
+                                                   {"role": "user", "content": t.instruction}]))
+                   for t in tasks]
         sampling = Sampling(temperature=0.0, max_tokens=24)
         completions = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
     finally:

@@ -66,9 +66,12 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, n_groups: int, console: Conso
                 bar = progress.add_task("rollouts", total=total)
                 while len(groups) < n_groups:
                     get = asyncio.ensure_future(orch.get_group())
-                    while not get.done():
-                        progress.update(bar, completed=orch.rollouts_finished)
-                        await asyncio.wait({get}, timeout=0.5)
+                    try:
+                        while not get.done():
+                            progress.update(bar, completed=orch.rollouts_finished)
+                            await asyncio.wait({get}, timeout=0.5)
+                    finally:
+                        get.cancel()
                     group = get.result()
                     groups.append(group)
                     for r in group.rollouts:

@@ -113,7 +113,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 for step in range(start_step, cfg.train.steps):
                     t_step = time.monotonic()
                     # 1) pull the groups of this step (rollouts for later steps keep running)
-                    groups = [await orch.get_group() for _ in range(groups_per_step)]
+                    groups = await _pull_groups(orch, groups_per_step, console, step, cfg.train.steps)
                     t_pulled = time.monotonic()
                     for g in groups:
                         for r in g.rollouts:
@@ -189,6 +189,23 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
         for sink in sinks:
             sink.close()
         trainer.shutdown(wait=True, cancel_futures=True)
+
+
+async def _pull_groups(orch: Any, n: int, console: Console, step: int, steps: int) -> list[Group]:
+    """Wait for `n` completed groups, with a live status line of the rollouts in flight."""
+    groups: list[Group] = []
+    with console.status("") as status:
+        while len(groups) < n:
+            get = asyncio.ensure_future(orch.get_group())
+            try:
+                while not get.done():
+                    status.update(f"step {step + 1}/{steps}: {len(groups)}/{n} groups ready, "
+                                  f"{orch.rollouts_finished}/{orch.rollouts_started} rollouts finished")
+                    await asyncio.wait({get}, timeout=0.5)
+            finally:
+                get.cancel()
+            groups.append(get.result())
+    return groups
 
 
 def _rows_for_step(
