@@ -128,3 +128,11 @@ def test_direct_template_render_equals_apply_chat_template(tokenizer, template, 
         compiled, chat._compiled = chat._compiled, None
         assert direct == chat.render_text(messages, t)  # the apply_chat_template path
         chat._compiled = compiled
+
+
+def test_encode_within_refuses_when_too_much_text_is_new(encoder, tokenizer):
+    text = "<|im_start|>user\n" + "new words " * 100 + "<|im_end|>\n"
+    assert encoder.encode_within(text, 100) is None
+    assert encoder.uncached_chars(text) > 100  # nothing was encoded or cached
+    assert encoder.encode_within(text, None) == reference(tokenizer, text)
+    assert encoder.encode_within(text, 0) == reference(tokenizer, text)  # now all cached

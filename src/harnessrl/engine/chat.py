@@ -318,6 +318,13 @@ class ChatLayer:
             return self.segments.encode(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_within(self, text: str, max_uncached_chars: int) -> list[int] | None:
+        """`encode(text)` when at most `max_uncached_chars` characters of it are new to the
+        cache, else None (the caller encodes in a worker thread instead)."""
+        if self.segments is not None:
+            return self.segments.encode_within(text, max_uncached_chars)
+        return self.encode(text) if len(text) <= max_uncached_chars else None
+
     def uncached_chars(self, text: str) -> int:
         """Characters of `text` that `encode` would still have to tokenise."""
         return self.segments.uncached_chars(text) if self.segments is not None else len(text)

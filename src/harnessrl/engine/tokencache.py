@@ -54,10 +54,25 @@ class SegmentEncoder:
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` without post-processor special tokens (a fresh list)."""
+        ids = self.encode_within(text, None)
+        assert ids is not None
+        return ids
+
+    def encode_within(self, text: str, max_uncached_chars: int | None) -> list[int] | None:
+        """`encode(text)`, or None (nothing encoded) when more than `max_uncached_chars`
+        characters of it are not in the cache (None: no limit). One pass over the text."""
         if not self.piecewise or self._split is None:
+            if max_uncached_chars is not None and len(text) > max_uncached_chars:
+                return None
             return self.backend.encode(text, add_special_tokens=False).ids
+        pieces = self._split.split(text)
+        if max_uncached_chars is not None:
+            with self._lock:
+                missing = sum(len(p) for p in pieces[::2] if p not in self._cache)
+            if missing > max_uncached_chars:
+                return None
         out: list[int] = []
-        for i, piece in enumerate(self._split.split(text)):
+        for i, piece in enumerate(pieces):
             if i % 2:
                 out.append(self._added_ids[piece])
             elif piece:  # the split leaves "" between adjacent added tokens

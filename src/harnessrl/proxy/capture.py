@@ -116,10 +116,9 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
     try:
         request = parse_chat_request(body)
         text = deps.chat.render_text(request.messages, request.tools)
-        if deps.chat.uncached_chars(text) > OFFLOAD_RENDER_CHARS:
+        prompt_ids = deps.chat.encode_within(text, OFFLOAD_RENDER_CHARS)
+        if prompt_ids is None:
             prompt_ids = await asyncio.to_thread(deps.chat.encode, text)
-        else:
-            prompt_ids = deps.chat.encode(text)
         sampling = resolve_sampling(deps.config, request, len(prompt_ids), deps.engine.max_context_tokens)
     except RequestError as exc:
         turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, str(exc))

@@ -29,7 +29,9 @@ def serve(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000
     """Run the embedded engine behind the proxy until interrupted."""
     config = ProxyConfig(host=host, port=port, model_name=model, trace_path=trace_path, temperature=temperature,
                          max_tokens_cap=max_tokens_cap)
-    asyncio.run(_serve(model, config, open_session, threads))
+    from harnessrl.proxy.server import run_loop
+
+    run_loop(_serve(model, config, open_session, threads))
 
 
 async def _serve(model: str, config: ProxyConfig, open_session: bool, threads: int | None) -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Coroutine
 from types import TracebackType
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -27,6 +29,19 @@ from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.types import Endpoint, Trace
+
+T = TypeVar("T")
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)` on a uvloop event loop when uvloop is installed (the proxy serves
+    about 1.5-2x more small calls per second on it), else on the default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 def native_protocols() -> dict[str, ProtocolHandler]:
@@ -72,7 +87,10 @@ class ProxyServer:
             raise ConfigError(f"proxy cannot bind {self.config.host}:{self.config.port}: {exc}") from exc
         sock.listen(2048)
         self._sock, self.port = sock, sock.getsockname()[1]
-        uv_config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+        # httptools parser, no access log, no X-Forwarded-For rewriting (the admin routes'
+        # loopback check must see the real peer; it also saves a middleware hop per call).
+        uv_config = uvicorn.Config(self.app, http="httptools", log_level="warning", access_log=False,
+                                   proxy_headers=False, lifespan="off",
                                    timeout_graceful_shutdown=self.shutdown_timeout_s, backlog=2048)
         self._server = uvicorn.Server(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
