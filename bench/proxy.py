@@ -81,13 +81,9 @@ def make_body(kind: str) -> dict[str, Any]:
 
 def _server_main(kind: str, queue: Any) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import uvloop
+    from harnessrl.proxy.server import run_loop
 
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(_serve(kind, queue))
+    run_loop(_serve(kind, queue))  # as `harnessrl serve` runs (uvloop, serving GC threshold)
 
 
 async def _serve(kind: str, queue: Any) -> None:
