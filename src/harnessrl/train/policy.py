@@ -52,17 +52,20 @@ def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, l
                                                  target_modules="all-linear", lora_dropout=0.0))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
+    # fused: one kernel over all parameters (on CPU ~3x faster than the per-tensor loop)
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=True)
     return Policy(model=model, optimizer=optimizer, lora=lora)
 
 
-def export_weights(policy: Policy) -> dict[str, torch.Tensor]:
-    """Full (merged) weights under the base model's parameter names, detached copies.
+def export_weights(policy: Policy, copy: bool = False) -> dict[str, torch.Tensor]:
+    """Full (merged) weights under the base model's parameter names, detached.
 
-    Copies, so the engine never sees a tensor the optimizer later changes in place.
+    Without `copy` the tensors of full fine-tuning are the live parameters: hand them only to
+    a consumer that copies them before the next optimizer step (`Engine.load_weights` does,
+    synchronously). LoRA exports are always fresh tensors (merged, then unmerged).
     """
     if not policy.lora:
-        return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+        return {k: (v.detach().clone() if copy else v.detach()) for k, v in policy.model.state_dict().items()}
     peft_model: Any = policy.model
     peft_model.merge_adapter()
     try:

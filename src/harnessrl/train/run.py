@@ -93,12 +93,13 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             if checkpoint is not None:
                 state = await loop.run_in_executor(trainer, restore_checkpoint, policy, checkpoint)
                 start_step, version, next_group_id = state["step"], state["policy_version"], state["next_group_id"]
-                rt.engine.load_weights(await loop.run_in_executor(trainer, export_weights, policy), version)
+                weights = await loop.run_in_executor(trainer, export_weights, policy)
+                await loop.run_in_executor(trainer, rt.engine.load_weights, weights, version)
                 console.print(f"resumed from {checkpoint} at step {start_step}, policy version {version}")
             elif resume:
                 console.print("[yellow]no checkpoint found: starting from step 0[/]")
 
-            last_synced = await loop.run_in_executor(trainer, export_weights, policy)
+            last_synced = await loop.run_in_executor(trainer, lambda: export_weights(policy, copy=True))
             orch = Orchestrator(
                 rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
                 group_size=cfg.rollout.group_size,
@@ -149,10 +150,11 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     if rows and not metrics.get("skipped"):
                         weights = await loop.run_in_executor(trainer, export_weights, policy)
                         version += 1
-                        rt.engine.load_weights(weights, version)
+                        # blocks (on the trainer thread) until the engine copied them between decode steps
+                        await loop.run_in_executor(trainer, rt.engine.load_weights, weights, version)
                         metrics["param_delta_l2"] = await loop.run_in_executor(
                             trainer, _l2_distance, weights, last_synced)
-                        last_synced = weights
+                        last_synced = await loop.run_in_executor(trainer, lambda: export_weights(policy, copy=True))
                     orch.allow(groups_per_step)
                     t_synced = time.monotonic()
 
