@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--harness", default="white_box", help="white_box or mini-swe-agent")
+    parser.add_argument("--train-threads", type=int, default=1, help="torch threads of the trainer")
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -95,6 +96,7 @@ def main() -> None:
         f"rollout.max_concurrent_rollouts={args.group_size * args.groups_per_step * (args.max_staleness + 1)}",
         f"train.steps={args.steps}", f"train.groups_per_step={args.groups_per_step}",
         f"train.learning_rate={args.lr}", f"train.max_staleness={args.max_staleness}",
+        f"train.num_threads={args.train_threads}",
     ])
     run_dir = args.out or Path(tempfile.mkdtemp(prefix="harnessrl-learning-"))
     run_dir.mkdir(parents=True, exist_ok=True)
