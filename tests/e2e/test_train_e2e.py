@@ -84,3 +84,20 @@ def test_mini_swe_agent_trains_one_step_through_the_proxy(tmp_path: Path) -> Non
     asyncio.run(train(cfg, run_dir))
     m = _assert_trained_and_clean(run_dir, tmp_path / "sandboxes")
     assert m["turns_mean"] >= 1
+
+
+@pytest.mark.e2e
+def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
+    overrides = _overrides(tmp_path, "white_box", "train.checkpoint_every=1")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    asyncio.run(train(load_config(None, overrides), run_dir))
+    asyncio.run(train(load_config(None, [*overrides, "train.steps=2"]), run_dir, resume=True))
+    rows = _metrics(run_dir)
+    assert [m["step"] for m in rows] == [0, 1]
+    assert rows[1]["policy_version"] == 2
+    assert "step0/ratio_abs_dev" not in rows[1], "the step-0 check runs on fresh runs only"
+    state = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())
+    assert state["step"] == 2 and state["policy_version"] == 2 and state["next_group_id"] >= 3
+    groups = {json.loads(line)["group_id"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()}
+    assert len(groups) == 2, "the resumed run must not replay the first run's group"
