@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -111,6 +112,13 @@ def setup_logging(level: str = "INFO", path: Path | None = None) -> None:
     logging.basicConfig(level=level, handlers=handlers, format="%(message)s", force=True)
     for noisy in ("httpx", "uvicorn.access", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # transformers' per-load progress bars ("Loading weights") clutter the run's console
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    hf_logging.disable_progress_bar()
 
 
 def _jsonable(value: Any) -> Any:
