@@ -80,7 +80,14 @@ class TrackioSink:
 
 
 def make_sinks(report_to: list[str], run_dir: Path, config: dict[str, Any]) -> list[MetricsSink]:
-    """JSONL always, plus each of `report_to` (`tensorboard`, `trackio`)."""
+    """JSONL always, plus each of `report_to` (`tensorboard`, `trackio`).
+
+    Raises:
+        ConfigError: an unknown sink name, or a chosen sink whose package is not installed.
+    """
+    unknown = [name for name in report_to if name not in ("jsonl", "tensorboard", "trackio")]
+    if unknown:
+        raise ConfigError(f"log.report_to: unknown sink {unknown[0]!r} (jsonl, tensorboard, trackio)")
     sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
     for name in report_to:
         match name:
@@ -90,8 +97,6 @@ def make_sinks(report_to: list[str], run_dir: Path, config: dict[str, Any]) -> l
                 sinks.append(TensorBoardSink(run_dir / "tensorboard"))
             case "trackio":
                 sinks.append(TrackioSink("harnessrl", run_dir.name, config))
-            case _:
-                raise ConfigError(f"log.report_to: unknown sink {name!r} (jsonl, tensorboard, trackio)")
     return sinks
 
 
