@@ -103,7 +103,9 @@ async def test_fifty_faulty_rollouts_leave_nothing(tiny_model_dir: Path, sandbox
     rollouts = [r for g in groups for r in g.rollouts]
     assert len(rollouts) == 50
     by_mode = Counter((r.task_id.split("/")[1], r.status) for r in rollouts)
-    assert by_mode[("hangs", "timeout")] == 10
+    odd = [(r.task_id, r.status, r.error) for r in rollouts if r.status not in ("ok", "timeout", "verifier_error", "agent_error")]
+    assert not odd, odd
+    assert by_mode[("hangs", "timeout")] == 10, [(r.task_id, r.status, r.error) for r in rollouts if "hangs" in r.task_id]
     assert by_mode[("verifier_crash", "verifier_error")] == 10
     assert by_mode[("killed_mid_turn", "agent_error")] == 10
     assert by_mode[("clean", "ok")] == 10 and by_mode[("daemon", "ok")] == 10

@@ -171,7 +171,8 @@ def _group_members(pgid: int | None) -> list[psutil.Process]:
         return []
     members: list[psutil.Process] = []
     for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
+        # a process may exit between the scan and these calls
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
                 members.append(p)
     return members

@@ -276,12 +276,21 @@ class LocalSandbox:
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
+            if self.uses_bwrap:
+                # the pid namespace's init takes every process down with the command; wait
+                # for that teardown so nothing of this command is alive when exec returns
+                await self._wait_quiet(max(self._config.kill_grace_s, 1.0))
             # Background children may keep the pipes open; give them a moment, not forever.
             await asyncio.wait(readers, timeout=self._config.pipe_grace_s)
         except asyncio.TimeoutError:
             timed_out = True
             _kill_group(proc.pid)
             await proc.wait()
+            # members of the group (e.g. inside a bubblewrap pid namespace) can outlive the
+            # leader by a moment: return only once the group is gone, or the grace ran out
+            await _wait_group_gone(proc.pid, max(self._config.kill_grace_s, 1.0))
+            if self.uses_bwrap:
+                await self._wait_quiet(max(self._config.kill_grace_s, 1.0))
             await asyncio.wait(readers, timeout=self._config.pipe_grace_s)
         except BaseException:
             # Cancelled: kill the group now; close() reaps and scans for stragglers.
@@ -335,6 +344,12 @@ class LocalSandbox:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.encode() if isinstance(data, str) else data)
 
+    async def _wait_quiet(self, timeout_s: float) -> None:
+        """Poll until no process of this sandbox is alive (or `timeout_s` passed)."""
+        deadline = time.monotonic() + timeout_s
+        while self.list_processes() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
     def list_processes(self) -> list[int]:
         """Pids alive in this sandbox (its groups, its marker, or a cwd inside its directory)."""
         return find_processes(self.sandbox_id, self._root, self._pgids)
@@ -371,6 +386,17 @@ class LocalSandbox:
             await self.kill_processes()
         finally:
             await asyncio.to_thread(shutil.rmtree, self._root, ignore_errors=True)
+
+
+async def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Poll until no process is left in group `pgid` (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        await asyncio.sleep(0.01)
 
 
 def _kill_group(pgid: int) -> None:
