@@ -11,7 +11,6 @@ Checked by listing processes carrying a sandbox marker and directories under the
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path

@@ -218,7 +218,6 @@ def _rows_for_step(
     from harnessrl.rollout.summary import summarize_groups
     from harnessrl.train.advantages import stamp_advantage
     from harnessrl.train.checks import untraceable_trained_tokens
-    from harnessrl.train.hooks import outcome_of
     from harnessrl.train.samples import MergeStats, build_rows
 
     reward_fn = hooks.get("rollout_reward_fn")
