@@ -36,3 +36,20 @@ def _one_torch_thread() -> None:
     except ImportError:  # pragma: no cover
         return
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    """The real embedded engine on the tiny model, one torch thread."""
+    from harnessrl.engine.embedded import EmbeddedEngine
+
+    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer, engine):
+    from harnessrl.engine.chat import ChatLayer
+
+    return ChatLayer(tokenizer, eos_token_ids=engine.eos_token_ids)

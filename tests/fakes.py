@@ -1,4 +1,5 @@
-"""Small fakes for unit tests: `FakeEngine` returns canned completion ids and logprobs.
+"""Small fakes and helpers for unit tests: `FakeEngine` returns canned completion ids and
+logprobs; `in_process` serves the proxy app over an in-process transport.
 
 It keeps the Engine protocol (`engine/base.py`): the `Completion.prompt_ids` it returns are
 exactly its input, it records every call, and it can be told to fail.
@@ -8,9 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
 
 from harnessrl.errors import ContextLengthError, EngineError
+from harnessrl.proxy.app import ProxyDeps, make_app
+from harnessrl.proxy.capture import CaptureDeps
+from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.server import native_protocols
+from harnessrl.proxy.sessions import SessionStore
 from harnessrl.types import Completion, Sampling
+
+CAPTURES_DIR = Path(__file__).parent / "data" / "captures"
+"""Request bodies captured from real agents (opencode, pi, mini-swe-agent, aider, codex)."""
 
 
 @dataclass
@@ -52,3 +64,11 @@ class FakeEngine:
 
 def broken_engine() -> FakeEngine:
     return FakeEngine(fail_with=EngineError("engine stopped"))
+
+
+def in_process(engine: object, chat: object, **config: object) -> tuple[httpx.AsyncClient, SessionStore]:
+    """An httpx client on the proxy app (every protocol route) in-process, and its session store."""
+    store = SessionStore()
+    deps = ProxyDeps(CaptureDeps(engine, chat, ProxyConfig(**config)), store)  # type: ignore[arg-type]
+    app = make_app(deps, native_protocols())
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"), store

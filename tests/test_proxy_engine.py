@@ -6,42 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
+from fakes import CAPTURES_DIR, in_process
 
-from harnessrl.engine.chat import ChatLayer
 from harnessrl.engine.model_store import load_causal_lm
-from harnessrl.proxy.app import ProxyDeps, make_app
-from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
-from harnessrl.proxy.sessions import SessionStore
 
-CAPTURES = Path("/work/shared/design/harness-clients/captures")
-CHAT_CAPTURES = sorted(CAPTURES.glob("*/chat-completions-*.json"))
+CHAT_CAPTURES = sorted(CAPTURES_DIR.glob("*/chat-completions-*.json"))
 USER = [{"role": "user", "content": "Write a haiku about tests."}]
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from harnessrl.engine.embedded import EmbeddedEngine
-
-    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, seed=0)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def chat(tokenizer, engine) -> ChatLayer:
-    return ChatLayer(tokenizer, eos_token_ids=engine.eos_token_ids)
-
-
-def in_process(engine, chat, **config) -> tuple[httpx.AsyncClient, SessionStore]:
-    store = SessionStore()
-    app = make_app(ProxyDeps(CaptureDeps(engine, chat, ProxyConfig(**config)), store))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"), store
 
 
 async def test_real_socket_sdk_unary_equals_stream_with_same_seed(engine, chat):
@@ -124,3 +100,9 @@ async def test_captured_agent_requests_get_200(engine, chat, capture: Path):
     turn = session.trace.turns[0]
     assert turn.status == "ok" and turn.sampling.max_tokens <= 4
     assert turn.headers.get("user-agent") == next(v for k, v in recorded["headers"].items() if k.lower() == "user-agent")
+
+
+def test_captured_requests_are_present() -> None:
+    # the replay tests above are parametrized over these files; an empty set would test nothing
+    assert len(CHAT_CAPTURES) == 7
+    assert len(list((CAPTURES_DIR / "codex").glob("responses-*.json"))) == 2

@@ -8,44 +8,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from fakes import FakeEngine, broken_engine
+from fakes import CAPTURES_DIR, FakeEngine, broken_engine, in_process
 
 from harnessrl.engine.chat import ChatLayer, normalize_messages
 from harnessrl.errors import RequestError
-from harnessrl.proxy.app import ProxyDeps, make_app
-from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.responses import to_chat_body
-from harnessrl.proxy.server import ProxyServer, native_protocols
-from harnessrl.proxy.sessions import SessionStore
+from harnessrl.proxy.server import ProxyServer
 from harnessrl.types import check_turn_faithful
 
-CAPTURES = sorted(Path("/work/shared/design/harness-clients/captures/codex").glob("responses-*.json"))
+CAPTURES = sorted((CAPTURES_DIR / "codex").glob("responses-*.json"))
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from harnessrl.engine.embedded import EmbeddedEngine
-
-    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, seed=0)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def chat(tokenizer, engine) -> ChatLayer:
-    return ChatLayer(tokenizer, eos_token_ids=engine.eos_token_ids)
-
-
-def in_process(engine, chat, **config) -> tuple[httpx.AsyncClient, SessionStore]:
-    store = SessionStore()
-    app = make_app(ProxyDeps(CaptureDeps(engine, chat, ProxyConfig(**config)), store), native_protocols())
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"), store
 
 
 def events_of(text: str) -> list[dict]:
