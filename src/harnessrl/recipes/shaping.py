@@ -1,7 +1,7 @@
 """Reward-shaping hooks usable from a config by dotted path.
 
-* `opencode_tool_use_reward`: the reference recipe's shaping (reference-system.md §1 "Verify and
-  reward"): no `bash` call → -0.1; else the verifier's reward (0 on timeout) minus
+* `opencode_tool_use_reward`: the reference recipe's shaping (TRL's async GRPO opencode example,
+  `opencode_reward`): no `bash` call → -0.1; else the verifier's reward (0 on timeout) minus
   `min(0.5, 0.03 * max(0, tool_calls - 20))`.
 * `action_format_credit`: the default recipe's shaping for small models. A 135M model rarely
   solves a task outright, so a group's verifier rewards are mostly all 0 and carry no gradient.
