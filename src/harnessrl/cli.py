@@ -27,6 +27,12 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML 
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key, e.g. --set train.learning_rate=1e-5 (repeatable).")]
 
 
+def _fail(exc: Exception) -> typer.Exit:
+    """Print a run-stopping error (config, install, model, engine) as one clear line."""
+    typer.secho(f"harnessrl: {type(exc).__name__}: {exc}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
 @app.command()
 def train(
     config: ConfigOpt = None,
@@ -37,17 +43,22 @@ def train(
 ) -> None:
     """Train the policy with asynchronous GRPO on rollouts of a real agent harness."""
     from harnessrl.config import load_config, resolve_run_dir
+    from harnessrl.errors import HarnessRLError
     from harnessrl.train.run import run_training
 
-    if resume is not None:
-        cfg = load_config(resume / "config.toml", set_ or [])
-        run_dir = resume
-    else:
-        cfg = load_config(config, set_ or [])
-        run_dir = resolve_run_dir(out)
-    if steps is not None:
-        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
-    raise typer.Exit(run_training(cfg, run_dir, resume=resume is not None))
+    try:
+        if resume is not None:
+            cfg = load_config(resume / "config.toml", set_ or [])
+            run_dir = resume
+        else:
+            cfg = load_config(config, set_ or [])
+            run_dir = resolve_run_dir(out)
+        if steps is not None:
+            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
+        code = run_training(cfg, run_dir, resume=resume is not None)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -59,10 +70,15 @@ def rollout(
 ) -> None:
     """Run rollouts without training (evaluation): writes rollouts.jsonl and prints a summary."""
     from harnessrl.config import load_config, resolve_run_dir
+    from harnessrl.errors import HarnessRLError
     from harnessrl.rollout.evaluate import run_evaluation
 
-    cfg = load_config(config, set_ or [])
-    raise typer.Exit(run_evaluation(cfg, resolve_run_dir(out, prefix="rollout-"), limit=limit))
+    try:
+        cfg = load_config(config, set_ or [])
+        code = run_evaluation(cfg, resolve_run_dir(out, prefix="rollout-"), limit=limit)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+    raise typer.Exit(code)
 
 
 @app.command()

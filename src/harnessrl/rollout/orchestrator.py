@@ -27,7 +27,7 @@ from harnessrl.rewards.base import Verifier
 from harnessrl.rollout.runner import RolloutLimits, SessionHost, run_rollout
 from harnessrl.sandbox.base import SandboxBackend
 from harnessrl.tasks.base import Task, TaskSource
-from harnessrl.types import Group
+from harnessrl.types import Group, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Orchestrator:
         self._limits = limits
         self._rollout_slots = asyncio.Semaphore(max_concurrent_rollouts)
         self._tickets = asyncio.Semaphore(0)
-        self._done: asyncio.Queue[Group] = asyncio.Queue()
+        self._done: asyncio.Queue[Group | BaseException] = asyncio.Queue()
         self._in_flight: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self.next_group_id = first_group_id
@@ -79,10 +79,17 @@ class Orchestrator:
             self._dispatcher = asyncio.create_task(self._dispatch(), name="orchestrator-dispatch")
 
     async def get_group(self) -> Group:
-        """Wait for the next completed group (in completion order)."""
+        """Wait for the next completed group (in completion order).
+
+        Raises:
+            The error of a group that could not run at all (e.g. `HarnessInstallError`).
+        """
         if self._dispatcher is not None and self._dispatcher.done():
             self._dispatcher.result()  # re-raise a dispatcher failure instead of hanging
-        return await self._done.get()
+        item = await self._done.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     @property
     def groups_in_flight(self) -> int:
@@ -108,14 +115,25 @@ class Orchestrator:
             task.add_done_callback(self._in_flight.discard)
 
     async def _run_group(self, group_id: int) -> None:
-        task = self._tasks_source.get(group_id)
-        verifier = self._verifier_for(task)
-        rollouts = await asyncio.gather(
-            *(self._run_one(task, group_id, verifier) for _ in range(self._group_size))
-        )
+        jobs: list[asyncio.Future[Rollout]] = []
+        try:
+            task = self._tasks_source.get(group_id)
+            verifier = self._verifier_for(task)
+            jobs = [asyncio.ensure_future(self._run_one(task, group_id, verifier))
+                    for _ in range(self._group_size)]
+            rollouts = await asyncio.gather(*jobs)
+        except BaseException as exc:
+            # cancel the group's other rollouts and wait until each released its resources
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            if not isinstance(exc, Exception):
+                raise
+            await self._done.put(exc)  # the consumer re-raises it and stops the run
+            return
         await self._done.put(Group(group_id=group_id, task_id=task.task_id, rollouts=list(rollouts)))
 
-    async def _run_one(self, task: Task, group_id: int, verifier: Verifier):  # noqa: ANN202
+    async def _run_one(self, task: Task, group_id: int, verifier: Verifier) -> Rollout:
         async with self._rollout_slots:
             self.rollouts_started += 1
             rollout = await run_rollout(

@@ -2,7 +2,8 @@
 
 Responsibility: run one agent on one task and return a `Rollout` with exactly one terminal
 status, its trace, its reward and its timings. `run_rollout` never raises for agent, sandbox or
-verifier faults (a bad rollout is data, DESIGN.md §3.4); it re-raises only cancellation, after
+verifier faults (a bad rollout is data, DESIGN.md §3.4); it re-raises only cancellation and
+errors that mean the run cannot work at all (agent not installed, invalid config), after
 releasing everything.
 
 Invariants (DESIGN.md §3.3, §3.5):
@@ -26,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+from harnessrl.errors import ConfigError, HarnessInstallError
 from harnessrl.harness.base import Harness, HarnessResult
 from harnessrl.rewards.base import Reward, Verifier
 from harnessrl.sandbox.base import Sandbox, SandboxBackend
@@ -72,7 +74,8 @@ async def run_rollout(
     """Run `harness` on `task` in a fresh sandbox and score it.
 
     Returns a `Rollout` whatever the agent, sandbox or verifier did. Raises only
-    `asyncio.CancelledError` (after releasing every resource).
+    `asyncio.CancelledError`, `HarnessInstallError` and `ConfigError` (after releasing every
+    resource).
     """
     rollout_id = rollout_id or uuid.uuid4().hex[:16]
     t0 = time.monotonic()
@@ -101,6 +104,8 @@ async def run_rollout(
         t_agent = time.monotonic()
         try:
             result = await harness.run(task, sandbox, endpoint, limits.agent_timeout_s)
+        except (HarnessInstallError, ConfigError):
+            raise  # the run cannot work at all: stop it with the message, don't record N failures
         except Exception as exc:  # noqa: BLE001 - a harness fault is this rollout's data
             status, error = "infra_error", f"harness {harness.name} raised: {_describe(exc)}"
         timings["agent_s"] = time.monotonic() - t_agent
@@ -124,8 +129,14 @@ async def run_rollout(
                 status, error = "verifier_error", reward.error
         return _finish(task, group_id, harness, rollout_id, status, error, trace, result, reward, timings, t0)
     finally:
-        # 7) release everything, even under cancellation
-        await asyncio.shield(_release(sessions, session_id, sandbox))
+        # 7) release everything, even under cancellation: a cancel arriving meanwhile waits
+        # for the release to finish before it propagates
+        release = asyncio.ensure_future(_release(sessions, session_id, sandbox))
+        try:
+            await asyncio.shield(release)
+        except asyncio.CancelledError:
+            await release
+            raise
 
 
 async def _verify(

@@ -1,0 +1,89 @@
+"""Orchestrator: a run that cannot work (agent not installed) stops with the error instead of
+recording failures forever; groups share a task chosen by the seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harnessrl.errors import HarnessInstallError
+from harnessrl.harness.base import HarnessResult
+from harnessrl.rewards.base import Reward
+from harnessrl.rollout.orchestrator import Orchestrator
+from harnessrl.rollout.runner import RolloutLimits
+from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig, leftover_sandboxes
+from harnessrl.tasks.base import Task
+from harnessrl.types import Endpoint, Trace
+
+
+class Tasks:
+    def __len__(self) -> int:
+        return 3
+
+    def get(self, seed: int) -> Task:
+        return Task(task_id=f"t{seed % 3}", family="x", instruction="hi")
+
+
+class Sessions:
+    def open_session(self, rollout_id: str) -> tuple[str, str]:
+        return rollout_id, "key"
+
+    def endpoint(self, key: str) -> Endpoint:
+        return Endpoint(base_url="http://127.0.0.1:9/v1", api_key=key, model="m")
+
+    def close_session(self, session_id: str) -> Trace:
+        return Trace(session_id=session_id)
+
+
+class Verifier:
+    async def score(self, task: Task, sandbox: object, final_answer: str | None) -> Reward:
+        return Reward(value=1.0 if final_answer == task.task_id else 0.0)
+
+
+class EchoHarness:
+    name = "echo"
+
+    async def run(self, task: Task, sandbox: object, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        return HarnessResult(exit_code=0, timed_out=False, final_answer=task.task_id)
+
+
+class MissingAgent:
+    name = "missing"
+
+    async def run(self, task: Task, sandbox: object, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        raise HarnessInstallError("agent 'missing' is not installed; run: harnessrl harness install missing")
+
+
+def _orch(harness: object, root: Path) -> Orchestrator:
+    return Orchestrator(Tasks(), harness, LocalSandboxBackend(SandboxConfig(root_dir=root)), Sessions(),
+                        lambda task: Verifier(), group_size=3, max_concurrent_rollouts=4,
+                        limits=RolloutLimits(10, 10), first_group_id=4)
+
+
+async def test_groups_share_the_seeded_task(tmp_path: Path) -> None:
+    orch = _orch(EchoHarness(), tmp_path)
+    orch.allow(2)
+    orch.start()
+    try:
+        groups = sorted([await orch.get_group(), await orch.get_group()], key=lambda g: g.group_id)
+    finally:
+        await orch.close()
+    assert [g.group_id for g in groups] == [4, 5]
+    assert [g.task_id for g in groups] == ["t1", "t2"]
+    assert all(r.task_id == g.task_id and r.group_id == g.group_id and r.reward == 1.0
+               for g in groups for r in g.rollouts)
+    assert orch.next_group_id == 6
+    assert leftover_sandboxes(tmp_path) == []
+
+
+async def test_missing_agent_stops_the_run(tmp_path: Path) -> None:
+    orch = _orch(MissingAgent(), tmp_path)
+    orch.allow(1)
+    orch.start()
+    try:
+        with pytest.raises(HarnessInstallError, match="harnessrl harness install missing"):
+            await orch.get_group()
+    finally:
+        await orch.close()
+    assert leftover_sandboxes(tmp_path) == []
