@@ -1,7 +1,7 @@
 # Set-up and entry points. `make train` and `make test` work on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build of torch, already on disk on CPU machines; on a GPU machine: make TORCH_SPEC=torch setup
+# CPU build of torch (already on disk on CPU machines); another build: make TORCH_SPEC=... setup
 TORCH_SPEC ?= torch==2.13.0
 STEPS ?= 3
 
