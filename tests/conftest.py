@@ -53,3 +53,14 @@ def chat(tokenizer, engine):
     from harnessrl.engine.chat import ChatLayer
 
     return ChatLayer(tokenizer, eos_token_ids=engine.eos_token_ids)
+
+
+@pytest.fixture
+def sandbox_root(tmp_path: Path):
+    """A sandbox root that must hold no process and no directory once the test is done."""
+    from harnessrl.sandbox.local import leftover_processes, leftover_sandboxes
+
+    root = tmp_path / "sandboxes"
+    yield root
+    assert leftover_processes(root) == [], "processes left after every sandbox closed"
+    assert leftover_sandboxes(root) == [], "sandbox directories left after close()"

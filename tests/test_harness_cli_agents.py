@@ -24,7 +24,7 @@ from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.harness.install import agent_spec, install_agent, installed_agent_dirs, read_install_record
 from harnessrl.harness.mini_swe_agent import MiniSweAgentConfig, MiniSweAgentHarness
 from harnessrl.harness.opencode import OpencodeConfig, OpencodeHarness
-from harnessrl.sandbox.local import LocalSandbox, LocalSandboxBackend, SandboxConfig, leftover_processes, leftover_sandboxes
+from harnessrl.sandbox.local import LocalSandbox, LocalSandboxBackend, SandboxConfig
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint, Trace, check_turn_faithful
 
@@ -63,14 +63,6 @@ async def proxy(engine: object) -> AsyncIterator[object]:
     config = ProxyConfig(port=0, model_name=MODEL_NAME, max_tokens_cap=32)
     async with ProxyServer(engine, ChatLayer(engine.tokenizer), config) as server:  # type: ignore[attr-defined]
         yield server
-
-
-@pytest.fixture
-def sandbox_root(tmp_path: Path) -> Iterator[Path]:
-    root = tmp_path / "sandboxes"
-    yield root
-    assert leftover_processes(root) == [], "processes left after every sandbox closed"
-    assert leftover_sandboxes(root) == [], "sandbox directories left after close()"
 
 
 def _backend(root: Path) -> LocalSandboxBackend:

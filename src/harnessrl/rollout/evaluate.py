@@ -65,14 +65,8 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, n_groups: int, console: Conso
             with progress, (out_dir / "rollouts.jsonl").open("a", encoding="utf-8") as fh:
                 bar = progress.add_task("rollouts", total=total)
                 while len(groups) < n_groups:
-                    get = asyncio.ensure_future(orch.get_group())
-                    try:
-                        while not get.done():
-                            progress.update(bar, completed=orch.rollouts_finished)
-                            await asyncio.wait({get}, timeout=0.5)
-                    finally:
-                        get.cancel()
-                    group = get.result()
+                    group = await orch.get_group(
+                        on_wait=lambda: progress.update(bar, completed=orch.rollouts_finished))
                     groups.append(group)
                     for r in group.rollouts:
                         fh.write(r.model_dump_json() + "\n")

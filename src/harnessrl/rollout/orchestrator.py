@@ -78,15 +78,26 @@ class Orchestrator:
         if self._dispatcher is None:
             self._dispatcher = asyncio.create_task(self._dispatch(), name="orchestrator-dispatch")
 
-    async def get_group(self) -> Group:
+    async def get_group(self, on_wait: Callable[[], None] | None = None, poll_s: float = 0.5) -> Group:
         """Wait for the next completed group (in completion order).
+
+        Args:
+            on_wait: called every `poll_s` seconds while waiting (progress displays).
 
         Raises:
             The error of a group that could not run at all (e.g. `HarnessInstallError`).
         """
         if self._dispatcher is not None and self._dispatcher.done():
             self._dispatcher.result()  # re-raise a dispatcher failure instead of hanging
-        item = await self._done.get()
+        get = asyncio.ensure_future(self._done.get())
+        try:
+            while not get.done():
+                if on_wait is not None:
+                    on_wait()
+                await asyncio.wait({get}, timeout=poll_s)
+        finally:
+            get.cancel()
+        item = get.result()
         if isinstance(item, BaseException):
             raise item
         return item

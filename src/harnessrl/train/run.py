@@ -198,15 +198,9 @@ async def _pull_groups(orch: Any, n: int, console: Console, step: int, steps: in
     groups: list[Group] = []
     with console.status("") as status:
         while len(groups) < n:
-            get = asyncio.ensure_future(orch.get_group())
-            try:
-                while not get.done():
-                    status.update(f"step {step + 1}/{steps}: {len(groups)}/{n} groups ready, "
-                                  f"{orch.rollouts_finished}/{orch.rollouts_started} rollouts finished")
-                    await asyncio.wait({get}, timeout=0.5)
-            finally:
-                get.cancel()
-            groups.append(get.result())
+            groups.append(await orch.get_group(on_wait=lambda: status.update(
+                f"step {step + 1}/{steps}: {len(groups)}/{n} groups ready, "
+                f"{orch.rollouts_finished}/{orch.rollouts_started} rollouts finished")))
     return groups
 
 
