@@ -13,9 +13,10 @@ closes it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -61,6 +62,15 @@ def native_protocols() -> dict[str, ProtocolHandler]:
             "messages/count_tokens": anthropic.count_tokens}
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its SIGINT/SIGTERM handlers: the process that runs the proxy owns its
+    signals (a run stops as a whole, `harnessrl.signals`; `harnessrl serve` has its own)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 class ProxyServer:
     """`async with ProxyServer(engine, chat, config) as proxy: proxy.base_url ...`"""
 
@@ -103,7 +113,7 @@ class ProxyServer:
         uv_config = uvicorn.Config(self.app, http="httptools", log_level="warning", access_log=False,
                                    proxy_headers=False, lifespan="off",
                                    timeout_graceful_shutdown=self.shutdown_timeout_s, backlog=2048)
-        self._server = uvicorn.Server(uv_config)
+        self._server = _Uvicorn(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
