@@ -87,3 +87,41 @@ async def test_missing_agent_stops_the_run(tmp_path: Path) -> None:
     finally:
         await orch.close()
     assert leftover_sandboxes(tmp_path) == []
+
+
+class SlowOnOddGroups:
+    """Answers at once for even groups; odd groups' rollouts hang until cancelled."""
+
+    name = "slow"
+
+    async def run(self, task: Task, sandbox: object, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        import asyncio
+
+        if int(task.task_id.removeprefix("t")) % 2:
+            await asyncio.sleep(1000)
+        return HarnessResult(exit_code=0, timed_out=False, final_answer=task.task_id)
+
+
+async def test_replayed_groups_go_first_and_undelivered_ones_are_reported(tmp_path: Path) -> None:
+    import asyncio
+
+    seen: list[str] = []
+    orch = Orchestrator(Tasks(), SlowOnOddGroups(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)),
+                        Sessions(), lambda task: Verifier(), group_size=2, max_concurrent_rollouts=8,
+                        limits=RolloutLimits(10, 10), first_group_id=7, replay_group_ids=[3],
+                        on_rollout=lambda r: seen.append(r.rollout_id))
+    assert orch.undelivered_group_ids() == [3]
+    orch.allow(3)  # replay 3 (task t0, answers), then new groups 7 (t1, hangs) and 8 (t2, answers)
+    orch.start()
+    try:
+        done = sorted([(await orch.get_group()).group_id for _ in range(2)])
+        await asyncio.sleep(0.2)
+        assert done == [3, 8]
+        assert orch.undelivered_group_ids() == [7], "the hanging group is still owed to the consumer"
+        assert orch.next_group_id == 9
+        assert orch.rollouts_running == 2 and orch.rollouts_finished == 4 and len(seen) == 4
+    finally:
+        await orch.close()
+    assert orch.rollouts_running == 0, "cancelled rollouts no longer count as running"
+    assert orch.rollouts_finished == 4 and len(seen) == 4, "a rollout cut by close() produces no Rollout"
+    assert leftover_sandboxes(tmp_path) == []

@@ -11,16 +11,18 @@ than step v + max_staleness. With `max_staleness = 0` this is the synchronous lo
 step k start only after the weights of step k-1 are on the engine. Groups that finish out of
 order can still be staler; the trainer measures staleness per turn and drops what is too old.
 
-Invariants: group ids are consecutive from `first_group_id` (the data position for resume);
-all G rollouts of a group share `group_id` and its task; `close()` cancels everything in flight
-and returns only after every rollout released its resources.
+Invariants: groups are dispatched for the ids in `replay_group_ids` first, then consecutively
+from `first_group_id` (the data position for resume); `undelivered_group_ids()` is what a resumed
+run must replay (dispatched or queued but not yet handed to the consumer); all G rollouts of a
+group share `group_id` and its task; `close()` cancels everything in flight and returns only
+after every rollout released its resources (a rollout cut by it produces no `Rollout`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from harnessrl.harness.base import Harness
 from harnessrl.rewards.base import Verifier
@@ -47,7 +49,10 @@ class Orchestrator:
         max_concurrent_rollouts: int,
         limits: RolloutLimits,
         first_group_id: int = 0,
+        replay_group_ids: Sequence[int] = (),
+        on_rollout: Callable[[Rollout], None] | None = None,
     ) -> None:
+        """`on_rollout` is called with each rollout as it finishes (progress displays)."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if max_concurrent_rollouts < 1:
@@ -65,9 +70,13 @@ class Orchestrator:
         self._in_flight: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self.next_group_id = first_group_id
-        """Group id (= task seed) of the next group to dispatch: the data position."""
+        """Group id (= task seed) of the next new group to dispatch: the data position."""
+        self._replay = list(replay_group_ids)
+        self._undelivered: set[int] = set(self._replay)
         self.rollouts_started = 0
         self.rollouts_finished = 0
+        self._running = 0
+        self._on_rollout = on_rollout
 
     def allow(self, n_groups: int) -> None:
         """Let `n_groups` more groups be dispatched."""
@@ -100,7 +109,18 @@ class Orchestrator:
         item = get.result()
         if isinstance(item, BaseException):
             raise item
+        self._undelivered.discard(item.group_id)
         return item
+
+    def undelivered_group_ids(self) -> list[int]:
+        """Ids of groups dispatched or queued for replay but not yet returned by `get_group`
+        (sorted): what a run resumed from a checkpoint taken now must replay."""
+        return sorted(self._undelivered)
+
+    @property
+    def rollouts_running(self) -> int:
+        """Rollouts started and not finished (they hold a concurrency slot)."""
+        return self._running
 
     @property
     def groups_in_flight(self) -> int:
@@ -119,8 +139,12 @@ class Orchestrator:
     async def _dispatch(self) -> None:
         while True:
             await self._tickets.acquire()
-            group_id = self.next_group_id
-            self.next_group_id += 1
+            if self._replay:
+                group_id = self._replay.pop(0)
+            else:
+                group_id = self.next_group_id
+                self.next_group_id += 1
+                self._undelivered.add(group_id)
             task = asyncio.create_task(self._run_group(group_id), name=f"group-{group_id}")
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
@@ -147,10 +171,16 @@ class Orchestrator:
     async def _run_one(self, task: Task, group_id: int, verifier: Verifier) -> Rollout:
         async with self._rollout_slots:
             self.rollouts_started += 1
-            rollout = await run_rollout(
-                task, group_id, self._harness, self._backend, self._sessions, verifier, self._limits
-            )
+            self._running += 1
+            try:
+                rollout = await run_rollout(
+                    task, group_id, self._harness, self._backend, self._sessions, verifier, self._limits
+                )
+            finally:
+                self._running -= 1
             self.rollouts_finished += 1
+            if self._on_rollout is not None:
+                self._on_rollout(rollout)
             log.debug("rollout %s of group %d: %s reward=%s", rollout.rollout_id, group_id,
                       rollout.status, rollout.reward)
             return rollout
