@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harnessrl.rollout.summary import pass_at_k, summarize_groups
+from harnessrl.rollout.summary import pass_at_k, rollout_line, summarize_groups
 from harnessrl.types import Group, Rollout, Trace, Turn
 
 
@@ -33,16 +33,42 @@ def test_summarize_groups_counts_and_rewards() -> None:
     g1 = Group(group_id=1, task_id="b", rollouts=[_rollout(3, 0.5), _rollout(4, 0.0), _rollout(5, 1.0, "timeout")])
     s = summarize_groups([g0, g1])
     assert s["rollouts"] == 6 and s["tasks"] == 2
-    assert s["scored"] == 5
-    assert s["pass_rate"] == pytest.approx(2 / 6)
+    assert s["scored"] == 5 and s["errors"] == 1
+    assert s["error_rate"] == pytest.approx(1 / 6)
+    assert s["pass_rate"] == pytest.approx(2 / 5), "pass rate is over scored rollouts"
     # rewards 1, 0, 0.5, 0, 1: mean 0.5, population var = (0.25+0.25+0+0.25+0.25)/5 = 0.2
     assert s["reward_mean"] == pytest.approx(0.5)
     assert s["reward_std"] == pytest.approx(0.2 ** 0.5)
-    # each task: n=3, c=1 -> pass@1 = 1/3; pass@3 = 1
-    assert s["pass@1"] == pytest.approx(1 / 3)
-    assert s["pass@3"] == pytest.approx(1.0)
+    # task a: n=2 scored, c=1; task b: n=3, c=1. pass@1 = (1/2 + 1/3)/2;
+    # pass@2 = (1 + (1 - C(2,2)/C(3,2)))/2 = (1 + 2/3)/2; k stops at the smallest n (2)
+    assert s["pass@1"] == pytest.approx((1 / 2 + 1 / 3) / 2)
+    assert s["pass@2"] == pytest.approx((1 + 2 / 3) / 2)
+    assert "pass@3" not in s
     assert s["status/ok"] == 4 and s["status/infra_error"] == 1 and s["status/timeout"] == 1
     assert s["prompt_tokens"] == 18 and s["completion_tokens"] == 12
+
+
+def test_agent_errors_are_counted_apart_from_scores() -> None:
+    # an agent that crashed still gets a reward from its (empty) workspace; it is an error, not a 0
+    g = Group(group_id=0, task_id="a", rollouts=[
+        _rollout(0, 1.0), _rollout(1, 0.0, "agent_error"), _rollout(2, 0.0, "agent_error"),
+        _rollout(3, None, "verifier_error")])
+    s = summarize_groups([g])
+    assert s["scored"] == 1 and s["errors"] == 3 and s["error_rate"] == pytest.approx(0.75)
+    assert s["pass_rate"] == 1.0 and s["reward_mean"] == 1.0 and s["pass@1"] == 1.0
+    only_errors = summarize_groups([Group(group_id=1, task_id="b", rollouts=[_rollout(4, 0.0, "agent_error")])])
+    assert only_errors["error_rate"] == 1.0 and only_errors["scored"] == 0
+    assert "pass_rate" not in only_errors and "reward_mean" not in only_errors and "pass@1" not in only_errors
+
+
+def test_rollout_line_is_short_and_readable() -> None:
+    ok = _rollout(0, 1.0)
+    assert rollout_line(ok) == "t ok reward 1.00 turns 1 tok 3+2 3.0s"
+    bad = _rollout(1, None, "infra_error").model_copy(
+        update={"error": "harness x raised: OpenAIException - Connection error.\n" + "trace " * 100})
+    line = rollout_line(bad, error_chars=40)
+    assert line.startswith("t infra_error reward - turns 1 tok 3+2 3.0s error: harness x raised: OpenAIExcept")
+    assert "\n" not in line and line.endswith("…") and len(line) < 120
 
 
 def test_action_format_credit_hand_computed() -> None:

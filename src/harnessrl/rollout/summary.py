@@ -1,12 +1,18 @@
-"""Summary numbers of a set of rollout groups: pass rate, pass@k, rewards, statuses, tokens, time.
+"""Summary numbers of a set of rollout groups: pass rate, error rate, pass@k, rewards, statuses,
+tokens, time; and the one-line summary of a rollout.
 
 Responsibility: one pure function per number shown in `harnessrl rollout`'s table and in the
 trainer's step metrics, so every dashboard figure comes from one tested place.
 
-A rollout *passes* when its reward is >= `pass_threshold` (1.0 by default: every hidden test).
-pass@k uses the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models
-Trained on Code", eq. 1): per task with n samples of which c pass,
-`pass@k = 1 - C(n - c, k) / C(n, k)`, averaged over tasks.
+Errors are counted apart from scores: a rollout with status `agent_error`, `infra_error` or
+`verifier_error` is an *error* (the agent crashed or could not reach the model, the sandbox or
+the verifier failed), not a failed attempt; `error_rate` = errors / rollouts. A rollout is
+*scored* when its status is `ok` or `timeout` (a timed-out agent's workspace is still verified)
+and it has a reward; `pass_rate`, `reward_mean`, `reward_std` and pass@k are over scored
+rollouts only. A scored rollout *passes* when its reward is >= `pass_threshold` (1.0 by default:
+every hidden test). pass@k uses the unbiased estimator of Chen et al. 2021 ("Evaluating Large
+Language Models Trained on Code", eq. 1): per task with n scored samples of which c pass,
+`pass@k = 1 - C(n - c, k) / C(n, k)`, averaged over tasks with at least k scored samples.
 """
 
 from __future__ import annotations
@@ -33,30 +39,44 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> dict[str, float]:
-    """Flat dict of summary numbers over `groups`.
+ERROR_STATUSES = frozenset({"agent_error", "infra_error", "verifier_error"})
+"""Statuses counted as errors, apart from scores (module docstring)."""
 
-    Keys: tasks, rollouts, pass_rate, pass@k for k in 1..min group size, reward_mean,
-    reward_std (population), scored (rollouts with a reward), status/<name> counts,
+
+def is_scored(rollout: Rollout) -> bool:
+    """True when the rollout counts in pass rate and reward statistics: status `ok` or `timeout`
+    with a reward."""
+    return rollout.status not in ERROR_STATUSES and rollout.reward is not None
+
+
+def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> dict[str, float]:
+    """Flat dict of summary numbers over `groups` (see the module docstring for the definitions).
+
+    Keys: tasks, rollouts, scored, errors, error_rate, pass_rate (absent when nothing was
+    scored), pass@k for k in 1..(smallest number of scored rollouts of a task that has any),
+    reward_mean and reward_std (population; over scored rollouts), status/<name> counts,
     turns_mean, prompt_tokens, completion_tokens, agent_s_mean, total_s_mean.
     """
     rollouts = [r for g in groups for r in g.rollouts]
     out: dict[str, float] = {"tasks": float(len(groups)), "rollouts": float(len(rollouts))}
     if not rollouts:
         return out
-    rewards = [r.reward for r in rollouts if r.reward is not None]
-    out["scored"] = float(len(rewards))
-    out["pass_rate"] = sum(1 for r in rollouts if _passed(r, pass_threshold)) / len(rollouts)
-    if rewards:
+    scored = [r for r in rollouts if is_scored(r)]
+    errors = sum(1 for r in rollouts if r.status in ERROR_STATUSES)
+    out["scored"] = float(len(scored))
+    out["errors"] = float(errors)
+    out["error_rate"] = errors / len(rollouts)
+    if scored:
+        out["pass_rate"] = sum(1 for r in scored if _passed(r, pass_threshold)) / len(scored)
+        rewards = [r.reward for r in scored if r.reward is not None]
         mean = sum(rewards) / len(rewards)
         out["reward_mean"] = mean
         out["reward_std"] = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
-    k_max = min(len(g.rollouts) for g in groups) if groups else 0
+    per_group = [[r for r in g.rollouts if is_scored(r)] for g in groups]
+    per_group = [g for g in per_group if g]
+    k_max = min(len(g) for g in per_group) if per_group else 0
     for k in range(1, k_max + 1):
-        per_task = [
-            pass_at_k(len(g.rollouts), sum(_passed(r, pass_threshold) for r in g.rollouts), k)
-            for g in groups
-        ]
+        per_task = [pass_at_k(len(g), sum(_passed(r, pass_threshold) for r in g), k) for g in per_group]
         out[f"pass@{k}"] = sum(per_task) / len(per_task)
     for status, count in Counter(r.status for r in rollouts).items():
         out[f"status/{status}"] = float(count)
@@ -66,6 +86,24 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     out["agent_s_mean"] = sum(r.timings_s.get("agent_s", 0.0) for r in rollouts) / len(rollouts)
     out["total_s_mean"] = sum(r.timings_s.get("total_s", 0.0) for r in rollouts) / len(rollouts)
     return out
+
+
+def rollout_line(rollout: Rollout, error_chars: int = 100) -> str:
+    """One readable line per rollout: task id, status, reward, turns, tokens (prompt+completion),
+    seconds, and the first line of its error cut to `error_chars` (the full record stays in
+    `rollouts.jsonl`).
+
+    Example: `procedural/add/i=3/d=1 ok reward 1.00 turns 3 tok 812+96 12.3s`.
+    """
+    reward = "-" if rollout.reward is None else f"{rollout.reward:.2f}"
+    prompt = sum(len(t.prompt_ids) for t in rollout.trace.turns)
+    completion = sum(len(t.completion_ids) for t in rollout.trace.turns)
+    line = (f"{rollout.task_id} {rollout.status} reward {reward} turns {len(rollout.trace.turns)} "
+            f"tok {prompt}+{completion} {rollout.timings_s.get('total_s', 0.0):.1f}s")
+    if rollout.error:
+        first = rollout.error.strip().splitlines()[0] if rollout.error.strip() else ""
+        line += f" error: {first[:error_chars]}{'…' if len(first) > error_chars else ''}"
+    return line
 
 
 def _passed(rollout: Rollout, threshold: float) -> bool:
