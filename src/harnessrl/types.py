@@ -15,7 +15,9 @@ Invariants (DESIGN.md §3):
 
 What this module deliberately does not do: render text, call engines, or build rows.
 Records that cross a process, HTTP or disk boundary are pydantic models; in-process
-values are frozen dataclasses.
+values are frozen dataclasses. Non-finite floats (a NaN or infinite logprob, reward, ...)
+are written as the JSON strings `"NaN"`, `"Infinity"`, `"-Infinity"` and read back as
+floats, so every record written reloads (`null` would not validate as a float).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ RolloutStatus = Literal["ok", "agent_error", "timeout", "verifier_error", "infra
 class Sampling(BaseModel):
     """Sampling parameters actually used for one generation (recorded per turn)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     temperature: float = Field(default=1.0, ge=0.0)
     """Softmax temperature; 0 means greedy (logprobs are then those of the T=1 distribution)."""
@@ -81,7 +83,7 @@ class Completion:
 class Turn(BaseModel):
     """One LLM call of a rollout, as recorded by the proxy or the white-box loop."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
     turn_index: int
     """0-based position in the session's trace, in order of arrival."""
@@ -118,7 +120,7 @@ class Turn(BaseModel):
 class Trace(BaseModel):
     """All turns of one proxy session (one rollout)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
     session_id: str
     rollout_id: str | None = None
@@ -132,7 +134,7 @@ class Trace(BaseModel):
 class Rollout(BaseModel):
     """One agent run on one task: its trace, its reward and its terminal status."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
     rollout_id: str
     group_id: int
@@ -154,7 +156,7 @@ class Rollout(BaseModel):
 class Group(BaseModel):
     """G rollouts of the same task; `group_id` is also the seed that picked the task."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
     group_id: int
     task_id: str
@@ -183,12 +185,17 @@ class Row:
         return sum(self.completion_mask)
 
 
+MIN_SAMPLED_LOGPROB = -745.0
+"""Below this no id can have been sampled: `exp(-745)` is under the smallest positive double,
+so the id had probability 0 in any IEEE float. Lower values are sentinels (e.g. -9999.0)."""
+
+
 def check_turn_faithful(turn: Turn) -> str | None:
     """Return why `turn` violates token faithfulness, or None when it holds.
 
     Checks (DESIGN.md §3.1): non-empty prompt ids; `len(completion_ids) ==
     len(completion_logprobs)`; `usage.completion_tokens` (when reported) equals that length;
-    every logprob finite and <= 0; every id a non-negative int.
+    every logprob finite and in [`MIN_SAMPLED_LOGPROB`, 0]; every id a non-negative int.
     """
     if not turn.prompt_ids:
         return "prompt_ids is empty"
@@ -201,13 +208,14 @@ def check_turn_faithful(turn: Turn) -> str | None:
     lps = turn.completion_logprobs
     # Fast path in C (min/max/sum): a non-finite value makes the sum non-finite, and a finite
     # sum that overflowed only sends us to the exact per-element loop below.
-    if (not lps or (max(lps) <= 0.0 and math.isfinite(sum(lps)))) and min(turn.prompt_ids) >= 0 and (
+    if (not lps or (max(lps) <= 0.0 and min(lps) >= MIN_SAMPLED_LOGPROB and math.isfinite(sum(lps)))) and min(
+        turn.prompt_ids) >= 0 and (
         not turn.completion_ids or min(turn.completion_ids) >= 0
     ):
         return None
     for i, lp in enumerate(lps):
-        if not math.isfinite(lp) or lp > 0.0:
-            return f"completion_logprobs[{i}]={lp!r} is not a finite value <= 0"
+        if not math.isfinite(lp) or not MIN_SAMPLED_LOGPROB <= lp <= 0.0:
+            return f"completion_logprobs[{i}]={lp!r} is not a finite value in [{MIN_SAMPLED_LOGPROB}, 0]"
     for i, tok in enumerate([*turn.prompt_ids, *turn.completion_ids]):
         if tok < 0:
             return f"token id {tok} at position {i} is negative"

@@ -125,7 +125,8 @@ def _normalize_message(i: int, m: object) -> Message:
     if not _MESSAGE_KEYS.issuperset(m):
         key = next(k for k in m if k not in _MESSAGE_KEYS)
         raise RequestError(f"unsupported field messages[{i}].{key}", param=f"messages[{i}].{key}")
-    role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
+    raw_role = m.get("role")
+    role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
     if role is None:
         raise RequestError(f"messages[{i}].role={m.get('role')!r} is not one of {sorted(_ROLES)}",
                            param=f"messages[{i}].role")

@@ -76,7 +76,7 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     """`POST /v1/messages`: unary JSON, or the Messages event stream."""
     headers = native.kept_headers(request.headers, EXTRA_HEADERS)
     try:
-        body = await read_json(request, deps.capture.config.max_body_bytes)
+        body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
         converted = _convert_or_record(session, body, headers)
     except RequestError as exc:
         return error_response(exc.status_code, exc.message)
@@ -101,7 +101,7 @@ async def count_tokens(request: Request, session: Any, deps: ProxyDeps) -> Respo
     """`POST /v1/messages/count_tokens`: `{"input_tokens": N}` as the chat layer would render
     the request (no generation, no turn recorded)."""
     try:
-        body = await read_json(request, deps.capture.config.max_body_bytes)
+        body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
         body = {k: v for k, v in body.items() if k != "max_tokens"} | {"max_tokens": 1}
         chat = to_chat_body(body).chat_body
         ids = deps.capture.chat.render(normalize_messages(chat["messages"]), chat.get("tools"))

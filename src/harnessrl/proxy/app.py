@@ -2,8 +2,10 @@
 
 Routes:
   * `GET /healthz`.
-  * Admin, loopback clients only (others get 403): `POST /admin/sessions` (optional body
-    `{"rollout_id": ...}`) -> `{session_id, key, base_url, keyed_base_url}`;
+  * Admin, in a separate app (`make_admin_app`) that the server puts on its own listener,
+    never on the agents' port; every call needs `Authorization: Bearer <admin token>` (401
+    otherwise) and bodies above `ADMIN_MAX_BODY_BYTES` get 413: `POST /admin/sessions`
+    (optional body `{"rollout_id": ...}`) -> `{session_id, key, base_url, keyed_base_url}`;
     `GET /admin/sessions/{id}/trace`; `DELETE /admin/sessions/{id}` (revokes the key,
     returns the final trace).
   * Protocol routes, each served at `/v1/<sub>` (key in `Authorization: Bearer <key>` or
@@ -25,6 +27,8 @@ What this module deliberately does not do: validate fields, render or record (se
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -40,10 +44,10 @@ from starlette.routing import Route
 from harnessrl.errors import RequestError
 from harnessrl.proxy import sse
 from harnessrl.proxy.capture import CaptureDeps, ChatOutcome, PreparedChat, generate_chat, prepare_chat
-from harnessrl.proxy.sessions import Session, SessionStore
-from harnessrl.proxy.wire import dumps, error_body, loads
+from harnessrl.proxy.sessions import Session, SessionStore, trace_json
+from harnessrl.proxy.wire import MAX_JSON_DEPTH, dumps, error_body, loads
 
-_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +63,14 @@ _inflight: set[asyncio.Task[ChatOutcome]] = set()
 """Streamed generations run as tasks so a client disconnect never loses the turn."""
 
 
+ADMIN_MAX_BODY_BYTES = 64 * 1024
+"""Admin request bodies above this get 413."""
+
+
 def make_app(deps: ProxyDeps, protocols: Mapping[str, ProtocolHandler] | None = None) -> Starlette:
-    """Build the app. `protocols` maps extra POST sub-paths under `/v1/` to handlers."""
-    routes = [
-        Route("/healthz", _healthz, methods=["GET"]),
-        Route("/admin/sessions", _admin(deps, _open_session), methods=["POST"]),
-        Route("/admin/sessions/{session_id}/trace", _admin(deps, _get_trace), methods=["GET"]),
-        Route("/admin/sessions/{session_id}", _admin(deps, _close_session), methods=["DELETE"]),
-    ]
+    """Build the agents' app (no admin routes). `protocols` maps extra POST sub-paths under
+    `/v1/` to handlers."""
+    routes = [Route("/healthz", _healthz, methods=["GET"])]
     handlers: list[tuple[str, ProtocolHandler, str]] = [("chat/completions", chat_completions, "POST"),
                                                         ("models", list_models, "GET")]
     handlers += [(sub, h, "POST") for sub, h in (protocols or {}).items()]
@@ -77,16 +81,35 @@ def make_app(deps: ProxyDeps, protocols: Mapping[str, ProtocolHandler] | None = 
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
+def make_admin_app(deps: ProxyDeps, token: str, agent_root: Callable[[], str],
+                   max_body_bytes: int = ADMIN_MAX_BODY_BYTES) -> Starlette:
+    """Build the admin app: session open / trace / close, each requiring
+    `Authorization: Bearer <token>` (401 otherwise), bodies above `max_body_bytes` 413.
+
+    `agent_root()` is the agents' `http://host:port` (what a new session's `base_url` names).
+    Raises ValueError for a token shorter than 16 characters.
+    """
+    if len(token) < 16:
+        raise ValueError(f"admin token must be at least 16 characters, got {len(token)}")
+    routes = [
+        Route("/healthz", _healthz, methods=["GET"]),
+        Route("/admin/sessions", _admin(deps, token, _open_session(agent_root, max_body_bytes)), methods=["POST"]),
+        Route("/admin/sessions/{session_id}/trace", _admin(deps, token, _get_trace), methods=["GET"]),
+        Route("/admin/sessions/{session_id}", _admin(deps, token, _close_session), methods=["DELETE"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+
 def json_response(status_code: int, body: object) -> Response:
     return Response(content=dumps(body), status_code=status_code, media_type="application/json")
 
 
-async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
+async def read_json(request: Request, max_body_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
     """Read and decode a JSON object body.
 
     Raises:
         RequestError: 413 when the body exceeds `max_body_bytes`, 400 when it is not a JSON
-            object or the client went away.
+            object, nests deeper than `max_depth`, or the client went away.
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
@@ -101,7 +124,7 @@ async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
             chunks.append(chunk)
     except ClientDisconnect as exc:
         raise RequestError("client disconnected while sending the body") from exc
-    return loads(b"".join(chunks))
+    return loads(b"".join(chunks), max_depth)
 
 
 def session_key(request: Request) -> str | None:
@@ -117,7 +140,7 @@ def session_key(request: Request) -> str | None:
 
 async def chat_completions(request: Request, session: Session, deps: ProxyDeps) -> Response:
     """`POST /v1/chat/completions`: unary JSON, or SSE synthesised from the complete result."""
-    body = await read_json(request, deps.capture.config.max_body_bytes)
+    body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
     prepared = await prepare_chat(deps.capture, session, body, request.headers)
     if isinstance(prepared, ChatOutcome):
         return json_response(prepared.status_code, prepared.body)
@@ -163,16 +186,22 @@ def _keyed(deps: ProxyDeps, handler: ProtocolHandler) -> Callable[[Request], Awa
             return await handler(request, session, deps)
         except RequestError as exc:
             return json_response(exc.status_code, error_body(exc.message, param=exc.param, code=exc.code))
+        except Exception as exc:  # noqa: BLE001 - a proxy bug answers JSON and is logged, never a bare 500
+            log.exception("proxy failed on %s for session %s", request.url.path, session.session_id)
+            return json_response(500, error_body(f"internal proxy error: {type(exc).__name__}",
+                                                 type_="server_error", code="internal_error"))
     return endpoint
 
 
-def _admin(deps: ProxyDeps, handler: Callable[[Request, ProxyDeps], Awaitable[Response]]
+def _admin(deps: ProxyDeps, token: str, handler: Callable[[Request, ProxyDeps], Awaitable[Response]]
            ) -> Callable[[Request], Awaitable[Response]]:
+    expected = f"Bearer {token}".encode()
+
     async def endpoint(request: Request) -> Response:
-        host = request.client.host if request.client is not None else None
-        if host not in _LOOPBACK:
-            return json_response(403, error_body(f"admin routes are loopback-only (client {host})",
-                                                 code="forbidden"))
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return json_response(401, error_body("admin routes need 'Authorization: Bearer <admin token>'",
+                                                 code="invalid_admin_token"))
         try:
             return await handler(request, deps)
         except RequestError as exc:
@@ -180,34 +209,62 @@ def _admin(deps: ProxyDeps, handler: Callable[[Request, ProxyDeps], Awaitable[Re
     return endpoint
 
 
-async def _open_session(request: Request, deps: ProxyDeps) -> Response:
-    raw = await request.body()
-    body = loads(raw) if raw.strip() else {}
-    rollout_id = body.get("rollout_id")
-    if rollout_id is not None and not isinstance(rollout_id, str):
-        raise RequestError("'rollout_id' must be a string", param="rollout_id")
-    session = deps.store.open(rollout_id)
-    root = f"{request.url.scheme}://{request.url.netloc}"
-    return json_response(200, {"session_id": session.session_id, "key": session.key, "base_url": root + "/v1",
-                               "keyed_base_url": f"{root}/r/{session.key}/v1"})
+def _open_session(agent_root: Callable[[], str], max_body_bytes: int
+                  ) -> Callable[[Request, ProxyDeps], Awaitable[Response]]:
+    async def handler(request: Request, deps: ProxyDeps) -> Response:
+        body = await _admin_body(request, max_body_bytes)
+        rollout_id = body.get("rollout_id")
+        if rollout_id is not None and not isinstance(rollout_id, str):
+            raise RequestError("'rollout_id' must be a string", param="rollout_id")
+        session = deps.store.open(rollout_id)
+        root = agent_root()
+        return json_response(200, {"session_id": session.session_id, "key": session.key,
+                                   "base_url": root + "/v1", "keyed_base_url": f"{root}/r/{session.key}/v1"})
+    return handler
 
 
-def _find(deps: ProxyDeps, request: Request) -> Session:
+async def _admin_body(request: Request, max_body_bytes: int) -> dict[str, Any]:
+    """The admin request's JSON object body, `{}` when empty; 413 above `max_body_bytes`."""
+    size = 0
+    chunks: list[bytes] = []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise _too_large(size, max_body_bytes)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    return loads(raw) if raw.strip() else {}
+
+
+def _find(deps: ProxyDeps, request: Request) -> str:
+    """The session id of the path, live or closed (a closed one is served from the trace file)."""
     session_id = request.path_params["session_id"]
-    session = deps.store.get(session_id)
-    if session is None:
+    if not deps.store.known(session_id):
         raise RequestError(f"no session {session_id!r}", param="session_id", code="not_found", status_code=404)
-    return session
+    return session_id
+
+
+def _not_kept(session_id: str) -> RequestError:
+    return RequestError(f"session {session_id!r} is closed and its trace is no longer kept in memory "
+                        f"(set proxy.trace_path to keep every trace)", param="session_id", code="not_found",
+                        status_code=404)
 
 
 async def _get_trace(request: Request, deps: ProxyDeps) -> Response:
-    session = _find(deps, request)
-    return Response(session.trace.model_dump_json(), media_type="application/json")
+    session_id = _find(deps, request)
+    body = deps.store.trace_json(session_id)
+    if body is None:
+        raise _not_kept(session_id)
+    return Response(body, media_type="application/json")
 
 
 async def _close_session(request: Request, deps: ProxyDeps) -> Response:
-    trace = deps.store.close(_find(deps, request).session_id)
-    return Response(trace.model_dump_json(), media_type="application/json")
+    session_id = _find(deps, request)
+    try:
+        trace = deps.store.close(session_id)
+    except KeyError:
+        raise _not_kept(session_id) from None
+    return Response(trace_json(trace), media_type="application/json")
 
 
 async def _healthz(request: Request) -> Response:

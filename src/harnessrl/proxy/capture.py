@@ -12,7 +12,9 @@ Invariants:
     recorded in `Turn.sampling` (§3.2). `max_tokens` is capped by `max_tokens_cap` and by the
     context left (`engine.max_context_tokens - len(prompt_ids)`).
   * Every call is recorded as one turn: bad input and engine failures with
-    `status="error"`; turns failing `check_turn_faithful` with `status="unfaithful"`.
+    `status="error"` (keeping at most `REJECTED_BODY_CHARS` of the body); turns failing
+    `check_turn_faithful` with `status="unfaithful"`. A call whose session closed while it
+    generated is answered 401 and not recorded (`close` returned the final trace).
   * `usage` is truthful: prompt ids consumed and completion ids sampled by the engine.
   * Bad input gives 4xx (`RequestError`), engine failures 5xx; never `choices: []`.
 
@@ -46,6 +48,9 @@ RECORDED_HEADERS = ("x-session-id", "x-session-affinity", "x-stainless-retry-cou
 """Headers copied into `Turn.headers` (looked up lower-case)."""
 OFFLOAD_RENDER_CHARS = 16_384
 """New (uncached) prompt text above which tokenisation runs in a worker thread."""
+REJECTED_BODY_CHARS = 4096
+"""An error turn keeps at most this many characters of the request's JSON (`summarize_body`):
+a call that failed is never trained, and a flood of large bad calls must not fill memory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +129,12 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
         turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, str(exc))
         return ChatOutcome(exc.status_code, error_body(exc.message, param=exc.param, code=exc.code), turn,
                            stream=body.get("stream") is True, include_usage=False)
+    except Exception as exc:  # noqa: BLE001 - a proxy bug is still one recorded turn and a JSON answer
+        log.exception("proxy failed preparing session %s turn %d", session.session_id, turn_index)
+        msg = f"internal proxy error: {type(exc).__name__}: {exc}"
+        turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, msg)
+        return ChatOutcome(500, error_body(msg, type_="server_error", code="internal_error"), turn,
+                           stream=body.get("stream") is True, include_usage=False)
     return PreparedChat(session, request, body, kept, prompt_ids, sampling, turn_index, started_at, started_perf_s)
 
 
@@ -154,7 +165,8 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
     reason = check_turn_faithful(turn)
     if reason is not None:
         turn.status, turn.error = "unfaithful", reason
-    p.session.record(turn)
+    if not p.session.record(turn):
+        return _closed_meanwhile(p, turn)
     return ChatOutcome(200, response, turn, stream=p.request.stream, include_usage=p.request.include_usage)
 
 
@@ -235,16 +247,41 @@ def request_kind(headers: Mapping[str, str]) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
+def summarize_body(body: dict[str, Any], limit: int = REJECTED_BODY_CHARS) -> dict[str, Any]:
+    """What an error turn keeps of a request body: the body itself when its JSON has at most
+    `limit` characters, else `{"truncated_body": <its first limit characters>, "body_bytes": N}`."""
+    try:
+        raw = orjson.dumps(body, default=repr)
+    except TypeError as exc:  # nested past orjson's limit (a caller that skipped `wire.loads`)
+        return {"truncated_body": f"<not serialisable: {exc}>", "body_bytes": -1}
+    if len(raw) <= limit:
+        return body
+    return {"truncated_body": raw[:limit].decode("utf-8", "ignore"), "body_bytes": len(raw)}
+
+
 def _failed(p: PreparedChat, status: int, body: dict[str, Any], error: str) -> ChatOutcome:
-    turn = _error_turn(p.session, p.turn_index, p.body, p.headers, p.started_at, p.started_perf_s, error)
-    turn.prompt_ids, turn.sampling = list(p.prompt_ids), p.sampling
+    turn = _error_turn(p.session, p.turn_index, p.body, p.headers, p.started_at, p.started_perf_s, error,
+                       prompt_ids=p.prompt_ids, sampling=p.sampling)
+    if p.session.revoked:
+        return _closed_meanwhile(p, turn)
     return ChatOutcome(status, body, turn, stream=p.request.stream, include_usage=p.request.include_usage)
 
 
+def _closed_meanwhile(p: PreparedChat, turn: Turn) -> ChatOutcome:
+    """The session closed while its call generated: the turn is not on the (final) trace."""
+    msg = "the session was closed while this call was in flight; its result was dropped"
+    return ChatOutcome(401, error_body(msg, code="invalid_api_key"), turn, stream=p.request.stream,
+                       include_usage=p.request.include_usage)
+
+
 def _error_turn(session: Session, turn_index: int, body: dict[str, Any], headers: dict[str, str],
-                started_at: float, started_perf_s: float, error: str) -> Turn:
-    turn = Turn(turn_index=turn_index, request=body, status="error", error=error, started_at=started_at,
-                latency_s=time.perf_counter() - started_perf_s, headers=headers,
-                request_kind=request_kind(headers))
+                started_at: float, started_perf_s: float, error: str, prompt_ids: list[int] | None = None,
+                sampling: Sampling | None = None) -> Turn:
+    turn = Turn.model_construct(
+        turn_index=turn_index, protocol="chat.completions", request=summarize_body(body), response=None,
+        prompt_ids=list(prompt_ids or ()), completion_ids=[], completion_logprobs=[], sampling=sampling,
+        policy_version=-1, finish_reason=None, status="error", error=error, started_at=started_at,
+        latency_s=time.perf_counter() - started_perf_s, headers=headers, request_kind=request_kind(headers),
+        usage={}, notes=[])
     session.record(turn)
     return turn

@@ -35,6 +35,23 @@ class ProxyConfig(BaseModel):
     `max_completion_tokens` can only lower it. The context left also caps it."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """Request bodies above this get 413."""
+    max_json_depth: int = Field(default=64, ge=4, le=200)
+    """Request bodies nested deeper than this (objects and arrays) get 400 at parse time. At
+    most 200, so a recorded body stays below the JSON encoders' 255-level limit."""
+    read_timeout_s: float = Field(default=30.0, gt=0.0)
+    """A connection must deliver a request's headers and whole body within this many seconds
+    of connecting (or of its previous response); otherwise it is closed (slow-header,
+    partial-body and silent connections cannot hold sockets)."""
+    keepalive_timeout_s: float = Field(default=5.0, gt=0.0)
+    """An idle keep-alive connection is closed after this many seconds (uvicorn's
+    `timeout_keep_alive`)."""
+    max_closed_traces: int = Field(default=256, ge=0)
+    """Without a `trace_path`, the traces of this many most recently closed sessions stay in
+    memory for `GET /admin/sessions/{id}/trace`; older ones are dropped. With a trace path,
+    closed traces are served from the file and none stay in memory."""
+    max_revoked_keys: int = Field(default=100_000, ge=1)
+    """Revoked keys remembered (a few hundred bytes each) so late calls are counted in
+    `Trace.rejected_calls`; older revoked keys still get 401, uncounted (keys are never reused)."""
     trace_path: Path | None = None
     """JSONL file to which each session's trace is appended when it closes; None keeps
     traces in memory only."""

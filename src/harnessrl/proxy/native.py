@@ -5,7 +5,8 @@ body into a chat-completions body (`Converted`); this module runs that body thro
 `capture.prepare_chat` / `capture.generate_chat`, the same validation, rendering, sampling
 enforcement, engine call and recording as `POST /v1/chat/completions`, and then restamps the
 recorded turn with what the agent actually sent and got:
-`Turn.protocol` (`responses` / `messages`), `Turn.request` (the body as received),
+`Turn.protocol` (`responses` / `messages`), `Turn.request` (the body as received; an error
+turn keeps at most `capture.REJECTED_BODY_CHARS` of it),
 `Turn.response` (the protocol's own body), `Turn.notes` (what conversion dropped) and the
 protocol's extra headers.
 
@@ -30,7 +31,7 @@ from typing import Any
 
 from harnessrl.errors import RequestError
 from harnessrl.proxy.capture import (RECORDED_HEADERS, CaptureDeps, ChatOutcome, PreparedChat, generate_chat,
-                                     prepare_chat, request_kind)
+                                     prepare_chat, request_kind, summarize_body)
 from harnessrl.proxy.sessions import Session
 from harnessrl.types import Turn
 
@@ -70,8 +71,8 @@ def kept_headers(headers: Mapping[str, str], extra: tuple[str, ...]) -> dict[str
 def record_rejected(session: Session, protocol: str, body: dict[str, Any], headers: dict[str, str],
                     exc: RequestError) -> Turn:
     """Record a call whose conversion failed as an error turn (no generation happened)."""
-    turn = Turn(turn_index=session.reserve_turn_index(), protocol=protocol, request=body, status="error",
-                error=str(exc), headers=headers, request_kind=request_kind(headers))
+    turn = Turn(turn_index=session.reserve_turn_index(), protocol=protocol, request=summarize_body(body),
+                status="error", error=str(exc), headers=headers, request_kind=request_kind(headers))
     session.record(turn)
     return turn
 
@@ -108,7 +109,7 @@ async def generate_with_keepalive(call: Call, deps: CaptureDeps, prepared: Prepa
 def restamp(call: Call, turn: Turn, response: dict[str, Any] | None) -> None:
     """Make a recorded turn say what the agent sent and got in its own protocol."""
     turn.protocol = call.protocol
-    turn.request = call.body
+    turn.request = summarize_body(call.body) if turn.status == "error" else call.body
     turn.headers = {**turn.headers, **call.headers}
     turn.notes = list(call.notes)
     if response is not None:

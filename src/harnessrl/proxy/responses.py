@@ -85,7 +85,7 @@ _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     """`POST /v1/responses`: unary JSON, or the Responses event stream."""
-    body = await read_json(request, deps.capture.config.max_body_bytes)
+    body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
     call = native.Call(session, PROTOCOL, body, native.kept_headers(request.headers, EXTRA_HEADERS), ())
     try:
         converted = to_chat_body(body)
@@ -239,7 +239,7 @@ def _text(content: object, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in _TEXT_PARTS:
+        if not isinstance(kind, str) or kind not in _TEXT_PARTS:
             raise RequestError(f"{where}[{j}].type={kind!r} is not supported (text parts only)",
                                param=f"{where}[{j}].type")
         text = part.get("refusal") if kind == "refusal" else part.get("text")
@@ -265,9 +265,14 @@ def _tools(raw: object) -> tuple[list[dict[str, Any]], list[str]]:
     notes: list[str] = []
     for i, tool in enumerate(raw):
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        if not isinstance(kind, str):
+            raise RequestError(f"tools[{i}].type must be a string, got {type(kind).__name__}",
+                               param=f"tools[{i}].type")
         if kind == "function":
             tools.append(_function_tool(tool, f"tools[{i}]"))
         elif kind == "namespace":
+            if not isinstance(tool.get("name"), str):
+                raise RequestError(f"tools[{i}].name must be a string", param=f"tools[{i}].name")
             subs = tool.get("tools")
             if not isinstance(subs, list):
                 raise RequestError(f"tools[{i}].tools must be an array", param=f"tools[{i}].tools")

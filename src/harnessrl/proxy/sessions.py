@@ -5,10 +5,19 @@ append recorded `Turn`s to its `Trace`, revoke the key and close the trace, writ
 traces as JSONL (one session per line) and read them back (`read_traces`).
 
 Invariants:
-  * A key is live from `open` until `close`; after that it is revoked forever and calls with
-    it are counted in `Trace.rejected_calls` (of the trace object `close` returned).
+  * A key is live from `open` until `close`; after that it is revoked forever. Calls with a
+    revoked key are counted in `Trace.rejected_calls` (served by `trace`/`trace_json`).
+  * `close` returns the final trace: a call still in flight when it ran is never appended
+    after it (`Session.record` refuses once the session is revoked; the caller answers 401).
   * `Turn.turn_index` is assigned at arrival (`Session.reserve_turn_index`); the trace lists
     turns in that order whatever order they finish in.
+  * Writing never fails on a turn: a turn that cannot be serialised (`trace_json`) is
+    replaced by an error turn saying why, so a trace always writes and reloads.
+  * Memory is bounded: a closed session is dropped from memory. With a trace file its trace is
+    served from the file (offset kept); without one, only the `max_closed_traces` most
+    recently closed traces stay in memory. At most `max_revoked_keys` revoked keys are
+    remembered for counting late calls (older ones still get 401, uncounted; keys are never
+    reused).
   * The store is used from one event loop; it holds no locks.
 
 What this module deliberately does not do: talk HTTP or call engines.
@@ -17,6 +26,8 @@ What this module deliberately does not do: talk HTTP or call engines.
 from __future__ import annotations
 
 import bisect
+import collections
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -24,6 +35,8 @@ from pathlib import Path
 
 from harnessrl.errors import ConfigError
 from harnessrl.types import Trace, Turn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -42,27 +55,64 @@ class Session:
         self._next_index += 1
         return index
 
-    def record(self, turn: Turn) -> None:
-        """Append `turn`, keeping turns ordered by `turn_index`."""
+    def record(self, turn: Turn) -> bool:
+        """Append `turn`, keeping turns ordered by `turn_index`.
+
+        Returns:
+            False (nothing appended) when the session was closed meanwhile: the trace that
+            `close` returned is final.
+        """
+        if self.revoked:
+            log.debug("dropped turn %d of closed session %s", turn.turn_index, self.session_id)
+            return False
         turns = self.trace.turns
         if not turns or turns[-1].turn_index < turn.turn_index:
             turns.append(turn)
         else:
             bisect.insort(turns, turn, key=lambda t: t.turn_index)
+        return True
+
+
+@dataclass(slots=True)
+class _Closed:
+    """What stays of a closed session: its key, late-call count and where its trace is."""
+
+    key: str
+    rejected_calls: int
+    trace: Trace | None = None
+    """Kept only without a trace file, for the most recently closed sessions."""
+    offset: int = -1
+    """Byte offset of its line in the trace file (-1: not written)."""
 
 
 class SessionStore:
     """All sessions of one proxy, addressed by session id and by key.
 
     Args:
-        trace_path: JSONL file that closed traces are appended to; None keeps them in memory.
+        trace_path: JSONL file that closed traces are appended to; None keeps the most
+            recent `max_closed_traces` of them in memory instead.
+        max_closed_traces: closed traces kept in memory when there is no trace file (>= 0).
+        max_revoked_keys: closed sessions (key, late-call count, file offset) remembered (>= 1).
+
+    Raises:
+        ConfigError: a bound is out of range.
     """
 
-    def __init__(self, trace_path: Path | None = None) -> None:
+    def __init__(self, trace_path: Path | None = None, *, max_closed_traces: int = 256,
+                 max_revoked_keys: int = 100_000) -> None:
+        if max_closed_traces < 0 or max_revoked_keys < 1:
+            raise ConfigError(f"max_closed_traces={max_closed_traces} must be >= 0 and "
+                              f"max_revoked_keys={max_revoked_keys} >= 1")
         self.trace_path = trace_path
+        self.max_closed_traces = max_closed_traces
+        self.max_revoked_keys = max_revoked_keys
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
-        self._revoked: dict[str, Session] = {}
+        self._closed: collections.OrderedDict[str, _Closed] = collections.OrderedDict()
+        self._revoked: dict[str, str] = {}
+        """Revoked key -> session id (same entries as `_closed`)."""
+        self._in_memory: collections.deque[str] = collections.deque()
+        """Ids of closed sessions whose trace is kept in memory, oldest first."""
 
     def open(self, rollout_id: str | None = None) -> Session:
         session = Session(
@@ -76,35 +126,86 @@ class SessionStore:
         return session
 
     def lookup(self, key: str) -> Session | None:
-        """The live session of `key`; None for unknown or revoked keys (a revoked key's
-        call is counted on its trace)."""
+        """The live session of `key`; None for unknown or revoked keys (a remembered revoked
+        key's call is counted on its trace)."""
         session = self._by_key.get(key)
         if session is not None:
             return session
-        revoked = self._revoked.get(key)
-        if revoked is not None:
-            revoked.trace.rejected_calls += 1
+        session_id = self._revoked.get(key)
+        if session_id is not None:
+            closed = self._closed[session_id]
+            closed.rejected_calls += 1
+            if closed.trace is not None:
+                closed.trace.rejected_calls = closed.rejected_calls
         return None
 
     def get(self, session_id: str) -> Session | None:
+        """The live session with this id; None when unknown or closed."""
         return self._by_id.get(session_id)
+
+    def known(self, session_id: str) -> bool:
+        """True for a live session or a remembered closed one."""
+        return session_id in self._by_id or session_id in self._closed
 
     def close(self, session_id: str) -> Trace:
         """Revoke the key, stamp `closed_at`, write the trace (if a path is set), return it.
 
+        A second close of the same session returns its trace again (from the file or memory).
+
         Raises:
-            KeyError: no session has this id (already closed sessions return their trace).
+            KeyError: no session has this id, or it was closed so long ago that it is no
+                longer remembered (or its trace is no longer kept).
         """
-        session = self._by_id[session_id]
-        if session.revoked:
-            return session.trace
+        session = self._by_id.pop(session_id, None)
+        if session is None:
+            trace = self.trace(session_id)
+            if trace is None:
+                raise KeyError(session_id)
+            return trace
         session.revoked = True
         del self._by_key[session.key]
-        self._revoked[session.key] = session
-        session.trace.closed_at = time.time()
+        trace = session.trace
+        trace.closed_at = time.time()
+        closed = _Closed(session.key, trace.rejected_calls)
         if self.trace_path is not None:
-            append_trace(self.trace_path, session.trace)
-        return session.trace
+            closed.offset = append_trace(self.trace_path, trace)
+        elif self.max_closed_traces > 0:
+            closed.trace = trace
+            self._in_memory.append(session_id)
+            while len(self._in_memory) > self.max_closed_traces:
+                old = self._closed.get(self._in_memory.popleft())
+                if old is not None:
+                    old.trace = None
+        self._closed[session_id] = closed
+        self._revoked[session.key] = session_id
+        while len(self._closed) > self.max_revoked_keys:
+            _, old = self._closed.popitem(last=False)
+            del self._revoked[old.key]
+        return trace
+
+    def trace(self, session_id: str) -> Trace | None:
+        """The trace of a live or closed session (a closed one read back from the trace file,
+        with late calls counted); None when unknown or no longer kept."""
+        session = self._by_id.get(session_id)
+        if session is not None:
+            return session.trace
+        closed = self._closed.get(session_id)
+        if closed is None:
+            return None
+        if closed.trace is not None:
+            return closed.trace
+        if closed.offset < 0 or self.trace_path is None:
+            return None
+        with self.trace_path.open("rb") as f:
+            f.seek(closed.offset)
+            trace = Trace.model_validate_json(f.readline())
+        trace.rejected_calls = closed.rejected_calls
+        return trace
+
+    def trace_json(self, session_id: str) -> str | None:
+        """`trace(session_id)` as JSON (see `trace_json`); None when unknown or not kept."""
+        trace = self.trace(session_id)
+        return None if trace is None else trace_json(trace)
 
     def close_all(self) -> list[Trace]:
         """Close every live session (shutdown)."""
@@ -114,12 +215,46 @@ class SessionStore:
     def live_sessions(self) -> int:
         return len(self._by_key)
 
+    @property
+    def closed_sessions(self) -> int:
+        """Closed sessions still remembered (bounded by `max_revoked_keys`)."""
+        return len(self._closed)
 
-def append_trace(path: Path, trace: Trace) -> None:
-    """Append one trace as a JSON line to `path` (parents created)."""
+
+def trace_json(trace: Trace) -> str:
+    """Serialise `trace`; a turn that cannot be serialised (e.g. nested past the encoder's
+    limit) is first replaced, in `trace` itself, by an error turn saying why."""
+    try:
+        return trace.model_dump_json()
+    except ValueError:  # PydanticSerializationError: find the turns at fault
+        pass
+    for i, turn in enumerate(trace.turns):
+        try:
+            turn.model_dump_json()
+        except ValueError as exc:
+            log.warning("trace %s: turn %d cannot be serialised: %s", trace.session_id, turn.turn_index, exc)
+            trace.turns[i] = unserialisable_turn(turn, exc)
+    return trace.model_dump_json()
+
+
+def unserialisable_turn(turn: Turn, exc: Exception) -> Turn:
+    """An error turn standing in for `turn`: same index, protocol, timing and headers; no
+    bodies or ids (never trained)."""
+    return Turn(turn_index=turn.turn_index, protocol=turn.protocol, request={}, status="error",
+                error=f"turn could not be serialised ({str(exc)[:300]}); its bodies and ids were dropped",
+                started_at=turn.started_at, latency_s=turn.latency_s,
+                headers={str(k): str(v) for k, v in turn.headers.items()}, request_kind=turn.request_kind,
+                policy_version=turn.policy_version)
+
+
+def append_trace(path: Path, trace: Trace) -> int:
+    """Append one trace as a JSON line to `path` (parents created); returns its byte offset."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(trace.model_dump_json() + "\n")
+    line = (trace_json(trace) + "\n").encode("utf-8")
+    with path.open("ab") as f:
+        offset = f.seek(0, 2)
+        f.write(line)
+    return offset
 
 
 def read_traces(path: Path) -> list[Trace]:

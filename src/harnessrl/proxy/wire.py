@@ -69,19 +69,58 @@ class ChatRequest:
     logprobs: bool
 
 
-def loads(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON object body.
+MAX_JSON_DEPTH = 64
+"""Default nesting limit of request bodies (objects and arrays; the body itself is level 1).
+Real agent bodies nest under 20 levels; the JSON encoders that later write the trace stop at
+255 levels, so a body must be refused long before that (DESIGN.md §4)."""
+
+
+def loads(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """Decode a JSON object body nested at most `max_depth` levels.
 
     Raises:
-        RequestError: the body is not valid JSON or not an object (param None).
+        RequestError: the body is not valid JSON, not an object, or nested deeper than
+            `max_depth` (code `json_too_deep`; the message names the limit); param None.
     """
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc) or "recursion" in str(exc).lower():
+            raise _too_deep(max_depth) from exc
         raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    if raw.count(b"{") + raw.count(b"[") > max_depth and json_depth(body, max_depth) > max_depth:
+        raise _too_deep(max_depth)
     return body
+
+
+def json_depth(obj: object, limit: int) -> int:
+    """Nesting depth of decoded JSON (a scalar is 0, `{}` is 1), counted up to `limit + 1`.
+
+    Iterative (no recursion limit); stops as soon as the depth exceeds `limit`.
+    """
+    if type(obj) is not dict and type(obj) is not list:
+        return 0
+    deepest = 1
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        node, depth = pop()
+        if depth > deepest:
+            deepest = depth
+            if depth > limit:
+                return depth
+        for value in (node.values() if type(node) is dict else node):
+            kind = type(value)
+            if kind is dict or kind is list:
+                push((value, depth + 1))
+    return deepest
+
+
+def _too_deep(max_depth: int) -> RequestError:
+    return RequestError(f"request body nests deeper than {max_depth} levels (max_json_depth={max_depth})",
+                        code="json_too_deep")
 
 
 def dumps(obj: object) -> bytes:
