@@ -199,12 +199,23 @@ def test_outputs_match_normalises_whitespace_only() -> None:
     ("text", "kind", "parsed"),
     [
         ("42\n", "int", "42"),
-        ("The answer is -17, not 3.", "int", "-17"),
+        ("  -17 \n\n", "int", "-17"),
+        ("+5", "int", "5"),
         ("007", "int", "7"),
+        ("'12'", "int", "12"),
+        ("5 * 7 = 35", "int", "35"),  # the result, not the first operand
+        ("a = 3, b = 4, a + b = 7\n", "int", "7"),
+        ("First 12 + 30.\nThen:\n42\n", "int", "42"),  # a lone number on the last line
+        ("The answer is -17, not 3.", "int", None),
+        ("API Error: 400", "int", None),
+        ("42 apples", "int", None),
+        ("1,000", "int", None),
         ("no digits", "int", None),
         ("", "int", None),
         ("  'olleh'\n", "str", "olleh"),
         ("olleh", "str", "olleh"),
+        ("The reverse is olleh", "str", None),
+        ("API Error: 400", "str", None),
         ("   ", "str", None),
     ],
 )
@@ -218,7 +229,10 @@ async def test_exact_match_reads_answer_file_then_final_answer(backend: LocalSan
     verifier = ExactMatchVerifier()
     sb = await backend.create("pm", dict(task.workspace))
     assert (await verifier.score(task, sb, None)).parts == {"correct": 0.0, "format_ok": 0.0}
-    assert (await verifier.score(task, sb, f"It is {answer}.")).value == 1.0
+    assert (await verifier.score(task, sb, f"It is {answer}.")).parts == {"correct": 0.0, "format_ok": 0.0}
+    assert (await verifier.score(task, sb, f"{answer}\n")).value == 1.0
+    sb.write_file("answer.txt", "API Error: 400\n")
+    assert (await verifier.score(task, sb, answer)).parts == {"correct": 0.0, "format_ok": 0.0}
     sb.write_file("answer.txt", f"{int(answer) + 1}\n")
     wrong = await verifier.score(task, sb, answer)  # the file wins over the final answer
     assert wrong.value == 0.0 and wrong.parts["format_ok"] == 1.0

@@ -1,14 +1,22 @@
 """Exact-answer verifier for `procedural` tasks (tasks/procedural.py).
 
-Responsibility: compare the agent's answer to the hidden one. The answer is the text of
-`answer.txt` in the workdir when it exists and is non-empty, else the `final_answer` string
-the harness passes (text-only harnesses). Integer answers: the first integer in that text
-(`-?\\d+`, thousands separators not understood) must equal the hidden one. String answers: the
-text stripped of whitespace and of one pair of surrounding quotes must equal it exactly.
+Responsibility: compare the agent's answer to the hidden one. The answer text is the content of
+`answer.txt` in the workdir when it exists and is non-empty, else the `final_answer` string the
+harness passes (text-only harnesses, `answer_via = "reply"`).
 
-Reward 1.0 / 0.0; parts `correct` (same value) and `format_ok` (1.0 when an answer was found:
-a non-empty text, and for integer answers an integer in it). Nothing the agent wrote is run,
-so this verifier has no timeout and no error path besides a malformed task (KeyError).
+The answer is the text the task asks for, not a number found somewhere in it. After stripping
+surrounding whitespace (a trailing newline included) and one pair of matching quotes or
+backticks:
+  * integer answers: the whole text is one integer (`-?\d+`, a leading `+` allowed, no
+    thousands separators), or its last non-empty line is, or its last line ends in `= N`
+    (`5 * 7 = 35` gives 35). Anything else (`The answer is 35`, `API Error: 400`) is not an
+    answer. Compared as integers (`007` = `7`).
+  * string answers: the whole text is one word (no whitespace inside); compared exactly.
+
+Reward 1.0 / 0.0; parts `correct` (same value) and `format_ok` (1.0 when the text is a
+well-formed answer of the expected kind by the rules above, right or wrong). Nothing the agent
+wrote is run, so this verifier has no timeout and no error path besides a malformed task
+(KeyError).
 """
 
 from __future__ import annotations
@@ -21,24 +29,40 @@ from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
 from harnessrl.tasks.procedural import ANSWER_FILE
 
-_INT = re.compile(r"-?\d+")
+_INT = re.compile(r"[+-]?\d+")
+_ENDS_IN_EQUALS_INT = re.compile(r"=\s*([+-]?\d+)\Z")
+_WORD = re.compile(r"\S+")
 
 
 def parse_answer(text: str | None, answer_kind: str) -> str | None:
-    """The answer found in `text` as a normalised string, or None when there is none.
+    """The answer `text` gives as a normalised string, or None when it is not a well-formed
+    answer of `answer_kind` ("int" or "str"); the rules are in the module docstring.
 
-    `answer_kind` "int": the first integer, normalised by int() ("007" -> "7", "-0" -> "0").
-    "str": the stripped text with one pair of matching surrounding quotes removed.
+    Examples: "42\n" -> "42"; "007" -> "7"; "work\n12" -> "12"; "5 * 7 = 35" -> "35";
+    "The answer is 35" -> None; "'olleh'" -> "olleh" (str); "two words" -> None (str).
     """
-    if text is None or not text.strip():
+    if text is None:
+        return None
+    stripped = _unquote(text.strip())
+    if not stripped:
         return None
     if answer_kind == "int":
-        match = _INT.search(text)
-        return str(int(match.group())) if match else None
-    stripped = text.strip()
-    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"`":
-        stripped = stripped[1:-1]
-    return stripped
+        if _INT.fullmatch(stripped):
+            return str(int(stripped))
+        last = _unquote(stripped.splitlines()[-1].strip())
+        if _INT.fullmatch(last):
+            return str(int(last))
+        equals = _ENDS_IN_EQUALS_INT.search(last)
+        if equals is not None:
+            return str(int(equals.group(1)))
+        return None
+    return stripped if _WORD.fullmatch(stripped) else None
+
+
+def _unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"`":
+        return text[1:-1].strip()
+    return text
 
 
 class ExactMatchVerifier:

@@ -10,7 +10,8 @@ Kinds (numbers scale with `difficulty` d >= 1; n_max = 10**(d+1) - 1, so 99 at d
   * `compare`: the larger of two distinct numbers in [1, n_max];
   * `reverse`: a string of 2 + 2d lowercase letters, reversed;
   * `count`: occurrences of a letter in a string of 4 + 4d letters from a 4-letter alphabet.
-Integer answers are compared as the first integer found; string answers as stripped text.
+The answer must be the whole text the agent gives (an integer, or one word for string
+answers; rules in `rewards/exact_match.py`), not a number found somewhere in it.
 
 Determinism: task `get(seed)` uses index i = seed % size and draws everything from
 `random.Random(f"procedural:{seed_offset + i}:{difficulty}")` (string seeds hash with SHA-512,
