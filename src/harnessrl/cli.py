@@ -19,7 +19,7 @@ app = typer.Typer(
     add_completion=False,
 )
 session_app = typer.Typer(help="Proxy sessions (rollout keys) on a running `harnessrl serve`.", no_args_is_help=True)
-harness_app = typer.Typer(help="Agent programs (harnesses): installation.", no_args_is_help=True)
+harness_app = typer.Typer(help="Agent programs (harnesses): installation, options.", no_args_is_help=True)
 app.add_typer(session_app, name="session")
 app.add_typer(harness_app, name="harness")
 
@@ -112,6 +112,14 @@ def harness_install(name: Annotated[str, typer.Argument(help="mini-swe-agent, op
     from harnessrl.harness.cli import install
 
     install(name)
+
+
+@harness_app.command("options")
+def harness_options(name: Annotated[str, typer.Argument(help="mini-swe-agent, opencode, pi, codex, claude-code, command, white_box")]) -> None:
+    """Print a harness's options (type, default, description) and what it needs from the engine."""
+    from harnessrl.harness.cli import options
+
+    options(name)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,6 +6,13 @@ Unknown keys are rejected with the key named (`extra="forbid"` everywhere).
 
 With no file at all the defaults train SmolLM2-135M-Instruct on the embedded CPU engine with
 mini-swe-agent on procedural tasks, G=4.
+
+Harness checks happen here, before any model loads: `harness.options` is validated by the
+harness's typed options model (`harness/options.py`), and the engine context and reply cap are
+checked against what the harness declares it needs (`HarnessRequirements`). When the config
+leaves `engine.max_context_tokens` or `sampling.max_tokens` unset, the harness's needs pick
+them (e.g. 32768 and 1024 for claude-code). `check_run` then imports every dotted path the
+config names (hooks, a python task source, a verifier) so a typo stops the run at once.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harnessrl.errors import ConfigError
+from harnessrl.harness.base import HarnessRequirements
 from harnessrl.sandbox.local import SandboxConfig
 from harnessrl.train.losses import LossConfig
 
@@ -37,7 +45,8 @@ class EngineConfig(BaseModel):
     max_batch_size: int = Field(default=16, ge=1)
     """Most sequences decoded together in one step."""
     max_context_tokens: int = Field(default=4096, ge=64)
-    """Largest prompt + completion length served."""
+    """Largest prompt + completion length served. Unset in a run config: the harness's need,
+    at least 4096 (`harnessrl harness options NAME` shows it)."""
 
 
 class SamplingConfig(BaseModel):
@@ -49,15 +58,31 @@ class SamplingConfig(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     max_tokens: int = Field(default=192, ge=1)
-    """Cap on completion tokens per turn (an agent's larger request is lowered to it)."""
+    """Cap on completion tokens per turn (an agent's larger request is lowered to it). Unset in
+    a run config: the reply length the harness asks for, at least 192."""
 
 
 class TasksConfig(BaseModel):
     model_config = _FROZEN
 
-    kind: Literal["procedural", "humaneval", "stdio"] = "procedural"
+    kind: Literal["procedural", "humaneval", "stdio", "python"] = "procedural"
+    """Task source: built in (`procedural`, `humaneval`, `stdio`), or `python`: your own, named
+    by `source`."""
     path: str | None = None
     """JSONL file of stdin/stdout tasks (kind = stdio)."""
+    source: str | None = None
+    """kind = python: `pkg.module:name` (or `path/to/file.py:name`) of a callable (function or
+    class) that, called with `kwargs`, returns a `TaskSource` (`__len__`, `get(seed)`) or a list
+    of `Task`s."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for `source`."""
+    verifier: str | None = None
+    """`pkg.module:name` (or `path/to/file.py:name`) of a callable that, called with
+    `verifier_kwargs`, returns a verifier (an object with `score(task, sandbox, final_answer)`,
+    async or not, returning `Reward`); it scores every task. Unset: the verifier of each
+    task's family (humaneval, stdio, procedural)."""
+    verifier_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for `verifier`."""
     limit: int | None = Field(default=None, ge=1)
     """Use only the first N tasks (after the source's seeded order)."""
     kinds: list[str] | None = None
@@ -74,9 +99,26 @@ class HarnessConfig(BaseModel):
     model_config = _FROZEN
 
     kind: str = "mini-swe-agent"
-    """`mini-swe-agent`, `opencode`, `command`, or `white_box`."""
+    """`mini-swe-agent`, `opencode`, `pi`, `codex`, `claude-code`, `command`, or `white_box`."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """Options of the chosen harness's own config model (validated by it)."""
+    """Options of the chosen harness's own typed config model (validated by it at load time;
+    `harnessrl harness options NAME` lists them)."""
+
+    @model_validator(mode="after")
+    def _check_options(self) -> HarnessConfig:
+        from harnessrl.harness.options import validate_options
+
+        try:
+            validate_options(self.kind, dict(self.options))
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def requirements(self) -> HarnessRequirements:
+        """What this harness with these options needs from the engine and sampling."""
+        from harnessrl.harness.options import requirements_for, validate_options
+
+        return requirements_for(self.kind, validate_options(self.kind, dict(self.options)))
 
 
 class RolloutConfig(BaseModel):
@@ -153,10 +195,47 @@ class RunConfig(BaseModel):
     hooks: HooksConfig = HooksConfig()
     log: LogConfig = LogConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _harness_defaults(cls, data: Any) -> Any:
+        """Fill `engine.max_context_tokens` and `sampling.max_tokens`, when unset, from what the
+        harness needs (`harness.options.default_limits`)."""
+        from harnessrl.harness.options import default_limits
+
+        if not isinstance(data, dict):
+            return data
+        harness, engine, sampling = (data.get(k, {}) for k in ("harness", "engine", "sampling"))
+        if not (isinstance(harness, dict) and isinstance(engine, dict) and isinstance(sampling, dict)):
+            return data  # given as models: their values are explicit
+        try:
+            req = HarnessConfig.model_validate(harness).requirements()
+        except (ValidationError, ConfigError):
+            return data  # the field's own validation reports it
+        context, reply = default_limits(req)
+        return {**data, "engine": {"max_context_tokens": context, **engine},
+                "sampling": {"max_tokens": reply, **sampling}}
+
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if self.tasks.kind == "stdio" and not self.tasks.path:
             raise ValueError("tasks.path is required when tasks.kind = 'stdio'")
+        if self.tasks.kind == "python" and not self.tasks.source:
+            raise ValueError("tasks.source is required when tasks.kind = 'python' "
+                             "(e.g. tasks.source = \"my_pkg.tasks:make_tasks\")")
+        req = self.harness.requirements()
+        kind = self.harness.kind
+        if self.engine.max_context_tokens < req.min_context_tokens:
+            from harnessrl.harness.options import default_limits
+
+            raise ValueError(
+                f"harness {kind!r} needs engine.max_context_tokens >= {req.min_context_tokens} "
+                f"(got {self.engine.max_context_tokens}): --set engine.max_context_tokens="
+                f"{default_limits(req)[0]} ({req.why})")
+        if self.sampling.max_tokens < req.min_reply_tokens:
+            raise ValueError(
+                f"harness {kind!r} needs sampling.max_tokens >= {req.min_reply_tokens} "
+                f"(got {self.sampling.max_tokens}), or its replies are cut: --set sampling.max_tokens="
+                f"{req.min_reply_tokens}, or lower harness.options.output_tokens ({req.why})")
         if self.sampling.max_tokens >= self.engine.max_context_tokens:
             raise ValueError(
                 f"sampling.max_tokens ({self.sampling.max_tokens}) must be below "
@@ -185,6 +264,23 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> RunConfig:  # t
         return RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_describe_validation(exc, path)) from None
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Checks of a run config that need imports: every hook, the python task source and the
+    verifier it names must import and be callable. Called by `harnessrl train` and `harnessrl
+    rollout` before anything else (no model loaded, no run directory made).
+
+    Raises:
+        ConfigError: the first dotted path that fails, named with its config key.
+    """
+    from harnessrl.train.hooks import load_hook, load_hooks
+
+    load_hooks(cfg.hooks)
+    if cfg.tasks.kind == "python" and cfg.tasks.source:
+        load_hook(cfg.tasks.source, what="tasks.source")
+    if cfg.tasks.verifier:
+        load_hook(cfg.tasks.verifier, what="tasks.verifier")
 
 
 def dump_config(cfg: RunConfig) -> str:
@@ -224,6 +320,8 @@ def _describe_validation(exc: ValidationError, path: Path | None) -> str:
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown key {key!r}{where}")
+        elif err["type"] == "value_error":  # a validator's own message names the keys
+            lines.append(f"{err['msg'].removeprefix('Value error, ')}{where}")
         else:
             lines.append(f"{key}: {err['msg']} (got {err.get('input')!r}){where}")
     return "invalid config: " + "; ".join(lines)

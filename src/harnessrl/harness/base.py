@@ -29,6 +29,26 @@ class HarnessResult:
     """Last part of the agent's stdout/stderr, for inspection."""
 
 
+@dataclass(frozen=True, slots=True)
+class HarnessRequirements:
+    """What a harness needs from the engine and the run's sampling to work at all.
+
+    A run checks these at config time, before any model loads (`config.RunConfig`), and uses
+    them as the defaults of `engine.max_context_tokens` and `sampling.max_tokens` when the
+    config leaves those unset (`harness/options.py`).
+    """
+
+    protocol: str
+    """Wire protocol the agent speaks: `chat.completions`, `responses`, `messages`, `white_box`,
+    or `any` (a user's own command)."""
+    min_context_tokens: int = 0
+    """Smallest `engine.max_context_tokens` (prompt + reply tokens) the agent works with."""
+    min_reply_tokens: int = 0
+    """Smallest `sampling.max_tokens` cap that does not cut the replies the agent asks for."""
+    why: str = ""
+    """Where the numbers come from (shown in the error and by `harnessrl harness options`)."""
+
+
 class Harness(Protocol):
     name: str
 

@@ -29,8 +29,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessResult
-from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, base_env, run_agent_process
+from harnessrl.harness.base import HarnessRequirements, HarnessResult
+from harnessrl.harness.cli_agent import (
+    agent_log_path,
+    agent_state_dir,
+    base_env,
+    read_agent_file,
+    run_agent_process,
+)
 from harnessrl.harness.install import agent_executable
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
@@ -46,6 +52,8 @@ _QUIET_ENV = {
     "IS_SANDBOX": "1",
     "DO_NOT_TRACK": "1",
 }
+CONTEXT_FLOOR_TOKENS = 24576
+"""Prompt room Claude Code needs: its prompts measured 12-20k tokens (system prompt + tools)."""
 _MODEL_SLOTS = ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
                 "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL")
 
@@ -53,7 +61,7 @@ _MODEL_SLOTS = ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFA
 class ClaudeCodeConfig(BaseModel):
     """Options of the Claude Code harness."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     max_turns: int = Field(default=20, ge=1)
     """`--max-turns`: agentic turns before Claude Code stops."""
@@ -63,6 +71,14 @@ class ClaudeCodeConfig(BaseModel):
     """Further `claude` options."""
     kill_grace_s: float = Field(default=2.0, ge=0.0)
     """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
+
+    def requirements(self) -> HarnessRequirements:
+        """Claude Code's prompts are 12-20k tokens; it gives up on a reply cut below `output_tokens`."""
+        return HarnessRequirements(
+            protocol="messages", min_context_tokens=CONTEXT_FLOOR_TOKENS + self.output_tokens,
+            min_reply_tokens=self.output_tokens,
+            why="Claude Code's prompts measured 12-20k tokens, and it stops when a reply is cut below "
+                "the harness.options.output_tokens it asked for")
 
 
 class ClaudeCodeHarness:
@@ -90,7 +106,7 @@ class ClaudeCodeHarness:
         env = base_env(sandbox, {**_QUIET_ENV, "CLAUDE_CONFIG_DIR": str(state)})
         log_path = agent_log_path(sandbox, AGENT)
         run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
-        result = read_result(log_path)
+        result = read_result(sandbox, log_path)
         error = None
         if not run.timed_out and (run.exit_code != 0 or (result or {}).get("is_error")):
             detail = (result or {}).get("result") or (result or {}).get("subtype")
@@ -111,12 +127,13 @@ class ClaudeCodeHarness:
         return {"env": env, "includeCoAuthoredBy": False, "cleanupPeriodDays": 1}
 
 
-def read_result(log_path: Path) -> dict[str, Any] | None:
-    """The last `{"type": "result", ...}` JSON line Claude Code printed, or None."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
+def read_result(sandbox: Sandbox, log_path: Path) -> dict[str, Any] | None:
+    """The last `{"type": "result", ...}` JSON line Claude Code printed, or None (also when the
+    log is missing or a symlink: `read_agent_file`)."""
+    text = read_agent_file(sandbox, log_path, tail=True)
+    if text is None:
         return None
+    lines = text.splitlines()
     for line in reversed(lines):
         if line.startswith("{"):
             try:

@@ -29,8 +29,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessResult
-from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, base_env, run_agent_process
+from harnessrl.harness.base import HarnessRequirements, HarnessResult
+from harnessrl.harness.cli_agent import (
+    agent_log_path,
+    agent_state_dir,
+    base_env,
+    read_agent_file,
+    run_agent_process,
+)
 from harnessrl.harness.install import agent_executable
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
@@ -43,7 +49,7 @@ PROVIDER_ID = "harnessrl"
 class CodexConfig(BaseModel):
     """Options of the Codex harness."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     context_tokens: int = Field(default=32000, ge=256)
     """`model_context_window` declared to Codex."""
@@ -53,6 +59,13 @@ class CodexConfig(BaseModel):
     """Further `codex exec` options."""
     kill_grace_s: float = Field(default=2.0, ge=0.0)
     """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
+
+    def requirements(self) -> HarnessRequirements:
+        """Codex is told its window is `context_tokens`; its first prompt is ~9.3k tokens."""
+        return HarnessRequirements(
+            protocol="responses", min_context_tokens=self.context_tokens,
+            why="Codex is told its context window is harness.options.context_tokens and compacts only "
+                "past harness.options.auto_compact_tokens (its first prompt is ~9.3k tokens)")
 
 
 class CodexHarness:
@@ -83,7 +96,7 @@ class CodexHarness:
         if not run.timed_out and run.exit_code != 0:
             lines = [ln for ln in run.log_tail.splitlines() if ln.strip()]
             error = f"codex exited with code {run.exit_code}: {lines[-1][:500] if lines else 'no output'}"
-        return HarnessResult(exit_code=run.exit_code, timed_out=run.timed_out, final_answer=_read(answer_path),
+        return HarnessResult(exit_code=run.exit_code, timed_out=run.timed_out, final_answer=_read(sandbox, answer_path),
                              error=error, log_tail=run.log_tail)
 
     def config_toml(self, endpoint: Endpoint) -> str:
@@ -110,9 +123,6 @@ class CodexHarness:
         ])  # fmt: skip
 
 
-def _read(path: Path) -> str | None:
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return None
-    return text.strip() or None
+def _read(sandbox: Sandbox, path: Path) -> str | None:
+    text = read_agent_file(sandbox, path)
+    return (text.strip() or None) if text is not None else None

@@ -31,7 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.errors import ConfigError
 from harnessrl.harness.base import HarnessResult
-from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, base_env, run_agent_process
+from harnessrl.harness.cli_agent import (
+    agent_log_path,
+    agent_state_dir,
+    base_env,
+    read_agent_file,
+    run_agent_process,
+)
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
@@ -46,7 +52,7 @@ _PLACEHOLDER_RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 class CommandHarnessConfig(BaseModel):
     """Options of the generic command harness."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     argv: list[str] = Field(min_length=1)
     """Command template, e.g. `["python3", "agent.py", "--base-url", "{base_url}", "{instruction}"]`."""
@@ -118,10 +124,7 @@ class CommandHarness:
         if self.config.final_answer_file is None:
             return None
         path = sandbox.workdir / render_template(self.config.final_answer_file, values)
-        try:
-            return path.read_text(errors="replace")
-        except (FileNotFoundError, IsADirectoryError):
-            return None
+        return read_agent_file(sandbox, path)
 
 
 def _inside_sandbox(sandbox: Sandbox, state: Path, rendered: str) -> Path:

@@ -36,20 +36,28 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessResult
-from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, base_env, run_agent_process
+from harnessrl.harness.base import HarnessRequirements, HarnessResult
+from harnessrl.harness.cli_agent import (
+    agent_log_path,
+    agent_state_dir,
+    base_env,
+    read_agent_file,
+    run_agent_process,
+)
 from harnessrl.harness.install import agent_executable
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
 AGENT = "mini-swe-agent"
+TRAJECTORY_BYTES = 64 << 20
+"""Largest trajectory file read back (a larger one reads as missing: truncated JSON)."""
 
 
 class MiniSweAgentConfig(BaseModel):
     """Options of the mini-swe-agent harness."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     tool_calls: bool = False
     """Use the tool-call protocol (`mini.yaml`); False uses the text protocol
@@ -72,6 +80,13 @@ class MiniSweAgentConfig(BaseModel):
     """Further `mini` arguments, appended last (e.g. `["-c", "agent.wall_time_limit_seconds=60"]`)."""
     kill_grace_s: float = Field(default=2.0, ge=0.0)
     """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
+
+    def requirements(self) -> HarnessRequirements:
+        """mini-swe-agent's prompts are short (~0.7k tokens at the second step)."""
+        return HarnessRequirements(
+            protocol="chat.completions", min_context_tokens=2048,
+            why="mini-swe-agent's prompts are short (~0.7k tokens at the second step); "
+                "each step adds a reply and the command's output")
 
 
 class MiniSweAgentHarness:
@@ -118,7 +133,7 @@ class MiniSweAgentHarness:
         run = await run_agent_process(
             sandbox, argv, env, agent_log_path(sandbox, AGENT), timeout_s, self.config.kill_grace_s
         )
-        info = read_trajectory_info(traj_path)
+        info = read_trajectory_info(sandbox, traj_path)
         submission = info.get("submission")
         exit_status = info.get("exit_status") or "unknown"
         error = None
@@ -159,12 +174,16 @@ class MiniSweAgentHarness:
         }
 
 
-def read_trajectory_info(traj_path: Path) -> dict[str, Any]:
+def read_trajectory_info(sandbox: Sandbox, traj_path: Path) -> dict[str, Any]:
     """`info` of a mini trajectory (`exit_status`, `submission`, ...) plus `exception_str` of
-    the exit message when present; {} when the file is missing or unreadable."""
+    the exit message when present; {} when the file is missing, unreadable, larger than
+    `TRAJECTORY_BYTES`, or a symlink (read with `read_agent_file`, never followed)."""
+    text = read_agent_file(sandbox, traj_path, TRAJECTORY_BYTES)
     try:
-        data = json.loads(traj_path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(text) if text is not None else None
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
         return {}
     info = dict(data.get("info") or {})
     messages = data.get("messages") or []

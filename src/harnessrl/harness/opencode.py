@@ -37,8 +37,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessResult
-from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, base_env, run_agent_process
+from harnessrl.harness.base import HarnessRequirements, HarnessResult
+from harnessrl.harness.cli_agent import (
+    agent_log_path,
+    agent_state_dir,
+    base_env,
+    read_agent_file,
+    run_agent_process,
+)
 from harnessrl.harness.install import agent_executable
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
@@ -63,7 +69,7 @@ Permission = Literal["allow", "ask", "deny"]
 class OpencodeConfig(BaseModel):
     """Options of the opencode harness."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     context_tokens: int = Field(default=8192, ge=256)
     """Context window declared to opencode (`limit.context`); it compacts when the reported
@@ -83,6 +89,14 @@ class OpencodeConfig(BaseModel):
     """Further `opencode run` options (e.g. `["--agent", "build"]`)."""
     kill_grace_s: float = Field(default=2.0, ge=0.0)
     """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
+
+    def requirements(self) -> HarnessRequirements:
+        """opencode is told its window is `context_tokens` and asks for `output_tokens` replies."""
+        return HarnessRequirements(
+            protocol="chat.completions", min_context_tokens=self.context_tokens,
+            min_reply_tokens=self.output_tokens,
+            why="opencode is told its context window is harness.options.context_tokens and asks for "
+                "harness.options.output_tokens per reply (its first prompt is ~7.4k tokens)")
 
 
 class OpencodeHarness:
@@ -116,7 +130,7 @@ class OpencodeHarness:
         env = base_env(sandbox, {**_OPENCODE_ENV, "OPENCODE_CONFIG": str(config_path)})
         log_path = agent_log_path(sandbox, AGENT)
         run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
-        events = read_json_events(log_path)
+        events = read_json_events(sandbox, log_path)
         error = None
         if not run.timed_out and run.exit_code != 0:
             error = f"opencode exited with code {run.exit_code}: {_last_error(events, run.log_tail)}"
@@ -155,13 +169,14 @@ class OpencodeHarness:
         }
 
 
-def read_json_events(log_path: Path) -> list[dict[str, Any]]:
-    """The JSON event objects `opencode run --format json` printed (other log lines skipped)."""
+def read_json_events(sandbox: Sandbox, log_path: Path) -> list[dict[str, Any]]:
+    """The JSON event objects `opencode run --format json` printed (other log lines skipped),
+    from the end of the log (`read_agent_file`: bounded, a symlinked log reads as empty)."""
     events: list[dict[str, Any]] = []
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
+    text = read_agent_file(sandbox, log_path, tail=True)
+    if text is None:
         return events
+    lines = text.splitlines()
     for line in lines:
         if not line.startswith("{"):
             continue

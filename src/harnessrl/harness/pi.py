@@ -30,8 +30,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessResult
-from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, base_env, run_agent_process
+from harnessrl.harness.base import HarnessRequirements, HarnessResult
+from harnessrl.harness.cli_agent import (
+    agent_log_path,
+    agent_state_dir,
+    base_env,
+    read_agent_file,
+    run_agent_process,
+)
 from harnessrl.harness.install import agent_executable
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
@@ -47,7 +53,7 @@ PiApi = Literal["openai-completions", "openai-responses", "anthropic-messages"]
 class PiConfig(BaseModel):
     """Options of the pi harness."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     api: PiApi = "openai-completions"
     """Wire protocol pi speaks to the proxy."""
@@ -59,6 +65,15 @@ class PiConfig(BaseModel):
     """Further `pi` options (e.g. `["--thinking", "high"]`)."""
     kill_grace_s: float = Field(default=2.0, ge=0.0)
     """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
+
+    def requirements(self) -> HarnessRequirements:
+        """pi is told its window is `context_tokens` and asks for `output_tokens` replies."""
+        protocol = {"openai-completions": "chat.completions", "openai-responses": "responses",
+                    "anthropic-messages": "messages"}[self.api]
+        return HarnessRequirements(
+            protocol=protocol, min_context_tokens=self.context_tokens, min_reply_tokens=self.output_tokens,
+            why="pi is told its context window is harness.options.context_tokens (it compacts near it) "
+                "and asks for harness.options.output_tokens per reply")
 
 
 class PiHarness:
@@ -90,7 +105,7 @@ class PiHarness:
             lines = [ln for ln in run.log_tail.splitlines() if ln.strip()]
             error = f"pi exited with code {run.exit_code}: {lines[-1][:500] if lines else 'no output'}"
         return HarnessResult(exit_code=run.exit_code, timed_out=run.timed_out,
-                             final_answer=last_assistant_text(log_path), error=error, log_tail=run.log_tail)
+                             final_answer=last_assistant_text(sandbox, log_path), error=error, log_tail=run.log_tail)
 
     def models_config(self, endpoint: Endpoint) -> dict[str, Any]:
         """The `models.json` content for `endpoint` (see the module docstring)."""
@@ -103,12 +118,13 @@ class PiHarness:
                                             "apiKey": endpoint.api_key, "models": [model]}}}
 
 
-def last_assistant_text(log_path: Path) -> str | None:
-    """Text of the last assistant message in pi's JSON event lines, or None."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
+def last_assistant_text(sandbox: Sandbox, log_path: Path) -> str | None:
+    """Text of the last assistant message in pi's JSON event lines, or None (also when the log
+    is missing or a symlink: `read_agent_file`)."""
+    text = read_agent_file(sandbox, log_path, tail=True)
+    if text is None:
         return None
+    lines = text.splitlines()
     found: str | None = None
     for line in lines:
         if not line.startswith("{"):

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessResult
+from harnessrl.harness.base import HarnessRequirements, HarnessResult
 from harnessrl.proxy.capture import CaptureDeps, complete_chat
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.sandbox.base import Sandbox
@@ -53,7 +53,9 @@ _TOOL_SPECS: dict[str, dict[str, Any]] = {
 
 
 class WhiteBoxConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    """Options of the white-box Python tool loop."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     max_turns: int = Field(default=4, ge=1)
     """Most model calls per rollout."""
@@ -65,6 +67,11 @@ class WhiteBoxConfig(BaseModel):
     """Tool results longer than this are cut (head kept) before going back to the model."""
     system_prompt: str | None = None
     """System message; default: the task's own `system_prompt`, else none."""
+
+    def requirements(self) -> HarnessRequirements:
+        """The loop's own prompts are the task, three tool schemas and the tool results."""
+        return HarnessRequirements(protocol="white_box", min_context_tokens=1024,
+                                   why="the task, three tool schemas and up to max_turns replies and tool results")
 
 
 class WhiteBoxHarness:

@@ -1,7 +1,8 @@
 """Picking a harness from config: `make_harness(kind, options)` with one `match`.
 
 Responsibility: turn a harness kind and its option table (from the run config) into a
-`Harness`, validating the options with that harness's pydantic config (`extra="forbid"`).
+`Harness`, validating the options with that harness's pydantic config (`extra="forbid"`,
+through `options.validate_options`, which the run config also uses at load time).
 
 What this module deliberately does not do: install agents (that is `harnessrl harness
 install`; a missing agent raises `HarnessInstallError` when a rollout starts).
@@ -11,22 +12,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
-
 from harnessrl.errors import ConfigError
 from harnessrl.harness.base import Harness
-from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
-from harnessrl.harness.mini_swe_agent import MiniSweAgentConfig, MiniSweAgentHarness
-from harnessrl.harness.claude_code import ClaudeCodeConfig, ClaudeCodeHarness
-from harnessrl.harness.codex import CodexConfig, CodexHarness
-from harnessrl.harness.opencode import OpencodeConfig, OpencodeHarness
-from harnessrl.harness.pi import PiConfig, PiHarness
-from harnessrl.harness.python_loop import WhiteBoxConfig, WhiteBoxHarness
+from harnessrl.harness.claude_code import ClaudeCodeHarness
+from harnessrl.harness.codex import CodexHarness
+from harnessrl.harness.command import CommandHarness
+from harnessrl.harness.mini_swe_agent import MiniSweAgentHarness
+from harnessrl.harness.opencode import OpencodeHarness
+from harnessrl.harness.options import HARNESS_KINDS, canonical_kind, validate_options
+from harnessrl.harness.pi import PiHarness
+from harnessrl.harness.python_loop import WhiteBoxHarness
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.sessions import SessionStore
 
-HARNESS_KINDS = ("mini-swe-agent", "opencode", "command", "white_box", "pi", "codex", "claude-code")
-"""Kinds `make_harness` accepts."""
+__all__ = ["HARNESS_KINDS", "make_harness"]
 
 
 def make_harness(
@@ -45,28 +44,23 @@ def make_harness(
     Raises:
         ConfigError: unknown kind, or options that fail validation (the message names the key).
     """
-    try:
-        match kind:
-            case "white_box":
-                if capture is None or store is None:
-                    raise ConfigError("harness.kind='white_box' needs the proxy's capture deps and session store")
-                return WhiteBoxHarness(capture, store, WhiteBoxConfig.model_validate(options))
-            case "mini-swe-agent" | "mini_swe_agent":
-                return MiniSweAgentHarness(MiniSweAgentConfig.model_validate(options))
-            case "opencode":
-                return OpencodeHarness(OpencodeConfig.model_validate(options))
-            case "command":
-                return CommandHarness(CommandHarnessConfig.model_validate(options))
-            case "pi":
-                return PiHarness(PiConfig.model_validate(options))
-            case "codex":
-                return CodexHarness(CodexConfig.model_validate(options))
-            case "claude-code" | "claude_code":
-                return ClaudeCodeHarness(ClaudeCodeConfig.model_validate(options))
-            case _:
-                raise ConfigError(f"harness.kind={kind!r} is unknown; expected one of {', '.join(HARNESS_KINDS)}")
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"harness.options.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"harness {kind!r}: {problems}") from exc
+    kind = canonical_kind(kind)
+    config = validate_options(kind, options)
+    match kind:
+        case "white_box":
+            if capture is None or store is None:
+                raise ConfigError("harness.kind='white_box' needs the proxy's capture deps and session store")
+            return WhiteBoxHarness(capture, store, config)  # type: ignore[arg-type]
+        case "mini-swe-agent":
+            return MiniSweAgentHarness(config)  # type: ignore[arg-type]
+        case "opencode":
+            return OpencodeHarness(config)  # type: ignore[arg-type]
+        case "command":
+            return CommandHarness(config)  # type: ignore[arg-type]
+        case "pi":
+            return PiHarness(config)  # type: ignore[arg-type]
+        case "codex":
+            return CodexHarness(config)  # type: ignore[arg-type]
+        case "claude-code":
+            return ClaudeCodeHarness(config)  # type: ignore[arg-type]
+    raise ConfigError(f"harness.kind={kind!r} has no harness class")  # unreachable: canonical_kind checked it

@@ -4,6 +4,11 @@ Responsibility: start the runtime, dispatch `limit` groups (G rollouts each, tas
 the seed `group_id`), write every finished rollout (with its trace) as one line of
 `DIR/rollouts.jsonl`, show a progress bar, then print and save the summary
 (`DIR/summary.json`): pass rate, pass@k, mean reward, statuses, tokens, time.
+
+The config means what it means for `harnessrl train`: it is checked the same way before
+anything starts (`config.check_run`), and the summary's rewards are those `[hooks]
+rollout_reward_fn` gives (as the trainer's advantages use them); `rollouts.jsonl` keeps the
+verifier's own reward on each rollout, as `harnessrl train` writes it.
 """
 
 from __future__ import annotations
@@ -27,9 +32,18 @@ DEFAULT_GROUPS = 4
 
 
 def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> int:
-    """Run `limit` groups (default: tasks.limit, else 4); returns the process exit code."""
-    from harnessrl.log import setup_logging
+    """Run `limit` groups (default: tasks.limit, else 4); returns the process exit code.
 
+    Raises:
+        ConfigError: a hook, task source or verifier path that does not import (`check_run`),
+            before the output directory is made.
+    """
+    from harnessrl.config import check_run
+    from harnessrl.log import setup_logging
+    from harnessrl.train.hooks import load_hooks, reshape_reward
+
+    check_run(cfg)
+    reward_fn = load_hooks(cfg.hooks).get("rollout_reward_fn")
     out_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(cfg.log.level, out_dir / "run.log")
     (out_dir / "config.toml").write_text(dump_config(cfg), encoding="utf-8")
@@ -37,7 +51,9 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
     console = Console()
     t0 = time.monotonic()
     groups = asyncio.run(_evaluate(cfg, out_dir, n_groups, console))
-    summary = summarize_groups(groups)
+    shaped = [g.model_copy(update={"rollouts": [reshape_reward(r, reward_fn) for r in g.rollouts]})
+              for g in groups]
+    summary = summarize_groups(shaped)
     summary["wall_s"] = time.monotonic() - t0
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     console.print(summary_table(summary, title=f"harnessrl rollout: {cfg.harness.kind} on {cfg.tasks.kind}"))

@@ -1,7 +1,8 @@
 """User hooks: load them by dotted path, and the outcome record `rollout_reward_fn` receives.
 
 Responsibility: turn a config string such as `"my_pkg.filters:has_tool_call"` (or
-`"my_pkg.filters.has_tool_call"`) into a callable, and build `RolloutOutcome` from a finished
+`"my_pkg.filters.has_tool_call"`, or `"path/to/file.py:has_tool_call"`) into a callable (also
+used for the config's other dotted paths: `tasks.source`, `tasks.verifier`), and build `RolloutOutcome` from a finished
 rollout. The three hooks apply identically to both harness kinds, because both produce the
 same `Trace` (DESIGN.md §5):
   * `agent_turn_fn(turns: list[Turn]) -> list[Turn]`: which eligible turns are the agent's own
@@ -17,40 +18,72 @@ or sandbox user code (hooks run in the trainer process and are trusted).
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harnessrl.errors import ConfigError
 from harnessrl.types import Rollout, Turn
 
 
-def load_hook(dotted: str) -> Callable[..., Any]:
-    """Import the callable named by `dotted` (`"pkg.mod:attr"` or `"pkg.mod.attr"`).
+def load_hook(dotted: str, what: str = "hook") -> Callable[..., Any]:
+    """Import the callable named by `dotted`: `"pkg.mod:attr"`, `"pkg.mod.attr"`, or
+    `"path/to/file.py:attr"` (a file path, relative to the working directory).
+
+    Args:
+        what: the config key it came from (`hooks.rollout_reward_fn`, `tasks.source`, ...),
+            named in the error.
 
     Raises:
         ConfigError: the module cannot be imported, has no such attribute, or the attribute is
-            not callable; the message names `dotted`.
+            not callable; the message names `what` and `dotted`.
     """
     if ":" in dotted:
         module_name, _, attr = dotted.partition(":")
     else:
         module_name, _, attr = dotted.rpartition(".")
     if not module_name or not attr:
-        raise ConfigError(f"hook path {dotted!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"hook {dotted!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise ConfigError(f"{what} = {dotted!r} must look like 'package.module:function'")
+    if module_name.endswith(".py"):
+        module = _import_file(module_name, dotted, what)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"{what} = {dotted!r}: cannot import module {module_name!r}: {exc}") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"hook {dotted!r}: {module_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"{what} = {dotted!r}: {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(f"hook {dotted!r} is a {type(obj).__name__}, not a callable")
+        raise ConfigError(f"{what} = {dotted!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def _import_file(path: str, dotted: str, what: str) -> Any:
+    """Import a Python file as a module (cached in `sys.modules` under its resolved path)."""
+    file = Path(path).resolve()
+    name = f"harnessrl_user_{abs(hash(str(file)))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not file.is_file():
+        raise ConfigError(f"{what} = {dotted!r}: no file {path!r} (relative to {Path.cwd()})")
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{what} = {dotted!r}: {path!r} cannot be imported as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - user code: report it as a config error
+        del sys.modules[name]
+        raise ConfigError(f"{what} = {dotted!r}: importing {path!r} failed: {type(exc).__name__}: {exc}") from exc
+    return module
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +137,30 @@ def outcome_of(rollout: Rollout) -> RolloutOutcome:
 def has_tool_call(turn: Turn) -> bool:
     """A ready-made `train_turn_fn`: train only turns whose response calls a tool."""
     return bool(tool_call_names(turn))
+
+
+HOOK_NAMES = ("agent_turn_fn", "train_turn_fn", "rollout_reward_fn")
+"""The hooks a run config may name (`[hooks]`)."""
+
+
+def load_hooks(hooks_cfg: Any) -> dict[str, Callable[..., Any]]:
+    """The hooks a `HooksConfig` names, imported: `{name: callable}` for each one set.
+
+    Raises:
+        ConfigError: a path that does not import or is not callable (named with its key).
+    """
+    loaded = {}
+    for name in HOOK_NAMES:
+        dotted = getattr(hooks_cfg, name)
+        if dotted:
+            loaded[name] = load_hook(dotted, what=f"hooks.{name}")
+    return loaded
+
+
+def reshape_reward(rollout: Rollout, reward_fn: Callable[..., Any] | None) -> Rollout:
+    """`rollout` with its reward replaced by `reward_fn(outcome_of(rollout))` (unchanged when
+    `reward_fn` is None). `harnessrl train` and `harnessrl rollout` both use it, so one config
+    means the same reward in both."""
+    if reward_fn is None:
+        return rollout
+    return rollout.model_copy(update={"reward": reward_fn(outcome_of(rollout))})

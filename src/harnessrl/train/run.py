@@ -31,15 +31,22 @@ from typing import Any
 from rich.console import Console
 
 from harnessrl.config import RunConfig, dump_config
-from harnessrl.types import Group, Rollout, Row
+from harnessrl.types import Group, Row
 
 log = logging.getLogger(__name__)
 
 
 def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
-    """Train per `cfg` in `run_dir`; returns the process exit code (130 on Ctrl-C)."""
+    """Train per `cfg` in `run_dir`; returns the process exit code (130 on Ctrl-C).
+
+    Raises:
+        ConfigError: a hook, task source or verifier path that does not import (`check_run`),
+            before the run directory is made.
+    """
+    from harnessrl.config import check_run
     from harnessrl.log import setup_logging
 
+    check_run(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(cfg.log.level, run_dir / "run.log")
     if not resume:
@@ -69,6 +76,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.train.losses import loss_fn_for
     from harnessrl.train.policy import (export_weights, latest_checkpoint, load_policy,
                                         restore_checkpoint, save_checkpoint)
+    from harnessrl.train.hooks import load_hooks
     from harnessrl.train.step import optimizer_step, sampler_parity
 
     console = console or Console()
@@ -87,7 +95,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             tokenizer = load_tokenizer(rt.model_dir)
             loss_fn = loss_fn_for(cfg.train.loss.kind, cfg.train.loss)
             advantage_fn = advantage_fn_for(cfg.train.advantage)
-            hooks = _load_hooks(cfg)
+            hooks = load_hooks(cfg.hooks)
             start_step, version, next_group_id = 0, 0, 0
             checkpoint = latest_checkpoint(run_dir) if resume else None
             if checkpoint is not None:
@@ -212,6 +220,7 @@ def _rows_for_step(
     from harnessrl.rollout.summary import summarize_groups
     from harnessrl.train.advantages import stamp_advantage
     from harnessrl.train.checks import untraceable_trained_tokens
+    from harnessrl.train.hooks import reshape_reward
     from harnessrl.train.samples import MergeStats, build_rows
 
     reward_fn = hooks.get("rollout_reward_fn")
@@ -222,7 +231,7 @@ def _rows_for_step(
     staleness: list[int] = []
     shaped: list[Group] = []
     for group in groups:
-        rollouts = [_reshape(r, reward_fn) for r in group.rollouts]
+        rollouts = [reshape_reward(r, reward_fn) for r in group.rollouts]
         shaped.append(Group(group_id=group.group_id, task_id=group.task_id, rollouts=rollouts))
         adv = advantage_fn([r.reward for r in rollouts])
         if adv.zero_variance:
@@ -261,25 +270,6 @@ def _rows_for_step(
     metrics["invariant/untraceable_trained_tokens"] = float(
         untraceable_trained_tokens(rows, [r for g in shaped for r in g.rollouts]))
     return rows, metrics, built_all
-
-
-def _reshape(rollout: Rollout, reward_fn: Any) -> Rollout:
-    if reward_fn is None:
-        return rollout
-    from harnessrl.train.hooks import outcome_of
-
-    return rollout.model_copy(update={"reward": reward_fn(outcome_of(rollout))})
-
-
-def _load_hooks(cfg: RunConfig) -> dict[str, Any]:
-    from harnessrl.train.hooks import load_hook
-
-    hooks = {}
-    for name in ("agent_turn_fn", "train_turn_fn", "rollout_reward_fn"):
-        dotted = getattr(cfg.hooks, name)
-        if dotted:
-            hooks[name] = load_hook(dotted)
-    return hooks
 
 
 def _l2_distance(a: dict[str, Any], b: dict[str, Any]) -> float:
