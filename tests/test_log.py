@@ -34,3 +34,20 @@ def test_tensorboard_sink_writes_events(tmp_path: Path) -> None:
 def test_unknown_sink_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="wandb"):
         make_sinks(["wandb"], tmp_path, {})
+
+
+def test_off_a_terminal_records_go_to_stderr_and_run_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from harnessrl.log import close_logging, setup_logging
+
+    setup_logging("INFO", tmp_path / "run.log")
+    try:
+        logging.getLogger("harnessrl.test").info("rollout 1/4 procedural/add ok reward 1.00")
+        logging.getLogger("harnessrl.test").debug("not at INFO")
+    finally:
+        close_logging()
+    err = capsys.readouterr().err
+    assert "INFO harnessrl.test: rollout 1/4 procedural/add ok reward 1.00" in err
+    text = (tmp_path / "run.log").read_text()
+    assert "rollout 1/4 procedural/add ok reward 1.00" in text and "not at INFO" not in text

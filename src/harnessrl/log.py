@@ -100,19 +100,32 @@ def make_sinks(report_to: list[str], run_dir: Path, config: dict[str, Any]) -> l
     return sinks
 
 
-def setup_logging(level: str = "INFO", path: Path | None = None) -> None:
-    """Console via rich (when available) plus an optional plain-text file."""
+def setup_logging(level: str = "INFO", path: Path | None = None, console: Any = None) -> None:
+    """Send log records (progress, per-rollout lines, step lines, events) to `path` and stderr.
+
+    `path` (the run's `run.log`) gets every record as a plain timestamped line. stderr gets them
+    through rich on a terminal, on `console` when given (a `rich.console.Console` writing to
+    stderr, so that records print above its live progress display), and as plain timestamped
+    lines otherwise (pipes, CI, `nohup`), so a run that is not watched still says what it does.
+    """
+    import sys
+
     handlers: list[logging.Handler] = []
-    try:
+    plain = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if sys.stderr.isatty():
+        from rich.console import Console
         from rich.logging import RichHandler
 
-        handlers.append(RichHandler(show_path=False, rich_tracebacks=False))
-    except ImportError:  # pragma: no cover - rich is a dependency
-        handlers.append(logging.StreamHandler())
+        handlers.append(RichHandler(console=console or Console(stderr=True), show_path=False,
+                                    rich_tracebacks=False, markup=False))
+    else:
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(plain)
+        handlers.append(stream)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fh = logging.FileHandler(path)
-        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        fh.setFormatter(plain)
         handlers.append(fh)
     logging.basicConfig(level=level, handlers=handlers, format="%(message)s", force=True)
     for noisy in ("httpx", "uvicorn.access", "urllib3"):
@@ -124,6 +137,15 @@ def setup_logging(level: str = "INFO", path: Path | None = None) -> None:
     except ImportError:  # pragma: no cover - transformers is a dependency
         return
     hf_logging.disable_progress_bar()
+
+
+def close_logging() -> None:
+    """Flush and close the handlers `setup_logging` installed (the run's `run.log` included)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        handler.flush()
+        handler.close()
+        root.removeHandler(handler)
 
 
 def _jsonable(value: Any) -> Any:
