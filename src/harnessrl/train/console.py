@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
@@ -18,17 +19,39 @@ from harnessrl.types import Rollout
 
 
 def step_line(step: int, steps: int, m: dict[str, Any]) -> str:
+    """One plain-text line per training step; `step` is 1-based (the k-th of `steps`).
+
+    A step that trained nothing says why (`skip_reason`) instead of showing empty loss columns.
+    """
     def f(key: str, fmt: str = ".3f") -> str:
         v = m.get(key)
         return "-" if v is None else format(v, fmt)
 
-    return (
-        f"[bold]step {step + 1}/{steps}[/] v{m.get('policy_version', '?')} "
-        f"reward {f('reward_mean')}±{f('reward_std')} pass {f('pass_rate', '.2f')} "
-        f"loss {f('loss', '.4f')} gnorm {f('grad_norm', '.3f')} |r-1| {f('ratio_abs_dev', '.2e')} "
-        f"tok {int(m.get('tokens_trained', 0))} stale {f('staleness_mean', '.2f')} "
-        f"t(wait/train/sync) {f('time/rollout_wait_s', '.1f')}/{f('time/train_s', '.1f')}/{f('time/sync_s', '.1f')}s"
-    )
+    head = (f"step {step}/{steps} v{m.get('policy_version', '?')} "
+            f"reward {f('reward_mean')}±{f('reward_std')} pass {f('pass_rate', '.2f')} "
+            f"err {f('error_rate', '.2f')} ")
+    times = (f"t(wait/train/sync) {f('time/rollout_wait_s', '.1f')}/{f('time/train_s', '.1f')}/"
+             f"{f('time/sync_s', '.1f')}s")
+    if m.get("skipped"):
+        return head + f"no update: {m.get('skip_reason') or 'no row to train'}; " + times
+    return head + (f"loss {f('loss', '.4f')} gnorm {f('grad_norm', '.3f')} |r-1| {f('ratio_abs_dev', '.2e')} "
+                   f"tok {int(m.get('tokens_trained', 0))} stale {f('staleness_mean', '.2f')} ") + times
+
+
+def skip_reason(m: dict[str, Any]) -> str:
+    """Why a step has no row to train, from its row counts (`rows_built` and the
+    `rows_*_dropped` counts of `run._rows_for_step`)."""
+    if not m.get("rows_built"):
+        return "no trainable turn (no rollout has a sampled token to train)"
+    dropped = {
+        "all rewards equal within each group": m.get("rows_zero_variance_dropped", 0),
+        "no scored rollout (errors have no reward)": m.get("rows_unscored_dropped", 0),
+        "all rows stale (older than max_staleness)": m.get("rows_stale_dropped", 0),
+    }
+    causes = [(reason, int(n)) for reason, n in dropped.items() if n]
+    if len(causes) == 1:
+        return causes[0][0]
+    return "rows dropped: " + ", ".join(f"{n} {reason.split(' (')[0]}" for reason, n in causes)
 
 
 def content_text(content: Any) -> str:
@@ -71,15 +94,23 @@ def print_conversation(console: Console, rollout: Rollout, max_chars: int = 1200
     console.print(Panel("\n".join(lines), title=escape(title), expand=False))
 
 
+FINAL_COLUMNS = ("step", "ver", "reward", "pass", "err", "loss", "gnorm", "|r-1|", "tok", "stale", "s")
+"""Columns of the final table: step (1-based), policy version, mean reward, pass rate, error
+rate, loss, grad norm, mean |ratio - 1|, trained tokens, stale rows dropped, step seconds."""
+
+
 def final_table(history: Sequence[dict[str, Any]]) -> Table:
-    table = Table(title="harnessrl train")
-    for col in ("step", "version", "reward", "pass", "loss", "grad_norm", "|r-1|", "tokens", "stale dropped", "wall s"):
-        table.add_column(col, justify="right")
+    """One row per step; short headers and no vertical rules, so it fits 80 columns uncut."""
+    table = Table(title="harnessrl train", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in FINAL_COLUMNS:
+        table.add_column(col, justify="right", no_wrap=True)
     for m in history:
+        skipped = bool(m.get("skipped"))
         table.add_row(
             str(m.get("step")), str(m.get("policy_version")), _fmt(m.get("reward_mean")),
-            _fmt(m.get("pass_rate")), _fmt(m.get("loss"), ".4f"), _fmt(m.get("grad_norm")),
-            _fmt(m.get("ratio_abs_dev"), ".2e"), str(int(m.get("tokens_trained", 0))),
+            _fmt(m.get("pass_rate"), ".2f"), _fmt(m.get("error_rate"), ".2f"),
+            "skip" if skipped else _fmt(m.get("loss"), ".4f"), _fmt(m.get("grad_norm")),
+            _fmt(m.get("ratio_abs_dev"), ".1e"), str(int(m.get("tokens_trained", 0))),
             str(int(m.get("rows_stale_dropped", 0))), _fmt(m.get("time/step_s"), ".1f"),
         )
     return table
