@@ -74,6 +74,11 @@ def make_task_source(cfg: TasksConfig) -> TaskSource:
 
             assert cfg.path is not None, "validated by RunConfig"
             source = StdioSource(Path(cfg.path))
+        case "python":
+            from harnessrl.tasks.python_source import load_python_source
+
+            assert cfg.source is not None, "validated by RunConfig"
+            source = load_python_source(cfg.source, dict(cfg.kwargs))
     if cfg.limit is not None:
         source = LimitedSource(source, cfg.limit)
     return source
@@ -113,9 +118,12 @@ async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.harness.install import installed_agent_dirs
     from harnessrl.harness.select import make_harness
-    from harnessrl.rewards.select import verifier_for
+    from harnessrl.rewards.select import make_verifier_for
     from harnessrl.sandbox.local import LocalSandboxBackend
 
+    # user code (task source, verifier) is built before the model loads: its errors come first
+    tasks = make_task_source(cfg.tasks)
+    verifier_for = make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))
     model_dir = resolve_model(cfg.engine.model)
     engine = make_engine(cfg.engine, model_dir, cfg.seed)
     try:
@@ -131,7 +139,7 @@ async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
                     engine=engine,
                     chat=chat,
                     proxy=proxy,
-                    tasks=make_task_source(cfg.tasks),
+                    tasks=tasks,
                     harness=harness,
                     backend=backend,
                     verifier_for=verifier_for,
