@@ -16,6 +16,9 @@ Invariants:
     with `setsid`) got SIGKILL if SIGTERM did not end them within `kill_grace_s`.
   * The process group of the calling process is never signalled.
 
+  * Files the agent could have touched are read back with `read_log_tail` /
+    `read_agent_file` only: relative to the sandbox root, following no symlink, bounded.
+
 What this module deliberately does not do: interpret the agent's output (harness modules do),
 or remove files (the sandbox owns its directory).
 """
@@ -33,11 +36,20 @@ from pathlib import Path
 import psutil
 
 from harnessrl.sandbox.base import Sandbox
+from harnessrl.sandbox.fsread import (
+    UnsafePathError,
+    read_beneath,
+    read_sandbox_text,
+    relative_to_root,
+    sandbox_root,
+)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 """PATH for agents: system directories only (not the project's venv)."""
 LOG_TAIL_BYTES = 4000
 """How much of the end of an agent's log goes into `HarnessResult.log_tail`."""
+AGENT_FILE_BYTES = 8 << 20
+"""How much of the end of an agent's output file (log, answer, trajectory) a harness reads."""
 _POLL_S = 0.05
 
 
@@ -130,21 +142,33 @@ async def run_agent_process(
         exit_code=None if timed_out else exit_code,
         timed_out=timed_out,
         duration_s=time.monotonic() - start,
-        log_tail=read_log_tail(log_path),
+        log_tail=read_log_tail(sandbox, log_path),
         killed_pids=killed,
     )
 
 
-def read_log_tail(log_path: Path, max_bytes: int = LOG_TAIL_BYTES) -> str:
-    """The last `max_bytes` of a log file as text ("" when it does not exist)."""
+def read_log_tail(sandbox: Sandbox, log_path: Path, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last `max_bytes` of the agent's log file `log_path` (a host path inside the
+    sandbox) as text: "" when it does not exist, a one-line note when it is a symlink or not a
+    regular file (never followed: `sandbox/fsread.py`)."""
+    root = sandbox_root(sandbox)
     try:
-        with open(log_path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            return fh.read().decode("utf-8", errors="replace")
+        data = read_beneath(root, relative_to_root(root, log_path), max_bytes, tail=True)
     except FileNotFoundError:
         return ""
+    except (UnsafePathError, IsADirectoryError) as e:
+        return f"[harnessrl: agent log not read: {e}]"
+    return data.decode("utf-8", errors="replace")
+
+
+def read_agent_file(
+    sandbox: Sandbox, path: Path, max_bytes: int = AGENT_FILE_BYTES, *, tail: bool = False
+) -> str | None:
+    """Text of an agent's output file `path` (a host path inside the sandbox: its log, its
+    final-answer or trajectory file), at most its first (or with `tail` last) `max_bytes`;
+    None when missing, or when a symlink or special file stands at any component (not
+    followed; logged as a warning)."""
+    return read_sandbox_text(sandbox, path, max_bytes, tail=tail)
 
 
 def _pgid_of(pid: int) -> int | None:

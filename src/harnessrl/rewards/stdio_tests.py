@@ -1,12 +1,13 @@
 """Standard-input/standard-output test verifier: the fraction of hidden tests a program passes.
 
 Responsibility: score a `stdio` task (tasks/stdio.py). Each hidden test runs
-`python3 -I solution.py < input_<i>.txt` in a fresh `.verify-<hex>/` directory holding a copy
-of the agent's `solution.py` and the test inputs (never the expected outputs, which stay in
-this process), as its own sandbox command with the task's wall limit. A test passes when the
-program exits 0 within the limit, prints at most `max_output_bytes`, and its stdout equals the
-expected output after whitespace normalisation: both are split on runs of whitespace and the
-token lists compared (so trailing spaces, blank lines and line-ending differences are ignored,
+`python3 -I solution.py < input_<i>.txt` in a fresh `verify-<hex>/` directory (beside the
+workdir, rewards/submission.py) holding a copy of the agent's `solution.py`, the test inputs
+(never the expected outputs, which stay in this process) and a link-free workspace copy, as
+its own sandbox command with the task's wall limit. A test passes when the program exits 0
+within the limit, prints at most `max_output_bytes`, and its stdout equals the expected
+output after whitespace normalisation: both are split on runs of whitespace and the token
+lists compared (so trailing spaces, blank lines and line-ending differences are ignored,
 token order and content are not).
 
 Reward = tests_passed / tests_total, parts `tests_passed`, `tests_total`, `format_ok`
@@ -76,7 +77,7 @@ class StdioVerifier:
         deadline = time.monotonic() + self.total_timeout_s
         passed, exhausted = 0, False
         try:
-            run_dir = sandbox.workdir / new_verify_dir(sandbox, files)
+            run_dir = new_verify_dir(sandbox, files)
             for i, expected in enumerate(outputs):
                 if time.monotonic() >= deadline:
                     exhausted = True

@@ -4,34 +4,63 @@ Responsibility: read what the agent submitted (a file in its workdir, or, for te
 harnesses, a fenced code block / the text of its final answer) and create the fresh directory
 the verifier runs in.
 
-Invariant (DESIGN.md §3.5, "nothing the agent wrote can change the verifier's code"): the
-verify directory `.verify-<random hex>/` is created inside the workdir at verify time, after
-every agent process is dead; it holds only files the verifier writes (its runner script, the
-hidden tests it needs, and a *copy* of the agent's submission). Verifier programs run there
-with `python3 -I` (isolated mode: no script-directory or user site-packages on sys.path, no
-PYTHON* environment variables), so a `sitecustomize.py`, `conftest.py` or module shadowing
-the standard library left by the agent in its workdir is never imported.
+Invariants (DESIGN.md §3.5, §10):
+  * nothing the agent wrote can change the verifier's code: the verify directory
+    `<sandbox root>/verify-<random hex>/` is created at verify time, after every agent process
+    is dead, beside (not inside) the workdir, by `mkdir` through a descriptor of the sandbox
+    root, so no link the agent planted (a symlinked `work`, a pre-made directory) can redirect
+    it. The verifier's own files (runner script, hidden tests, the copy of the submission) are
+    written into it first, exclusively; then the workspace is copied in without following
+    links (symlinks and special files skipped, size bounded, the verifier's files win).
+    Verifier programs run there with `python3 -I` (isolated mode: no script-directory or user
+    site-packages on sys.path, no PYTHON* environment variables), so a `sitecustomize.py`,
+    `conftest.py` or module shadowing the standard library left by the agent is never imported;
+  * the submission is read through `sandbox/fsread.py`: a symlink at any component of
+    `work/<file>` reads as no submission. The directory goes with the sandbox at `close()`.
 
 What this module deliberately does not do: run anything.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
-import secrets
+from pathlib import Path
 
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import Sandbox
+from harnessrl.sandbox.fsread import (
+    UnsafePathError,
+    copy_tree_beneath,
+    make_private_dir,
+    open_dir_beneath,
+    open_root,
+    read_text_or_none,
+    relative_to_root,
+    sandbox_root,
+    write_new_file,
+)
+
+log = logging.getLogger(__name__)
 
 _FENCED = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+MAX_SUBMISSION_BYTES = 1 << 20
+"""The submission file is read up to this many bytes."""
 
 
 def read_submission(sandbox: Sandbox, rel_path: str) -> str | None:
-    """Text of `rel_path` in the sandbox's workdir; None when missing, unreadable or a link
-    leaving the workdir (the agent's fault: scored as no submission)."""
+    """Text of `rel_path` in the sandbox's workdir (at most `MAX_SUBMISSION_BYTES`); None when
+    missing, unreadable, or reached through a symlink at any component (the agent's doing:
+    scored as no submission)."""
+    root = sandbox_root(sandbox)
     try:
-        return sandbox.read_file(rel_path).decode("utf-8", errors="replace")
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, SandboxError):
+        rel = f"{relative_to_root(root, sandbox.workdir)}/{rel_path}"
+    except UnsafePathError:
+        return None
+    try:
+        return read_text_or_none(root, rel, MAX_SUBMISSION_BYTES)
+    except (OSError, ValueError):
         return None
 
 
@@ -43,10 +72,45 @@ def code_from_answer(final_answer: str | None) -> str | None:
     return blocks[-1] if blocks else None
 
 
-def new_verify_dir(sandbox: Sandbox, files: dict[str, str]) -> str:
-    """Create a fresh `.verify-<hex>/` in the workdir holding `files` (name -> text);
-    returns its path relative to the workdir."""
-    rel_dir = f".verify-{secrets.token_hex(8)}"
-    for name, text in files.items():
-        sandbox.write_file(f"{rel_dir}/{name}", text)
-    return rel_dir
+def new_verify_dir(sandbox: Sandbox, files: dict[str, str], copy_workspace: bool = True) -> Path:
+    """Create a fresh `<sandbox root>/verify-<hex>/` holding `files` (name -> text, single
+    path components) and, with `copy_workspace`, a link-free copy of the workdir; returns its
+    host path (pass it as `cwd` to `sandbox.exec`).
+
+    Raises:
+        SandboxError: the directory cannot be created or written (the sandbox root is gone
+            or not a directory).
+    """
+    root = sandbox_root(sandbox)
+    try:
+        path, dir_fd = make_private_dir(root, "verify-")
+    except OSError as e:
+        raise SandboxError(f"cannot create the verify directory under {root}: {e}") from e
+    try:
+        for name, text in files.items():
+            write_new_file(dir_fd, name, text.encode("utf-8"))
+        if copy_workspace:
+            _copy_workspace(sandbox, root, dir_fd)
+    except OSError as e:
+        raise SandboxError(f"cannot write the verify directory {path}: {e}") from e
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def _copy_workspace(sandbox: Sandbox, root: Path, dst_fd: int) -> None:
+    root_fd = open_root(root)
+    try:
+        src_fd = open_dir_beneath(root_fd, relative_to_root(root, sandbox.workdir), shown=str(root))
+    except (FileNotFoundError, UnsafePathError) as e:
+        log.warning("workspace not copied for verification: %s", e)
+        return
+    finally:
+        os.close(root_fd)
+    try:
+        report = copy_tree_beneath(src_fd, dst_fd)
+    finally:
+        os.close(src_fd)
+    if report.skipped:
+        shown = ", ".join(f"{k} ({v})" for k, v in list(report.skipped.items())[:5])
+        log.info("verify copy of %s skipped %d entries: %s", sandbox.workdir, len(report.skipped), shown)

