@@ -30,6 +30,7 @@ from typing import Protocol
 from harnessrl.errors import ConfigError, HarnessInstallError
 from harnessrl.harness.base import Harness, HarnessResult
 from harnessrl.rewards.base import Reward, Verifier
+from harnessrl.rollout.cause import explain_agent_error
 from harnessrl.sandbox.base import Sandbox, SandboxBackend
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint, Rollout, RolloutStatus, Trace
@@ -118,7 +119,8 @@ async def run_rollout(
             if result.timed_out:
                 status, error = "timeout", f"agent exceeded {limits.agent_timeout_s:.0f} s"
             elif result.error is not None:
-                status, error = "agent_error", result.error
+                # the agent's own message rarely names the cause when it is the proxy's answer
+                status, error = "agent_error", explain_agent_error(result.error, trace)
 
         # 6) verify (also after a timeout or an agent error: the workspace is still scored)
         if status != "infra_error":
