@@ -12,7 +12,7 @@ import pytest
 from fakes import FakeEngine
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.errors import EngineError
-from harnessrl.proxy.app import ProxyDeps, make_app
+from harnessrl.proxy.app import ADMIN_MAX_BODY_BYTES, ProxyDeps, make_admin_app, make_app
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import SessionStore, read_traces
@@ -20,6 +20,7 @@ from harnessrl.proxy.sessions import SessionStore, read_traces
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
 USER = [{"role": "user", "content": "list files"}]
+ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
 class Proxy:
@@ -27,11 +28,15 @@ class Proxy:
         self.engine = engine
         self.config = ProxyConfig(trace_path=trace_path, **config)
         self.store = SessionStore(trace_path)
-        self.app = make_app(ProxyDeps(CaptureDeps(engine, ChatLayer(tokenizer), self.config), self.store))
+        deps = ProxyDeps(CaptureDeps(engine, ChatLayer(tokenizer), self.config), self.store)
+        self.app = make_app(deps)
+        self.admin_app = make_admin_app(deps, ADMIN_TOKEN, lambda: "http://127.0.0.1:9")
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://127.0.0.1")
+        self.admin = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.admin_app), base_url="http://127.0.0.1",
+                                       headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
 
     async def open(self, rollout_id: str = "r0") -> dict:
-        r = await self.http.post("/admin/sessions", json={"rollout_id": rollout_id})
+        r = await self.admin.post("/admin/sessions", json={"rollout_id": rollout_id})
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -68,7 +73,7 @@ async def test_sdk_unary_tool_call_and_recorded_turn(tool_proxy: Proxy):
     assert resp.usage.completion_tokens == n
     (prompt_ids, sampling), = tool_proxy.engine.calls
     assert resp.usage.prompt_tokens == len(prompt_ids)
-    trace = (await tool_proxy.http.get(f"/admin/sessions/{s['session_id']}/trace")).json()
+    trace = (await tool_proxy.admin.get(f"/admin/sessions/{s['session_id']}/trace")).json()
     turn = trace["turns"][0]
     assert turn["prompt_ids"] == prompt_ids  # recorded ids are the engine's input
     assert len(turn["completion_ids"]) == len(turn["completion_logprobs"]) == turn["usage"]["completion_tokens"] == n
@@ -128,7 +133,7 @@ async def test_raw_sse_shape_and_no_usage_without_include_usage(tool_proxy: Prox
 
 async def test_keyed_path_route_and_models(tool_proxy: Proxy):
     s = await tool_proxy.open()
-    assert s["keyed_base_url"] == f"http://127.0.0.1/r/{s['key']}/v1"
+    assert s["keyed_base_url"] == f"http://127.0.0.1:9/r/{s['key']}/v1"
     r = await tool_proxy.http.post(f"/r/{s['key']}/v1/chat/completions", json={"messages": USER})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
     m = await tool_proxy.http.get(f"/r/{s['key']}/v1/models")
@@ -159,12 +164,12 @@ async def test_unknown_and_revoked_keys_get_401_and_are_counted(tool_proxy: Prox
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     s = await tool_proxy.open()
     assert (await tool_proxy.chat(s["key"], {"messages": USER})).status_code == 200
-    closed = await tool_proxy.http.delete(f"/admin/sessions/{s['session_id']}")
+    closed = await tool_proxy.admin.delete(f"/admin/sessions/{s['session_id']}")
     assert closed.status_code == 200 and len(closed.json()["turns"]) == 1
     for _ in range(2):
         assert (await tool_proxy.chat(s["key"], {"messages": USER})).status_code == 401
     assert (await tool_proxy.http.post(f"/r/{s['key']}/v1/chat/completions", json={})).status_code == 401
-    trace = (await tool_proxy.http.get(f"/admin/sessions/{s['session_id']}/trace")).json()
+    trace = (await tool_proxy.admin.get(f"/admin/sessions/{s['session_id']}/trace")).json()
     assert trace["rejected_calls"] == 3 and trace["closed_at"] is not None
 
 
@@ -257,13 +262,23 @@ async def test_headers_and_request_kind_recorded(tool_proxy: Proxy):
     assert "x-other" not in turn.headers and turn.request_kind == "compaction"
 
 
-async def test_admin_refuses_non_loopback(tool_proxy: Proxy):
-    remote = httpx.AsyncClient(transport=httpx.ASGITransport(app=tool_proxy.app, client=("10.1.2.3", 5000)),
-                               base_url="http://proxy")
-    r = await remote.post("/admin/sessions")
-    assert r.status_code == 403 and "loopback" in r.json()["error"]["message"]
+async def test_admin_needs_its_token_and_bounds_bodies(tool_proxy: Proxy):
+    anonymous = httpx.AsyncClient(transport=httpx.ASGITransport(app=tool_proxy.admin_app), base_url="http://proxy")
+    wrong = {"authorization": "Bearer " + "x" * len(ADMIN_TOKEN)}
+    for headers in ({}, wrong, {"x-api-key": ADMIN_TOKEN}):
+        r = await anonymous.post("/admin/sessions", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
+    assert tool_proxy.store.live_sessions == 0
+    big = {"rollout_id": "r" * (ADMIN_MAX_BODY_BYTES + 1)}
+    r = await tool_proxy.admin.post("/admin/sessions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    s = await tool_proxy.open("r1")
+    assert s["base_url"] == "http://127.0.0.1:9/v1"  # the agents' listener, not the admin one
+    # the agents' app serves no admin route at all, with or without the token
+    r = await tool_proxy.http.post("/admin/sessions", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.status_code == 404
     assert (await tool_proxy.http.get("/healthz")).json() == {"ok": True}
-    assert (await tool_proxy.http.get("/admin/sessions/ses_missing/trace")).status_code == 404
+    assert (await tool_proxy.admin.get("/admin/sessions/ses_missing/trace")).status_code == 404
     assert (await tool_proxy.http.get("/nowhere")).json()["error"]["code"] == "404"
 
 
@@ -275,7 +290,7 @@ async def test_traces_written_on_close_and_read_back(tokenizer, tmp_path: Path):
         await proxy.chat(a["key"], {"messages": USER})
     await proxy.chat(b["key"], {"messages": USER, "stream": True})
     for s in (a, b):
-        await proxy.http.delete(f"/admin/sessions/{s['session_id']}")
+        await proxy.admin.delete(f"/admin/sessions/{s['session_id']}")
     traces = read_traces(path)
     assert [(t.rollout_id, len(t.turns)) for t in traces] == [("ra", 2), ("rb", 1)]
     assert [t.turn_index for t in traces[0].turns] == [0, 1]

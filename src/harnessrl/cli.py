@@ -86,6 +86,7 @@ def serve(
     model: Annotated[str, typer.Option(help="smollm2-135m, tiny-random, a local HF directory or a cached hub id.")] = "smollm2-135m",
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 8000,
+    admin_port: Annotated[int, typer.Option(help="Loopback port of the admin API (0 picks a free one).")] = 8001,
     open_session: Annotated[bool, typer.Option("--open-session", help="Open one session and print its key.")] = False,
     trace_path: Annotated[Optional[Path], typer.Option(help="Append closed sessions' traces to this JSONL file.")] = None,
     threads: Annotated[int, typer.Option(help="torch threads for the engine.")] = 2,
@@ -93,17 +94,23 @@ def serve(
     """Start the embedded engine and the intercepting proxy; point any agent at the printed URL."""
     from harnessrl.proxy.cli import serve as serve_impl
 
-    serve_impl(model=model, host=host, port=port, open_session=open_session, trace_path=trace_path, threads=threads)
+    serve_impl(model=model, host=host, port=port, admin_port=admin_port, open_session=open_session,
+               trace_path=trace_path, threads=threads)
 
 
 @session_app.command("open")
 def session_open(
-    url: Annotated[str, typer.Option(help="Proxy root URL.")] = "http://127.0.0.1:8000",
+    url: Annotated[str, typer.Option(help="The proxy's admin URL (printed by `harnessrl serve`).")] = "http://127.0.0.1:8001",
+    token: Annotated[Optional[str], typer.Option(envvar="HARNESSRL_ADMIN_TOKEN",
+                                                 help="Admin token printed by `harnessrl serve`.")] = None,
 ) -> None:
     """Open a session on a running proxy and print its key and base URL."""
     from harnessrl.proxy.cli import session_open as session_open_impl
 
-    session_open_impl(url)
+    if not token:
+        raise typer.BadParameter("the admin token is required: --token or HARNESSRL_ADMIN_TOKEN "
+                                 "(printed by `harnessrl serve`)", param_hint="--token")
+    session_open_impl(url, token)
 
 
 @harness_app.command("install")

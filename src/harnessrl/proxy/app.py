@@ -227,11 +227,14 @@ async def _admin_body(request: Request, max_body_bytes: int) -> dict[str, Any]:
     """The admin request's JSON object body, `{}` when empty; 413 above `max_body_bytes`."""
     size = 0
     chunks: list[bytes] = []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise _too_large(size, max_body_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise _too_large(size, max_body_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect as exc:
+        raise RequestError("client disconnected while sending the body") from exc
     raw = b"".join(chunks)
     return loads(raw) if raw.strip() else {}
 

@@ -1,8 +1,19 @@
 """`ProxyServer`: the proxy app served by uvicorn inside the caller's event loop.
 
-The server binds its own socket (port 0 allowed) and hands it to uvicorn
-(`Server.serve(sockets=[sock])`), so there is no window in which another process can take
-the port (DESIGN.md §9, free-port races). Use it as an async context manager; leaving it
+Listeners (one uvicorn server; each connection is routed by the socket it arrived on):
+  * agents, TCP `config.host:config.port`: the protocol routes (`make_app`), for agents that
+    run without bubblewrap and for external clients;
+  * agents, Unix socket `agent_socket_path` (mode 0600 in a fresh 0700 directory): the same
+    routes; bubblewrap sandboxes get this socket bound in and reach it through their own
+    forwarder on `127.0.0.1:<port>` (`sandbox/forward.py`), their only way out;
+  * admin, TCP `127.0.0.1:admin_port` (always loopback, its own port): the session routes
+    (`make_admin_app`), each needing `Authorization: Bearer <admin_token>`. The token is
+    generated per server unless given. Sandboxes cannot reach this port (their network
+    namespace has none of the host's); an agent without bubblewrap can, but lacks the token.
+
+The server binds its own sockets (port 0 allowed) and hands them to uvicorn
+(`Server.serve(sockets=[...])`), so there is no window in which another process can take
+a port (DESIGN.md §9, free-port races). Use it as an async context manager; leaving it
 closes every live session (traces are written when a trace path is set) and stops uvicorn
 within `shutdown_timeout_s`.
 
@@ -15,8 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
+import secrets
+import shutil
 import socket
+import tempfile
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -26,7 +42,7 @@ from harnessrl.engine.base import Engine
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.errors import ConfigError
 from harnessrl.proxy import anthropic, responses
-from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_app
+from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import SessionStore
@@ -75,16 +91,43 @@ class ProxyServer:
     """`async with ProxyServer(engine, chat, config) as proxy: proxy.base_url ...`"""
 
     def __init__(self, engine: Engine, chat: ChatLayer, config: ProxyConfig | None = None,
-                 shutdown_timeout_s: float = 5.0) -> None:
+                 shutdown_timeout_s: float = 5.0, admin_port: int = 0, admin_token: str | None = None) -> None:
         self.config = config or ProxyConfig()
         self.store = SessionStore(self.config.trace_path)
         self.deps = ProxyDeps(CaptureDeps(engine, chat, self.config), self.store)
         self.app = make_app(self.deps, protocols=native_protocols())
+        self.admin_token = admin_token or secrets.token_urlsafe(32)
+        """Bearer token of the admin listener (generated per server unless given)."""
+        self.admin_app = make_admin_app(self.deps, self.admin_token, lambda: self.base_url.removesuffix("/v1"))
         self.shutdown_timeout_s = shutdown_timeout_s
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
-        self._sock: socket.socket | None = None
+        self._socks: list[socket.socket] = []
+        self._socket_dir: Path | None = None
+        self._admin_name: tuple[str, int] | None = None
+        self._requested_admin_port = admin_port
         self.port = 0
+        self.admin_port = 0
+
+    @property
+    def agent_socket_path(self) -> Path:
+        """The agents' Unix socket of the running server (what sandboxes get bound in).
+
+        Raises RuntimeError before `start()`."""
+        if self._socket_dir is None:
+            raise RuntimeError("the proxy is not started")
+        return self._socket_dir / "agent.sock"
+
+    @property
+    def admin_url(self) -> str:
+        """`http://127.0.0.1:ADMIN_PORT` of the running server's admin listener."""
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    async def _route(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """ASGI entry: connections on the admin socket get the admin app, all others the agents'."""
+        server = scope.get("server")
+        app = self.admin_app if server is not None and tuple(server) == self._admin_name else self.app
+        await app(scope, receive, send)
 
     @property
     def base_url(self) -> str:
@@ -98,23 +141,30 @@ class ProxyServer:
         Raises:
             ConfigError: the host/port cannot be bound or uvicorn failed to start.
         """
-        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock = _bind_tcp(self.config.host, self.config.port, "proxy")
+        self.port = sock.getsockname()[1]
+        admin = _bind_tcp("127.0.0.1", self._requested_admin_port, "proxy admin listener", sock)
+        self.admin_port = admin.getsockname()[1]
+        self._admin_name = ("127.0.0.1", self.admin_port)
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="harnessrl-proxy-"))
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind((self.config.host, self.config.port))
+            unix.bind(str(self.agent_socket_path))
+            os.chmod(self.agent_socket_path, 0o600)
         except OSError as exc:
-            sock.close()
-            raise ConfigError(f"proxy cannot bind {self.config.host}:{self.config.port}: {exc}") from exc
-        sock.listen(2048)
-        self._sock, self.port = sock, sock.getsockname()[1]
-        # httptools parser, no access log, no X-Forwarded-For rewriting (the admin routes'
-        # loopback check must see the real peer; it also saves a middleware hop per call).
-        uv_config = uvicorn.Config(self.app, http="httptools", log_level="warning", access_log=False,
+            for s in (sock, admin, unix):
+                s.close()
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            raise ConfigError(f"proxy cannot bind its agent socket {self.agent_socket_path}: {exc}") from exc
+        unix.listen(2048)
+        self._socks = [sock, admin, unix]
+        # httptools parser, no access log, no X-Forwarded-For rewriting (a middleware hop
+        # per call saved; the peer address is never trusted for anything).
+        uv_config = uvicorn.Config(self._route, http="httptools", log_level="warning", access_log=False,
                                    proxy_headers=False, lifespan="off",
                                    timeout_graceful_shutdown=self.shutdown_timeout_s, backlog=2048)
         self._server = _Uvicorn(uv_config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self._task = asyncio.create_task(self._server.serve(sockets=self._socks))
         while not self._server.started:
             if self._task.done():
                 await self.aclose()
@@ -139,8 +189,9 @@ class ProxyServer:
     async def aclose(self) -> None:
         """Close live sessions and stop uvicorn; idempotent, shielded from cancellation."""
         self.store.close_all()
-        server, task, sock = self._server, self._task, self._sock
-        self._server = self._task = self._sock = None
+        server, task, socks, socket_dir = self._server, self._task, self._socks, self._socket_dir
+        self._server = self._task = None
+        self._socks = []
         if server is not None and task is not None:
             server.should_exit = True
             try:
@@ -148,8 +199,10 @@ class ProxyServer:
             except TimeoutError:
                 server.force_exit = True
                 await asyncio.wait({task}, timeout=1.0)
-        if sock is not None:
+        for sock in socks:
             sock.close()
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
 
     async def __aenter__(self) -> ProxyServer:
         await self.start()
@@ -158,3 +211,19 @@ class ProxyServer:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.aclose()
+
+
+def _bind_tcp(host: str, port: int, what: str, *opened: socket.socket) -> socket.socket:
+    """A listening TCP socket on `host:port`; raises ConfigError (closing `opened`) when it
+    cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        for s in (sock, *opened):
+            s.close()
+        raise ConfigError(f"{what} cannot bind {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    return sock
