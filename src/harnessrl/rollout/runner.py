@@ -12,7 +12,8 @@ Invariants (DESIGN.md §3.3, §3.5):
   * the agent's processes are dead and its key revoked before the verifier runs; hidden tests
     enter the sandbox only inside the verifier;
   * status precedence: infra_error > verifier_error > timeout > agent_error > ok. Timed-out and
-    failed agents are still verified, so their reward is known (usually 0).
+    failed agents are still verified, so their reward is known (usually 0). A sandbox whose
+    processes survive the kill (`kill_processes` raises) is `infra_error` and is not verified.
 
 What it does not do: choose tasks, group rollouts or bound staleness (`orchestrator.py`).
 """
@@ -111,11 +112,16 @@ async def run_rollout(
             status, error = "infra_error", f"harness {harness.name} raised: {_describe(exc)}"
         timings["agent_s"] = time.monotonic() - t_agent
 
-        # 4) every agent process dead, 5) key revoked, before the hidden tests come in
-        await sandbox.kill_processes()
+        # 4) every agent process dead, 5) key revoked, before the hidden tests come in. A
+        # process that survives the kill means no verification (hidden tests never meet a
+        # live agent): this rollout's infra_error, the run goes on
+        try:
+            await sandbox.kill_processes()
+        except Exception as exc:  # noqa: BLE001 - a failed kill is this rollout's data
+            status, error = "infra_error", f"agent processes survived the kill: {_describe(exc)}"
         trace = sessions.close_session(session_id)
         session_id = None
-        if result is not None:
+        if result is not None and status != "infra_error":
             if result.timed_out:
                 status, error = "timeout", f"agent exceeded {limits.agent_timeout_s:.0f} s"
             elif result.error is not None:

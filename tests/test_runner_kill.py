@@ -1,0 +1,125 @@
+"""A sandbox whose processes survive SIGKILL ends one rollout, not the run.
+
+On a fake sandbox (every method recorded; `kill_processes` raises as `LocalSandbox` does when
+pids survive): the rollout is `infra_error` with the cause, the verifier never runs (hidden
+tests never meet a live agent), the proxy session is closed and the sandbox closed; the next
+rollout on a healthy sandbox runs normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from harnessrl.errors import SandboxError
+from harnessrl.harness.base import HarnessResult
+from harnessrl.rewards.base import Reward
+from harnessrl.rollout.runner import RolloutLimits, run_rollout
+from harnessrl.sandbox.base import ExecResult
+from harnessrl.tasks.base import Task
+from harnessrl.types import Endpoint, Trace
+
+
+class FakeSandbox:
+    """The Sandbox seam in memory; `kill_fails` makes `kill_processes` raise."""
+
+    def __init__(self, root: Path, kill_fails: bool) -> None:
+        self.root = root
+        self.kill_fails = kill_fails
+        self.calls: list[str] = []
+
+    @property
+    def workdir(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    async def exec(self, cmd, timeout_s, env=None, cwd=None) -> ExecResult:  # noqa: ANN001
+        self.calls.append("exec")
+        return ExecResult(0, "", "", False, 0.0)
+
+    async def spawn(self, argv, env=None, cwd=None, log_path=None):  # noqa: ANN001, ANN201
+        raise AssertionError("not used")
+
+    def read_file(self, rel_path: str) -> bytes:
+        raise FileNotFoundError(rel_path)
+
+    def write_file(self, rel_path: str, data: str | bytes) -> None:
+        self.calls.append("write_file")
+
+    async def kill_processes(self) -> int:
+        self.calls.append("kill_processes")
+        if self.kill_fails:
+            raise SandboxError("sandbox fake: pids [4242] survived SIGKILL")
+        return 1
+
+    async def close(self) -> None:
+        self.calls.append("close")
+        if self.kill_fails:
+            raise SandboxError("sandbox fake: pids [4242] survived SIGKILL")
+
+
+class Backend:
+    def __init__(self, root: Path, kill_fails: list[bool]) -> None:
+        self.root, self.kill_fails, self.made = root, list(kill_fails), []
+
+    async def create(self, rollout_id: str, workspace: dict[str, str]) -> FakeSandbox:
+        sandbox = FakeSandbox(self.root / rollout_id, self.kill_fails.pop(0))
+        self.made.append(sandbox)
+        return sandbox
+
+
+class Sessions:
+    def __init__(self) -> None:
+        self.open: set[str] = set()
+
+    def open_session(self, rollout_id: str) -> tuple[str, str]:
+        self.open.add(rollout_id)
+        return rollout_id, "k-" + rollout_id
+
+    def endpoint(self, key: str) -> Endpoint:
+        return Endpoint(base_url="http://127.0.0.1:9/v1", api_key=key, model="m")
+
+    def close_session(self, session_id: str) -> Trace:
+        self.open.discard(session_id)
+        return Trace(session_id=session_id, rollout_id=session_id)
+
+
+class Harness:
+    name = "fake"
+
+    async def run(self, task: Task, sandbox: FakeSandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        return HarnessResult(exit_code=0, timed_out=False, final_answer="42", log_tail="done")
+
+
+class Verifier:
+    def __init__(self) -> None:
+        self.scored: list[str] = []
+
+    async def score(self, task: Task, sandbox: FakeSandbox, final_answer: str | None) -> Reward:
+        self.scored.append(task.task_id)
+        return Reward(value=1.0)
+
+
+def test_a_failed_kill_is_this_rollouts_infra_error_and_the_next_one_runs(tmp_path: Path) -> None:
+    backend, sessions, verifier = Backend(tmp_path, [True, False]), Sessions(), Verifier()
+    task = Task("t/0", "test", "do it")
+
+    async def both() -> list:
+        out = []
+        for rid in ("r-bad", "r-good"):
+            out.append(await run_rollout(task, 0, Harness(), backend, sessions, verifier,
+                                         RolloutLimits(agent_timeout_s=5), rollout_id=rid))
+        return out
+
+    bad, good = asyncio.run(both())
+    assert bad.status == "infra_error"
+    assert "survived" in (bad.error or "") and "4242" in (bad.error or "")
+    assert bad.reward is None and "verify_s" not in bad.timings_s
+    assert bad.final_answer == "42" and bad.metadata["log_tail"] == "done"
+    assert backend.made[0].calls == ["kill_processes", "close"], "verified or not released"
+    assert good.status == "ok" and good.reward == 1.0
+    assert verifier.scored == ["t/0"], "the verifier ran on the rollout whose kill failed"
+    assert sessions.open == set()
