@@ -7,6 +7,7 @@ exactly its input, it records every call, and it can be told to fail.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +40,14 @@ class FakeEngine:
     eos_token_ids: tuple[int, ...] = (2,)
     policy_version: int = 0
     fail_with: Exception | None = None
+    delay_s: float = 0.0
+    """Seconds each call takes (asyncio.sleep), to hold calls in flight."""
     calls: list[tuple[list[int], Sampling]] = field(default_factory=list)
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
         self.calls.append((list(prompt_ids), sampling))
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
         if self.fail_with is not None:
             raise self.fail_with
         if len(prompt_ids) + 1 > self.max_context_tokens:

@@ -42,6 +42,23 @@ RolloutStatus = Literal["ok", "agent_error", "timeout", "verifier_error", "infra
 """Exactly one terminal status per rollout (DESIGN.md §3.3)."""
 
 
+MIN_TEMPERATURE = 1e-3
+"""Smallest positive temperature used; a positive value below it is raised to it (at 1e-3 the
+distribution is already greedy for any logit gap above ~0.1)."""
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature actually used: 0 (greedy) stays 0, `(0, MIN_TEMPERATURE)` becomes
+    `MIN_TEMPERATURE`, anything else is unchanged.
+
+    Raises:
+        ValueError: `temperature` is negative or not finite.
+    """
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0")
+    return temperature if temperature == 0 or temperature >= MIN_TEMPERATURE else MIN_TEMPERATURE
+
+
 class Sampling(BaseModel):
     """Sampling parameters actually used for one generation (recorded per turn)."""
 

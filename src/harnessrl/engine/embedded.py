@@ -39,8 +39,10 @@ decode work uses exactly `num_threads`; a trainer running in another thread shou
 What it deliberately does not do: chunked prefill (a long prompt stalls the batch for its
 prefill), prefix caching, speculative decoding, GPU streams. Prefill of a prompt runs alone.
 Invariants: `Completion.prompt_ids` is the input exactly; `len(completion_ids) ==
-len(completion_logprobs)`; every logprob finite and <= 0; `finish_reason == "length"`
-whenever the (context-clipped) max_tokens cap was reached.
+len(completion_logprobs)`; every logprob finite and <= 0 for finite weights; `finish_reason`
+is `stop` when the last id is an EOS id or completes a stop string (even as the last id the
+cap allows), else `length` when the (context-clipped) max_tokens cap was reached. A sampling
+error fails only its own request; the decode thread goes on (a failed forward pass fails all).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from transformers import DynamicCache
 
 from harnessrl.engine.batch import KVBatch
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
-from harnessrl.engine.sampler import RowSampling, sample_next
+from harnessrl.engine.sampler import RowSampling, effective_temperature, sample_next
 from harnessrl.engine.stop import StopWatcher
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
@@ -284,7 +286,7 @@ class EmbeddedEngine:
         prompt = self._check_prompt(prompt_ids)
         max_new = min(sampling.max_tokens, self._max_context_tokens - len(prompt))
         stop = StopWatcher(self._tokenizer, sampling.stop) if sampling.stop else None
-        row = RowSampling(sampling.temperature, sampling.top_p, sampling.top_k)
+        row = RowSampling(effective_temperature(sampling.temperature), sampling.top_p, sampling.top_k)
         return _Request(prompt, sampling, max_new, deliver, row, stop)
 
     def _check_prompt(self, prompt_ids: list[int]) -> tuple[int, ...]:
@@ -387,8 +389,8 @@ class EmbeddedEngine:
                 logits_to_keep=1,
             )
             self._stats["prefills"] += 1
-            (tok,), (lp,) = sample_next(out.logits[:, -1, :], [req.row], [req.generator])
-            if self._append(req, tok, lp):
+            (tok,), (lp,), failed = self._sample(out.logits[:, -1, :], [req])
+            if failed or self._append(req, tok, lp):
                 continue
             self._batch.add(cache, len(req.prompt_ids), tok)
             self._active.append(req)
@@ -396,19 +398,43 @@ class EmbeddedEngine:
     def _decode_step(self) -> None:
         inputs = self._batch.step_inputs()
         out = self._model(**inputs, use_cache=True)
-        rows = [r.row for r in self._active]
-        gens = [r.generator for r in self._active]
-        ids, lps = sample_next(out.logits[:, -1, :], rows, gens)  # type: ignore[arg-type]
+        ids, lps, failed = self._sample(out.logits[:, -1, :], self._active)
         self._batch.commit_step(inputs["attention_mask"], ids)  # type: ignore[arg-type]
         B = len(self._active)
         self._stats["decode_steps"] += 1
         self._stats["batched_steps"] += int(B > 1)
         self._stats["max_batch_size_seen"] = max(self._stats["max_batch_size_seen"], B)
-        finished = [b for b, req in enumerate(self._active) if self._append(req, ids[b], lps[b])]
+        gone = set(failed)
+        finished = [b for b, req in enumerate(self._active) if b in gone or self._append(req, ids[b], lps[b])]
         if finished:
             self._batch.remove(finished)
             done = set(finished)
             self._active = [r for b, r in enumerate(self._active) if b not in done]
+
+    def _sample(self, logits_B_V: torch.Tensor, reqs: list[_Request]) -> tuple[list[int], list[float], list[int]]:
+        """Sample every row; returns (ids, logprobs, failed rows). When the batch cannot be
+        sampled, rows are sampled one by one and each row that fails is delivered its error
+        alone (its id is a placeholder 0): one bad request never stops the others. (Rows
+        that succeed on the retry draw a fresh uniform, so their seeded stream shifts by one.)
+        """
+        rows = [r.row for r in reqs]
+        gens = [r.generator for r in reqs]
+        try:
+            ids, lps = sample_next(logits_B_V, rows, gens)  # type: ignore[arg-type]
+            return ids, lps, []
+        except Exception:  # noqa: BLE001 - find the rows at fault below
+            log.warning("sampling a batch of %d rows failed; sampling them one by one", len(reqs), exc_info=True)
+        ids, lps, failed = [], [], []
+        for b, req in enumerate(reqs):
+            try:
+                (tok,), (lp,) = sample_next(logits_B_V[b:b + 1], [req.row], [req.generator])  # type: ignore[list-item]
+            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                tok, lp = 0, 0.0
+                failed.append(b)
+                req.deliver(EngineError(f"sampling failed for this request ({req.row}): {exc!r}"))
+            ids.append(tok)
+            lps.append(lp)
+        return ids, lps, failed
 
     def _append(self, req: _Request, tok: int, lp: float) -> bool:
         """Record one sampled id; deliver and return True when the request is finished."""
@@ -417,10 +443,10 @@ class EmbeddedEngine:
         self._stats["generated_tokens"] += 1
         reason: Literal["stop", "length"] | None = None
         hit_stop = req.stop.push(tok) if req.stop is not None else False
-        if len(req.completion_ids) >= req.max_new_tokens:
-            reason = "length"
-        elif tok in self._eos_token_ids or hit_stop:
+        if tok in self._eos_token_ids or hit_stop:  # the model stopped, even on its last allowed id
             reason = "stop"
+        elif len(req.completion_ids) >= req.max_new_tokens:
+            reason = "length"
         if reason is None:
             return False
         req.deliver(

@@ -14,8 +14,14 @@ TopPLogitsWarper`, and of vLLM's sampler):
 Renormalising is `lp - logsumexp(lp[kept])`. When neither filter is active, the logprob is
 exactly `log_softmax(logits / T)[id]`, what a trainer computes on the same ids.
 
+Temperatures between 0 and `MIN_TEMPERATURE` are raised to it (`effective_temperature`):
+dividing float32 logits by a denormal such as 1e-45 gives inf and NaN probabilities, from
+which no id can be drawn. The engine and the proxy record the value actually used.
+
 What it deliberately does not do: repetition penalties, min-p, logit bias, beam search.
-Invariant: every returned logprob is finite and <= 0 (the chosen id is always in the kept set).
+Invariant: every returned logprob is <= 0 (the chosen id is always in the kept set), finite
+whenever the logits are; a row whose distribution cannot be sampled (non-finite logits)
+raises `ValueError` naming the row instead of returning an id.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from harnessrl.types import MIN_TEMPERATURE, effective_temperature
+
+__all__ = ["MIN_TEMPERATURE", "RowSampling", "effective_temperature", "filter_logprobs", "sample_next"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +110,7 @@ def sample_next(
     """
     assert logits_B_V.shape[0] == len(rows) == len(generators), "one RowSampling and generator per row"
     temps_B = torch.tensor(
-        [r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32
+        [effective_temperature(r.temperature) if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32
     )
     lp_B_V = torch.log_softmax(logits_B_V.float() / temps_B.unsqueeze(-1), dim=-1)
     if any(r.needs_filter for r in rows):
@@ -130,5 +140,8 @@ def _inverse_cdf_sample(lp_S_V: torch.Tensor, generators: Sequence[torch.Generat
     u_S = torch.cat([torch.rand((1,), generator=g, dtype=torch.float64) for g in generators])
     target_S_1 = (u_S * cdf_S_V[:, -1]).unsqueeze(-1)
     ids_S = torch.searchsorted(cdf_S_V, target_S_1, right=True).squeeze(-1)
-    assert int(ids_S.max()) < lp_S_V.shape[-1], "inverse-CDF draw ran past the vocabulary"
+    bad = (ids_S >= lp_S_V.shape[-1]).nonzero().flatten().tolist()
+    if bad:  # a NaN total (non-finite logits): no id can be drawn
+        raise ValueError(f"rows {bad} of the sampled batch have no valid distribution "
+                         f"(total mass {cdf_S_V[bad[0], -1].item()!r})")
     return ids_S

@@ -39,7 +39,7 @@ from harnessrl.errors import ContextLengthError, EngineError, RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import Session
 from harnessrl.proxy.wire import ChatRequest, error_body, parse_chat_request
-from harnessrl.types import Completion, Sampling, Turn, check_turn_faithful
+from harnessrl.types import Completion, Sampling, Turn, check_turn_faithful, effective_temperature
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,8 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
 def resolve_sampling(config: ProxyConfig, request: ChatRequest, prompt_tokens: int,
                      max_context_tokens: int) -> Sampling:
     """The sampling actually used: the run's values when `enforce_sampling`, and
-    `max_tokens = min(max_tokens_cap, agent's max_tokens, context left)`.
+    `max_tokens = min(max_tokens_cap, agent's max_tokens, context left)`. A positive
+    temperature below `types.MIN_TEMPERATURE` is raised to it (and recorded so).
 
     Raises:
         RequestError: the prompt leaves no room for a completion (code
@@ -187,10 +188,10 @@ def resolve_sampling(config: ProxyConfig, request: ChatRequest, prompt_tokens: i
             param="messages", code="context_length_exceeded")
     max_tokens = min(config.max_tokens_cap, left, request.max_tokens or config.max_tokens_cap)
     if config.enforce_sampling:
-        return Sampling(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        return Sampling(temperature=effective_temperature(config.temperature), top_p=config.top_p, top_k=config.top_k,
                         max_tokens=max_tokens, stop=request.stop)
     return Sampling(
-        temperature=config.temperature if request.temperature is None else request.temperature,
+        temperature=effective_temperature(config.temperature if request.temperature is None else request.temperature),
         top_p=config.top_p if request.top_p is None or request.top_p == 0.0 else request.top_p,
         top_k=config.top_k if request.top_k is None else request.top_k,
         max_tokens=max_tokens, stop=request.stop, seed=request.seed,

@@ -45,6 +45,7 @@ from harnessrl.proxy import anthropic, responses
 from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.httpguard import guarded_httptools
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.types import Endpoint, Trace
 
@@ -93,7 +94,8 @@ class ProxyServer:
     def __init__(self, engine: Engine, chat: ChatLayer, config: ProxyConfig | None = None,
                  shutdown_timeout_s: float = 5.0, admin_port: int = 0, admin_token: str | None = None) -> None:
         self.config = config or ProxyConfig()
-        self.store = SessionStore(self.config.trace_path)
+        self.store = SessionStore(self.config.trace_path, max_closed_traces=self.config.max_closed_traces,
+                                  max_revoked_keys=self.config.max_revoked_keys)
         self.deps = ProxyDeps(CaptureDeps(engine, chat, self.config), self.store)
         self.app = make_app(self.deps, protocols=native_protocols())
         self.admin_token = admin_token or secrets.token_urlsafe(32)
@@ -160,8 +162,10 @@ class ProxyServer:
         self._socks = [sock, admin, unix]
         # httptools parser, no access log, no X-Forwarded-For rewriting (a middleware hop
         # per call saved; the peer address is never trusted for anything).
-        uv_config = uvicorn.Config(self._route, http="httptools", log_level="warning", access_log=False,
-                                   proxy_headers=False, lifespan="off",
+        # The httptools protocol with a read deadline (`httpguard`); idle keep-alive bounded too.
+        uv_config = uvicorn.Config(self._route, http=guarded_httptools(self.config.read_timeout_s), log_level="warning",
+                                   access_log=False, timeout_keep_alive=self.config.keepalive_timeout_s,
+                                   proxy_headers=False, lifespan="off", interface="asgi3",
                                    timeout_graceful_shutdown=self.shutdown_timeout_s, backlog=2048)
         self._server = _Uvicorn(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=self._socks))
