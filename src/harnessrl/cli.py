@@ -33,11 +33,27 @@ def _fail(exc: Exception) -> typer.Exit:
     return typer.Exit(2)
 
 
+def _exit(code: int) -> None:
+    """End the command with `code`. A run stopped by a signal (130, 143) has released every
+    process, directory and key and flushed its files by now; it exits at once rather than wait
+    for a training step still running on a worker thread (its result is discarded)."""
+    if code in (130, 143):
+        import logging
+        import os
+        import sys
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise typer.Exit(code)
+
+
 @app.command()
 def train(
     config: ConfigOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Run directory (default runs/<timestamp>).")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Number of optimizer steps (overrides train.steps).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Total number of training steps of the run (overrides train.steps); with --resume the run continues until this many are done, counting the steps already done.")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Continue the run in this directory from its last checkpoint.")] = None,
     set_: SetOpt = None,
 ) -> None:
@@ -58,7 +74,7 @@ def train(
         code = run_training(cfg, run_dir, resume=resume is not None)
     except HarnessRLError as exc:
         raise _fail(exc) from None
-    raise typer.Exit(code)
+    _exit(code)
 
 
 @app.command()
@@ -78,24 +94,40 @@ def rollout(
         code = run_evaluation(cfg, resolve_run_dir(out, prefix="rollout-"), limit=limit)
     except HarnessRLError as exc:
         raise _fail(exc) from None
-    raise typer.Exit(code)
+    _exit(code)
 
 
 @app.command()
 def serve(
-    model: Annotated[str, typer.Option(help="smollm2-135m, tiny-random, a local HF directory or a cached hub id.")] = "smollm2-135m",
+    config: ConfigOpt = None,
+    model: Annotated[Optional[str], typer.Option(help="Overrides engine.model: smollm2-135m, tiny-random, a local HF directory (e.g. RUN/checkpoints/step-N) or a cached hub id.")] = None,
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 8000,
     admin_port: Annotated[int, typer.Option(help="Loopback port of the admin API (0 picks a free one).")] = 8001,
-    open_session: Annotated[bool, typer.Option("--open-session", help="Open one session and print its key.")] = False,
+    open_session: Annotated[bool, typer.Option("--open-session", help="Open one session and print its id, key and trace URL.")] = False,
     trace_path: Annotated[Optional[Path], typer.Option(help="Append closed sessions' traces to this JSONL file.")] = None,
-    threads: Annotated[int, typer.Option(help="torch threads for the engine.")] = 2,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads for the engine (overrides engine.num_threads).")] = None,
+    set_: SetOpt = None,
 ) -> None:
-    """Start the embedded engine and the intercepting proxy; point any agent at the printed URL."""
+    """Start the embedded engine and the intercepting proxy with a run's engine and sampling settings (--config, --set); point any agent at the printed URL."""
+    from harnessrl.config import load_config
+    from harnessrl.errors import HarnessRLError
     from harnessrl.proxy.cli import serve as serve_impl
 
-    serve_impl(model=model, host=host, port=port, admin_port=admin_port, open_session=open_session,
-               trace_path=trace_path, threads=threads)
+    overrides = list(set_ or [])
+    overrides += [f"engine.model={_toml_string(model)}"] if model is not None else []
+    overrides += [f"engine.num_threads={threads}"] if threads is not None else []
+    try:
+        cfg = load_config(config, overrides)
+        serve_impl(cfg, host=host, port=port, admin_port=admin_port, open_session=open_session, trace_path=trace_path)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+
+
+def _toml_string(text: str) -> str:
+    import json
+
+    return json.dumps(text)  # a JSON string literal is a TOML basic string
 
 
 @session_app.command("open")

@@ -94,10 +94,14 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
     asyncio.run(train(load_config(None, overrides), run_dir))
     asyncio.run(train(load_config(None, [*overrides, "train.steps=2"]), run_dir, resume=True))
     rows = _metrics(run_dir)
-    assert [m["step"] for m in rows] == [0, 1]
+    assert [m["step"] for m in rows] == [1, 2], "steps are 1-based"
     assert rows[1]["policy_version"] == 2
     assert "step0/ratio_abs_dev" not in rows[1], "the step-0 check runs on fresh runs only"
     state = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())
+    assert latest_checkpoint(run_dir).name == "step-2"
     assert state["step"] == 2 and state["policy_version"] == 2 and state["next_group_id"] >= 3
-    groups = {json.loads(line)["group_id"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()}
-    assert len(groups) == 2, "the resumed run must not replay the first run's group"
+    first = json.loads((run_dir / "checkpoints" / "step-1" / "state.json").read_text())
+    groups = [json.loads(line)["group_id"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    # the first run trained on group 0 and had group 1 in flight: the resumed run replays group 1
+    assert first["replay_group_ids"] == [1] and first["next_group_id"] == 2
+    assert sorted(set(groups)) == [0, 1] and len(groups) == 8, "each group once, none lost, none redone"

@@ -7,7 +7,7 @@ harness passes (text-only harnesses, `answer_via = "reply"`).
 The answer is the text the task asks for, not a number found somewhere in it. After stripping
 surrounding whitespace (a trailing newline included) and one pair of matching quotes or
 backticks:
-  * integer answers: the whole text is one integer (`-?\d+`, a leading `+` allowed, no
+  * integer answers: the whole text is one integer (`-?\\d+`, a leading `+` allowed, no
     thousands separators), or its last non-empty line is, or its last line ends in `= N`
     (`5 * 7 = 35` gives 35). Anything else (`The answer is 35`, `API Error: 400`) is not an
     answer. Compared as integers (`007` = `7`).
@@ -38,7 +38,7 @@ def parse_answer(text: str | None, answer_kind: str) -> str | None:
     """The answer `text` gives as a normalised string, or None when it is not a well-formed
     answer of `answer_kind` ("int" or "str"); the rules are in the module docstring.
 
-    Examples: "42\n" -> "42"; "007" -> "7"; "work\n12" -> "12"; "5 * 7 = 35" -> "35";
+    Examples: "42\\n" -> "42"; "007" -> "7"; "work\\n12" -> "12"; "5 * 7 = 35" -> "35";
     "The answer is 35" -> None; "'olleh'" -> "olleh" (str); "two words" -> None (str).
     """
     if text is None:

@@ -2,8 +2,13 @@
 
 Responsibility: start the runtime, dispatch `limit` groups (G rollouts each, task chosen by
 the seed `group_id`), write every finished rollout (with its trace) as one line of
-`DIR/rollouts.jsonl`, show a progress bar, then print and save the summary
-(`DIR/summary.json`): pass rate, pass@k, mean reward, statuses, tokens, time.
+`DIR/rollouts.jsonl`, log one readable line per finished rollout (`summary.rollout_line`,
+to `DIR/run.log` and stderr) with a progress bar on a terminal, then print and save the
+summary (`DIR/summary.json`): pass rate, error rate, pass@k, mean reward, statuses, tokens, time.
+
+Ctrl-C / SIGTERM (`harnessrl.signals`): rollouts in flight are cancelled and release everything;
+they are not written. The summary of the groups completed before the signal is still printed
+and saved, with `stopped_by_signal` = the signal number; the exit code is 130 / 143.
 
 The config means what it means for `harnessrl train`: it is checked the same way before
 anything starts (`config.check_run`), and the summary's rewards are those `[hooks]
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import signal
 import time
 from pathlib import Path
 
@@ -25,10 +32,16 @@ from rich.table import Table
 from harnessrl.config import RunConfig, dump_config
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
-from harnessrl.rollout.summary import summarize_groups
-from harnessrl.types import Group
+from harnessrl.rollout.summary import rollout_line, summarize_groups
+from harnessrl.signals import RunStopped, run_until_signal
+from harnessrl.types import Group, Rollout
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GROUPS = 4
+
+PROGRESS_EVERY_S = 30.0
+"""Off a terminal, seconds between progress records while no rollout finishes."""
 
 
 def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> int:
@@ -45,52 +58,82 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
     check_run(cfg)
     reward_fn = load_hooks(cfg.hooks).get("rollout_reward_fn")
     out_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(cfg.log.level, out_dir / "run.log")
+    console = Console(stderr=True)
+    setup_logging(cfg.log.level, out_dir / "run.log", console=console)
     (out_dir / "config.toml").write_text(dump_config(cfg), encoding="utf-8")
     n_groups = limit or cfg.tasks.limit or DEFAULT_GROUPS
-    console = Console()
+    log.info("harnessrl rollout -> %s (model %s, harness %s, tasks %s, %d tasks x G=%d)", out_dir,
+             cfg.engine.model, cfg.harness.kind, cfg.tasks.kind, n_groups, cfg.rollout.group_size)
     t0 = time.monotonic()
-    groups = asyncio.run(_evaluate(cfg, out_dir, n_groups, console))
+    groups: list[Group] = []
+    stopped: RunStopped | None = None
+    try:
+        asyncio.run(run_until_signal(_evaluate(cfg, out_dir, n_groups, console, groups)))
+    except RunStopped as exc:
+        stopped = exc
     shaped = [g.model_copy(update={"rollouts": [reshape_reward(r, reward_fn) for r in g.rollouts]})
               for g in groups]
     summary = summarize_groups(shaped)
     summary["wall_s"] = time.monotonic() - t0
+    title = f"harnessrl rollout: {cfg.harness.kind} on {cfg.tasks.kind}"
+    if stopped is not None:
+        summary["stopped_by_signal"] = float(stopped.signum)
+        name = signal.Signals(stopped.signum).name
+        title += f" (stopped by {name}: {len(groups)} of {n_groups} tasks done)"
+        log.warning("stopped by %s: rollouts in flight cancelled and not written; %d of %d tasks done",
+                    name, len(groups), n_groups)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    console.print(summary_table(summary, title=f"harnessrl rollout: {cfg.harness.kind} on {cfg.tasks.kind}"))
-    console.print(f"rollouts written to {out_dir / 'rollouts.jsonl'}")
-    return 0
+    out = Console()
+    out.print(summary_table(summary, title=title))
+    out.print(f"rollouts written to {out_dir / 'rollouts.jsonl'}")
+    return 0 if stopped is None else stopped.exit_code
 
 
-async def _evaluate(cfg: RunConfig, out_dir: Path, n_groups: int, console: Console) -> list[Group]:
+async def _evaluate(cfg: RunConfig, out_dir: Path, n_groups: int, console: Console, groups: list[Group]) -> None:
+    """Run `n_groups` groups, appending each to `groups` (and `rollouts.jsonl`) as it completes."""
     from harnessrl.runtime import start_runtime
 
-    groups: list[Group] = []
+    total = n_groups * cfg.rollout.group_size
+    last_record = time.monotonic()
+
+    def on_rollout(rollout: Rollout) -> None:
+        nonlocal last_record
+        last_record = time.monotonic()
+        log.info("rollout %d/%d %s", orch.rollouts_finished, total, rollout_line(rollout))
+
+    def on_wait() -> None:
+        nonlocal last_record
+        progress.update(bar, completed=orch.rollouts_finished)
+        if not console.is_terminal and time.monotonic() - last_record >= PROGRESS_EVERY_S:
+            last_record = time.monotonic()
+            log.info("rollouts %d/%d finished, %d running", orch.rollouts_finished, total,
+                     orch.rollouts_running)
+
     async with start_runtime(cfg) as rt:
         orch = Orchestrator(
             rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
             group_size=cfg.rollout.group_size,
             max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
             limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
+            on_rollout=on_rollout,
         )
-        total = n_groups * cfg.rollout.group_size
+        # the bar's total is fixed: every rollout of the run, known before any starts
         progress = Progress(TextColumn("rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=console, transient=False)
+                            console=console, transient=False, disable=not console.is_terminal)
+        bar = progress.add_task("rollouts", total=total)
         orch.allow(n_groups)
         orch.start()
         try:
             with progress, (out_dir / "rollouts.jsonl").open("a", encoding="utf-8") as fh:
-                bar = progress.add_task("rollouts", total=total)
                 while len(groups) < n_groups:
-                    group = await orch.get_group(
-                        on_wait=lambda: progress.update(bar, completed=orch.rollouts_finished))
-                    groups.append(group)
+                    group = await orch.get_group(on_wait=on_wait)
                     for r in group.rollouts:
                         fh.write(r.model_dump_json() + "\n")
                     fh.flush()
+                    groups.append(group)
                 progress.update(bar, completed=orch.rollouts_finished)
         finally:
             await orch.close()
-    return groups
 
 
 def summary_table(summary: dict[str, float], title: str) -> Table:

@@ -12,16 +12,26 @@ CPU split: the engine decodes on its own thread with `engine.num_threads` torch 
 trainer runs on one dedicated thread with `train.num_threads`, so on a 2-core machine each gets
 one core (set explicitly: two workers of 2 threads each oversubscribe and run far slower).
 
-Shutdown (completion, Ctrl-C, error): stop dispatch, cancel in-flight rollouts (each kills its
-agent, closes its sandbox and revokes its key), stop the proxy and the engine, flush files, and
-join the trainer thread; see `runtime.start_runtime` and `Orchestrator.close`.
+Steps are 1-based everywhere (console, final table, `metrics.jsonl` `step`, `checkpoints/step-k`):
+step k is the k-th training step and `checkpoints/step-k` the state after it; `policy_version`
+counts the optimizer updates applied (a step that trains nothing, and says why, adds none).
+`rollouts.jsonl` and `metrics.jsonl` get a step's rollouts and metrics when the step completes.
+
+Shutdown (completion, Ctrl-C, SIGTERM, error): stop dispatch, cancel in-flight rollouts (each
+kills its agent, closes its sandbox and revokes its key), stop the proxy and the engine, flush
+files; see `runtime.start_runtime`, `Orchestrator.close` and `harnessrl.signals`. A signal
+cancels the step in progress: nothing of it is written, a checkpoint being written is finished,
+and the trainer thread is not joined. Resume replays the groups the checkpoint had dispatched
+but not trained on, and drops the lines logged after the checkpoint (that work is redone).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import signal
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -35,9 +45,14 @@ from harnessrl.types import Group, Row
 
 log = logging.getLogger(__name__)
 
+PROGRESS_EVERY_S = 30.0
+"""Off a terminal, seconds between progress records while a step waits for its groups."""
+
 
 def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
-    """Train per `cfg` in `run_dir`; returns the process exit code (130 on Ctrl-C).
+    """Train per `cfg` in `run_dir`; returns the process exit code: 0 when every step ran, 130 /
+    143 when SIGINT / SIGTERM stopped the run (`harnessrl.signals`; the step in progress then
+    leaves no rollouts, metrics or checkpoint behind, earlier checkpoints stay).
 
     Raises:
         ConfigError: a hook, task source or verifier path that does not import (`check_run`),
@@ -45,19 +60,26 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
     """
     from harnessrl.config import check_run
     from harnessrl.log import setup_logging
+    from harnessrl.signals import RunStopped, run_until_signal
+    from harnessrl.train.policy import latest_checkpoint
 
     check_run(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(cfg.log.level, run_dir / "run.log")
+    console = Console(stderr=True)
+    setup_logging(cfg.log.level, run_dir / "run.log", console=console)
     if not resume:
         (run_dir / "config.toml").write_text(dump_config(cfg), encoding="utf-8")
-    console = Console()
-    console.print(f"[bold]harnessrl train[/] → {run_dir}  (model {cfg.engine.model}, harness "
-                  f"{cfg.harness.kind}, tasks {cfg.tasks.kind}, G={cfg.rollout.group_size})")
+    log.info("harnessrl train -> %s (model %s, harness %s, tasks %s, G=%d, %d steps)", run_dir,
+             cfg.engine.model, cfg.harness.kind, cfg.tasks.kind, cfg.rollout.group_size, cfg.train.steps)
     try:
-        asyncio.run(train(cfg, run_dir, resume=resume, console=console))
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: rollouts cancelled, sandboxes closed, files flushed[/]")
+        asyncio.run(run_until_signal(train(cfg, run_dir, resume=resume, console=console)))
+    except RunStopped as stop:
+        last = latest_checkpoint(run_dir)
+        log.warning("stopped by %s: rollouts cancelled, sandboxes closed, files flushed; the step in "
+                    "progress was not recorded; last checkpoint: %s", signal.Signals(stop.signum).name,
+                    last if last is not None else "none")
+        return stop.exit_code
+    except KeyboardInterrupt:  # before the run's handler was installed
         return 130
     return 0
 
@@ -72,22 +94,32 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.rollout.runner import RolloutLimits
     from harnessrl.runtime import start_runtime
     from harnessrl.train.advantages import advantage_fn_for
-    from harnessrl.train.console import final_table, print_conversation, step_line
+    from harnessrl.rollout.summary import rollout_line
+    from harnessrl.train.console import final_table, print_conversation, skip_reason, step_line
     from harnessrl.train.losses import loss_fn_for
     from harnessrl.train.policy import (export_weights, latest_checkpoint, load_policy,
                                         restore_checkpoint, save_checkpoint)
     from harnessrl.train.hooks import load_hooks
     from harnessrl.train.step import optimizer_step, sampler_parity
 
-    console = console or Console()
+    console = console or Console(stderr=True)
     loop = asyncio.get_running_loop()
     trainer = ThreadPoolExecutor(1, thread_name_prefix="trainer",
                                  initializer=torch.set_num_threads, initargs=(cfg.train.num_threads,))
     history: list[dict[str, Any]] = []
+    completed = False
+    start_step, version, next_group_id, replay = 0, 0, 0, []
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
+        start_step, next_group_id = saved["step"], saved["next_group_id"]
+        replay = list(saved.get("replay_group_ids", []))
+    if resume:
+        _drop_rows_after(run_dir, start_step, next_group_id, replay)
     sinks = make_sinks(list(cfg.log.report_to), run_dir, cfg.model_dump(mode="json"))
     rollouts_fh = (run_dir / "rollouts.jsonl").open("a", encoding="utf-8")
     try:
-        async with start_runtime(cfg) as rt:
+        async with start_runtime(cfg, isolation="required") as rt:
             # 0) the policy (same weights the engine serves), optimizer, hooks, resume point
             policy = await loop.run_in_executor(trainer, lambda: load_policy(
                 rt.model_dir, learning_rate=cfg.train.learning_rate,
@@ -96,16 +128,20 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             loss_fn = loss_fn_for(cfg.train.loss.kind, cfg.train.loss)
             advantage_fn = advantage_fn_for(cfg.train.advantage)
             hooks = load_hooks(cfg.hooks)
-            start_step, version, next_group_id = 0, 0, 0
-            checkpoint = latest_checkpoint(run_dir) if resume else None
             if checkpoint is not None:
                 state = await loop.run_in_executor(trainer, restore_checkpoint, policy, checkpoint)
-                start_step, version, next_group_id = state["step"], state["policy_version"], state["next_group_id"]
+                version = state["policy_version"]
                 weights = await loop.run_in_executor(trainer, export_weights, policy)
                 await loop.run_in_executor(trainer, rt.engine.load_weights, weights, version)
-                console.print(f"resumed from {checkpoint} at step {start_step}, policy version {version}")
+                log.info("resumed from %s after step %d, policy version %d", checkpoint, start_step, version)
+                if replay:
+                    log.info("replaying groups %s: they were in flight, not yet trained on, when the "
+                             "checkpoint was taken", replay)
+                elif "replay_group_ids" not in state:
+                    log.warning("this checkpoint does not list the groups in flight when it was taken: "
+                                "they are not replayed (the run continues from group %d)", next_group_id)
             elif resume:
-                console.print("[yellow]no checkpoint found: starting from step 0[/]")
+                log.warning("no checkpoint in %s: starting from step 1", run_dir / "checkpoints")
 
             last_synced = await loop.run_in_executor(trainer, lambda: export_weights(policy, copy=True))
             orch = Orchestrator(
@@ -114,33 +150,33 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
                 limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
                 first_group_id=next_group_id,
+                replay_group_ids=replay,
+                on_rollout=lambda r: log.info("rollout %s", rollout_line(r)),
             )
             groups_per_step = cfg.train.groups_per_step
             orch.allow((cfg.train.max_staleness + 1) * groups_per_step)
             orch.start()
             try:
-                for step in range(start_step, cfg.train.steps):
+                # `step` is 1-based: the k-th training step; checkpoints/step-k holds the state after it
+                for step in range(start_step + 1, cfg.train.steps + 1):
                     t_step = time.monotonic()
                     # 1) pull the groups of this step (rollouts for later steps keep running)
                     groups = await _pull_groups(orch, groups_per_step, console, step, cfg.train.steps)
                     t_pulled = time.monotonic()
-                    for g in groups:
-                        for r in g.rollouts:
-                            rollouts_fh.write(r.model_dump_json() + "\n")
-                    rollouts_fh.flush()
 
                     # 2) rewards (optionally reshaped by the hook) and group-relative advantages
                     # 3) rows from traces, stamped with their rollout's advantage; stale rows dropped
                     rows, row_metrics, candidates = _rows_for_step(groups, cfg, hooks, advantage_fn, version)
-                    if step == start_step and checkpoint is None:
+                    if step == start_step + 1 and checkpoint is None:
                         # step-0 check: trainer and sampler hold the same weights now
                         parity = await loop.run_in_executor(trainer, lambda: sampler_parity(
                             policy.model, candidates, temperature=cfg.sampling.temperature,
                             token_budget=cfg.train.token_budget))
                         if parity is not None:
                             row_metrics["step0/ratio_abs_dev"] = parity
-                            mark = "ok" if parity <= 1e-3 else "[red]ABOVE 1e-3[/]"
-                            console.print(f"step-0 check: mean |exp(trainer - sampler logprob) - 1| = {parity:.2e} ({mark})")
+                            mark = "ok" if parity <= 1e-3 else "ABOVE 1e-3"
+                            log.info("step-0 check: mean |exp(trainer - sampler logprob) - 1| = %.2e (%s)",
+                                     parity, mark)
 
                     # 4) one optimizer step on the trainer thread, while rollouts continue
                     metrics: dict[str, Any] = {"step": step, **row_metrics}
@@ -152,6 +188,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         metrics.update(result.metrics)
                     else:
                         metrics["skipped"] = 1.0
+                    if metrics.get("skipped"):
+                        metrics["skip_reason"] = skip_reason(metrics) if not rows else "no trainable token"
                     t_trained = time.monotonic()
 
                     # 5) weight sync: the engine serves the new policy from its next decode step
@@ -166,7 +204,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     orch.allow(groups_per_step)
                     t_synced = time.monotonic()
 
-                    # 6) metrics, console, checkpoint
+                    # 6) the step completed: its rollouts, metrics, console lines, checkpoint
                     metrics.update({
                         "policy_version": version,
                         "time/rollout_wait_s": t_pulled - t_step,
@@ -175,41 +213,99 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         "time/step_s": t_synced - t_step,
                         "rollouts_in_flight_groups": orch.groups_in_flight,
                     })
+                    for g in groups:
+                        for r in g.rollouts:
+                            rollouts_fh.write(r.model_dump_json() + "\n")
+                    rollouts_fh.flush()
                     history.append(metrics)
                     for sink in sinks:
                         sink.log(step, metrics)
-                    console.print(step_line(step, cfg.train.steps, metrics))
+                    log.info(step_line(step, cfg.train.steps, metrics))
                     for r in [r for g in groups for r in g.rollouts][: cfg.log.log_completions]:
                         print_conversation(console, r)
-                    last = step + 1 == cfg.train.steps
                     every = cfg.train.checkpoint_every
-                    if last or (every and (step + 1) % every == 0):
-                        # data position: the next group not yet dispatched (groups in flight
-                        # now are not replayed on resume)
-                        state = {"step": step + 1, "policy_version": version,
-                                 "next_group_id": orch.next_group_id}
-                        await loop.run_in_executor(trainer, save_checkpoint, policy, tokenizer,
-                                                   run_dir / "checkpoints" / f"step-{step + 1}", state)
+                    if step == cfg.train.steps or (every and step % every == 0):
+                        # data position: the next new group, and the groups dispatched but not
+                        # trained on yet (a resumed run replays them)
+                        state = {"step": step, "policy_version": version,
+                                 "next_group_id": orch.next_group_id,
+                                 "replay_group_ids": orch.undelivered_group_ids()}
+                        await _finish_even_if_stopped(loop.run_in_executor(
+                            trainer, save_checkpoint, policy, tokenizer,
+                            run_dir / "checkpoints" / f"step-{step}", state))
+                        log.info("checkpoint %s", run_dir / "checkpoints" / f"step-{step}")
             finally:
                 await orch.close()
-        console.print(final_table(history))
+        Console().print(final_table(history))
+        completed = True
         return history
     finally:
         rollouts_fh.close()
         for sink in sinks:
             sink.close()
-        trainer.shutdown(wait=True, cancel_futures=True)
+        # stopped by a signal: do not wait for a step still running on the trainer thread (its
+        # result is discarded; `harnessrl train` exits without joining it)
+        trainer.shutdown(wait=completed, cancel_futures=True)
+
+
+async def _finish_even_if_stopped(work: asyncio.Future[Any]) -> Any:
+    """Await `work` to its end even when the caller is cancelled meanwhile (then re-raise the
+    cancellation): a checkpoint being written is finished, never left half-made."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await work
+        raise
 
 
 async def _pull_groups(orch: Any, n: int, console: Console, step: int, steps: int) -> list[Group]:
-    """Wait for `n` completed groups, with a live status line of the rollouts in flight."""
+    """Wait for `n` completed groups: a live status line on a terminal, a progress record every
+    `PROGRESS_EVERY_S` seconds otherwise (and in `run.log`)."""
     groups: list[Group] = []
+    last_record = time.monotonic()
+
+    def progress() -> str:
+        return (f"step {step}/{steps}: {len(groups)}/{n} groups ready; rollouts {orch.rollouts_finished} "
+                f"finished, {orch.rollouts_running} running")
+
+    def on_wait() -> None:
+        nonlocal last_record
+        status.update(progress())
+        if not console.is_terminal and time.monotonic() - last_record >= PROGRESS_EVERY_S:
+            last_record = time.monotonic()
+            log.info(progress())
+
     with console.status("") as status:
         while len(groups) < n:
-            groups.append(await orch.get_group(on_wait=lambda: status.update(
-                f"step {step + 1}/{steps}: {len(groups)}/{n} groups ready, "
-                f"{orch.rollouts_finished}/{orch.rollouts_started} rollouts finished")))
+            groups.append(await orch.get_group(on_wait=on_wait))
     return groups
+
+
+def _drop_rows_after(run_dir: Path, step: int, next_group_id: int, replay: list[int]) -> None:
+    """Before a resume from the checkpoint after `step`: drop the metrics of later steps and the
+    rollouts of groups that checkpoint did not train on (they are redone), so that each step and
+    group appears once in `metrics.jsonl` and `rollouts.jsonl`."""
+    redo = set(replay)
+
+    def keep_metrics(row: dict[str, Any]) -> bool:
+        return row.get("step", 0) <= step
+
+    def keep_rollout(row: dict[str, Any]) -> bool:
+        gid = row.get("group_id", -1)
+        return gid < next_group_id and gid not in redo
+
+    for name, keep in (("metrics.jsonl", keep_metrics), ("rollouts.jsonl", keep_rollout)):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if line.strip() and keep(json.loads(line))]
+        if len(kept) < len(lines):
+            tmp = path.with_name(name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            tmp.replace(path)
+            log.info("%s: dropped %d lines logged after step %d (that work is redone)",
+                     name, len(lines) - len(kept), step)
 
 
 def _rows_for_step(
@@ -265,6 +361,7 @@ def _rows_for_step(
     metrics.update({k: v for k, v in summary.items() if k.startswith("status/")})
     metrics.update(stats.as_metrics())
     metrics["rows"] = float(len(rows))
+    metrics["rows_built"] = float(len(built_all))
     metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else math.nan
     metrics["staleness_max"] = float(max(staleness)) if staleness else math.nan
     metrics["invariant/untraceable_trained_tokens"] = float(
