@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from harnessrl.errors import ConfigError
+from harnessrl.errors import ConfigError, HarnessRLError
 
 log = logging.getLogger(__name__)
 
@@ -57,30 +57,54 @@ def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, l
     return Policy(model=model, optimizer=optimizer, lora=lora)
 
 
+class NonFiniteWeightsError(HarnessRLError):
+    """The trainer's weights hold a NaN or inf: they are neither pushed to the engine nor saved."""
+
+
+def check_finite(weights: dict[str, torch.Tensor]) -> None:
+    """Raise `NonFiniteWeightsError` naming the first tensors (up to 3) holding a NaN or inf."""
+    bad = [name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"trainer weights hold NaN/inf in {len(bad)} tensor(s), e.g. {bad[:3]}: not pushed to the "
+            "engine, not saved; resume from the last checkpoint (lower train.learning_rate)")
+
+
 def export_weights(policy: Policy, copy: bool = False) -> dict[str, torch.Tensor]:
     """Full (merged) weights under the base model's parameter names, detached.
 
     Without `copy` the tensors of full fine-tuning are the live parameters: hand them only to
     a consumer that copies them before the next optimizer step (`Engine.load_weights` does,
     synchronously). LoRA exports are always fresh tensors (merged, then unmerged).
+
+    Raises:
+        NonFiniteWeightsError: a weight is NaN or inf (never handed to the engine).
     """
     if not policy.lora:
-        return {k: (v.detach().clone() if copy else v.detach()) for k, v in policy.model.state_dict().items()}
+        out = {k: (v.detach().clone() if copy else v.detach()) for k, v in policy.model.state_dict().items()}
+        check_finite(out)
+        return out
     peft_model: Any = policy.model
     peft_model.merge_adapter()
     try:
-        out: dict[str, torch.Tensor] = {}
+        out = {}
         for key, value in peft_model.get_base_model().state_dict().items():
             if "lora_" in key:
                 continue
             out[key.replace(".base_layer", "")] = value.detach().clone()
-        return out
     finally:
         peft_model.unmerge_adapter()
+    check_finite(out)
+    return out
 
 
 def save_checkpoint(policy: Policy, tokenizer: Any, directory: Path, state: dict[str, Any]) -> None:
-    """Write `directory` (HF `save_pretrained` model + tokenizer, `trainer_state.pt`) atomically."""
+    """Write `directory` (HF `save_pretrained` model + tokenizer, `trainer_state.pt`) atomically.
+
+    Raises:
+        NonFiniteWeightsError: a weight is NaN or inf (nothing is written).
+    """
+    check_finite(dict(policy.model.state_dict()))
     tmp = directory.with_name(directory.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     model: Any = policy.model

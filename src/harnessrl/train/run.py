@@ -156,6 +156,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             groups_per_step = cfg.train.groups_per_step
             orch.allow((cfg.train.max_staleness + 1) * groups_per_step)
             orch.start()
+            nonfinite_skips = 0  # updates skipped for a NaN/inf gradient norm, this process
             try:
                 # `step` is 1-based: the k-th training step; checkpoints/step-k holds the state after it
                 for step in range(start_step + 1, cfg.train.steps + 1):
@@ -188,8 +189,10 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         metrics.update(result.metrics)
                     else:
                         metrics["skipped"] = 1.0
-                    if metrics.get("skipped"):
+                    if metrics.get("skipped") and "skip_reason" not in metrics:
                         metrics["skip_reason"] = skip_reason(metrics) if not rows else "no trainable token"
+                    nonfinite_skips += int(metrics.get("skipped_nonfinite", 0))
+                    metrics["skipped_nonfinite_steps"] = float(nonfinite_skips)
                     t_trained = time.monotonic()
 
                     # 5) weight sync: the engine serves the new policy from its next decode step

@@ -5,6 +5,9 @@ Responsibility: the algorithm-blind training step. The loss variant is a functio
 `sum(loss_t) / num_trained_tokens_of_the_whole_batch`, so gradient accumulation over
 micro-batches equals one big batch.
 
+Guard: a non-finite gradient norm (NaN or inf, from a NaN loss or an overflow) skips the
+optimizer update instead of writing NaN into every weight (`skipped_nonfinite`).
+
 Metrics it returns: loss, grad_norm (before clipping), the loss's ratio and clip statistics
 (token-weighted over micro-batches), and `ratio_abs_dev`: mean |exp(trainer − sampler) − 1| over
 trained tokens at the weights *before* the update (at step 0 trainer and sampler hold the same
@@ -13,6 +16,7 @@ weights, so this is the sampler/trainer parity check, DESIGN.md §3.2).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +30,8 @@ from harnessrl.types import Row
 
 @dataclass
 class StepResult:
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | str] = field(default_factory=dict)
+    """Numbers of the step; `skip_reason` is the one text value (set when `skipped`)."""
 
 
 def optimizer_step(
@@ -42,7 +47,9 @@ def optimizer_step(
     """Train on `rows` (advantages already stamped) with one optimizer update.
 
     Rows with no trained token must not be passed (the samples builder drops them).
-    Returns metrics; `skipped=1` when there was nothing to train (no update happened).
+    Returns metrics; `skipped=1` when no update happened: nothing to train, or a NaN / inf
+    gradient norm (then also `skipped_nonfinite=1` and `skip_reason`; the gradients are
+    dropped and neither the weights nor the optimizer state change).
     """
     t0 = time.perf_counter()
     # 1) pack rows padding-free into micro-batches under the token budget
@@ -77,12 +84,18 @@ def optimizer_step(
                 sums[key] = sums.get(key, 0.0) + value
             else:
                 sums[key] = sums.get(key, 0.0) + weight * value
-    # 4) clip and update
+    # 4) clip and update; a NaN or inf gradient norm skips the update (weights and optimizer
+    # state untouched), counted as `skipped_nonfinite`
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    optimizer.step()
+    finite = math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     metrics = {**sums, **mins, **maxs}
+    if not finite:
+        metrics.update(skipped=1.0, skipped_nonfinite=1.0,
+                       skip_reason=f"non-finite gradient norm ({grad_norm}): update skipped")
     metrics.update(
         loss=loss_total,
         grad_norm=grad_norm,
