@@ -1,8 +1,12 @@
 """Command bodies of `harnessrl serve` and `harnessrl session open` (registered by `harnessrl.cli`).
 
 `serve` starts the embedded engine and the proxy in one process and prints the base URL
-(with `open_session`, also a session key and lines to point an agent at it by hand); it runs
-until Ctrl-C, then closes every session and the engine. It prints the admin listener's URL
+(with `open_session`, also a session id, its key, and the lines to point an agent at it and
+to read its trace back by hand); it runs until Ctrl-C, then closes every session and the
+engine. It serves with a run's config (`RunConfig`): the engine settings (`[engine]`: model,
+dtype, context, batch) and the sampling the proxy enforces (`[sampling]`: temperature, top_p,
+top_k, the max_tokens cap), so a trained checkpoint (`RUN/checkpoints/step-N`, a HF model
+directory) is served as it was trained. It prints the admin listener's URL
 (a loopback port of its own, never the agents' port) and its bearer token, generated per
 process unless `HARNESSRL_ADMIN_TOKEN` is set. `session_open` asks a running proxy for a
 session through that admin API, with that token.
@@ -17,35 +21,50 @@ import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from rich.console import Console
 
 from harnessrl.proxy.config import ProxyConfig
 
+if TYPE_CHECKING:
+    from harnessrl.config import RunConfig
+
 console = Console()
 
 
-def serve(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000, admin_port: int = 8001,
-          open_session: bool = False,
-          trace_path: Path | None = None, threads: int | None = 2, temperature: float = 1.0,
-          max_tokens_cap: int = 1024) -> None:
-    """Run the embedded engine behind the proxy until interrupted."""
-    config = ProxyConfig(host=host, port=port, model_name=model, trace_path=trace_path, temperature=temperature,
-                         max_tokens_cap=max_tokens_cap)
+def serve(cfg: RunConfig, host: str = "127.0.0.1", port: int = 8000, admin_port: int = 8001,
+          open_session: bool = False, trace_path: Path | None = None) -> None:
+    """Run the engine of `cfg.engine` behind the proxy, enforcing `cfg.sampling`, until
+    interrupted.
+
+    Raises:
+        ModelLoadError: `cfg.engine.model` cannot be found or loaded.
+        ConfigError: the host or a port cannot be bound.
+    """
+    config = proxy_config_for_serve(cfg, host=host, port=port, trace_path=trace_path)
     from harnessrl.proxy.server import run_loop
 
-    run_loop(_serve(model, config, admin_port, open_session, threads))
+    run_loop(_serve(cfg, config, admin_port, open_session))
 
 
-async def _serve(model: str, config: ProxyConfig, admin_port: int, open_session: bool, threads: int | None) -> None:
+def proxy_config_for_serve(cfg: RunConfig, host: str, port: int, trace_path: Path | None = None) -> ProxyConfig:
+    """The proxy settings `serve` uses: the run's sampling, enforced, on `host:port`."""
+    return ProxyConfig(host=host, port=port, model_name=cfg.engine.model, trace_path=trace_path,
+                       temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                       enforce_sampling=True, max_tokens_cap=cfg.sampling.max_tokens)
+
+
+async def _serve(cfg: RunConfig, config: ProxyConfig, admin_port: int, open_session: bool) -> None:
     from harnessrl.engine.chat import ChatLayer
-    from harnessrl.engine.embedded import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.proxy.server import ProxyServer
+    from harnessrl.runtime import make_engine
 
+    model = cfg.engine.model
     model_dir = resolve_model(model)
-    engine = EmbeddedEngine(model_dir, num_threads=threads)
+    engine = make_engine(cfg.engine, model_dir, cfg.seed)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -54,13 +73,18 @@ async def _serve(model: str, config: ProxyConfig, admin_port: int, open_session:
         chat = ChatLayer(load_tokenizer(model_dir), eos_token_ids=engine.eos_token_ids)
         async with ProxyServer(engine, chat, config, admin_port=admin_port,
                                admin_token=os.environ.get("HARNESSRL_ADMIN_TOKEN") or None) as proxy:
-            console.print(f"proxy serving [bold]{model}[/] at {proxy.base_url}; Ctrl-C stops")
+            console.print(f"proxy serving [bold]{model}[/] at {proxy.base_url}; Ctrl-C stops", soft_wrap=True)
+            console.print(f"sampling (enforced): temperature {config.temperature}, top_p {config.top_p}, "
+                          f"top_k {config.top_k}, max_tokens {config.max_tokens_cap}; context "
+                          f"{engine.max_context_tokens} tokens", soft_wrap=True)
             console.print(f"admin API at {proxy.admin_url} (POST /admin/sessions ...), token in "
                           f"'Authorization: Bearer':", soft_wrap=True)
             console.print(f"export HARNESSRL_ADMIN_TOKEN={proxy.admin_token}", soft_wrap=True, markup=False)
             if open_session:
-                _, key = proxy.open_session("manual")
+                session_id, key = proxy.open_session("manual")
+                console.print(f"session {session_id}", soft_wrap=True)
                 _print_session(proxy.base_url, key, config.model_name)
+                _print_trace_command(proxy.admin_url, session_id)
             await stop.wait()
     finally:
         engine.close()
@@ -76,6 +100,7 @@ def session_open(url: str, token: str, rollout_id: str | None = None) -> None:
     info = response.json()
     console.print(f"session {info['session_id']}")
     _print_session(info["base_url"], info["key"], "<model>")
+    _print_trace_command(url.rstrip("/"), info["session_id"])
 
 
 def _print_session(base_url: str, key: str, model: str) -> None:
@@ -85,3 +110,8 @@ def _print_session(base_url: str, key: str, model: str) -> None:
         f"curl -s {base_url}/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Say hi\"}}]}}'",
         soft_wrap=True, markup=False)
+
+
+def _print_trace_command(admin_url: str, session_id: str) -> None:
+    console.print(f"curl -s -H \"Authorization: Bearer $HARNESSRL_ADMIN_TOKEN\" "
+                  f"{admin_url}/admin/sessions/{session_id}/trace", soft_wrap=True, markup=False)
