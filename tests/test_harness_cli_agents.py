@@ -65,13 +65,15 @@ async def proxy(engine: object) -> AsyncIterator[object]:
         yield server
 
 
-def _backend(root: Path) -> LocalSandboxBackend:
-    return LocalSandboxBackend(SandboxConfig(root_dir=root), ro_binds=installed_agent_dirs())
+def _backend(root: Path, proxy: object) -> LocalSandboxBackend:
+    """Sandboxes whose agents reach `proxy` (through its agent socket under bubblewrap)."""
+    return LocalSandboxBackend(SandboxConfig(root_dir=root), ro_binds=installed_agent_dirs(),
+                               proxy_port=proxy.port, proxy_socket=proxy.agent_socket_path)  # type: ignore[attr-defined]
 
 
-def _open(proxy: object, rollout_id: str) -> tuple[str, Endpoint]:
+def _open(proxy: object, rollout_id: str, sandbox: LocalSandbox) -> tuple[str, Endpoint]:
     session_id, key = proxy.open_session(rollout_id)  # type: ignore[attr-defined]
-    return session_id, proxy.endpoint(key)  # type: ignore[attr-defined]
+    return session_id, sandbox.agent_endpoint(proxy.endpoint(key))  # type: ignore[attr-defined]
 
 
 def _assert_faithful_turns(trace: Trace) -> None:
@@ -84,8 +86,8 @@ def _assert_faithful_turns(trace: Trace) -> None:
 
 
 async def test_command_harness_calls_proxy_with_templated_key(proxy: object, sandbox_root: Path) -> None:
-    sandbox = await _backend(sandbox_root).create("cmd", {"README.md": "hello\n"})
-    session_id, endpoint = _open(proxy, "cmd")
+    sandbox = await _backend(sandbox_root, proxy).create("cmd", {"README.md": "hello\n"})
+    session_id, endpoint = _open(proxy, "cmd", sandbox)
     harness = CommandHarness(
         CommandHarnessConfig(
             name="script-agent",
@@ -118,8 +120,8 @@ async def test_command_harness_calls_proxy_with_templated_key(proxy: object, san
 
 
 async def test_command_harness_reports_nonzero_exit(proxy: object, sandbox_root: Path) -> None:
-    sandbox = await _backend(sandbox_root).create("fail", {})
-    _, endpoint = _open(proxy, "fail")
+    sandbox = await _backend(sandbox_root, proxy).create("fail", {})
+    _, endpoint = _open(proxy, "fail", sandbox)
     harness = CommandHarness(CommandHarnessConfig(argv=["python3", "-c", "print('boom'); raise SystemExit(3)"]))
     try:
         result = await harness.run(Task("t/1", "test", "x"), sandbox, endpoint, 30.0)
@@ -131,8 +133,8 @@ async def test_command_harness_reports_nonzero_exit(proxy: object, sandbox_root:
 
 
 async def test_command_harness_timeout_kills_whole_tree(proxy: object, sandbox_root: Path) -> None:
-    sandbox = await _backend(sandbox_root).create("hang", {})
-    _, endpoint = _open(proxy, "hang")
+    sandbox = await _backend(sandbox_root, proxy).create("hang", {})
+    _, endpoint = _open(proxy, "hang", sandbox)
     # a child that leaves the agent's session, another one in it, and the agent sleeping forever
     script = (
         "import subprocess, time\n"
@@ -158,8 +160,8 @@ async def test_command_harness_timeout_kills_whole_tree(proxy: object, sandbox_r
 
 
 async def test_command_harness_refuses_file_outside_sandbox(proxy: object, sandbox_root: Path) -> None:
-    sandbox = await _backend(sandbox_root).create("esc", {})
-    _, endpoint = _open(proxy, "esc")
+    sandbox = await _backend(sandbox_root, proxy).create("esc", {})
+    _, endpoint = _open(proxy, "esc", sandbox)
     harness = CommandHarness(CommandHarnessConfig(argv=["true"], files={"../../../../escape.txt": "x"}))
     try:
         with pytest.raises(ConfigError, match="escape.txt"):
@@ -192,8 +194,8 @@ def _require_agent(name: str) -> None:
 @pytest.mark.agents
 async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: Path) -> None:
     _require_agent("mini-swe-agent")
-    sandbox = await _backend(sandbox_root).create("mini", {"hello.py": "print('hi')\n"})
-    session_id, endpoint = _open(proxy, "mini")
+    sandbox = await _backend(sandbox_root, proxy).create("mini", {"hello.py": "print('hi')\n"})
+    session_id, endpoint = _open(proxy, "mini", sandbox)
     harness = MiniSweAgentHarness(MiniSweAgentConfig(step_limit=2, model_retry_attempts=1))
     try:
         result = await harness.run(Task("t/4", "test", "Print the sum 2+3."), sandbox, endpoint, 180.0)
@@ -216,8 +218,8 @@ async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: P
 @pytest.mark.agents
 async def test_opencode_rollout_is_recorded(proxy: object, sandbox_root: Path) -> None:
     _require_agent("opencode")
-    sandbox = await _backend(sandbox_root).create("opencode", {"hello.py": "print('hi')\n"})
-    session_id, endpoint = _open(proxy, "opencode")
+    sandbox = await _backend(sandbox_root, proxy).create("opencode", {"hello.py": "print('hi')\n"})
+    session_id, endpoint = _open(proxy, "opencode", sandbox)
     harness = OpencodeHarness(OpencodeConfig(context_tokens=8192, output_tokens=32, kill_grace_s=1.0))
     instruction = "Fix  hello.py:\n  print 42 instead."
     try:

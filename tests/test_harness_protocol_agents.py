@@ -71,12 +71,13 @@ def _require_agent(name: str) -> None:
 
 
 async def _rollout(proxy: object, root: Path, harness: object, name: str) -> tuple[HarnessResult, Trace, Path]:
-    backend = LocalSandboxBackend(SandboxConfig(root_dir=root), ro_binds=installed_agent_dirs())
+    backend = LocalSandboxBackend(SandboxConfig(root_dir=root), ro_binds=installed_agent_dirs(),
+                                  proxy_port=proxy.port, proxy_socket=proxy.agent_socket_path)  # type: ignore[attr-defined]
     sandbox = await backend.create(name, {"hello.py": "print('hi')\n"})
     session_id, key = proxy.open_session(name)  # type: ignore[attr-defined]
     try:
         result = await harness.run(Task(f"t/{name}", "test", "Make hello.py print 42."),  # type: ignore[attr-defined]
-                                   sandbox, proxy.endpoint(key), 240.0)  # type: ignore[attr-defined]
+                                   sandbox, sandbox.agent_endpoint(proxy.endpoint(key)), 240.0)  # type: ignore[attr-defined]
         trace = proxy.close_session(session_id)  # type: ignore[attr-defined]
         home = sandbox.home
     finally:

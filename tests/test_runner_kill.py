@@ -36,6 +36,9 @@ class FakeSandbox:
     def home(self) -> Path:
         return self.root / "home"
 
+    def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
+        return endpoint
+
     async def exec(self, cmd, timeout_s, env=None, cwd=None) -> ExecResult:  # noqa: ANN001
         self.calls.append("exec")
         return ExecResult(0, "", "", False, 0.0)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from harnessrl.config import EngineConfig, RunConfig, TasksConfig
 from harnessrl.engine.base import Engine
@@ -113,8 +114,14 @@ def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:
 
 
 @asynccontextmanager
-async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
-    """Start every rollout-side component; stop them all on exit, whatever happened."""
+async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_effort"] = "best_effort"
+                        ) -> AsyncIterator[Runtime]:
+    """Start every rollout-side component; stop them all on exit, whatever happened.
+
+    `isolation` is the command's default for `sandbox.isolation` (which overrides it). Before
+    anything loads, the sandbox backend's gaps are logged as a warning, and under "required"
+    a machine where bubblewrap cannot run stops the run (SandboxError naming the gaps).
+    """
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.harness.install import installed_agent_dirs
     from harnessrl.harness.select import make_harness
@@ -124,6 +131,7 @@ async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
     # user code (task source, verifier) is built before the model loads: its errors come first
     tasks = make_task_source(cfg.tasks)
     verifier_for = make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))
+    LocalSandboxBackend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
     model_dir = resolve_model(cfg.engine.model)
     engine = make_engine(cfg.engine, model_dir, cfg.seed)
     try:
@@ -131,8 +139,10 @@ async def start_runtime(cfg: RunConfig) -> AsyncIterator[Runtime]:
         async with ProxyServer(engine, chat, proxy_config_for(cfg, "harnessrl-policy")) as proxy:
             harness = make_harness(cfg.harness.kind, dict(cfg.harness.options),
                                    capture=proxy.deps.capture, store=proxy.store)
-            # agents installed in the per-machine cache are bound read-only into sandboxes
-            backend = LocalSandboxBackend(cfg.sandbox, ro_binds=installed_agent_dirs())
+            # agents installed in the per-machine cache are bound read-only into sandboxes; a
+            # bubblewrapped agent reaches the proxy only through its agent Unix socket
+            backend = LocalSandboxBackend(cfg.sandbox, ro_binds=installed_agent_dirs(), proxy_port=proxy.port,
+                                          proxy_socket=proxy.agent_socket_path)
             try:
                 yield Runtime(
                     model_dir=model_dir,

@@ -87,7 +87,8 @@ async def test_fifty_faulty_rollouts_leave_nothing(tiny_model_dir: Path, sandbox
     try:
         async with ProxyServer(engine, ChatLayer(load_tokenizer(tiny_model_dir)),
                                ProxyConfig(port=0, max_tokens_cap=4)) as proxy:
-            orch = Orchestrator(FaultyTasks(), harness, LocalSandboxBackend(SandboxConfig(root_dir=sandbox_root)),
+            orch = Orchestrator(FaultyTasks(), harness, LocalSandboxBackend(SandboxConfig(root_dir=sandbox_root), proxy_port=proxy.port,
+                                                                    proxy_socket=proxy.agent_socket_path),
                                 proxy, lambda task: FaultyVerifier(), group_size=5,
                                 max_concurrent_rollouts=10, limits=RolloutLimits(agent_timeout_s=4.0))
             orch.allow(10)

@@ -100,7 +100,7 @@ async def run_rollout(
 
         # 2) a keyed proxy session; the key is the agent's API key
         session_id, key = sessions.open_session(rollout_id)
-        endpoint = sessions.endpoint(key)
+        endpoint = sandbox.agent_endpoint(sessions.endpoint(key))  # as the agent addresses it
 
         # 3) the agent runs its own loop until it exits or times out
         t_agent = time.monotonic()

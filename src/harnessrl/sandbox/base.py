@@ -1,7 +1,7 @@
 """The `Sandbox` seam: an isolated working directory and process space for one rollout.
 
 A sandbox owns everything a rollout starts: its directory tree and every process in its
-process group. `close()` is idempotent, kills the whole group (SIGTERM, then SIGKILL),
+process group. It also owns the agent's route to the proxy (`agent_endpoint`). `close()` is idempotent, kills the whole group (SIGTERM, then SIGKILL),
 removes the directory, and completes even when the awaiting task is cancelled.
 """
 
@@ -11,6 +11,8 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+from harnessrl.types import Endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,12 @@ class Sandbox(Protocol):
     @property
     def home(self) -> Path:
         """HOME for processes in the sandbox (inside the sandbox tree)."""
+        ...
+
+    def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
+        """`endpoint` (the proxy's, as the host sees it) as an agent inside this sandbox must
+        address it; the harness hands the agent this one. A sandbox with its own network
+        translates the address to its route to the proxy."""
         ...
 
     async def exec(

@@ -34,6 +34,8 @@ without bubblewrap (with it, the PID namespace ends it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import re
 import resource
@@ -43,12 +45,18 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import ExecResult
-from harnessrl.sandbox.bwrap import DEFAULT_SYSTEM_PATHS, bwrap_argv, bwrap_path
+from harnessrl.types import Endpoint
+from harnessrl.sandbox import cgroup
+from harnessrl.sandbox.bwrap import DEFAULT_SYSTEM_PATHS, ProxyRoute, bwrap_argv, bwrap_path, forwarder_python
+from harnessrl.sandbox.cgroup import PidsGroup
 from harnessrl.sandbox.procs import (
     DIR_VAR,
     MARKER_VAR,
@@ -64,6 +72,8 @@ __all__ = [
     "leftover_processes",
     "leftover_sandboxes",
 ]
+
+log = logging.getLogger(__name__)
 
 TRUNCATION_MARKER = "\n[harnessrl: output truncated, {dropped} more bytes]\n"
 """Appended to captured output that hit the cap."""
@@ -90,6 +100,10 @@ class SandboxConfig(BaseModel):
     """Directory holding one subdirectory per sandbox."""
     use_bwrap: bool | None = None
     """Run commands under bubblewrap: True requires it, False never, None when it works here."""
+    isolation: Literal["required", "best_effort"] | None = None
+    """What a run does when bubblewrap (or the pids cgroup) is missing: "required" refuses to
+    start, "best_effort" warns naming what is not isolated. None: the command's default
+    ("required" for `harnessrl train`, "best_effort" for `harnessrl rollout`)."""
     cpu_s: int | None = Field(default=600, ge=1)
     """RLIMIT_CPU per process, CPU seconds (SIGXCPU, then SIGKILL); None = unlimited."""
     address_space_bytes: int | None = Field(default=8 << 30, ge=1 << 20)
@@ -99,9 +113,20 @@ class SandboxConfig(BaseModel):
     of virtual address space. Their children inherit it."""
     file_size_bytes: int | None = Field(default=1 << 30, ge=1)
     """RLIMIT_FSIZE per process, bytes (a write past it fails with EFBIG / SIGXFSZ)."""
-    max_processes: int | None = Field(default=None, ge=1)
-    """RLIMIT_NPROC. Counts all processes of the real user and is ignored for root, so it only
-    acts when running unprivileged; None = unchanged."""
+    max_processes: int | None = Field(default=1024, ge=8)
+    """Most tasks (processes and threads) alive in one sandbox at once: `pids.max` of its pids
+    cgroup (`sandbox/cgroup.py`); a fork beyond it fails with EAGAIN. Where no pids cgroup
+    can be created it falls back to RLIMIT_NPROC, which the kernel ignores for root (the
+    run's isolation report says so). None = unbounded."""
+    tmp_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """Size of each of the private `/tmp` and `/dev/shm` tmpfs under bubblewrap, bytes (they
+    live in memory)."""
+    disk_bytes: int | None = Field(default=4 << 30, ge=1 << 20)
+    """Most bytes (allocated blocks) the sandbox directory may hold. A watchdog sums it every
+    `disk_poll_s` while commands run; past the limit every process of the sandbox is killed
+    and no further command starts. None = unbounded (RLIMIT_FSIZE still caps each file)."""
+    disk_poll_s: float = Field(default=0.5, gt=0.0)
+    """Seconds between two disk-usage checks of the watchdog."""
     output_cap_bytes: int = Field(default=1 << 20, ge=1)
     """Captured bytes kept of each of stdout and stderr of `exec`; the rest is counted, dropped."""
     kill_grace_s: float = Field(default=0.5, ge=0.0)
@@ -120,12 +145,43 @@ class SandboxConfig(BaseModel):
     agent must not read; agents are installed in their own trees (`harnessrl harness install`)."""
 
 
-def _rlimit_setter(limits: dict[int, int]) -> Callable[[], None]:
+def _child_setup(limits: dict[int, int], group: PidsGroup | None) -> Callable[[], None]:
+    """The `preexec_fn` of every command: join the sandbox's pids cgroup, set rlimits."""
     def apply() -> None:
+        if group is not None:
+            group.join()
         for which, value in limits.items():
             resource.setrlimit(which, (value, value))
 
     return apply
+
+
+def _loopback_url(url: str) -> str:
+    """`url` with its host replaced by 127.0.0.1 (scheme, port and path kept)."""
+    parts = urlsplit(url)
+    netloc = f"127.0.0.1:{parts.port}" if parts.port is not None else "127.0.0.1"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def disk_usage(root: Path) -> int:
+    """Allocated bytes (st_blocks * 512) of every file and directory under `root`, symlinks not
+    followed; entries vanishing mid-walk are skipped."""
+    total = 0
+    stack = [str(root)]
+    while stack:
+        try:
+            entries = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                except OSError:
+                    continue
+    return total
 
 
 def _resolve_inside(base: Path, rel_path: str | Path) -> Path:
@@ -157,13 +213,18 @@ class LocalSandbox:
 
     def __init__(
         self, sandbox_id: str, root: Path, config: SandboxConfig, bwrap: str | None,
-        ro_binds: Sequence[Path],
+        ro_binds: Sequence[Path], proxy: ProxyRoute | None = None, group: PidsGroup | None = None,
     ) -> None:
         self.sandbox_id = sandbox_id
         self._root = root
         self._config = config
         self._bwrap = bwrap
         self._ro_binds = tuple(ro_binds)
+        self._proxy = proxy
+        self._group = group
+        self._watchdog: asyncio.Task[None] | None = None
+        self.disk_exceeded = False
+        """True once the sandbox directory outgrew `disk_bytes` (its processes were killed)."""
         self._pgids: set[int] = set()
         self._spawned: list[asyncio.subprocess.Process] = []
         self._close_task: asyncio.Task[None] | None = None
@@ -186,6 +247,18 @@ class LocalSandbox:
     @property
     def uses_bwrap(self) -> bool:
         return self._bwrap is not None
+
+    def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
+        """The endpoint as the agent must address it from inside this sandbox.
+
+        Under bubblewrap the agent's only route is the forwarder on `127.0.0.1:<proxy port>`
+        in its own network namespace, so any host in `endpoint` (e.g. `0.0.0.0`) becomes
+        127.0.0.1 and the port stays; without bubblewrap the endpoint is returned unchanged.
+        """
+        if self._bwrap is None:
+            return endpoint
+        keyed = _loopback_url(endpoint.keyed_base_url) if endpoint.keyed_base_url else ""
+        return dataclasses.replace(endpoint, base_url=_loopback_url(endpoint.base_url), keyed_base_url=keyed)
 
     def base_env(self) -> dict[str, str]:
         """The environment every command starts from (before the caller's additions)."""
@@ -216,10 +289,19 @@ class LocalSandbox:
             import sys
 
             ro += [Path(p) for p in {sys.prefix, sys.base_prefix}]
+        if self._proxy is not None:
+            ro += self._proxy_binds
         return bwrap_argv(
             self._bwrap, argv, sandbox_dir=self._root, sandbox_root=self._root.parent,
             cwd=cwd, ro_binds=ro, system_paths=self._config.system_paths,
+            tmp_bytes=self._config.tmp_bytes, proxy=self._proxy,
         )
+
+    @property
+    def _proxy_binds(self) -> list[Path]:
+        """Paths the forwarder's interpreter needs bound (none for a system python3)."""
+        assert self._proxy is not None, "only called with a proxy route"
+        return forwarder_python(self._config.system_paths)[1]
 
     def _limits(self, address_space_bytes: int | None) -> dict[int, int]:
         cfg = self._config
@@ -227,7 +309,8 @@ class LocalSandbox:
             resource.RLIMIT_CPU: cfg.cpu_s,
             resource.RLIMIT_AS: address_space_bytes,
             resource.RLIMIT_FSIZE: cfg.file_size_bytes,
-            resource.RLIMIT_NPROC: cfg.max_processes,
+            # the pids cgroup bounds the sandbox as a whole; RLIMIT_NPROC is only a fallback
+            resource.RLIMIT_NPROC: cfg.max_processes if self._group is None else None,
         }
         return {k: v for k, v in limits.items() if v is not None}
 
@@ -237,19 +320,38 @@ class LocalSandbox:
     ) -> asyncio.subprocess.Process:
         if self.closed:
             raise SandboxError(f"sandbox {self.sandbox_id} is closed; cannot run {argv[0]!r}")
+        if self.disk_exceeded:
+            raise SandboxError(f"sandbox {self.sandbox_id} exceeded disk_bytes="
+                               f"{self._config.disk_bytes}; cannot run {argv[0]!r}")
         run_dir = _resolve_inside(self._root, cwd) if cwd is not None else self.workdir
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self._argv(argv, run_dir), cwd=run_dir, env=self._env(env),
                 stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                start_new_session=True, preexec_fn=_rlimit_setter(self._limits(address_space_bytes)),
+                start_new_session=True,
+                preexec_fn=_child_setup(self._limits(address_space_bytes), self._group),
             )
         except FileNotFoundError:
             raise
         except OSError as e:
             raise SandboxError(f"sandbox {self.sandbox_id} cannot start {argv[0]!r}: {e}") from e
         self._pgids.add(proc.pid)
+        if self._config.disk_bytes is not None and self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch_disk(self._config.disk_bytes))
         return proc
+
+    async def _watch_disk(self, limit: int) -> None:
+        """Every `disk_poll_s`, sum the sandbox directory's allocated bytes; past `limit`, kill
+        every process of the sandbox and refuse further commands."""
+        while not self.closed:
+            await asyncio.sleep(self._config.disk_poll_s)
+            used = await asyncio.to_thread(disk_usage, self._root)
+            if used > limit:
+                self.disk_exceeded = True
+                log.warning("sandbox %s holds %d bytes > disk_bytes=%d: killing its processes",
+                            self.sandbox_id, used, limit)
+                await self.kill_processes()
+                return
 
     async def exec(
         self, cmd: str | list[str], timeout_s: float, env: dict[str, str] | None = None,
@@ -351,8 +453,13 @@ class LocalSandbox:
             await asyncio.sleep(0.01)
 
     def list_processes(self) -> list[int]:
-        """Pids alive in this sandbox (its groups, its marker, or a cwd inside its directory)."""
-        return find_processes(self.sandbox_id, self._root, self._pgids)
+        """Pids alive in this sandbox (its groups, its cgroup, its marker, or a cwd inside its
+        directory)."""
+        return find_processes(self.sandbox_id, self._root, self._pgids, self._members)
+
+    @property
+    def _members(self) -> Callable[[], list[int]] | None:
+        return self._group.pids if self._group is not None else None
 
     async def close(self) -> None:
         """Kill every process, remove the directory; idempotent and shielded from cancellation
@@ -372,8 +479,10 @@ class LocalSandbox:
             return 0
         found, survivors = await asyncio.to_thread(
             kill_sandbox_processes, self.sandbox_id, self._root, self._pgids,
-            self._config.kill_grace_s,
+            self._config.kill_grace_s, self._members,
         )
+        if self._group is not None and survivors:
+            survivors = await asyncio.to_thread(self._group.kill, self._config.kill_grace_s)
         for proc in self._spawned:
             if proc.pid not in survivors:
                 await proc.wait()
@@ -382,10 +491,21 @@ class LocalSandbox:
         return found
 
     async def _teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         try:
             await self.kill_processes()
         finally:
             await asyncio.to_thread(shutil.rmtree, self._root, ignore_errors=True)
+            if self._group is not None:
+                await asyncio.to_thread(self._remove_group)
+
+    def _remove_group(self) -> None:
+        assert self._group is not None, "only called with a group"
+        deadline = time.monotonic() + max(self._config.kill_grace_s, 1.0)
+        while self._group.pids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._group.remove()
 
 
 async def _wait_group_gone(pgid: int, timeout_s: float) -> None:
@@ -416,36 +536,88 @@ class LocalSandboxBackend:
         config: limits and placement; defaults to `SandboxConfig()`.
         ro_binds: paths bound read-only into every sandbox under bubblewrap (agent install
             trees); ignored without bubblewrap, where the whole filesystem is visible.
+        proxy_port, proxy_socket: the proxy's agent port and agent Unix socket. Under
+            bubblewrap each command gets a forwarder on `127.0.0.1:proxy_port` inside its own
+            network namespace relaying to `proxy_socket` (`sandbox/forward.py`); without them
+            a bubblewrapped command reaches nothing at all. Ignored without bubblewrap.
 
-    Raises `SandboxError` when `use_bwrap=True` and no working bwrap is installed.
+    Raises `SandboxError` when `use_bwrap=True` and no working bwrap is installed, or when only
+    one of `proxy_port` / `proxy_socket` is given.
     """
 
-    def __init__(self, config: SandboxConfig | None = None, ro_binds: Sequence[Path] = ()) -> None:
+    def __init__(self, config: SandboxConfig | None = None, ro_binds: Sequence[Path] = (),
+                 proxy_port: int | None = None, proxy_socket: Path | None = None) -> None:
         self.config = config or SandboxConfig()
         self.ro_binds = tuple(Path(p).resolve() for p in ro_binds)
         found = bwrap_path() if self.config.use_bwrap is not False else None
         if self.config.use_bwrap is True and found is None:
             raise SandboxError("use_bwrap=True but no working `bwrap` (apt-get install bubblewrap)")
         self.bwrap = found
+        if (proxy_port is None) != (proxy_socket is None):
+            raise SandboxError(f"proxy_port={proxy_port} and proxy_socket={proxy_socket}: give both or neither")
+        self.proxy: ProxyRoute | None = None
+        if proxy_port is not None and proxy_socket is not None:
+            python = forwarder_python(self.config.system_paths)[0]
+            self.proxy = ProxyRoute(proxy_port, Path(proxy_socket), python)
+        self.cgroup_root = cgroup.available() if self.config.max_processes is not None else None
+
+    def unisolated(self) -> list[str]:
+        """What this backend's sandboxes do NOT isolate or bound, one phrase each (empty when
+        every boundary of `sandbox/bwrap.py` holds and the process count is bounded)."""
+        gaps: list[str] = []
+        if self.bwrap is None:
+            gaps += ["filesystem (commands run as this user and can read and write the host and "
+                     "other sandboxes)",
+                     "processes (other agents' /proc, environments and keys are visible)",
+                     "network (every host port is reachable, including the proxy's admin listener)",
+                     "privileges (commands keep this user's capabilities)"]
+        if self.config.max_processes is not None and self.cgroup_root is None:
+            gaps.append("process count (no writable pids cgroup"
+                        + (": RLIMIT_NPROC is ignored for root)" if os.geteuid() == 0 else ")"))
+        return gaps
+
+    def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
+        """Apply the isolation policy: returns the gaps (see `unisolated`) after logging them as
+        a warning. Raises SandboxError naming them when `mode` is "required" and bubblewrap
+        is not used (a missing pids cgroup alone only warns: many containers have none)."""
+        gaps = self.unisolated()
+        if self.bwrap is None and mode == "required":
+            raise SandboxError("sandbox.isolation = 'required' but bubblewrap is not used, so sandboxes "
+                               "would not isolate: " + "; ".join(gaps) + ". Install bubblewrap "
+                               "(apt-get install bubblewrap) and leave sandbox.use_bwrap unset, or set "
+                               "sandbox.isolation = 'best_effort' to run anyway.")
+        if gaps:
+            log.warning("SANDBOXES ARE NOT ISOLATED: %s", "; ".join(gaps))
+        return gaps
 
     async def create(self, rollout_id: str, workspace: dict[str, str]) -> LocalSandbox:
         """A new sandbox whose workdir holds a fresh copy of `workspace` (path -> text).
 
-        Raises SandboxError when a workspace path is absolute or escapes the workdir.
+        Raises SandboxError when a workspace path is absolute or escapes the workdir, or
+        when its pids cgroup cannot be created.
         """
         sandbox_id = f"{_UNSAFE.sub('_', rollout_id)[:64]}-{secrets.token_hex(4)}"
         root = self.config.root_dir.resolve() / sandbox_id
+        group: PidsGroup | None = None
         try:
             root.mkdir(parents=True)
             for sub in ("work", "home", "tmp"):
                 (root / sub).mkdir(mode=0o700)
-            sandbox = LocalSandbox(sandbox_id, root, self.config, self.bwrap, self.ro_binds)
+            if self.cgroup_root is not None:
+                try:
+                    group = PidsGroup.create(self.cgroup_root, sandbox_id, self.config.max_processes)
+                except OSError as exc:
+                    raise SandboxError(f"sandbox {sandbox_id}: cannot create its pids cgroup: {exc}") from exc
+            sandbox = LocalSandbox(sandbox_id, root, self.config, self.bwrap, self.ro_binds,
+                                   self.proxy, group)
             for rel_path, text in workspace.items():
                 if Path(rel_path).is_absolute():
                     raise SandboxError(f"workspace path {rel_path!r} is absolute")
                 sandbox.write_file(rel_path, text)
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
+            if group is not None:
+                group.remove()
             raise
         return sandbox
 

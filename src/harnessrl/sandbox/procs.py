@@ -9,11 +9,13 @@ A process belongs to a sandbox when any of these holds:
     so its pid is also its pgid);
   * its environment carries the sandbox's marker `HARNESSRL_SANDBOX_ID=<id>` (processes
     inherit it from the sandbox's commands, whatever session they move to);
-  * its working directory is inside the sandbox directory.
+  * its working directory is inside the sandbox directory;
+  * it is a member of the sandbox's pids cgroup (`members`, see `sandbox/cgroup.py`), which
+    no process can leave without privilege.
 
 What this module deliberately does not do: catch a process that cleared its environment,
-changed directory out of the sandbox *and* left its process group (with bubblewrap the PID
-namespace still takes those down when the sandbox's init exits). Zombies are ignored: they
+changed directory out of the sandbox *and* left its process group when there is no cgroup
+(with bubblewrap the PID namespace still takes those down when the sandbox's init exits). Zombies are ignored: they
 hold no resources but a pid and their parent reaps them.
 
 Invariant: a pid is only ever signalled after it was seen alive and matching in the same scan.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 MARKER_VAR = "HARNESSRL_SANDBOX_ID"
@@ -83,7 +85,12 @@ def _live_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != own]
 
 
-def find_processes(sandbox_id: str, directory: Path, pgids: Collection[int]) -> list[int]:
+Members = Callable[[], Collection[int]]
+"""Returns the pids of a sandbox's cgroup (processes that belong to it whatever they did)."""
+
+
+def find_processes(sandbox_id: str, directory: Path, pgids: Collection[int],
+                   members: Members | None = None) -> list[int]:
     """Live (non-zombie) pids that belong to the sandbox `sandbox_id` living in `directory`.
 
     Cost: one pass over /proc (about 5 us per process on an idle machine).
@@ -91,12 +98,14 @@ def find_processes(sandbox_id: str, directory: Path, pgids: Collection[int]) -> 
     entry = f"{MARKER_VAR}={sandbox_id}".encode()
     dir_str = str(directory)
     found: list[int] = []
+    in_group = set(members()) if members is not None else set()
     for pid in _live_pids():
         stat = _read_stat(pid)
         if stat is None or stat[0] in ("Z", "X"):
             continue
         if (
             stat[1] in pgids
+            or pid in in_group
             or _environ_has(pid, entry)
             or _cwd_inside(pid, dir_str)
         ):
@@ -138,7 +147,8 @@ def _signal_all(pids: Collection[int], pgids: Collection[int], sig: signal.Signa
 
 
 def kill_sandbox_processes(
-    sandbox_id: str, directory: Path, pgids: Collection[int], grace_s: float
+    sandbox_id: str, directory: Path, pgids: Collection[int], grace_s: float,
+    members: Members | None = None,
 ) -> tuple[int, list[int]]:
     """Kill every process of the sandbox: SIGTERM, up to `grace_s` seconds, then SIGKILL.
 
@@ -147,7 +157,7 @@ def kill_sandbox_processes(
     SIGKILL and a further `grace_s`: normally none; a process in uninterruptible sleep can
     outlive it).
     """
-    pids = find_processes(sandbox_id, directory, pgids)
+    pids = find_processes(sandbox_id, directory, pgids, members)
     found = len(pids)
     if not pids:
         return 0, []
@@ -155,11 +165,11 @@ def kill_sandbox_processes(
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline:
         time.sleep(0.01)
-        pids = find_processes(sandbox_id, directory, pgids)
+        pids = find_processes(sandbox_id, directory, pgids, members)
     # Processes may have forked during the grace period: SIGKILL until a scan comes back empty.
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline:
         _signal_all(pids, pgids, signal.SIGKILL)
         time.sleep(0.01)
-        pids = find_processes(sandbox_id, directory, pgids)
+        pids = find_processes(sandbox_id, directory, pgids, members)
     return found, pids
