@@ -21,7 +21,7 @@ HARNESSRL = [sys.executable, "-m", "harnessrl.cli"]
     ("white_box", 4096, 192),
     ("opencode", 8192, 512),
     ("pi", 32768, 1024),
-    ("codex", 32768, 192),
+    ("codex", 32768, 1024),
     ("claude-code", 32768, 1024),
 ])
 def test_every_shipped_harness_gets_limits_it_works_with(kind: str, context: int, reply: int) -> None:

@@ -77,7 +77,7 @@ async def test_rollout_error_names_the_proxy_cause(proxy: object, sandbox_root: 
 
 
 def _turn(i: int, **kw: object) -> Turn:
-    return Turn(turn_index=i, request={}, **kw)  # type: ignore[arg-type]
+    return Turn(turn_index=i, **{"request": {}, **kw})  # type: ignore[arg-type]
 
 
 def test_proxy_cause_precedence_and_silence() -> None:
@@ -92,6 +92,10 @@ def test_proxy_cause_precedence_and_silence() -> None:
         "the proxy answered 1 call(s) with an error (turn 2: engine error: stopped)"
     assert "cut at 2 tokens (cap 2" in proxy_cause(Trace(session_id="s", turns=[cut]))  # type: ignore[operator]
     assert proxy_cause(Trace(session_id="s", turns=[cut, fine])) is None
+    asked = _turn(0, request={"max_tokens": 2}, completion_ids=[1, 2], completion_logprobs=[-1.0, -1.0],
+                  finish_reason="length", sampling=Sampling(max_tokens=2))
+    assert "cut at 2 tokens, the max_tokens the agent itself asked for" in proxy_cause(  # type: ignore[operator]
+        Trace(session_id="s", turns=[asked]))
     assert proxy_cause(Trace(session_id="s")) is None
     assert explain_agent_error("codex exited with code 1: 0", Trace(session_id="s", turns=[fine])) == \
         "codex exited with code 1: 0"

@@ -44,6 +44,9 @@ from harnessrl.types import Endpoint
 
 AGENT = "codex"
 PROVIDER_ID = "harnessrl"
+MIN_REPLY_TOKENS = 1024
+"""Reply cap Codex gets by default: a reply cut at the cap (`response.incomplete`) ends its run
+(measured: 192 ends the first turn of a rollout with exit code 1)."""
 
 
 class CodexConfig(BaseModel):
@@ -61,11 +64,13 @@ class CodexConfig(BaseModel):
     """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
 
     def requirements(self) -> HarnessRequirements:
-        """Codex is told its window is `context_tokens`; its first prompt is ~9.3k tokens."""
+        """Codex is told its window is `context_tokens`; its first prompt is ~9.3k tokens; a
+        reply cut at the cap (`response.incomplete`) makes it exit 1."""
         return HarnessRequirements(
-            protocol="responses", min_context_tokens=self.context_tokens,
+            protocol="responses", min_context_tokens=self.context_tokens, min_reply_tokens=MIN_REPLY_TOKENS,
             why="Codex is told its context window is harness.options.context_tokens and compacts only "
-                "past harness.options.auto_compact_tokens (its first prompt is ~9.3k tokens)")
+                "past harness.options.auto_compact_tokens (its first prompt is ~9.3k tokens); a reply cut "
+                "at sampling.max_tokens is a stream error to it and it exits 1")
 
 
 class CodexHarness:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from harnessrl.types import Trace
 
 _CONTEXT_MARKERS = ("max_context_tokens", "context limit", "context_length_exceeded")
+_ASKED_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+"""Request fields in which the chat, Responses and Messages protocols carry the agent's own cap."""
 
 
 def proxy_cause(trace: Trace) -> str | None:
@@ -21,7 +23,8 @@ def proxy_cause(trace: Trace) -> str | None:
 
     In order of precedence: a call refused for the context limit (`engine.max_context_tokens`),
     a call answered with another error, the agent's last reply cut at the token cap
-    (`finish_reason = "length"`: `sampling.max_tokens` or the context left).
+    (`finish_reason = "length"`: the agent's own `max_tokens`, else `sampling.max_tokens` or the
+    context left).
     """
     errors = [t for t in trace.turns if t.status == "error"]
     context = [t for t in errors if any(m in (t.error or "") for m in _CONTEXT_MARKERS)]
@@ -35,8 +38,13 @@ def proxy_cause(trace: Trace) -> str | None:
     answered = [t for t in trace.turns if t.status != "error"]
     if answered and answered[-1].finish_reason == "length":
         last = answered[-1]
-        cap = last.sampling.max_tokens if last.sampling is not None else len(last.completion_ids)
-        return (f"the agent's last reply (turn {last.turn_index}) was cut at {len(last.completion_ids)} tokens "
+        n = len(last.completion_ids)
+        asked = next((v for k in _ASKED_KEYS if isinstance(v := last.request.get(k), int)), None)
+        if asked is not None and asked <= n:
+            return (f"the agent's last reply (turn {last.turn_index}) was cut at {n} tokens, the max_tokens "
+                    "the agent itself asked for (a harness option such as harness.options.output_tokens)")
+        cap = last.sampling.max_tokens if last.sampling is not None else n
+        return (f"the agent's last reply (turn {last.turn_index}) was cut at {n} tokens "
                 f"(cap {cap}: sampling.max_tokens or the context left); raise sampling.max_tokens "
                 "or engine.max_context_tokens")
     return None
