@@ -29,7 +29,10 @@ class JsonlSink:
     """Appends `{"step": k, **metrics}` per line; non-finite floats are written as null."""
 
     def __init__(self, path: Path) -> None:
+        from harnessrl.jsonl import repair_torn_tail
+
         path.parent.mkdir(parents=True, exist_ok=True)
+        repair_torn_tail(path)  # a line torn by a killed writer never fuses with the next one
         self._fh = path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harnessrl.config import RunConfig, dump_config
+from harnessrl.jsonl import repair_torn_tail
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
 from harnessrl.rollout.summary import rollout_line, summarize_groups
@@ -124,6 +125,7 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, n_groups: int, console: Conso
         orch.allow(n_groups)
         orch.start()
         try:
+            repair_torn_tail(out_dir / "rollouts.jsonl")  # left by a killed earlier run
             with progress, (out_dir / "rollouts.jsonl").open("a", encoding="utf-8") as fh:
                 while len(groups) < n_groups:
                     group = await orch.get_group(on_wait=on_wait)

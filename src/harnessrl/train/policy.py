@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,12 @@ def save_checkpoint(policy: Policy, tokenizer: Any, directory: Path, state: dict
         NonFiniteWeightsError: a weight is NaN or inf (nothing is written).
     """
     check_finite(dict(policy.model.state_dict()))
+    import shutil
+
     tmp = directory.with_name(directory.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by a process killed while saving
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     model: Any = policy.model
     if policy.lora:
         model.save_pretrained(str(tmp / "adapter"))
@@ -119,16 +124,17 @@ def save_checkpoint(policy: Policy, tokenizer: Any, directory: Path, state: dict
     torch.save({"optimizer": policy.optimizer.state_dict(), **state}, tmp / STATE_FILE)
     (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
     if directory.exists():
-        import shutil
-
         shutil.rmtree(directory)
     tmp.rename(directory)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint directory with the highest step under `run_dir/checkpoints`, if any."""
+    """The complete checkpoint directory (`step-<N>` holding its state file) with the highest
+    step under `run_dir/checkpoints`, if any; a `step-<N>.tmp` left by a process killed while
+    saving is ignored."""
     root = run_dir / "checkpoints"
-    found = [p for p in root.glob("step-*") if (p / STATE_FILE).exists()] if root.exists() else []
+    found = [p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name)
+             and (p / STATE_FILE).exists() and (p / "state.json").exists()] if root.exists() else []
     return max(found, key=lambda p: int(p.name.split("-")[1])) if found else None
 
 

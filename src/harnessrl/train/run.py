@@ -117,6 +117,9 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     if resume:
         _drop_rows_after(run_dir, start_step, next_group_id, replay)
     sinks = make_sinks(list(cfg.log.report_to), run_dir, cfg.model_dump(mode="json"))
+    from harnessrl.jsonl import repair_torn_tail
+
+    repair_torn_tail(run_dir / "rollouts.jsonl")  # a torn line never fuses with the next record
     rollouts_fh = (run_dir / "rollouts.jsonl").open("a", encoding="utf-8")
     try:
         async with start_runtime(cfg, isolation="required") as rt:
@@ -288,6 +291,8 @@ def _drop_rows_after(run_dir: Path, step: int, next_group_id: int, replay: list[
     """Before a resume from the checkpoint after `step`: drop the metrics of later steps and the
     rollouts of groups that checkpoint did not train on (they are redone), so that each step and
     group appears once in `metrics.jsonl` and `rollouts.jsonl`."""
+    from harnessrl.jsonl import read_jsonl
+
     redo = set(replay)
 
     def keep_metrics(row: dict[str, Any]) -> bool:
@@ -301,14 +306,15 @@ def _drop_rows_after(run_dir: Path, step: int, next_group_id: int, replay: list[
         path = run_dir / name
         if not path.exists():
             continue
-        lines = path.read_text(encoding="utf-8").splitlines()
-        kept = [line for line in lines if line.strip() and keep(json.loads(line))]
-        if len(kept) < len(lines):
+        # a torn last line (the previous process was killed mid-write) is dropped, reported
+        read = read_jsonl(path)
+        kept = [line for line, row in zip(read.lines, read.rows) if keep(row)]
+        if len(kept) < len(read.rows) or read.bad_lines or read.torn_tail:
             tmp = path.with_name(name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
             tmp.replace(path)
-            log.info("%s: dropped %d lines logged after step %d (that work is redone)",
-                     name, len(lines) - len(kept), step)
+            log.info("%s: dropped %d lines logged after step %d (that work is redone) and %d "
+                     "unreadable lines", name, len(read.rows) - len(kept), step, len(read.bad_lines))
 
 
 def _rows_for_step(
