@@ -24,3 +24,8 @@ def test_rollout_writes_every_rollout_and_a_summary(tmp_path: Path, sandbox_root
     assert summary["tasks"] == 3 and summary["rollouts"] == 6
     assert summary["status/ok"] == 6 and "pass@2" in summary
     assert summary["completion_tokens"] == sum(len(t["completion_ids"]) for r in rollouts for t in r["trace"]["turns"])
+    assert summary["errors"] == 0 and summary["error_rate"] == 0.0 and summary["scored"] == 6
+    # one readable line per rollout in run.log (and on stderr), with a fixed denominator
+    log = (out / "run.log").read_text()
+    assert [f"rollout {k}/6 " in log for k in range(1, 7)] == [True] * 6
+    assert all(f"{r['task_id']} ok reward" in log for r in rollouts)

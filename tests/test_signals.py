@@ -1,0 +1,71 @@
+"""The run's signal handler: the first SIGINT/SIGTERM cancels the run (its cleanup runs, then
+RunStopped with 128 + signum), a second one exits at once even when the cleanup hangs."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = """
+import asyncio, sys
+from harnessrl.signals import RunStopped, run_until_signal
+
+async def main(hang):
+    try:
+        print("ready", flush=True)
+        await asyncio.sleep(100)
+    finally:
+        print("cleanup", flush=True)
+        if hang:
+            await asyncio.shield(asyncio.sleep(100))  # a teardown that never ends
+    return "completed"
+
+try:
+    print(asyncio.run(run_until_signal(main(sys.argv[1] == "hang"))), flush=True)
+except RunStopped as stop:
+    print(f"stopped {stop.exit_code}", flush=True)
+    sys.exit(stop.exit_code)
+"""
+
+
+def _start(mode: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_first_signal_runs_the_cleanup_then_stops(sig: signal.Signals) -> None:
+    proc = _start("clean")
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=10)
+    assert out.splitlines() == ["cleanup", f"stopped {128 + sig}"]
+    assert proc.returncode == 128 + sig
+
+
+def test_second_signal_forces_exit_when_cleanup_hangs() -> None:
+    proc = _start("hang")
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout is not None and proc.stdout.readline() == "cleanup\n"
+    time.sleep(0.5)
+    assert proc.poll() is None, "the first signal waits for the cleanup"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=5)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 2.0
+
+
+def test_completed_run_returns_its_result() -> None:
+    import asyncio
+
+    from harnessrl.signals import run_until_signal
+
+    async def quick() -> int:
+        return 7
+
+    assert asyncio.run(run_until_signal(quick())) == 7
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "handlers restored"
