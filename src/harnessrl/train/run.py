@@ -154,7 +154,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
                 first_group_id=next_group_id,
                 replay_group_ids=replay,
-                on_rollout=lambda r: log.info("rollout %s", rollout_line(r)),
+                on_rollout=lambda r: log.info("rollout %d (group %d) %s", orch.rollouts_finished, r.group_id,
+                                              rollout_line(r)),
             )
             groups_per_step = cfg.train.groups_per_step
             orch.allow((cfg.train.max_staleness + 1) * groups_per_step)
@@ -364,7 +365,8 @@ def _rows_for_step(
     metrics: dict[str, float] = {k: float(v) for k, v in counts.items()}
     metrics.setdefault("rows_stale_dropped", 0.0)
     summary = summarize_groups(shaped)
-    for key in ("reward_mean", "reward_std", "pass_rate", "turns_mean", "prompt_tokens", "completion_tokens"):
+    for key in ("reward_mean", "reward_std", "pass_rate", "scored", "errors", "error_rate", "turns_mean",
+                "prompt_tokens", "completion_tokens"):
         if key in summary:
             metrics[key] = summary[key]
     metrics.update({k: v for k, v in summary.items() if k.startswith("status/")})
