@@ -78,7 +78,9 @@ def _open_component(name: str, flags: int, dir_fd: int, shown: str) -> int:
     try:
         return os.open(name, flags, dir_fd=dir_fd)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+        if e.errno in (errno.ELOOP, errno.EMLINK):
+            raise UnsafePathError(e.errno, f"{shown}: a symlink (not followed)") from None
+        if e.errno == errno.ENOTDIR:
             raise UnsafePathError(e.errno, f"{shown}: a symlink or not a directory (not followed)") from None
         if e.errno == errno.ENOENT:
             raise FileNotFoundError(errno.ENOENT, f"{shown}: no such file") from None
