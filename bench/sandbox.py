@@ -8,7 +8,11 @@ Measured, sequentially, N times each (default 200) in one process:
     rmtree);
   * plain-shm: plain with the sandbox root on tmpfs (/dev/shm): the filesystem's share of
     the cost (on ext4 mounted with `discard`, each removed directory costs milliseconds);
-  * bwrap: plain with bubblewrap (skipped when it is not installed).
+  * bwrap: plain with bubblewrap (skipped when it is not installed): unprivileged user, no
+    capabilities, own network namespace with nothing routed;
+  * bwrap-proxy: bwrap with a proxy route, so each command also starts the forwarder
+    (`sandbox/forward.py`, a python3 start) relaying 127.0.0.1:<port> to a Unix socket, as
+    every command of a run does.
 Reported: p50 and p90 of the whole lifecycle and p50 of each phase in ms, the ratio of each
 to the baseline, and bwrap/plain. Target: plain p50 <= 30 ms.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import statistics
 import tempfile
 import time
@@ -45,8 +50,10 @@ async def bench_baseline(n: int) -> dict[str, list[float]]:
     return {"total": totals}
 
 
-async def bench_lifecycle(n: int, use_bwrap: bool, root: Path) -> dict[str, list[float]]:
-    backend = LocalSandboxBackend(SandboxConfig(root_dir=root, use_bwrap=use_bwrap))
+async def bench_lifecycle(n: int, use_bwrap: bool, root: Path, proxy_socket: Path | None = None
+                          ) -> dict[str, list[float]]:
+    backend = LocalSandboxBackend(SandboxConfig(root_dir=root, use_bwrap=use_bwrap),
+                                  proxy_port=18_080 if proxy_socket else None, proxy_socket=proxy_socket)
     phases: dict[str, list[float]] = {"create": [], "exec": [], "close": [], "total": []}
     for i in range(n):
         t0 = time.perf_counter()
@@ -69,7 +76,7 @@ def report(name: str, phases: dict[str, list[float]], base_p50_ms: float) -> flo
     detail = "  ".join(
         f"{k} p50 {_pct(v, 50) * 1e3:6.2f}" for k, v in phases.items() if k != "total"
     )
-    print(f"{name:9s} p50 {p50:7.2f} ms  p90 {p90:7.2f} ms  x{p50 / base_p50_ms:5.1f} baseline  {detail}")
+    print(f"{name:11s} p50 {p50:7.2f} ms  p90 {p90:7.2f} ms  x{p50 / base_p50_ms:5.1f} baseline  {detail}")
     return p50
 
 
@@ -87,6 +94,12 @@ async def main(n: int) -> None:
             print("bwrap     skipped: bubblewrap not installed (apt-get install bubblewrap)")
             return
         bw = report("bwrap", await bench_lifecycle(n, True, Path(tmp) / "bwrap"), base_p50_ms)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(Path(tmp) / "proxy.sock"))
+        listener.listen()
+        report("bwrap-proxy", await bench_lifecycle(n, True, Path(tmp) / "bwrap-proxy", Path(tmp) / "proxy.sock"),
+               base_p50_ms)
+        listener.close()
     print(f"bwrap/plain p50 ratio: {bw / plain:.2f}; plain target <= 30 ms: "
           f"{'met' if plain <= 30 else 'NOT met'}")
 

@@ -12,23 +12,37 @@ purpose: on ext4 mounted with `discard`, removing each costs milliseconds at `cl
 Every command (exec or spawn):
   * starts a new session (`start_new_session=True`), so its pid is its process group id;
     the sandbox records every such group;
+  * joins the sandbox's pids cgroup before it execs (`sandbox/cgroup.py`, where one can be
+    created): `max_processes` bounds the tasks of the whole sandbox, and every descendant is
+    found at `close()` whatever it did to its session, environment or directory;
   * gets an environment built from scratch: PATH, LANG, HOME, TMPDIR, XDG_*, the markers
     `HARNESSRL_SANDBOX_ID` / `HARNESSRL_SANDBOX_DIR`, then what the caller passes. Nothing of
     the parent's environment (API keys, proxy URLs) is inherited;
-  * gets rlimits from `SandboxConfig` (CPU seconds, address space, file size, processes);
-  * runs under bubblewrap when `use_bwrap` is True, or None and a working `bwrap` is found.
+  * gets rlimits from `SandboxConfig` (CPU seconds, address space, file size; processes only
+    where there is no cgroup);
+  * runs under bubblewrap when `use_bwrap` is True, or None and a working `bwrap` is found:
+    an unprivileged user without capabilities in its own namespaces, whose only way out is
+    the proxy's agent socket behind a forwarder on `127.0.0.1:<proxy port>` (`sandbox/bwrap.py`;
+    `agent_endpoint` gives the URL to hand the agent).
 
-`close()` kills every process of the sandbox (its groups, and stragglers found by marker or
-working directory, see `sandbox/procs.py`: SIGTERM, grace, SIGKILL), removes the directory,
-is idempotent, and runs to completion even when the task awaiting it is cancelled.
+While commands run, a watchdog sums the sandbox directory's allocated bytes every
+`disk_poll_s`; past `disk_bytes` it kills every process of the sandbox and no further
+command starts (`disk_exceeded`). A fast writer can overshoot by what it writes in one poll.
 
-What is NOT isolated without bubblewrap: the filesystem (commands run as our user, root, and
-can read and write anything the host lets root touch; only the file API `read_file` /
-`write_file` refuses paths outside the workdir), the network, other processes (they can see
-and signal them), and /tmp. RLIMIT_NPROC counts processes per real user and is ignored by the
-kernel for root, so `max_processes` has no effect when we run as root. A process that clears
-its environment, leaves the sandbox directory and its process group escapes `close()`
-without bubblewrap (with it, the PID namespace ends it).
+`close()` kills every process of the sandbox (its groups, its cgroup members, and stragglers
+found by marker or working directory, see `sandbox/procs.py`: SIGTERM, grace, SIGKILL),
+removes the directory and the cgroup, is idempotent, and runs to completion even when the
+task awaiting it is cancelled.
+
+What is NOT isolated without bubblewrap (`LocalSandboxBackend.unisolated()` names it, and a
+run logs it or refuses to start, see `SandboxConfig.isolation`): the filesystem (commands run
+as our user, root, and can read and write anything the host lets root touch; only the file
+API `read_file` / `write_file` refuses paths outside the workdir), the network (every host
+port, including the proxy's admin listener, which then only its token protects), other
+processes (they can see them, read their environments and signal them), and /tmp. Without a
+pids cgroup, RLIMIT_NPROC is the only process bound and the kernel ignores it for root; a
+process that clears its environment, leaves the sandbox directory and its process group
+then escapes `close()` without bubblewrap (with it, the PID namespace ends it).
 """
 
 from __future__ import annotations
