@@ -19,7 +19,7 @@ HARNESSRL = [sys.executable, "-m", "harnessrl.cli"]
 @pytest.mark.parametrize(("kind", "context", "reply"), [
     ("mini-swe-agent", 4096, 192),
     ("white_box", 4096, 192),
-    ("opencode", 8192, 512),
+    ("opencode", 16384, 512),
     ("pi", 32768, 1024),
     ("codex", 32768, 1024),
     ("claude-code", 32768, 1024),
@@ -35,7 +35,7 @@ def test_every_shipped_harness_gets_limits_it_works_with(kind: str, context: int
 
 
 def test_harness_needs_follow_its_options() -> None:
-    cfg = load_config(None, ["harness.kind=opencode", "harness.options={context_tokens = 16384, output_tokens = 256}"])
+    cfg = load_config(None, ["harness.kind=opencode", "harness.options={context_tokens = 12000, output_tokens = 256}"])
     assert (cfg.engine.max_context_tokens, cfg.sampling.max_tokens) == (16384, 256)
     cfg = load_config(None, ["harness.kind=pi", "harness.options={api = \"anthropic-messages\", context_tokens = 6000}"])
     assert cfg.engine.max_context_tokens == 8192
@@ -43,8 +43,8 @@ def test_harness_needs_follow_its_options() -> None:
 
 
 def test_explicit_settings_win_and_too_small_ones_name_the_fix() -> None:
-    cfg = load_config(None, ["harness.kind=opencode", "engine.max_context_tokens=12000", "sampling.max_tokens=600"])
-    assert (cfg.engine.max_context_tokens, cfg.sampling.max_tokens) == (12000, 600)
+    cfg = load_config(None, ["harness.kind=opencode", "engine.max_context_tokens=20000", "sampling.max_tokens=600"])
+    assert (cfg.engine.max_context_tokens, cfg.sampling.max_tokens) == (20000, 600)
     with pytest.raises(ConfigError) as err:
         load_config(None, ["harness.kind=codex", "engine.max_context_tokens=4096"])
     msg = str(err.value)

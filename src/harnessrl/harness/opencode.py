@@ -71,12 +71,13 @@ class OpencodeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    context_tokens: int = Field(default=8192, ge=256)
+    context_tokens: int = Field(default=16384, ge=256)
     """Context window declared to opencode (`limit.context`); it compacts when the reported
     prompt usage plus `output_tokens` nears this. opencode's own first prompt is about 7.4k
     tokens with the SmolLM2 tokenizer (9.5 KB system prompt + 9 tool schemas), so
-    `context_tokens - output_tokens` must stay above that or it compacts after every step
-    without end (measured: 8192 with 1024 loops; 8192 with 512 does not)."""
+    `context_tokens - output_tokens` must stay well above that or it compacts after every step
+    without end (measured: 8192 with 1024 loops at once; 8192 with 512 loops as soon as a reply
+    is near 512 tokens, 20 compactions in 90 s; 16384 with 512 does not)."""
     output_tokens: int = Field(default=512, ge=1)
     """Completion cap declared to opencode (`limit.output`); sent as `max_tokens`."""
     tool_call: bool = True
