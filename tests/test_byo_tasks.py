@@ -128,7 +128,9 @@ def test_example_verifier_reads_answer_file_then_reply(tmp_path: Path, monkeypat
 
     assert asyncio.run(score({}, "There are 3.")).parts == {"correct": 1.0, "number_found": 1.0}
     assert asyncio.run(score({"answer.txt": "2"}, "3")).value == 0.0
-    assert asyncio.run(score({}, "three")).parts == {"correct": 0.0, "number_found": 0.0}
+    assert asyncio.run(score({}, "It occurs thrice.")).parts == {"correct": 1.0, "number_found": 1.0}
+    assert asyncio.run(score({}, "twice, or 3")).value == 0.0  # the first number counts
+    assert asyncio.run(score({}, "no idea")).parts == {"correct": 0.0, "number_found": 0.0}
 
 
 def test_example_runs_through_harnessrl_rollout(tmp_path: Path) -> None:

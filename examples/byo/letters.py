@@ -46,7 +46,8 @@ def make_tasks(words: list[str] = list(DEFAULT_WORDS), letter_rank: int = 0) -> 
 
 
 class LetterCountVerifier:
-    """1.0 when the first integer of the answer is the right count (answer.txt, else the reply)."""
+    """1.0 when the first number of the answer (digits or a word such as "twice") is the right
+    count; the answer is `answer.txt` when the agent wrote one, else its reply."""
 
     def __init__(self, answer_file: str = "answer.txt") -> None:
         self.answer_file = answer_file
@@ -54,6 +55,20 @@ class LetterCountVerifier:
     async def score(self, task: Task, sandbox: Sandbox, final_answer: str | None) -> Reward:
         # read_submission opens the file without following links the agent may have planted
         text = read_submission(sandbox, self.answer_file) or final_answer or ""
-        match = re.search(r"-?\d+", text)
-        correct = float(match is not None and int(match.group()) == task.hidden_tests["answer"])
-        return Reward(value=correct, parts={"correct": correct, "number_found": float(match is not None)})
+        found = first_number(text)
+        correct = float(found is not None and found == task.hidden_tests["answer"])
+        return Reward(value=correct, parts={"correct": correct, "number_found": float(found is not None)})
+
+
+_WORDS = {"once": 1, "twice": 2, "thrice": 3, "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4,
+          "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9, "ten": 10}
+_NUMBER = re.compile(r"-?\d+|\b(?:" + "|".join(_WORDS) + r")\b", re.IGNORECASE)
+
+
+def first_number(text: str) -> int | None:
+    """The first number in `text`, as digits or a word ("3", "three", "thrice"), else None."""
+    match = _NUMBER.search(text)
+    if match is None:
+        return None
+    token = match.group().lower()
+    return _WORDS[token] if token in _WORDS else int(token)
