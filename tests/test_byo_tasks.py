@@ -156,3 +156,21 @@ def test_example_runs_through_harnessrl_rollout(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollouts"] == 4 and summary["scored"] == 4
 
+
+
+def test_a_family_without_a_verifier_stops_before_the_model_loads(user_module: str) -> None:
+    import asyncio as _asyncio
+
+    from harnessrl.errors import TaskError
+    from harnessrl.runtime import start_runtime
+
+    cfg = load_config(None, ["tasks.kind=python", f"tasks.source={user_module}:Source", "tasks.kwargs={n = 2}",
+                             "engine.model=/nonexistent/model"])
+
+    async def start() -> None:
+        async with start_runtime(cfg):
+            pass
+
+    # TaskError (about the family), not ModelLoadError: nothing was loaded yet
+    with pytest.raises(TaskError, match=r"no verifier for family 'mine'.*tasks.verifier"):
+        _asyncio.run(start())

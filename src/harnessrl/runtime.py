@@ -131,6 +131,7 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
     # user code (task source, verifier) is built before the model loads: its errors come first
     tasks = make_task_source(cfg.tasks)
     verifier_for = make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))
+    verifier_for(tasks.get(0))  # a task family without a verifier stops the run here (TaskError)
     LocalSandboxBackend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
     model_dir = resolve_model(cfg.engine.model)
     engine = make_engine(cfg.engine, model_dir, cfg.seed)
