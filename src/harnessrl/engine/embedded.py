@@ -377,17 +377,22 @@ class EmbeddedEngine:
         while self._waiting and len(self._active) < self._max_batch_size:
             req = self._waiting.popleft()
             req.policy_version = self._version
-            seed = req.sampling.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
-            req.generator = torch.Generator().manual_seed(seed)
-            cache = DynamicCache(config=self._model.config)
-            out = self._model(
-                input_ids=torch.tensor([req.prompt_ids], dtype=torch.long),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            try:
+                seed = req.sampling.seed
+                if seed is None:
+                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+                req.generator = torch.Generator().manual_seed(seed)
+                cache = DynamicCache(config=self._model.config)
+                out = self._model(
+                    input_ids=torch.tensor([req.prompt_ids], dtype=torch.long),
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            except Exception as exc:  # noqa: BLE001 - this request's prefill failed; the others go on
+                log.warning("prefill of a request failed", exc_info=True)
+                req.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
+                continue
             self._stats["prefills"] += 1
             (tok,), (lp,), failed = self._sample(out.logits[:, -1, :], [req])
             if failed or self._append(req, tok, lp):

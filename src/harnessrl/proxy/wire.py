@@ -169,7 +169,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         temperature=_opt_float(body, "temperature", 0.0, 2.0),
         top_p=_opt_float(body, "top_p", 0.0, 1.0),
         top_k=_top_k(body),
-        seed=_opt_int(body, "seed", None),
+        seed=_seed(body),
         stop=_stop(body.get("stop")),
         logprobs=_opt(body, "logprobs", bool) or False,
     )
@@ -210,6 +210,13 @@ def _opt_float(body: dict[str, Any], key: str, low: float, high: float) -> float
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise RequestError(f"'{key}' must be a number in [{low}, {high}], got {value!r}", param=key)
     return float(value)
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    value = _opt_int(body, "seed", None)
+    if value is not None and not -(2**63) <= value < 2**64:
+        raise RequestError(f"'seed' must be a 64-bit integer, got {value}", param="seed")
+    return value
 
 
 def _top_k(body: dict[str, Any]) -> int | None:
