@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 SCRIPT = """
@@ -21,6 +22,9 @@ async def main(hang):
     finally:
         print("cleanup", flush=True)
         if hang:
+            import subprocess
+            child = subprocess.Popen(["sleep", "1000"])  # a process the forced exit must not leave
+            print(f"child {child.pid}", flush=True)
             await asyncio.shield(asyncio.sleep(100))  # a teardown that never ends
     return "completed"
 
@@ -51,12 +55,24 @@ def test_second_signal_forces_exit_when_cleanup_hangs() -> None:
     proc = _start("hang")
     proc.send_signal(signal.SIGINT)
     assert proc.stdout is not None and proc.stdout.readline() == "cleanup\n"
+    child = psutil.Process(int(proc.stdout.readline().split()[1]))
     time.sleep(0.5)
     assert proc.poll() is None, "the first signal waits for the cleanup"
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=5)
     assert proc.returncode == 130 and time.monotonic() - t0 < 2.0
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child), "the forced exit killed the run's child process"
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_completed_run_returns_its_result() -> None:

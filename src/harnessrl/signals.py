@@ -6,7 +6,8 @@ owned by the run rather than by any server inside it (the proxy's uvicorn instal
 first signal cancels the run's main task; the cancellation unwinds through the orchestrator
 (dispatch stops, in-flight rollouts are cancelled and release their processes, directories and
 keys) and the runtime (proxy, engine), so nothing produced after the signal is recorded as data.
-A second signal exits at once (`os._exit`) with the same code, for a teardown that hangs.
+A second signal kills the run's descendant processes and exits at once (`os._exit`) with the
+same code, for a teardown that hangs.
 
 Exit codes: 128 + the signal number: 130 for SIGINT, 143 for SIGTERM (`RunStopped.exit_code`).
 
@@ -73,7 +74,9 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
             # a second signal: the clean stop is taking too long, or the user insists
-            os.write(2, f"\nharnessrl: second {signal.Signals(signum).name}: exiting now\n".encode())
+            os.write(2, f"\nharnessrl: second {signal.Signals(signum).name}: killing the run's processes "
+                        f"and exiting now (sandbox directories of rollouts in flight may remain)\n".encode())
+            kill_descendants()
             os._exit(128 + self.signum)
         self.signum = signum
         try:
@@ -90,6 +93,23 @@ class StopSignals:
                     "send it again to exit at once", name)
         self.cancelled = True
         self._task.cancel(msg=f"stopped by {name}")
+
+
+def kill_descendants() -> None:
+    """SIGKILL every live descendant of this process (agents, sandboxes, their children); used
+    by the forced exit, which skips the orderly teardown. Processes that left the tree (double
+    forks re-parented to init) are not found here."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 async def run_until_signal(main: Coroutine[Any, Any, T]) -> T:
