@@ -350,3 +350,14 @@ async def test_eos_as_the_last_allowed_id_is_stop(engine, monkeypatch):
     calls["n"] = 0
     cut = await asyncio.wait_for(engine.generate([1, 2, 3], Sampling(temperature=0.0, max_tokens=1)), 60)
     assert cut.completion_ids == (5,) and cut.finish_reason == "length"
+
+
+async def test_a_seed_outside_64_bits_is_refused_and_cannot_break_the_engine(engine, chat):
+    http, store = in_process(engine, chat, enforce_sampling=False, max_tokens_cap=2)
+    session = store.open("r")
+    r = await http.post("/v1/chat/completions", json={"messages": USER, "seed": 2**64}, headers=auth(session.key))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    with pytest.raises(EngineError, match="prefill failed"):
+        await asyncio.wait_for(engine.generate([1, 2, 3], Sampling(seed=2**70, max_tokens=2)), 60)
+    ok = await asyncio.wait_for(engine.generate([1, 2, 3], Sampling(seed=2**64 - 1, max_tokens=2)), 60)
+    assert len(ok.completion_ids) == 2
