@@ -182,5 +182,8 @@ def test_signal_stops_train(sig: signal.Signals, tmp_path: Path) -> None:
     _assert_finished_before(rollouts, t_signal)
     trained = {r["group_id"] for r in rollouts}
     assert trained.isdisjoint(state["replay_group_ids"]) and state["next_group_id"] > max(trained)
-    assert f"stopped by {sig.name}" in (run_dir / "run.log").read_text()
+    run_log = (run_dir / "run.log").read_text()
+    assert f"stopped by {sig.name}" in run_log
+    # said what it did, off a terminal too: a line per rollout and per step
+    assert "rollout 1 (group 0) procedural/" in run_log and "step 1/4 v" in run_log
     print(f"harnessrl train, {sig.name}: exit {proc.returncode} after {exit_s:.2f} s, {done} steps kept")
