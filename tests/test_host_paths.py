@@ -329,3 +329,32 @@ async def test_a_symlinked_home_is_not_followed(tmp_path: Path, sandbox_root: Pa
     finally:
         await sandbox.close()
     assert (outside / "dir" / ".harnessrl" / "pi.log").exists()
+
+
+@pytest.mark.parametrize("use_bwrap", BWRAP)
+async def test_sandbox_file_api_follows_no_link(tmp_path: Path, sandbox_root: Path, use_bwrap: bool) -> None:
+    """`Sandbox.write_file` / `read_file` (the white-box loop's write_file tool, workspace set-up)
+    after the agent swapped `work` for a link to a host directory: nothing read or written there."""
+    from harnessrl.errors import SandboxError
+
+    outside = _outside(tmp_path)
+    before = _listing(outside)
+    sandbox = await _sandbox(sandbox_root, use_bwrap, {"a/b.txt": "x"})
+    try:
+        sandbox.write_file("a/c.txt", "fine")
+        assert sandbox.read_file("a/c.txt") == b"fine"
+        await _plant(sandbox, "ln -s /etc/hostname a/host && ln -s ../a a/loop")
+        with pytest.raises(SandboxError, match="symlink"):
+            sandbox.read_file("a/host")
+        with pytest.raises(SandboxError, match="symlink"):
+            sandbox.write_file("a/loop/x.txt", "no")
+        with pytest.raises(SandboxError, match=r"\.\."):
+            sandbox.write_file("../home/x.txt", "no")
+        await _plant(sandbox, f"cd .. && mv work work.orig && ln -s {shlex.quote(str(outside))} work")
+        with pytest.raises(SandboxError, match="symlink"):
+            sandbox.write_file("dir/evil.txt", "planted")
+        with pytest.raises(SandboxError, match="symlink"):
+            sandbox.read_file("secret.txt")
+    finally:
+        await sandbox.close()
+    assert _listing(outside) == before

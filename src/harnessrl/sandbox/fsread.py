@@ -74,9 +74,9 @@ def relative_to_root(root: Path, path: Path) -> str:
         raise UnsafePathError(errno.EXDEV, f"{path} is not inside the sandbox root {root}") from None
 
 
-def _open_component(name: str, flags: int, dir_fd: int, shown: str) -> int:
+def _open_component(name: str, flags: int, dir_fd: int, shown: str, mode: int = 0o600) -> int:
     try:
-        return os.open(name, flags, dir_fd=dir_fd)
+        return os.open(name, flags, mode, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EMLINK):
             raise UnsafePathError(e.errno, f"{shown}: a symlink (not followed)") from None
@@ -188,6 +188,43 @@ def read_sandbox_text(
         log.warning("sandbox file not read: %s", e)
         return None
     return read_text_or_none(root, rel, max_bytes, tail=tail)
+
+
+def write_beneath(root: Path, rel_path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+    """Write `data` to `root/rel_path` (created or truncated), creating missing parent
+    directories, following no symlink at any component below `root`.
+
+    Raises:
+        UnsafePathError: a component is a symlink or not a directory, the file is a symlink,
+            or the path has `..` components.
+        OSError: the write itself failed.
+    """
+    parts = _parts(rel_path)
+    root_fd = open_root(root)
+    fd = root_fd
+    try:
+        walked = str(root)
+        for part in parts[:-1]:
+            walked = f"{walked}/{part}"
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=fd)
+            nxt = _open_component(part, _DIR_FLAGS, fd, walked)
+            os.close(fd)
+            fd = nxt
+        shown = f"{root}/{'/'.join(parts)}"
+        out = _open_component(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                              | os.O_CLOEXEC, fd, shown, mode)
+    finally:
+        os.close(fd)
+    try:
+        if not stat.S_ISREG(os.fstat(out).st_mode):
+            raise UnsafePathError(errno.EINVAL, f"{shown}: not a regular file")
+        os.ftruncate(out, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view):]
+    finally:
+        os.close(out)
 
 
 def write_new_file(dir_fd: int, name: str, data: bytes, mode: int = 0o600) -> None:

@@ -69,6 +69,7 @@ from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import ExecResult
 from harnessrl.types import Endpoint
 from harnessrl.sandbox import cgroup
+from harnessrl.sandbox.fsread import UnsafePathError, read_beneath, write_beneath
 from harnessrl.sandbox.bwrap import DEFAULT_SYSTEM_PATHS, ProxyRoute, bwrap_argv, bwrap_path, forwarder_python
 from harnessrl.sandbox.cgroup import PidsGroup
 from harnessrl.sandbox.procs import (
@@ -449,16 +450,24 @@ class LocalSandbox:
         return proc
 
     def read_file(self, rel_path: str) -> bytes:
-        """Bytes of `rel_path` under workdir. Raises FileNotFoundError, or SandboxError when the
-        path (after symlinks) leaves the workdir."""
-        return _resolve_inside(self.workdir.resolve(), rel_path).read_bytes()
+        """Bytes of `rel_path` under workdir (at most 64 MiB), no symlink followed at any
+        component (`sandbox/fsread.py`). Raises FileNotFoundError, or SandboxError for a
+        symlink, a special file or a `..` component."""
+        try:
+            return read_beneath(self._root, f"work/{rel_path}", 64 << 20)
+        except UnsafePathError as e:
+            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not read (escapes the workdir or "
+                               f"crosses a link): {e.strerror}") from None
 
     def write_file(self, rel_path: str, data: str | bytes) -> None:
-        """Write `rel_path` under workdir, creating parents. Raises SandboxError when the path
-        (after symlinks) leaves the workdir."""
-        target = _resolve_inside(self.workdir.resolve(), rel_path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data.encode() if isinstance(data, str) else data)
+        """Write `rel_path` under workdir, creating parents, no symlink followed at any
+        component. Raises SandboxError for a symlink, a non-directory parent or a `..`
+        component."""
+        try:
+            write_beneath(self._root, f"work/{rel_path}", data.encode() if isinstance(data, str) else data)
+        except UnsafePathError as e:
+            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not written (escapes the workdir "
+                               f"or crosses a link): {e.strerror}") from None
 
     async def _wait_quiet(self, timeout_s: float) -> None:
         """Poll until no process of this sandbox is alive (or `timeout_s` passed)."""
