@@ -1,4 +1,5 @@
-"""Ctrl-C mid-run: `harnessrl train` stops dispatch, kills agents, closes sandboxes, exits 130.
+"""Ctrl-C mid-run: `harnessrl train` stops dispatch, kills agents, closes sandboxes, writes no
+rollout cut by the stop, exits 130 (see test_signals.py for both signals and both commands).
 
 The agent is a real process (a command-harness script) that makes one proxied call and then
 sleeps with a background child, so at SIGINT there are live agent trees to kill.
@@ -62,12 +63,20 @@ def test_sigint_mid_run_leaves_nothing(tmp_path: Path) -> None:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             time.sleep(0.5)
         assert len(leftover_processes(sandboxes)) >= 8, "agents never started"
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
+        exit_s = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, out
+    assert exit_s < 15.0, f"took {exit_s:.1f} s to exit"
     assert leftover_processes(sandboxes) == []
     assert leftover_sandboxes(sandboxes) == []
+    run_dir = tmp_path / "run"
+    # every rollout was cut by the stop: none is recorded, no step completed
+    assert (run_dir / "rollouts.jsonl").read_text() == ""
+    assert not (run_dir / "metrics.jsonl").exists() or (run_dir / "metrics.jsonl").read_text() == ""
+    assert not (run_dir / "checkpoints").exists()

@@ -92,9 +92,9 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.log import make_sinks
     from harnessrl.rollout.orchestrator import Orchestrator
     from harnessrl.rollout.runner import RolloutLimits
+    from harnessrl.rollout.summary import rollout_line
     from harnessrl.runtime import start_runtime
     from harnessrl.train.advantages import advantage_fn_for
-    from harnessrl.rollout.summary import rollout_line
     from harnessrl.train.console import final_table, print_conversation, skip_reason, step_line
     from harnessrl.train.losses import loss_fn_for
     from harnessrl.train.policy import (export_weights, latest_checkpoint, load_policy,
