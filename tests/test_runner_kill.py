@@ -1,4 +1,5 @@
-"""A sandbox whose processes survive SIGKILL ends one rollout, not the run.
+"""A sandbox whose processes survive SIGKILL ends one rollout, not the run; the rollout status
+table (one terminal status per rollout, DESIGN.md §3.3) on a fake sandbox.
 
 On a fake sandbox (every method recorded; `kill_processes` raises as `LocalSandbox` does when
 pids survive): the rollout is `infra_error` with the cause, the verifier never runs (hidden
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+
+import pytest
 
 from harnessrl.errors import SandboxError
 from harnessrl.harness.base import HarnessResult
@@ -126,3 +129,56 @@ def test_a_failed_kill_is_this_rollouts_infra_error_and_the_next_one_runs(tmp_pa
     assert good.status == "ok" and good.reward == 1.0
     assert verifier.scored == ["t/0"], "the verifier ran on the rollout whose kill failed"
     assert sessions.open == set()
+
+
+class ScriptedHarness:
+    name = "scripted"
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+
+    async def run(self, task: Task, sandbox: FakeSandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        match self.outcome:
+            case "crash":
+                raise RuntimeError("harness bug")
+            case "timeout":
+                return HarnessResult(exit_code=None, timed_out=True)
+            case "agent_error":
+                return HarnessResult(exit_code=1, timed_out=False, error="agent exited with code 1")
+        return HarnessResult(exit_code=0, timed_out=False, final_answer="42")
+
+
+class ScriptedVerifier:
+    def __init__(self, fails: bool) -> None:
+        self.fails, self.scored = fails, 0
+
+    async def score(self, task: Task, sandbox: FakeSandbox, final_answer: str | None) -> Reward:
+        self.scored += 1
+        if self.fails:
+            raise RuntimeError("verifier bug")
+        return Reward(value=0.0)
+
+
+# (harness outcome, kill fails, verifier fails) -> (status, verified)
+STATUS_TABLE = [
+    (("ok", False, False), ("ok", True)),
+    (("agent_error", False, False), ("agent_error", True)),
+    (("timeout", False, False), ("timeout", True)),
+    (("timeout", False, True), ("verifier_error", True)),
+    (("crash", False, False), ("infra_error", False)),
+    (("ok", True, False), ("infra_error", False)),
+    (("timeout", True, True), ("infra_error", False)),
+]
+
+
+@pytest.mark.parametrize(("case", "expected"), STATUS_TABLE)
+def test_status_table_on_the_fake_sandbox(tmp_path: Path, case: tuple, expected: tuple) -> None:
+    outcome, kill_fails, verifier_fails = case
+    backend, sessions, verifier = Backend(tmp_path, [kill_fails]), Sessions(), ScriptedVerifier(verifier_fails)
+    rollout = asyncio.run(run_rollout(Task("t/0", "test", "x"), 0, ScriptedHarness(outcome), backend, sessions,
+                                      verifier, RolloutLimits(agent_timeout_s=5), rollout_id="r"))
+    status, verified = expected
+    assert rollout.status == status, rollout.error
+    assert verifier.scored == int(verified)
+    assert (rollout.reward is not None) == (status in ("ok", "agent_error", "timeout"))
+    assert backend.made[0].calls[-1] == "close" and sessions.open == set()
