@@ -45,7 +45,7 @@ class ProxyConfig(BaseModel):
     keepalive_timeout_s: float = Field(default=5.0, gt=0.0)
     """An idle keep-alive connection is closed after this many seconds (uvicorn's
     `timeout_keep_alive`)."""
-    max_closed_traces: int = Field(default=256, ge=0)
+    max_closed_traces: int = Field(default=64, ge=0)
     """Without a `trace_path`, the traces of this many most recently closed sessions stay in
     memory for `GET /admin/sessions/{id}/trace`; older ones are dropped. With a trace path,
     closed traces are served from the file and none stay in memory."""

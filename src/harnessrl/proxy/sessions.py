@@ -98,7 +98,7 @@ class SessionStore:
         ConfigError: a bound is out of range.
     """
 
-    def __init__(self, trace_path: Path | None = None, *, max_closed_traces: int = 256,
+    def __init__(self, trace_path: Path | None = None, *, max_closed_traces: int = 64,
                  max_revoked_keys: int = 100_000) -> None:
         if max_closed_traces < 0 or max_revoked_keys < 1:
             raise ConfigError(f"max_closed_traces={max_closed_traces} must be >= 0 and "
