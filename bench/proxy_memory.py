@@ -31,6 +31,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -134,6 +135,7 @@ async def run(mode: str, sessions: int, turns: int, concurrency: int, warmup: in
         after = rss_mb()
         remembered = proxy.store.closed_sessions
     file_mb = (tmp / "traces.jsonl").stat().st_size / 2**20 if mode == "evict" else 0.0
+    shutil.rmtree(tmp)
     return {"sessions": sessions, "turns": turns, "rss_before_mb": before, "rss_after_mb": after,
             "growth_mb": after - before, "growth_kb_per_session": (after - before) * 1024 / sessions,
             "calls_per_s": sessions * turns / elapsed, "seconds": elapsed, "trace_file_mb": file_mb,

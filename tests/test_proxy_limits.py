@@ -16,7 +16,7 @@ import pytest
 from fakes import FakeEngine, in_process
 from harnessrl.engine import embedded
 from harnessrl.engine.chat import ChatLayer
-from harnessrl.errors import EngineError
+from harnessrl.errors import ConfigError, EngineError
 from harnessrl.proxy.capture import REJECTED_BODY_CHARS
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
@@ -195,6 +195,29 @@ def test_an_unserialisable_turn_becomes_an_error_turn_and_the_file_reloads(tmp_p
     assert back.turns[1].completion_ids == [3] and back.turns[1].status == "ok"
     assert Rollout(rollout_id="r", group_id=0, task_id="t", harness="h", status="ok",
                    trace=trace).model_dump_json()  # the returned trace serialises too
+
+
+def test_without_a_trace_file_close_still_returns_a_serialisable_trace():
+    store = SessionStore(None)
+    s = store.open("r")
+    s.record(Turn(turn_index=0, request={"metadata": nested(300)}))
+    trace = store.close(s.session_id)
+    assert trace.turns[0].status == "error" and trace.turns[0].request == {}
+    rollout = Rollout(rollout_id="r", group_id=0, task_id="t", harness="h", status="ok", trace=trace)
+    assert Rollout.model_validate_json(rollout.model_dump_json()).trace.turns[0].status == "error"
+
+
+def test_a_torn_last_line_is_skipped_a_torn_middle_line_is_not(tmp_path: Path):
+    path = tmp_path / "traces.jsonl"
+    store = SessionStore(path)
+    for i in range(2):
+        store.close(store.open(f"r{i}").session_id)
+    whole = path.read_bytes()
+    path.write_bytes(whole + whole[: len(whole) // 3])
+    assert [t.rollout_id for t in read_traces(path)] == ["r0", "r1"]
+    path.write_bytes(whole[: len(whole) // 3] + b"\n" + whole)
+    with pytest.raises(ConfigError, match=":1: not a valid trace"):
+        read_traces(path)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), -9999.0])

@@ -167,8 +167,9 @@ class SessionStore:
         trace = session.trace
         trace.closed_at = time.time()
         closed = _Closed(session.key, trace.rejected_calls)
+        line = trace_json(trace)  # also makes the returned trace serialisable (rollouts.jsonl)
         if self.trace_path is not None:
-            closed.offset = append_trace(self.trace_path, trace)
+            closed.offset = _append_line(self.trace_path, line)
         elif self.max_closed_traces > 0:
             closed.trace = trace
             self._in_memory.append(session_id)
@@ -249,27 +250,35 @@ def unserialisable_turn(turn: Turn, exc: Exception) -> Turn:
 
 def append_trace(path: Path, trace: Trace) -> int:
     """Append one trace as a JSON line to `path` (parents created); returns its byte offset."""
+    return _append_line(path, trace_json(trace))
+
+
+def _append_line(path: Path, line: str) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = (trace_json(trace) + "\n").encode("utf-8")
     with path.open("ab") as f:
         offset = f.seek(0, 2)
-        f.write(line)
+        f.write(line.encode("utf-8") + b"\n")
     return offset
 
 
 def read_traces(path: Path) -> list[Trace]:
-    """Read every trace of a JSONL trace file.
+    """Read every trace of a JSONL trace file. A torn last line (a write cut by a crash: no
+    final newline, not valid) is skipped with a warning.
 
     Raises:
         ConfigError: a line is not a valid trace (the message names the file and line).
     """
     traces: list[Trace] = []
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with Path(path).open(encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            traces.append(Trace.model_validate_json(line))
+        except ValueError as exc:
+            if lineno == len(lines) and not line.endswith("\n"):
+                log.warning("%s:%d: skipped a torn last line (%d characters)", path, lineno, len(line))
                 continue
-            try:
-                traces.append(Trace.model_validate_json(line))
-            except ValueError as exc:
-                raise ConfigError(f"{path}:{lineno}: not a valid trace: {exc}") from exc
+            raise ConfigError(f"{path}:{lineno}: not a valid trace: {exc}") from exc
     return traces
