@@ -384,3 +384,21 @@ async def test_a_seed_outside_64_bits_is_refused_and_cannot_break_the_engine(eng
         await asyncio.wait_for(engine.generate([1, 2, 3], Sampling(seed=2**70, max_tokens=2)), 60)
     ok = await asyncio.wait_for(engine.generate([1, 2, 3], Sampling(seed=2**64 - 1, max_tokens=2)), 60)
     assert len(ok.completion_ids) == 2
+
+
+async def test_a_proxy_bug_is_a_json_500_and_a_recorded_turn(tokenizer, monkeypatch):
+    chat = ChatLayer(tokenizer)
+    http, store = in_process(FakeEngine(), chat)
+    session = store.open("r")
+
+    def broken(*args, **kwargs):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(chat, "parse", broken)
+    r = await http.post("/v1/chat/completions", json={"messages": USER}, headers=auth(session.key))
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    monkeypatch.undo()
+    assert (await http.post("/v1/chat/completions", json={"messages": USER}, headers=auth(session.key))).status_code == 200
+    turns = store.close(session.session_id).turns
+    assert [(t.turn_index, t.status) for t in turns] == [(0, "error"), (1, "ok")]
+    assert "KeyError" in turns[0].error

@@ -151,9 +151,14 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         log.exception("engine failed on session %s turn %d", p.session.session_id, p.turn_index)
         msg = f"engine failed: {type(exc).__name__}: {exc}"
         return _failed(p, 500, error_body(msg, type_="server_error", code="engine_error"), msg)
-    parsed = deps.chat.parse(completion.completion_ids, bool(p.request.tools),
-                             call_id_seed=f"{p.session.session_id}:{p.turn_index}")
-    response = build_response(deps, p.request, completion, parsed)
+    try:
+        parsed = deps.chat.parse(completion.completion_ids, bool(p.request.tools),
+                                 call_id_seed=f"{p.session.session_id}:{p.turn_index}")
+        response = build_response(deps, p.request, completion, parsed)
+    except Exception as exc:  # noqa: BLE001 - a proxy bug is still one recorded turn and a JSON answer
+        log.exception("proxy failed building the reply of session %s turn %d", p.session.session_id, p.turn_index)
+        msg = f"internal proxy error: {type(exc).__name__}: {exc}"
+        return _failed(p, 500, error_body(msg, type_="server_error", code="internal_error"), msg)
     turn = Turn.model_construct(
         turn_index=p.turn_index, protocol="chat.completions", request=p.body, response=response,
         prompt_ids=list(completion.prompt_ids), completion_ids=list(completion.completion_ids),
