@@ -1,0 +1,292 @@
+"""One rollout, as the agent saw it and as it trains (the viewer's per-rollout payload).
+
+Responsibility: read one rollout by its index offsets, rebuild its training rows with the
+project's own samples builder (`train/samples.py`, the run's `[train]` settings and `[hooks]`)
+and stamp the rollout's advantage, so what is shown is what trains. Per turn: the messages the
+agent sent (those new since its previous call), the reply it got, status, and why a turn never
+trains (`error`, `unfaithful` with `check_turn_faithful`'s reason, `retry_superseded`,
+`auxiliary`). Per row: every token id with its mask (context 0 / trained 1), sampler logprob
+and policy version, and the turns merged into it with the kind of each merge.
+
+Merge kinds are the builder's own counts: turn j's kind is the counter (`num_clean`,
+`num_realign`, `num_fork`) that building the eligible turns up to j adds over building those up
+to j - 1, with the main/auxiliary split of the whole rollout held fixed; the first main turn is
+`start`. A merged turn's context starts at the common prefix of its prompt with its parent's
+`prompt + completion` in the same row (0 for a row's first turn).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from harnessrl.train.samples import build_rows, classify_main, common_prefix_len, find_parents
+from harnessrl.types import Rollout, Row, Turn, check_turn_faithful
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from harnessrl.view.index import RunIndex
+
+MAIN_PREFIX_TOKENS = 32
+"""`build_rows`'s default `main_prefix_tokens` (the trainer does not change it)."""
+
+
+def build_kwargs(index: RunIndex, hooks: dict[str, Callable[..., Any]]) -> dict[str, Any]:
+    """The `build_rows` keyword arguments `harnessrl train` uses for this run."""
+    t = index.cfg.train
+    return {"fork_threshold_tokens": t.fork_threshold_tokens, "train_turn_fn": hooks.get("train_turn_fn"),
+            "agent_turn_fn": hooks.get("agent_turn_fn"), "train_auxiliary": t.train_auxiliary}
+
+
+def rollout_rows(rollout: Rollout, advantage: float | None, kwargs: dict[str, Any]) -> list[Row]:
+    """The rollout's training rows exactly as the trainer builds them, advantage stamped
+    (0.0 when the rollout is unscored or its group has zero variance: such rows are dropped
+    by the trainer, and the page says so)."""
+    from harnessrl.train.advantages import stamp_advantage
+
+    rows, _ = build_rows(rollout, **kwargs)
+    return stamp_advantage(rows, 0.0 if advantage is None else advantage)
+
+
+def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
+                   hooks: dict[str, Callable[..., Any]]) -> dict[str, Any]:
+    """The JSON-ready payload of rollout `i` (module docstring).
+
+    Keys: `summary` (the index entry), `error`, `final_answer`, `turns` (list), `rows` (list of
+    `{ids, mask, lp, ver, advantage, trained_ids, segments}`), `stats` (the builder's
+    `MergeStats.as_metrics()`), `vocab` (`{id: text}` for every id in the rows, each id
+    decoded alone).
+
+    Raises:
+        IndexError: no rollout `i`.
+    """
+    rollout = index.read(i)
+    summary = {k: v for k, v in index.summaries[i].items() if k not in ("offset", "length")}
+    kwargs = build_kwargs(index, hooks)
+    rows = rollout_rows(rollout, summary.get("advantage"), kwargs)
+    _, stats = build_rows(rollout, **kwargs)
+    eligible, is_main = _eligible_and_main(rollout, kwargs)
+    kinds = _merge_kinds(rollout, eligible, is_main, kwargs)
+    parents = find_parents(eligible)
+    row_of = _rows_of_turns(rows, eligible)
+    by_index = {t.turn_index: j for j, t in enumerate(eligible)}
+    vocab_ids = sorted({tok for r in rows for tok in r.input_ids})
+    texts = tokenizer.batch_decode([[t] for t in vocab_ids], skip_special_tokens=False)
+    return {
+        "summary": summary,
+        "error": rollout.error,
+        "final_answer": rollout.final_answer,
+        "turns": _turns(rollout.trace.turns, by_index, is_main, kinds, row_of, tokenizer),
+        "rows": [_row(k, r, eligible, parents, kinds, row_of) for k, r in enumerate(rows)],
+        "stats": stats.as_metrics(),
+        "dropped_by_trainer": _dropped_reason(summary),
+        "vocab": dict(zip((str(t) for t in vocab_ids), texts)),
+    }
+
+
+def _dropped_reason(summary: dict[str, Any]) -> str | None:
+    if summary.get("train_reward") is None:
+        return "unscored rollout: its rows are not trained"
+    if summary.get("advantage") is None:
+        return "zero-variance group: its rows carry no gradient and are dropped"
+    return None
+
+
+def _eligible_and_main(rollout: Rollout, kwargs: dict[str, Any]) -> tuple[list[Turn], list[bool]]:
+    """The turns the builder merges (it hands them to `agent_turn_fn`) and which are main."""
+    seen: list[Turn] = []
+    user_fn = kwargs.get("agent_turn_fn")
+
+    def capture(turns: list[Turn]) -> list[Turn]:
+        seen[:] = turns
+        if user_fn is not None:
+            return user_fn(turns)
+        flags = classify_main(turns, find_parents(turns), MAIN_PREFIX_TOKENS)
+        return [t for t, m in zip(turns, flags) if m]
+
+    chosen = {t.turn_index for t in capture_call(rollout, kwargs, capture)}
+    return seen, [t.turn_index in chosen for t in seen]
+
+
+def capture_call(rollout: Rollout, kwargs: dict[str, Any], fn: Callable[[list[Turn]], list[Turn]]) -> list[Turn]:
+    out: list[Turn] = []
+
+    def wrapped(turns: list[Turn]) -> list[Turn]:
+        out[:] = fn(turns)
+        return out
+
+    build_rows(rollout, **{**kwargs, "agent_turn_fn": wrapped})
+    return out
+
+
+def _merge_kinds(rollout: Rollout, eligible: Sequence[Turn], is_main: Sequence[bool],
+                 kwargs: dict[str, Any]) -> list[str]:
+    main = {t.turn_index for t, m in zip(eligible, is_main) if m}
+    fixed = {**kwargs, "agent_turn_fn": lambda turns: [t for t in turns if t.turn_index in main]}
+    kinds: list[str] = []
+    before = (0, 0, 0)
+    seen_main = False
+    for j, turn in enumerate(eligible):
+        part = rollout.model_copy(update={"trace": rollout.trace.model_copy(update={"turns": list(eligible[:j + 1])})})
+        _, s = build_rows(part, **fixed)
+        now = (s.num_clean, s.num_realign, s.num_fork)
+        if not is_main[j]:
+            kinds.append("auxiliary")
+        elif not seen_main:
+            kinds.append("start")
+            seen_main = True
+        else:
+            diff = [b - a for a, b in zip(before, now)]
+            kinds.append(("clean", "realign", "fork")[diff.index(1)] if 1 in diff else "start")
+        before = now
+    return kinds
+
+
+def _rows_of_turns(rows: Sequence[Row], eligible: Sequence[Turn]) -> list[int | None]:
+    """For each eligible turn, the first row holding its prompt followed by its completion's
+    first id (None for a turn in no kept row)."""
+    out: list[int | None] = []
+    for turn in eligible:
+        p, c = turn.prompt_ids, turn.completion_ids
+        found = None
+        for k, row in enumerate(rows):
+            ids = row.input_ids
+            if len(ids) >= len(p) + min(1, len(c)) and list(ids[:len(p)]) == p and (not c or ids[len(p)] == c[0]):
+                found = k
+                break
+        out.append(found)
+    return out
+
+
+def _row(k: int, row: Row, eligible: Sequence[Turn], parents: Sequence[int | None], kinds: Sequence[str],
+         row_of: Sequence[int | None]) -> dict[str, Any]:
+    segments = []
+    for j, turn in enumerate(eligible):
+        if row_of[j] != k:
+            continue
+        parent = parents[j]
+        if parent is not None and row_of[parent] == k:
+            prev = eligible[parent]
+            start = common_prefix_len(turn.prompt_ids, [*prev.prompt_ids, *prev.completion_ids])
+        else:
+            start = 0
+        n_prompt = len(turn.prompt_ids)
+        segments.append({"turn_index": turn.turn_index, "kind": kinds[j], "context_start": start,
+                         "completion_start": n_prompt,
+                         "completion_end": min(len(row.input_ids), n_prompt + len(turn.completion_ids))})
+    return {
+        "ids": list(row.input_ids), "mask": list(row.completion_mask),
+        "lp": [round(x, 5) for x in row.sampler_logprobs], "ver": list(row.policy_versions),
+        "advantage": row.advantage,
+        "trained_ids": [t for t, m in zip(row.input_ids, row.completion_mask) if m],
+        "segments": segments,
+    }
+
+
+def _turns(turns: Sequence[Turn], by_index: dict[int, int], is_main: Sequence[bool], kinds: Sequence[str],
+           row_of: Sequence[int | None], tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    prev_messages: list[Any] = []
+    for turn in turns:
+        messages = _request_messages(turn.request)
+        new_from = len(prev_messages) if messages[:len(prev_messages)] == prev_messages else 0
+        prev_messages = messages
+        j = by_index.get(turn.turn_index)
+        why = None
+        if turn.status != "ok":
+            why = turn.status
+        elif (reason := check_turn_faithful(turn)) is not None:
+            why = "unfaithful"
+        elif j is None:
+            why = "retry_superseded"
+        unfaithful = check_turn_faithful(turn) if turn.status in ("ok", "unfaithful") else None
+        try:
+            sampled = tokenizer.decode(turn.completion_ids, skip_special_tokens=False)
+        except Exception:  # noqa: BLE001 - unfaithful turns may hold ids outside the vocabulary
+            sampled = None
+        out.append({
+            "turn_index": turn.turn_index, "protocol": turn.protocol, "status": turn.status,
+            "error": turn.error, "excluded": why, "unfaithful_reason": unfaithful,
+            "request_kind": turn.request_kind, "notes": turn.notes,
+            "main": None if j is None else is_main[j], "merge": None if j is None else kinds[j],
+            "row": None if j is None else row_of[j],
+            "messages": [_message_view(m) for m in messages[new_from:]], "messages_total": len(messages),
+            "messages_from": new_from, "reply": _reply_text(turn.response), "sampled": sampled,
+            "prompt_tokens": len(turn.prompt_ids), "completion_tokens": len(turn.completion_ids),
+            "finish_reason": turn.finish_reason, "policy_version": turn.policy_version,
+            "latency_s": round(turn.latency_s, 3),
+        })
+    return out
+
+
+def _request_messages(request: dict[str, Any]) -> list[Any]:
+    """The conversation of a request in any protocol (chat `messages`, Messages `system` +
+    `messages`, Responses `instructions` + `input`), as sent."""
+    msgs: list[Any] = []
+    if "system" in request:
+        msgs.append({"role": "system", "content": request["system"]})
+    if isinstance(request.get("instructions"), str):
+        msgs.append({"role": "system", "content": request["instructions"]})
+    for key in ("messages", "input"):
+        value = request.get(key)
+        if isinstance(value, list):
+            msgs.extend(value)
+        elif isinstance(value, str):
+            msgs.append({"role": "user", "content": value})
+    return msgs
+
+
+def _message_view(m: Any) -> dict[str, str]:
+    if not isinstance(m, dict):
+        return {"role": "?", "text": json.dumps(m, ensure_ascii=False)}
+    role = str(m.get("role", m.get("type", "?")))
+    parts = [_content_text(m.get("content"))]
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        if isinstance(m.get(key), str) and m[key]:
+            parts.insert(0, f"[{key}] {m[key]}")
+    for call in m.get("tool_calls") or []:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        parts.append(f"-> tool call {fn.get('name')}({fn.get('arguments')})")
+    if m.get("tool_call_id"):
+        role += f" ({m['tool_call_id']})"
+    if m.get("type") == "function_call":
+        parts.append(f"-> tool call {m.get('name')}({m.get('arguments')})")
+    if m.get("type") == "function_call_output":
+        parts.append(_content_text(m.get("output")))
+    return {"role": role, "text": "\n".join(p for p in parts if p)}
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type") == "tool_result":
+                texts.append(_content_text(part.get("content")))
+            elif isinstance(part, dict) and part.get("type") == "tool_use":
+                texts.append(f"-> tool call {part.get('name')}({json.dumps(part.get('input'), ensure_ascii=False)})")
+            else:
+                texts.append(json.dumps(part, ensure_ascii=False))
+        return "\n".join(texts)
+    return json.dumps(content, ensure_ascii=False)
+
+
+def _reply_text(response: dict[str, Any] | None) -> str | None:
+    """The reply the agent got, as text (chat, Responses, Messages, white-box bodies)."""
+    if not response:
+        return None
+    choices = response.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return _message_view(choices[0].get("message") or {})["text"]
+    if isinstance(response.get("output"), list):
+        return "\n".join(_message_view(item)["text"] for item in response["output"])
+    if isinstance(response.get("content"), list):
+        return _content_text(response["content"])
+    return json.dumps(response, ensure_ascii=False)[:4000]

@@ -1,0 +1,138 @@
+"""Index of a run directory: byte offsets into `rollouts.jsonl` and a summary per rollout.
+
+Responsibility: open a run of thousands of rollouts without holding them: one pass over
+`rollouts.jsonl` records where each line starts and ends and a few fields of it (ids, task,
+status, reward, turns, tokens, step, advantage); a rollout is read back later by its offsets
+(`RunIndex.read`). Metrics come from `metrics.jsonl` as written (whatever keys it holds).
+
+Step of a rollout: `harnessrl train` writes a step's groups together, `groups_per_step` groups a
+step, in order; the k-th distinct group of the file is in step `k // groups_per_step + 1`. A run
+without `metrics.jsonl` (`harnessrl rollout`) has no steps (`step` is None).
+
+Advantage: the rollout's group-relative advantage, from the run's `[train] advantage` on the
+rewards the trainer uses (`[hooks] rollout_reward_fn` applied when the config names one).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from harnessrl.config import RunConfig, load_config
+from harnessrl.errors import ConfigError
+from harnessrl.jsonl import read_jsonl
+from harnessrl.types import Rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunIndex:
+    """What `build_index` found in a run directory."""
+
+    run_dir: Path
+    cfg: RunConfig
+    summaries: list[dict[str, Any]]
+    """One per readable rollout line, in file order: `i`, `offset`, `length` (bytes),
+    `rollout_id`, `group_id`, `task_id`, `harness`, `status`, `reward` (verifier),
+    `train_reward` (after the reward hook), `advantage`, `step`, `turns`, `error_turns`,
+    `unfaithful_turns`, `prompt_tokens` (last turn), `completion_tokens` (all turns)."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    """`metrics.jsonl` records, unchanged."""
+    bad_lines: int = 0
+    """Lines of `rollouts.jsonl` that do not parse (torn or garbage), skipped."""
+
+    def read(self, i: int) -> Rollout:
+        """Rollout number `i` (its summary's `i`), read by its byte offsets.
+
+        Raises:
+            IndexError: no rollout `i` in the index.
+        """
+        if not 0 <= i < len(self.summaries):
+            raise IndexError(f"rollout {i} is not in the index (0..{len(self.summaries) - 1})")
+        s = self.summaries[i]
+        with (self.run_dir / "rollouts.jsonl").open("rb") as fh:
+            fh.seek(s["offset"])
+            return Rollout.model_validate_json(fh.read(s["length"]))
+
+
+def load_run_config(run_dir: Path) -> RunConfig:
+    """The run's `config.toml` (defaults when it has none).
+
+    Raises:
+        ConfigError: `run_dir` has no `rollouts.jsonl`, or its config does not load.
+    """
+    if not (run_dir / "rollouts.jsonl").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory: it has no rollouts.jsonl")
+    path = run_dir / "config.toml"
+    return load_config(path if path.is_file() else None)
+
+
+def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
+    """Scan `run_dir/rollouts.jsonl` once (see the module docstring).
+
+    Raises:
+        ConfigError: not a run directory, or its config / reward hook does not load.
+    """
+    from harnessrl.train.advantages import advantage_fn_for
+    from harnessrl.train.hooks import load_hooks, reshape_reward
+
+    run_dir = Path(run_dir)
+    cfg = cfg or load_run_config(run_dir)
+    reward_fn = load_hooks(cfg.hooks).get("rollout_reward_fn")
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics = read_jsonl(metrics_path).rows if metrics_path.is_file() else []
+    summaries: list[dict[str, Any]] = []
+    bad = 0
+    group_order: OrderedDict[int, list[int]] = OrderedDict()
+    with (run_dir / "rollouts.jsonl").open("rb") as fh:
+        offset = 0
+        for line in fh:
+            start, offset = offset, offset + len(line)
+            body = line.rstrip(b"\r\n")
+            if not body.strip():
+                continue
+            try:
+                d = orjson.loads(body)
+                turns = d["trace"]["turns"]
+                summary = {
+                    "i": len(summaries), "offset": start, "length": len(body),
+                    "rollout_id": str(d["rollout_id"]), "group_id": int(d["group_id"]),
+                    "task_id": str(d.get("task_id", "")), "harness": str(d.get("harness", "")),
+                    "status": str(d.get("status", "")), "reward": d.get("reward"),
+                    "turns": len(turns),
+                    "error_turns": sum(t.get("status") == "error" for t in turns),
+                    "unfaithful_turns": sum(t.get("status") == "unfaithful" for t in turns),
+                    "prompt_tokens": len(turns[-1].get("prompt_ids", ())) if turns else 0,
+                    "completion_tokens": sum(len(t.get("completion_ids", ())) for t in turns),
+                }
+                summary["train_reward"] = summary["reward"] if reward_fn is None else \
+                    reshape_reward(Rollout.model_validate(d), reward_fn).reward
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                bad += 1
+                log.warning("rollouts.jsonl: skipped an unreadable line at byte %d (%s)", start, exc)
+                continue
+            group_order.setdefault(summary["group_id"], []).append(summary["i"])
+            summaries.append(summary)
+    advantage_fn = advantage_fn_for(cfg.train.advantage)
+    per_step = cfg.train.groups_per_step
+    for k, members in enumerate(group_order.values()):
+        adv = advantage_fn([summaries[i]["train_reward"] for i in members])
+        for i, a in zip(members, adv.advantages_G):
+            summaries[i]["advantage"] = None if a is None or adv.zero_variance else float(a)
+            summaries[i]["step"] = k // per_step + 1 if metrics else None
+    return RunIndex(run_dir, cfg, summaries, metrics, bad)
+
+
+def index_json(index: RunIndex) -> dict[str, Any]:
+    """The page's index payload: summaries without offsets, metrics, and run facts."""
+    keep = [{k: v for k, v in s.items() if k not in ("offset", "length")} for s in index.summaries]
+    return {
+        "run_dir": str(index.run_dir), "model": index.cfg.engine.model, "harness": index.cfg.harness.kind,
+        "rollouts": keep, "metrics": index.metrics, "bad_lines": index.bad_lines,
+    }
