@@ -94,7 +94,8 @@ async def test_wrong_types_get_400_naming_the_field_and_are_recorded(tokenizer, 
         r = await http.post(path, json=body, headers=auth(session.key))
         assert r.status_code == 400, r.text
         assert field in r.text
-    assert (await http.post("/v1/chat/completions", json={"messages": USER}, headers=auth(session.key))).status_code == 200
+    ok = await http.post("/v1/chat/completions", json={"messages": USER}, headers=auth(session.key))
+    assert ok.status_code == 200
     trace = store.close(session.session_id)
     assert [t.turn_index for t in trace.turns] == [0, 1, 2]
     assert [t.status for t in trace.turns] == ["error", "error", "ok"]
@@ -327,8 +328,8 @@ async def test_a_denormal_temperature_neither_hangs_nor_breaks_the_engine(engine
     http, store = in_process(engine, chat, enforce_sampling=False, max_tokens_cap=4)
     session = store.open("r")
     for temperature in (1e-45, 5e-324, 1e-4):
-        r = await asyncio.wait_for(http.post("/v1/chat/completions", json={"messages": USER, "temperature": temperature},
-                                             headers=auth(session.key)), 60)
+        body = {"messages": USER, "temperature": temperature}
+        r = await asyncio.wait_for(http.post("/v1/chat/completions", json=body, headers=auth(session.key)), 60)
         assert r.status_code == 200, r.text
     after = await http.post("/v1/chat/completions", json={"messages": USER, "temperature": 0.7},
                             headers=auth(session.key))
@@ -398,7 +399,8 @@ async def test_a_proxy_bug_is_a_json_500_and_a_recorded_turn(tokenizer, monkeypa
     r = await http.post("/v1/chat/completions", json={"messages": USER}, headers=auth(session.key))
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     monkeypatch.undo()
-    assert (await http.post("/v1/chat/completions", json={"messages": USER}, headers=auth(session.key))).status_code == 200
+    ok = await http.post("/v1/chat/completions", json={"messages": USER}, headers=auth(session.key))
+    assert ok.status_code == 200
     turns = store.close(session.session_id).turns
     assert [(t.turn_index, t.status) for t in turns] == [(0, "error"), (1, "ok")]
     assert "KeyError" in turns[0].error
