@@ -1,4 +1,4 @@
-"""The `harnessrl` command line: train, rollout, serve, session, harness.
+"""The `harnessrl` command line: train, rollout, serve, doctor, view, session, harness.
 
 Responsibility: parse arguments, load and print the resolved config, and call one library
 function per command. torch and the engine are imported inside the commands, so
@@ -128,6 +128,73 @@ def _toml_string(text: str) -> str:
     import json
 
     return json.dumps(text)  # a JSON string literal is a TOML basic string
+
+
+@app.command()
+def doctor(
+    model: Annotated[str, typer.Option(help="Model as engine.model takes it: smollm2-135m, tiny-random, a local HF directory, a cached hub id.")] = "smollm2-135m",
+    harness: Annotated[Optional[str], typer.Option(help="Also run one short real rollout of this harness on the model (white_box, mini-swe-agent, opencode, ...).")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Preflight a model's chat template (and a harness): prefix stability of re-rendered history, bridging, EOS ids, generation prompt, tool-call round trip, expected CLEAN fraction. Exits 1 when training would lose or misalign tokens."""
+    from harnessrl.config import load_config
+    from harnessrl.doctor import diagnose_model, diagnose_rollout
+    from harnessrl.errors import HarnessRLError
+
+    try:
+        report = diagnose_model(model)
+        if harness is not None:
+            overrides = [*(set_ or []), f"engine.model={_toml_string(model)}", f"harness.kind={_toml_string(harness)}"]
+            diagnose_rollout(load_config(config, overrides), report)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+    for line in report.lines():
+        typer.echo(line)
+    raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def view(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (rollouts.jsonl, metrics.jsonl, config.toml).")],
+    out: Annotated[Optional[Path], typer.Option(help="Write a self-contained HTML report into this directory instead of serving.")] = None,
+    port: Annotated[int, typer.Option(help="Loopback port to serve on (0 picks a free one).")] = 0,
+    model: Annotated[Optional[str], typer.Option(help="Tokenizer to rebuild rows with (default: the run's engine.model).")] = None,
+) -> None:
+    """See what trained: curves, rollouts, and each training row as tokens (context vs trained), served on loopback or written as a report."""
+    import time
+
+    from harnessrl.engine.model_store import load_tokenizer, resolve_model
+    from harnessrl.errors import HarnessRLError
+    from harnessrl.train.hooks import load_hooks
+    from harnessrl.view.index import build_index
+
+    try:
+        t0 = time.perf_counter()
+        index = build_index(run_dir)
+        typer.echo(f"indexed {len(index.summaries)} rollouts, {len(index.metrics)} steps in "
+                   f"{time.perf_counter() - t0:.2f} s" + (f" ({index.bad_lines} unreadable lines skipped)" if index.bad_lines else ""))
+        tokenizer = load_tokenizer(resolve_model(model or index.cfg.engine.model))
+        hooks = load_hooks(index.cfg.hooks)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+    if out is not None:
+        from harnessrl.view.report import write_report
+
+        done = write_report(index, out, tokenizer, hooks)
+        typer.echo(f"report written to {out / 'index.html'} ({int(done['rollouts'])} rollouts, "
+                   f"{done['bytes'] / 1e6:.1f} MB, {done['write_s']:.1f} s)")
+        return
+    from harnessrl.view.server import ViewServer
+
+    server = ViewServer(index, tokenizer, hooks, port=port)
+    typer.echo(f"serving {run_dir} at {server.url} (Ctrl-C to stop)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
 
 
 @session_app.command("open")

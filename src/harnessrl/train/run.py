@@ -128,6 +128,9 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 rt.model_dir, learning_rate=cfg.train.learning_rate,
                 weight_decay=cfg.train.weight_decay, lora_rank=cfg.train.lora_rank))
             tokenizer = load_tokenizer(rt.model_dir)
+            from harnessrl.doctor import quick_line
+
+            log.info(quick_line(tokenizer, cfg.engine.model, getattr(rt.engine, "eos_token_ids", None)))
             loss_fn = loss_fn_for(cfg.train.loss.kind, cfg.train.loss)
             advantage_fn = advantage_fn_for(cfg.train.advantage)
             hooks = load_hooks(cfg.hooks)

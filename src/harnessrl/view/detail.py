@@ -67,8 +67,7 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
     kwargs = build_kwargs(index, hooks)
     rows = rollout_rows(rollout, summary.get("advantage"), kwargs)
     _, stats = build_rows(rollout, **kwargs)
-    eligible, is_main = _eligible_and_main(rollout, kwargs)
-    kinds = _merge_kinds(rollout, eligible, is_main, kwargs)
+    eligible, is_main, kinds = merge_kinds(rollout, kwargs)
     parents = find_parents(eligible)
     row_of = _rows_of_turns(rows, eligible)
     by_index = {t.turn_index: j for j, t in enumerate(eligible)}
@@ -84,6 +83,14 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
         "dropped_by_trainer": _dropped_reason(summary),
         "vocab": dict(zip((str(t) for t in vocab_ids), texts)),
     }
+
+
+def merge_kinds(rollout: Rollout, kwargs: dict[str, Any]) -> tuple[list[Turn], list[bool], list[str]]:
+    """The turns the builder merges, whether each is main, and each one's merge kind
+    (`start`, `clean`, `realign`, `fork`, `auxiliary`; module docstring), for `build_rows`
+    keyword arguments `kwargs`."""
+    eligible, is_main = _eligible_and_main(rollout, kwargs)
+    return eligible, is_main, _merge_kinds(rollout, eligible, is_main, kwargs)
 
 
 def _dropped_reason(summary: dict[str, Any]) -> str | None:
