@@ -16,9 +16,11 @@ Routes:
 
 Invariants: an unknown or revoked key gets 401 with an OpenAI-style body, and a revoked
 key's call is counted on its trace; bodies above `max_body_bytes` get 413; malformed bodies
-400 naming the problem (these two are answered before a turn exists and are not recorded);
-every error body is `{"error": {message, type, param, code}}`, including 404/405. The
-proxy's own code never answers 5xx to bad input.
+and bodies nested deeper than `max_json_depth` 400 naming the problem (these are answered
+before a turn exists and are not recorded); every error body is `{"error": {message, type,
+param, code}}`, including 404/405. The proxy's own code never answers 5xx to bad input; a
+bug in it is logged and answered with a JSON 500 (`code: internal_error`), never a bare one.
+A closed session's trace is served from the trace file (`SessionStore.trace_json`).
 
 What this module deliberately does not do: validate fields, render or record (see
 `capture.py`), or run a server (`server.py`).
