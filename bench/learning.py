@@ -114,7 +114,7 @@ def main() -> None:
           f"(ratio {after['pass'] / max(before['pass'], 1e-9):.2f}x); strict format "
           f"{before['strict_pass']:.1%} -> {after['strict_pass']:.1%}")
     print(f"mean clip fraction: {sum(clip) / max(len(clip), 1):.4f}; run dir {run_dir}")
-    curve = [(m["step"], round(m.get("reward_mean", float("nan")), 3)) for m in history]
+    curve = [(m["step"], round(m.get("reward/train_mean", float("nan")), 3)) for m in history]
     print(f"train reward curve (step, mean reward): {curve}")
 
 

@@ -9,12 +9,12 @@ from harnessrl.train.console import FINAL_COLUMNS, final_table, skip_reason, ste
 
 
 def test_a_step_that_trains_nothing_says_why() -> None:
-    m = {"policy_version": 1, "reward_mean": 0.0, "reward_std": 0.0, "pass_rate": 0.0, "error_rate": 0.25,
+    m = {"policy_version": 1, "reward/verifier_mean": 0.0, "reward/verifier_std": 0.0, "pass_rate": 0.0, "error_rate": 0.25,
          "skipped": 1.0, "rows_built": 4.0, "rows_zero_variance_dropped": 4.0, "rows_stale_dropped": 0.0,
          "time/rollout_wait_s": 3.0, "time/train_s": 0.0, "time/sync_s": 0.0}
     m["skip_reason"] = skip_reason(m)
     line = step_line(3, 3, m)
-    assert line.startswith("step 3/3 v1 reward 0.000±0.000 pass 0.00 err 0.25 ")
+    assert line.startswith("step 3/3 v1 reward 0.000±0.000 train - pass 0.00 err 0.25 ")
     assert "no update: all rewards equal within each group;" in line
     assert "loss" not in line and "nan" not in line
 
@@ -28,7 +28,7 @@ def test_skip_reasons() -> None:
 
 
 def test_a_trained_step_line_shows_the_loss() -> None:
-    m = {"policy_version": 2, "reward_mean": 0.5, "reward_std": 0.5, "pass_rate": 0.5, "error_rate": 0.0,
+    m = {"policy_version": 2, "reward/verifier_mean": 0.5, "reward/verifier_std": 0.5, "pass_rate": 0.5, "error_rate": 0.0,
          "loss": 0.01234, "grad_norm": 0.5, "ratio_abs_dev": 1e-5, "tokens_trained": 321, "staleness_mean": 0.5,
          "time/rollout_wait_s": 1.0, "time/train_s": 2.0, "time/sync_s": 0.1}
     line = step_line(2, 3, m)
@@ -36,7 +36,7 @@ def test_a_trained_step_line_shows_the_loss() -> None:
 
 
 def test_final_table_headers_fit_80_columns() -> None:
-    row = {"step": 12, "policy_version": 11, "reward_mean": 0.123, "pass_rate": 0.25, "error_rate": 0.125,
+    row = {"step": 12, "policy_version": 11, "reward/verifier_mean": 0.123, "pass_rate": 0.25, "error_rate": 0.125,
            "loss": -0.01234, "grad_norm": 12.345, "ratio_abs_dev": 1.234e-5, "tokens_trained": 12345,
            "rows_stale_dropped": 3, "time/step_s": 143.2}
     skipped = {**row, "step": 13, "skipped": 1.0, "loss": None, "grad_norm": None}

@@ -1,5 +1,6 @@
 """`harnessrl rollout` and `harnessrl train` read `[hooks]` the same way: the rollout summary's
-rewards are the hook's (as the trainer's advantages are), rollouts.jsonl keeps the verifier's."""
+training reward is the hook's (as the trainer's advantages are); its verifier reward and pass
+rate are the verifier's, as in rollouts.jsonl."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ def test_rollout_summary_uses_the_reward_hook(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["scored"] == 2
-    assert abs(summary["reward_mean"] - (-0.1)) < 1e-9
+    assert abs(summary["reward/train_mean"] - (-0.1)) < 1e-9
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert [r["reward"] for r in rollouts] == [r["reward_parts"]["correct"] for r in rollouts]
+    # the verifier's reward is reported apart from the shaped one, and pass rate counts it
+    verifier = [r["reward"] for r in rollouts]
+    assert summary["reward/verifier_mean"] == sum(verifier) / len(verifier)
+    assert summary["pass_rate"] == sum(v >= 1.0 for v in verifier) / len(verifier)
     assert 'rollout_reward_fn = "harnessrl.recipes.shaping:opencode_tool_use_reward"' in (out / "config.toml").read_text()

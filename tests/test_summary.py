@@ -37,8 +37,8 @@ def test_summarize_groups_counts_and_rewards() -> None:
     assert s["error_rate"] == pytest.approx(1 / 6)
     assert s["pass_rate"] == pytest.approx(2 / 5), "pass rate is over scored rollouts"
     # rewards 1, 0, 0.5, 0, 1: mean 0.5, population var = (0.25+0.25+0+0.25+0.25)/5 = 0.2
-    assert s["reward_mean"] == pytest.approx(0.5)
-    assert s["reward_std"] == pytest.approx(0.2 ** 0.5)
+    assert s["reward/verifier_mean"] == pytest.approx(0.5)
+    assert s["reward/verifier_std"] == pytest.approx(0.2 ** 0.5)
     # task a: n=2 scored, c=1; task b: n=3, c=1. pass@1 = (1/2 + 1/3)/2;
     # pass@2 = (1 + (1 - C(2,2)/C(3,2)))/2 = (1 + 2/3)/2; k stops at the smallest n (2)
     assert s["pass@1"] == pytest.approx((1 / 2 + 1 / 3) / 2)
@@ -55,10 +55,10 @@ def test_agent_errors_are_counted_apart_from_scores() -> None:
         _rollout(3, None, "verifier_error")])
     s = summarize_groups([g])
     assert s["scored"] == 1 and s["errors"] == 3 and s["error_rate"] == pytest.approx(0.75)
-    assert s["pass_rate"] == 1.0 and s["reward_mean"] == 1.0 and s["pass@1"] == 1.0
+    assert s["pass_rate"] == 1.0 and s["reward/verifier_mean"] == 1.0 and s["pass@1"] == 1.0
     only_errors = summarize_groups([Group(group_id=1, task_id="b", rollouts=[_rollout(4, 0.0, "agent_error")])])
     assert only_errors["error_rate"] == 1.0 and only_errors["scored"] == 0
-    assert "pass_rate" not in only_errors and "reward_mean" not in only_errors and "pass@1" not in only_errors
+    assert "pass_rate" not in only_errors and "reward/verifier_mean" not in only_errors and "pass@1" not in only_errors
 
 
 def test_rollout_line_is_short_and_readable() -> None:

@@ -31,7 +31,8 @@ def test_advantages_stamped_and_stale_rows_dropped() -> None:
     assert m["groups_zero_variance"] == 1 and m["rows_zero_variance_dropped"] == 2
     assert m["staleness_max"] == 0.0
     assert m["invariant/untraceable_trained_tokens"] == 0
-    assert m["reward_mean"] == pytest.approx(2 / 6)
+    assert m["reward/verifier_mean"] == pytest.approx(2 / 6)
+    assert m["reward/train_mean"] == m["reward/verifier_mean"], "no shaping: the same reward"
 
 
 def test_unscored_rollouts_get_no_rows() -> None:
@@ -40,3 +41,22 @@ def test_unscored_rollouts_get_no_rows() -> None:
     rows, m, _ = _rows_for_step([group], cfg, {}, grpo_advantages, version=0)
     assert sorted(r.rollout_id for r in rows) == ["r0-0", "r0-2"]
     assert m["rows_unscored_dropped"] == 1
+
+
+def test_a_shaped_step_reports_both_rewards_and_passes_on_the_verifiers() -> None:
+    cfg = load_config(None, ['hooks.rollout_reward_fn=""'])
+    # verifier: 1, 0, 0; the shaping hook gives the failed ones partial credit 0.5 and 0.25
+    credit = {"r0-0": 1.0, "r0-1": 0.5, "r0-2": 0.25}
+    hooks = {"rollout_reward_fn": lambda outcome: credit[outcome.rollout.rollout_id]}
+    group = Group(group_id=0, task_id="t",
+                  rollouts=[_rollout(0, 0, 1.0, 0), _rollout(1, 0, 0.0, 0), _rollout(2, 0, 0.0, 0)])
+    rows, m, _ = _rows_for_step([group], cfg, hooks, grpo_advantages, version=0)
+    assert m["reward/verifier_mean"] == pytest.approx(1 / 3)
+    assert m["reward/train_mean"] == pytest.approx(1.75 / 3)
+    assert m["pass_rate"] == pytest.approx(1 / 3), "pass rate counts the verifier's reward"
+    assert m["pass@1"] == pytest.approx(1 / 3)
+    # the advantage uses the training reward: three distinct values, three distinct advantages
+    adv = {r.rollout_id: r.advantage for r in rows}
+    assert adv["r0-0"] > adv["r0-1"] > adv["r0-2"]
+    assert adv["r0-1"] != adv["r0-2"], "with the verifier's reward these two would tie"
+    assert group.rollouts[1].reward == 0.0, "the verifier's reward is never overwritten"

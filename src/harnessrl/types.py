@@ -147,6 +147,8 @@ class Trace(BaseModel):
     closed_at: float | None = None
     rejected_calls: int = 0
     """Calls that arrived with this session's key after it was revoked."""
+    refused_calls: int = 0
+    """Calls refused (429, no turn) because the session had reached `max_turns_per_session`."""
 
 
 class Rollout(BaseModel):
@@ -160,7 +162,12 @@ class Rollout(BaseModel):
     harness: str
     status: RolloutStatus
     reward: float | None = None
-    """Scalar reward; None when the rollout could not be scored (excluded from baselines)."""
+    """The verifier's scalar reward; None when the rollout could not be scored (excluded from
+    baselines). Never overwritten: pass rate and pass@k count it."""
+    train_reward: float | None = Field(default=None, exclude_if=lambda v: v is None)
+    """The reward the advantage uses: `hooks.rollout_reward_fn` applied to the rollout's outcome
+    (`train/hooks.reshape_reward`). Unset when no shaping ran: the advantage uses `reward`
+    (`train/hooks.training_reward`). Written only when not None."""
     reward_parts: dict[str, float] = Field(default_factory=dict)
     error: str | None = None
     trace: Trace

@@ -49,6 +49,9 @@ class ProxyConfig(BaseModel):
     """Without a `trace_path`, the traces of this many most recently closed sessions stay in
     memory for `GET /admin/sessions/{id}/trace`; older ones are dropped. With a trace path,
     closed traces are served from the file and none stay in memory."""
+    max_turns_per_session: int = Field(default=4096, ge=1)
+    """Calls one session may make; later calls get 429 (counted in `Trace.refused_calls`, not
+    recorded), so a session flooding the proxy with calls cannot grow its trace without bound."""
     max_revoked_keys: int = Field(default=100_000, ge=1)
     """Revoked keys remembered (a few hundred bytes each) so late calls are counted in
     `Trace.rejected_calls`; older revoked keys still get 401, uncounted (keys are never reused)."""

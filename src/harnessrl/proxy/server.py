@@ -95,7 +95,8 @@ class ProxyServer:
                  shutdown_timeout_s: float = 5.0, admin_port: int = 0, admin_token: str | None = None) -> None:
         self.config = config or ProxyConfig()
         self.store = SessionStore(self.config.trace_path, max_closed_traces=self.config.max_closed_traces,
-                                  max_revoked_keys=self.config.max_revoked_keys)
+                                  max_revoked_keys=self.config.max_revoked_keys,
+                                  max_turns_per_session=self.config.max_turns_per_session)
         self.deps = ProxyDeps(CaptureDeps(engine, chat, self.config), self.store)
         self.app = make_app(self.deps, protocols=native_protocols())
         self.admin_token = admin_token or secrets.token_urlsafe(32)

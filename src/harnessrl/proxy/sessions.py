@@ -18,6 +18,9 @@ Invariants:
     recently closed traces stay in memory. At most `max_revoked_keys` revoked keys are
     remembered for counting late calls (older ones still get 401, uncounted; keys are never
     reused).
+  * A session records at most `max_turns_per_session` turns; later calls are answered 429
+    and counted in `Trace.refused_calls` (with error bodies truncated, a live session's memory
+    is then bounded too).
   * The store is used from one event loop; it holds no locks.
 
 What this module deliberately does not do: talk HTTP or call engines.
@@ -33,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harnessrl.errors import ConfigError
+from harnessrl.errors import ConfigError, RequestError
 from harnessrl.types import Trace, Turn
 
 log = logging.getLogger(__name__)
@@ -47,11 +50,22 @@ class Session:
     key: str
     trace: Trace
     revoked: bool = False
+    max_turns: int = 4096
+    """Calls recorded at most; later calls are refused (`reserve_turn_index`)."""
     _next_index: int = field(default=0, repr=False)
 
     def reserve_turn_index(self) -> int:
-        """The next 0-based turn index, in order of arrival."""
+        """The next 0-based turn index, in order of arrival.
+
+        Raises:
+            RequestError: 429 once `max_turns` calls were made (the call is counted in
+                `Trace.refused_calls` and gets no turn): a session's memory stays bounded.
+        """
         index = self._next_index
+        if index >= self.max_turns:
+            self.trace.refused_calls += 1
+            raise RequestError(f"this session already made max_turns_per_session={self.max_turns} calls",
+                               code="too_many_turns", status_code=429)
         self._next_index += 1
         return index
 
@@ -93,16 +107,20 @@ class SessionStore:
             recent `max_closed_traces` of them in memory instead.
         max_closed_traces: closed traces kept in memory when there is no trace file (>= 0).
         max_revoked_keys: closed sessions (key, late-call count, file offset) remembered (>= 1).
+        max_turns_per_session: calls a session may make (>= 1); later ones get 429, counted
+            in `Trace.refused_calls`, unrecorded.
 
     Raises:
         ConfigError: a bound is out of range.
     """
 
     def __init__(self, trace_path: Path | None = None, *, max_closed_traces: int = 64,
-                 max_revoked_keys: int = 100_000) -> None:
-        if max_closed_traces < 0 or max_revoked_keys < 1:
-            raise ConfigError(f"max_closed_traces={max_closed_traces} must be >= 0 and "
-                              f"max_revoked_keys={max_revoked_keys} >= 1")
+                 max_revoked_keys: int = 100_000, max_turns_per_session: int = 4096) -> None:
+        if max_closed_traces < 0 or max_revoked_keys < 1 or max_turns_per_session < 1:
+            raise ConfigError(f"max_closed_traces={max_closed_traces} must be >= 0, "
+                              f"max_revoked_keys={max_revoked_keys} and "
+                              f"max_turns_per_session={max_turns_per_session} >= 1")
+        self.max_turns_per_session = max_turns_per_session
         self.trace_path = trace_path
         self.max_closed_traces = max_closed_traces
         self.max_revoked_keys = max_revoked_keys
@@ -119,6 +137,7 @@ class SessionStore:
             session_id="ses_" + secrets.token_hex(8),
             key="hrl-" + secrets.token_urlsafe(24),
             trace=Trace(session_id="", rollout_id=rollout_id),
+            max_turns=self.max_turns_per_session,
         )
         session.trace.session_id = session.session_id
         self._by_id[session.session_id] = session

@@ -11,9 +11,10 @@ they are not written. The summary of the groups completed before the signal is s
 and saved, with `stopped_by_signal` = the signal number; the exit code is 130 / 143.
 
 The config means what it means for `harnessrl train`: it is checked the same way before
-anything starts (`config.check_run`), and the summary's rewards are those `[hooks]
-rollout_reward_fn` gives (as the trainer's advantages use them); `rollouts.jsonl` keeps the
-verifier's own reward on each rollout, as `harnessrl train` writes it.
+anything starts (`config.check_run`). The summary shows both rewards: `reward/verifier_*`
+(the verifier's, which pass rate and pass@k count) and `reward/train_*` (what `[hooks]
+rollout_reward_fn` gives, as the trainer's advantages use it); `rollouts.jsonl` keeps the
+verifier's own reward on each rollout.
 """
 
 from __future__ import annotations

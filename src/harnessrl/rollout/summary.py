@@ -8,8 +8,12 @@ Errors are counted apart from scores: a rollout with status `agent_error`, `infr
 `verifier_error` is an *error* (the agent crashed or could not reach the model, the sandbox or
 the verifier failed), not a failed attempt; `error_rate` = errors / rollouts. A rollout is
 *scored* when its status is `ok` or `timeout` (a timed-out agent's workspace is still verified)
-and it has a reward; `pass_rate`, `reward_mean`, `reward_std` and pass@k are over scored
-rollouts only. A scored rollout *passes* when its reward is >= `pass_threshold` (1.0 by default:
+and it has a reward; `pass_rate`, `reward/verifier_mean`, `reward/verifier_std` and pass@k
+are over scored rollouts only.
+
+Two rewards: `reward/verifier_*` is the verifier's (`Rollout.reward`, never overwritten; pass
+rate and pass@k count it); `reward/train_*` is the reward the advantage uses (the shaping hook's
+`Rollout.train_reward`, or the verifier's when no shaping ran), over scored rollouts with one. A scored rollout *passes* when its reward is >= `pass_threshold` (1.0 by default:
 every hidden test). pass@k uses the unbiased estimator of Chen et al. 2021 ("Evaluating Large
 Language Models Trained on Code", eq. 1): per task with n scored samples of which c pass,
 `pass@k = 1 - C(n - c, k) / C(n, k)`, averaged over tasks with at least k scored samples.
@@ -21,6 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from math import comb
 
+from harnessrl.train.hooks import training_reward
 from harnessrl.types import Group, Rollout
 
 
@@ -54,7 +59,8 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
 
     Keys: tasks, rollouts, scored, errors, error_rate, pass_rate (absent when nothing was
     scored), pass@k for k in 1..(smallest number of scored rollouts of a task that has any),
-    reward_mean and reward_std (population; over scored rollouts), status/<name> counts,
+    reward/verifier_mean and reward/verifier_std (population; over scored rollouts),
+    reward/train_mean and reward/train_std (the same for the training reward), status/<name> counts,
     turns_mean, prompt_tokens, completion_tokens, agent_s_mean, total_s_mean.
     """
     rollouts = [r for g in groups for r in g.rollouts]
@@ -68,10 +74,13 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     out["error_rate"] = errors / len(rollouts)
     if scored:
         out["pass_rate"] = sum(1 for r in scored if _passed(r, pass_threshold)) / len(scored)
-        rewards = [r.reward for r in scored if r.reward is not None]
-        mean = sum(rewards) / len(rewards)
-        out["reward_mean"] = mean
-        out["reward_std"] = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
+        for name, values in (("verifier", [r.reward for r in scored]),
+                             ("train", [training_reward(r) for r in scored])):
+            rewards = [x for x in values if x is not None]
+            if rewards:
+                mean = sum(rewards) / len(rewards)
+                out[f"reward/{name}_mean"] = mean
+                out[f"reward/{name}_std"] = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
     per_group = [[r for r in g.rollouts if is_scored(r)] for g in groups]
     per_group = [g for g in per_group if g]
     k_max = min(len(g) for g in per_group) if per_group else 0

@@ -28,7 +28,8 @@ def step_line(step: int, steps: int, m: dict[str, Any]) -> str:
         return "-" if v is None else format(v, fmt)
 
     head = (f"step {step}/{steps} v{m.get('policy_version', '?')} "
-            f"reward {f('reward_mean')}±{f('reward_std')} pass {f('pass_rate', '.2f')} "
+            f"reward {f('reward/verifier_mean')}±{f('reward/verifier_std')} "
+            f"train {f('reward/train_mean')} pass {f('pass_rate', '.2f')} "
             f"err {f('error_rate', '.2f')} ")
     times = (f"t(wait/train/sync) {f('time/rollout_wait_s', '.1f')}/{f('time/train_s', '.1f')}/"
              f"{f('time/sync_s', '.1f')}s")
@@ -91,11 +92,14 @@ def print_conversation(console: Console, rollout: Rollout, max_chars: int = 1200
         reply = last.response["choices"][0].get("message", {})
         lines.append(f"[bold green]assistant[/]: {escape(_cut(content_text(reply.get('content')), max_chars))}")
     title = f"{rollout.task_id} · {rollout.status} · reward {rollout.reward}"
+    if "train_reward" in rollout.model_fields_set:
+        title += f" (train {rollout.train_reward})"
     console.print(Panel("\n".join(lines), title=escape(title), expand=False))
 
 
 FINAL_COLUMNS = ("step", "ver", "reward", "pass", "err", "loss", "gnorm", "|r-1|", "tok", "stale", "s")
-"""Columns of the final table: step (1-based), policy version, mean reward, pass rate, error
+"""Columns of the final table: step (1-based), policy version, the verifier's mean reward
+(`reward/verifier_mean`), pass rate, error
 rate, loss, grad norm, mean |ratio - 1|, trained tokens, stale rows dropped, step seconds."""
 
 
@@ -107,7 +111,7 @@ def final_table(history: Sequence[dict[str, Any]]) -> Table:
     for m in history:
         skipped = bool(m.get("skipped"))
         table.add_row(
-            str(m.get("step")), str(m.get("policy_version")), _fmt(m.get("reward_mean")),
+            str(m.get("step")), str(m.get("policy_version")), _fmt(m.get("reward/verifier_mean")),
             _fmt(m.get("pass_rate"), ".2f"), _fmt(m.get("error_rate"), ".2f"),
             "skip" if skipped else _fmt(m.get("loss"), ".4f"), _fmt(m.get("grad_norm")),
             _fmt(m.get("ratio_abs_dev"), ".1e"), str(int(m.get("tokens_trained", 0))),

@@ -158,9 +158,16 @@ def load_hooks(hooks_cfg: Any) -> dict[str, Callable[..., Any]]:
 
 
 def reshape_reward(rollout: Rollout, reward_fn: Callable[..., Any] | None) -> Rollout:
-    """`rollout` with its reward replaced by `reward_fn(outcome_of(rollout))` (unchanged when
-    `reward_fn` is None). `harnessrl train` and `harnessrl rollout` both use it, so one config
-    means the same reward in both."""
+    """`rollout` with `train_reward = reward_fn(outcome_of(rollout))` (unchanged when `reward_fn`
+    is None); the verifier's `reward` is kept as it is. `harnessrl train` and `harnessrl rollout`
+    both use it, so one config means the same training reward in both."""
     if reward_fn is None:
         return rollout
-    return rollout.model_copy(update={"reward": reward_fn(outcome_of(rollout))})
+    return rollout.model_copy(update={"train_reward": reward_fn(outcome_of(rollout))})
+
+
+def training_reward(rollout: Rollout) -> float | None:
+    """The reward the advantage uses: `train_reward` when shaping ran (even a None it returned:
+    the hook declared the rollout unscored), else the verifier's `reward`."""
+    shaped = "train_reward" in rollout.model_fields_set
+    return rollout.train_reward if shaped else rollout.reward
