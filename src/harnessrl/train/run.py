@@ -99,7 +99,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.train.losses import loss_fn_for
     from harnessrl.train.policy import (export_weights, latest_checkpoint, load_policy,
                                         restore_checkpoint, save_checkpoint)
-    from harnessrl.train.hooks import load_hooks
+    from harnessrl.train.hooks import load_hooks, reshape_reward
     from harnessrl.train.step import optimizer_step, sampler_parity
 
     console = console or Console(stderr=True)
@@ -225,7 +225,9 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     })
                     for g in groups:
                         for r in g.rollouts:
-                            rollouts_fh.write(r.model_dump_json() + "\n")
+                            # the verifier's reward and the training reward (when shaped), both
+                            rollouts_fh.write(reshape_reward(r, hooks.get("rollout_reward_fn"))
+                                              .model_dump_json() + "\n")
                     rollouts_fh.flush()
                     history.append(metrics)
                     for sink in sinks:
@@ -329,7 +331,7 @@ def _rows_for_step(
     from harnessrl.rollout.summary import summarize_groups
     from harnessrl.train.advantages import stamp_advantage
     from harnessrl.train.checks import untraceable_trained_tokens
-    from harnessrl.train.hooks import reshape_reward
+    from harnessrl.train.hooks import reshape_reward, training_reward
     from harnessrl.train.samples import MergeStats, build_rows
 
     reward_fn = hooks.get("rollout_reward_fn")
@@ -342,7 +344,7 @@ def _rows_for_step(
     for group in groups:
         rollouts = [reshape_reward(r, reward_fn) for r in group.rollouts]
         shaped.append(Group(group_id=group.group_id, task_id=group.task_id, rollouts=rollouts))
-        adv = advantage_fn([r.reward for r in rollouts])
+        adv = advantage_fn([training_reward(r) for r in rollouts])
         if adv.zero_variance:
             counts["groups_zero_variance"] += 1
         for rollout, advantage in zip(rollouts, adv.advantages_G):
@@ -368,11 +370,12 @@ def _rows_for_step(
     metrics: dict[str, float] = {k: float(v) for k, v in counts.items()}
     metrics.setdefault("rows_stale_dropped", 0.0)
     summary = summarize_groups(shaped)
-    for key in ("reward_mean", "reward_std", "pass_rate", "scored", "errors", "error_rate", "turns_mean",
+    for key in ("reward/verifier_mean", "reward/verifier_std", "reward/train_mean", "reward/train_std",
+                "pass_rate", "scored", "errors", "error_rate", "turns_mean",
                 "prompt_tokens", "completion_tokens"):
         if key in summary:
             metrics[key] = summary[key]
-    metrics.update({k: v for k, v in summary.items() if k.startswith("status/")})
+    metrics.update({k: v for k, v in summary.items() if k.startswith(("status/", "pass@"))})
     metrics.update(stats.as_metrics())
     metrics["rows"] = float(len(rows))
     metrics["rows_built"] = float(len(built_all))
