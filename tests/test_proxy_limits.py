@@ -404,3 +404,16 @@ async def test_a_proxy_bug_is_a_json_500_and_a_recorded_turn(tokenizer, monkeypa
     turns = store.close(session.session_id).turns
     assert [(t.turn_index, t.status) for t in turns] == [(0, "error"), (1, "ok")]
     assert "KeyError" in turns[0].error
+
+
+async def test_a_session_past_max_turns_is_refused_429_and_counted(tokenizer):
+    http, store = in_process(FakeEngine(), ChatLayer(tokenizer))
+    store.max_turns_per_session = 3
+    session = store.open("r")
+    calls = [("/v1/chat/completions", {"messages": USER}), ("/v1/responses", {"input": "hi", "bogus": 1}),
+             ("/v1/messages", {"max_tokens": 5, "messages": USER}), ("/v1/chat/completions", {"messages": USER}),
+             ("/v1/responses", {"input": "hi"}), ("/v1/messages", {"max_tokens": 5, "messages": USER})]
+    codes = [(await http.post(path, json=body, headers=auth(session.key))).status_code for path, body in calls]
+    assert codes == [200, 400, 200, 429, 429, 429]
+    trace = store.close(session.session_id)
+    assert [t.turn_index for t in trace.turns] == [0, 1, 2] and trace.refused_calls == 3
