@@ -53,7 +53,10 @@ _TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 _CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-_SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+_SYSTEM = {"role": "system", "content": (
+    "You are a helpful assistant. Answer the user's questions briefly and exactly; use the tools you are "
+    "given when they help, and say so when you do not know.")}
+"""Longer than the builder's `main_prefix_tokens` (32): a forked second turn stays on the main chain."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +172,9 @@ class DoctorReport:
                "  re-rendering history (turn 2 prompt vs turn 1 prompt + sampled reply):"]
         for f in self.findings:
             mark = "ok  " if not f.loses_tokens else "LOSS"
-            out.append(f"   {mark} {f.probe:20s} {f.kind.upper():8s} untrained {f.untrained_sampled_tokens}/"
-                       f"{f.sampled_tokens} sampled; {f.bridged}  ({f.feature})")
+            bridged = "bridged: CLEAN" if f.bridged == "clean" else f.bridged
+            out.append(f"   {mark} {f.probe:20s} re-rendered: {f.kind.upper():8s} untrained {f.untrained_sampled_tokens}/"
+                       f"{f.sampled_tokens} sampled; {bridged}  ({f.feature})")
             if f.example:
                 out.append(f"        {f.example}")
             if f.note:
@@ -194,15 +198,24 @@ def _ids(d: dict[int, str]) -> str:
     return ", ".join(f"{k} {v!r}" for k, v in d.items()) or "none"
 
 
-def _bridge_fn(chat: ChatLayer) -> Callable[..., list[int]] | None:
-    """The chat layer's bridged rendering, when it has one (DESIGN.md §5).
+def _bridge_fn(chat: ChatLayer) -> Callable[..., list[int] | None] | None:
+    """The chat layer's bridged rendering (DESIGN.md §5), or None when it has none.
 
-    Expected form: `render_bridged(messages, tools, prior)` where `prior` is a sequence of
-    earlier turns `(messages, prompt_ids, completion_ids)`; returns prompt ids. None when the
-    chat layer offers no bridging.
+    Uses `ChatLayer.bridge_point` (what a finished turn leaves) and
+    `ChatLayer.bridged_prompt_ids(messages, tools, points)` (ids, or None when the messages
+    extend no earlier turn). The returned function takes `(messages, tools, turn1)` with
+    `turn1 = (messages, parsed reply, prompt_ids, completion_ids)`.
     """
-    fn = getattr(chat, "render_bridged", None)
-    return fn if callable(fn) else None
+    point_fn = getattr(chat, "bridge_point", None)
+    ids_fn = getattr(chat, "bridged_prompt_ids", None)
+    if not callable(point_fn) or not callable(ids_fn):
+        return None
+
+    def bridged(messages: Any, tools: Any, turn1: tuple[Any, Any, list[int], list[int]]) -> list[int] | None:
+        first, parsed, p1, c1 = turn1
+        return ids_fn(messages, tools, [point_fn(0, first, tools, parsed, p1, c1)])
+
+    return bridged
 
 
 def diagnose_template(tokenizer: PreTrainedTokenizerBase, *, model: str = "",
@@ -221,7 +234,7 @@ def diagnose_template(tokenizer: PreTrainedTokenizerBase, *, model: str = "",
     end_ids = chat.encode(end_text) if end_text else []
     end_id = end_ids[0] if end_ids else None
     stop_id = end_id if end_id in engine else (engine[0] if engine else None)
-    findings = [_run_probe(chat, p, stop_id) for p in PROBES]
+    findings = [_run_probe(chat, p, stop_id, gen_prompt) for p in PROBES]
     report = DoctorReport(model=model, engine_eos=name(engine), chat_eos=name(sorted(chat.eos_token_ids)),
                           generation_prompt=gen_prompt, end_of_turn=end_text, end_of_turn_id=end_id,
                           findings=findings, tool_roundtrip=_tool_roundtrip(chat, stop_id),
@@ -238,8 +251,8 @@ def diagnose_template(tokenizer: PreTrainedTokenizerBase, *, model: str = "",
             what = ("the template rejects the replayed conversation" if f.kind == "rejected" else
                     f"{f.untrained_sampled_tokens} of {f.sampled_tokens} sampled tokens untrained ({f.kind.upper()})")
             report.problems.append(f"{f.probe}: {what}")
-        elif f.kind == "fork":
-            report.warnings.append(f"{f.probe}: turn 2 FORKs (its row re-trains no context sharing)")
+        elif f.kind == "fork" and f.bridged != "clean":
+            report.warnings.append(f"{f.probe}: turn 2 FORKs (a new row: its context is computed again)")
     if report.reasoning_split != "ok":
         report.warnings.append(f"reasoning: {report.reasoning_split}")
     return report
@@ -283,7 +296,7 @@ def _replay(parsed: Any, parts: bool) -> dict[str, Any]:
     return msg
 
 
-def _run_probe(chat: ChatLayer, probe: Probe, stop_id: int | None) -> ProbeFinding:
+def _run_probe(chat: ChatLayer, probe: Probe, stop_id: int | None, gen_prompt: str = "") -> ProbeFinding:
     finding = ProbeFinding(probe=probe.name, feature=probe.feature, kind="rejected")
     try:
         first = normalize_messages(probe.first)
@@ -291,7 +304,10 @@ def _run_probe(chat: ChatLayer, probe: Probe, stop_id: int | None) -> ProbeFindi
     except RequestError as exc:
         finding.note = f"turn 1 does not render: {exc}"
         return finding
-    c1 = _sampled_ids(chat, probe.reply, stop_id, probe.non_canonical)
+    reply = probe.reply
+    if reply.startswith("<think>\n") and gen_prompt.rstrip().endswith("<think>"):
+        reply = reply[len("<think>\n"):]  # the generation prompt already opened the block
+    c1 = _sampled_ids(chat, reply, stop_id, probe.non_canonical)
     finding.sampled_tokens = len(c1)
     parsed = chat.parse(c1, bool(probe.tools), call_id_seed="doctor")
     follow = [dict(m) for m in probe.follow]
@@ -313,11 +329,15 @@ def _run_probe(chat: ChatLayer, probe: Probe, stop_id: int | None) -> ProbeFindi
     bridge = _bridge_fn(chat)
     if bridge is not None:
         try:
-            b2 = bridge(second, probe.tools, [(first, p1, c1)])
-            bkind, bun = _merge(p1, c1, list(b2), c2)
-            finding.bridged = "clean" if bkind == "clean" and bun == 0 else f"bridged: {bkind.upper()}"
+            b2 = bridge(second, probe.tools, (first, parsed, p1, c1))
         except RequestError as exc:
             finding.bridged = f"bridged: rejected ({exc})"
+        else:
+            if b2 is None:
+                finding.bridged = "bridging: does not apply (rendered normally)"
+            else:
+                bkind, bun = _merge(p1, c1, list(b2), c2)
+                finding.bridged = "clean" if bkind == "clean" and bun == 0 else f"bridged: {bkind.upper()}"
     return finding
 
 
@@ -417,10 +437,8 @@ def diagnose_rollout(cfg: RunConfig, report: DoctorReport) -> None:
         report.problems.append(f"the {cfg.harness.kind} rollout produced no rollout")
         return
     rollout = Rollout.model_validate(rows[0])
-    _, stats = build_rows(rollout, fork_threshold_tokens=cfg.train.fork_threshold_tokens,
-                          train_auxiliary=cfg.train.train_auxiliary)
-    eligible, is_main, kinds = merge_kinds(rollout, {"fork_threshold_tokens": cfg.train.fork_threshold_tokens,
-                                                     "train_auxiliary": cfg.train.train_auxiliary})
+    _, stats = build_rows(rollout, train_auxiliary=cfg.train.train_auxiliary)
+    eligible, is_main, kinds = merge_kinds(rollout, {"train_auxiliary": cfg.train.train_auxiliary})
     sampled = sum(len(t.completion_ids) for t, m in zip(eligible, is_main) if m)
     trained_main = stats.tokens_trained
     untrained = max(0, sampled - trained_main)
