@@ -10,17 +10,15 @@ computing `log_softmax(logits / T)` on the same ids reproduces it when nothing w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from harnessrl.types import Completion, Sampling
-
-if TYPE_CHECKING:
-    import torch
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """Generates completions for prompt ids; takes new weights between decode steps."""
+    """Generates completions for prompt ids. New weights reach it through its `WeightSync`
+    (`engine/weight_sync.py`), not through this interface."""
 
     @property
     def policy_version(self) -> int:
@@ -39,10 +37,6 @@ class Engine(Protocol):
             ContextLengthError: the prompt leaves no room for a completion.
             EngineError: the engine is stopped or failed.
         """
-        ...
-
-    def load_weights(self, state_dict: dict[str, "torch.Tensor"], version: int) -> None:
-        """Swap in new weights (between decode steps) and set `policy_version = version`."""
         ...
 
     def close(self) -> None:

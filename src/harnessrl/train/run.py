@@ -15,6 +15,7 @@ one core (set explicitly: two workers of 2 threads each oversubscribe and run fa
 Steps are 1-based everywhere (console, final table, `metrics.jsonl` `step`, `checkpoints/step-k`):
 step k is the k-th training step and `checkpoints/step-k` the state after it; `policy_version`
 counts the optimizer updates applied (a step that trains nothing, and says why, adds none).
+Weights reach the engine through its `WeightSync` (`engine/weight_sync.py`), never directly.
 `rollouts.jsonl` and `metrics.jsonl` get a step's rollouts and metrics when the step completes.
 
 Shutdown (completion, Ctrl-C, SIGTERM, error): stop dispatch, cancel in-flight rollouts (each
@@ -97,8 +98,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.train.advantages import advantage_fn_for
     from harnessrl.train.console import final_table, print_conversation, skip_reason, step_line
     from harnessrl.train.losses import loss_fn_for
-    from harnessrl.train.policy import (export_weights, latest_checkpoint, load_policy,
-                                        restore_checkpoint, save_checkpoint)
+    from harnessrl.engine.weight_sync import make_weight_sync
+    from harnessrl.train.policy import latest_checkpoint, load_policy, restore_checkpoint, save_checkpoint
     from harnessrl.train.hooks import load_hooks, reshape_reward
     from harnessrl.train.step import optimizer_step, sampler_parity
 
@@ -134,11 +135,11 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             loss_fn = loss_fn_for(cfg.train.loss.kind, cfg.train.loss)
             advantage_fn = advantage_fn_for(cfg.train.advantage)
             hooks = load_hooks(cfg.hooks)
+            sync = make_weight_sync(cfg.engine.kind, rt.engine)
             if checkpoint is not None:
                 state = await loop.run_in_executor(trainer, restore_checkpoint, policy, checkpoint)
                 version = state["policy_version"]
-                weights = await loop.run_in_executor(trainer, export_weights, policy)
-                await loop.run_in_executor(trainer, rt.engine.load_weights, weights, version)
+                await loop.run_in_executor(trainer, sync.publish, policy, version)
                 log.info("resumed from %s after step %d, policy version %d", checkpoint, start_step, version)
                 if replay:
                     log.info("replaying groups %s: they were in flight, not yet trained on, when the "
@@ -149,7 +150,6 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             elif resume:
                 log.warning("no checkpoint in %s: starting from step 1", run_dir / "checkpoints")
 
-            last_synced = await loop.run_in_executor(trainer, lambda: export_weights(policy, copy=True))
             orch = Orchestrator(
                 rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
                 group_size=cfg.rollout.group_size,
@@ -204,13 +204,10 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
 
                     # 5) weight sync: the engine serves the new policy from its next decode step
                     if rows and not metrics.get("skipped"):
-                        weights = await loop.run_in_executor(trainer, export_weights, policy)
                         version += 1
-                        # blocks (on the trainer thread) until the engine copied them between decode steps
-                        await loop.run_in_executor(trainer, rt.engine.load_weights, weights, version)
-                        metrics["param_delta_l2"] = await loop.run_in_executor(
-                            trainer, _l2_distance, weights, last_synced)
-                        last_synced = await loop.run_in_executor(trainer, lambda: export_weights(policy, copy=True))
+                        # blocks (on the trainer thread) until the engine serves them (WeightSync)
+                        report = await loop.run_in_executor(trainer, sync.publish, policy, version)
+                        metrics.update(report.as_metrics())
                     orch.allow(groups_per_step)
                     t_synced = time.monotonic()
 
@@ -349,8 +346,7 @@ def _rows_for_step(
             counts["groups_zero_variance"] += 1
         for rollout, advantage in zip(rollouts, adv.advantages_G):
             built, s = build_rows(
-                rollout, fork_threshold_tokens=cfg.train.fork_threshold_tokens,
-                train_turn_fn=hooks.get("train_turn_fn"), agent_turn_fn=hooks.get("agent_turn_fn"),
+                rollout, train_turn_fn=hooks.get("train_turn_fn"), agent_turn_fn=hooks.get("agent_turn_fn"),
                 train_auxiliary=cfg.train.train_auxiliary)
             stats = stats.merge(s)
             built_all.extend(built)
@@ -377,6 +373,7 @@ def _rows_for_step(
             metrics[key] = summary[key]
     metrics.update({k: v for k, v in summary.items() if k.startswith(("status/", "pass@"))})
     metrics.update(stats.as_metrics())
+    metrics["untrained_sampled_tokens"] = float(stats.untrained_sampled_tokens)
     metrics["rows"] = float(len(rows))
     metrics["rows_built"] = float(len(built_all))
     metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else math.nan
@@ -384,10 +381,3 @@ def _rows_for_step(
     metrics["invariant/untraceable_trained_tokens"] = float(
         untraceable_trained_tokens(rows, [r for g in shaped for r in g.rollouts]))
     return rows, metrics, built_all
-
-
-def _l2_distance(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """sqrt(sum over shared weights of ||a - b||^2): how far one step moved the parameters."""
-    import torch
-
-    return math.sqrt(sum(float(torch.sum((a[k] - b[k]) ** 2)) for k in a.keys() & b.keys()))

@@ -8,7 +8,8 @@ micro-batches equals one big batch.
 Guard: a non-finite gradient norm (NaN or inf, from a NaN loss or an overflow) skips the
 optimizer update instead of writing NaN into every weight (`skipped_nonfinite`).
 
-Metrics it returns: loss, grad_norm (before clipping), the loss's ratio and clip statistics
+Metrics it returns: loss, grad_norm (before clipping), `param_delta_l2` (the L2 norm of what
+the update changed, from the optimizer's own update: `update_l2`), the loss's ratio and clip statistics
 (token-weighted over micro-batches), and `ratio_abs_dev`: mean |exp(trainer − sampler) − 1| over
 trained tokens at the weights *before* the update (at step 0 trainer and sampler hold the same
 weights, so this is the sampler/trainer parity check, DESIGN.md §3.2).
@@ -89,8 +90,10 @@ def optimizer_step(
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     finite = math.isfinite(grad_norm)
+    delta_l2 = None
     if finite:
         optimizer.step()
+        delta_l2 = update_l2(optimizer)
     optimizer.zero_grad(set_to_none=True)
     metrics = {**sums, **mins, **maxs}
     if not finite:
@@ -105,7 +108,45 @@ def optimizer_step(
         micro_batches=float(len(batches)),
         train_s=time.perf_counter() - t0,
     )
+    if delta_l2 is not None:
+        metrics["param_delta_l2"] = delta_l2
     return StepResult(metrics)
+
+
+def update_l2(optimizer: torch.optim.Optimizer) -> float:
+    """`||p_after - p_before||_2` over every parameter the last `optimizer.step()` updated,
+    from the update itself: no copy of the weights is kept. Call it right after the step,
+    before `zero_grad` (a parameter with `grad is None` was not updated and is skipped).
+
+    For AdamW (`torch.optim.AdamW`, not amsgrad / maximize) the step is
+    `p' = p (1 - lr wd) - u` with `u = lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)`
+    (Loshchilov & Hutter 2019, torch's formulation), so `p' - p = -(u + lr wd p') / (1 - lr wd)`
+    is recomputed from the optimizer state one parameter at a time (temporaries of one
+    parameter's size). With LoRA the parameters are the adapter matrices.
+
+    Raises:
+        TypeError: another optimizer, or AdamW with amsgrad / maximize.
+    """
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise TypeError(f"update_l2 knows torch.optim.AdamW only, got {type(optimizer).__name__}")
+    total = 0.0
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise TypeError("update_l2: AdamW with amsgrad or maximize is not supported")
+            lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+            beta1, beta2 = (float(b) for b in group["betas"])
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if p.grad is None or not state:
+                    continue
+                t = float(state["step"])
+                u = (state["exp_avg_sq"].float() / (1.0 - beta2 ** t)).sqrt_().add_(eps)
+                u = torch.div(state["exp_avg"].float(), u, out=u).mul_(lr / (1.0 - beta1 ** t))
+                if wd:
+                    u.add_(p.detach().float(), alpha=lr * wd).div_(1.0 - lr * wd)
+                total += float(torch.linalg.vector_norm(u)) ** 2
+    return math.sqrt(total)
 
 
 def sampler_parity(

@@ -1,0 +1,83 @@
+"""The WeightSync seam: the in-process sync makes the engine serve the trainer's weights as the
+published version; `param_delta_l2` is the norm of the update itself (no weight copy kept)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from harnessrl.engine.weight_sync import InProcessWeightSync, WeightSync, make_weight_sync
+from harnessrl.errors import ConfigError
+from harnessrl.train.losses import loss_fn_for
+from harnessrl.train.policy import load_policy
+from harnessrl.train.step import optimizer_step, update_l2
+from harnessrl.types import Row
+
+
+def _rows() -> list[Row]:
+    ids = tuple(range(100, 140))
+    mask = tuple([0] * 30 + [1] * 10)
+    lps = tuple([0.0] * 30 + [-2.0] * 10)
+    vers = tuple([-1] * 30 + [0] * 10)
+    return [Row(ids, mask, lps, vers, "r0", 0, 1.0), Row(ids[::-1], mask, lps, vers, "r1", 0, -1.0)]
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _distance(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((p.detach() - before[k]).pow(2).sum()) for k, p in model.named_parameters()))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_param_delta_l2_is_the_norm_of_the_update(tiny_model_dir: Path, weight_decay: float) -> None:
+    policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=weight_decay, lora_rank=0)
+    for _ in range(2):  # the second step has bias-corrected moments from two gradients
+        before = _snapshot(policy.model)
+        m = optimizer_step(policy.model, policy.optimizer, _rows(), loss_fn_for("ppo_clip"),
+                           temperature=1.0, token_budget=256, max_grad_norm=1.0).metrics
+        want = _distance(policy.model, before)
+        assert want > 0
+        assert m["param_delta_l2"] == pytest.approx(want, rel=1e-4)
+
+
+def test_update_l2_rejects_other_optimizers() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(TypeError, match="AdamW"):
+        update_l2(torch.optim.SGD([p], lr=0.1))
+
+
+def test_in_process_sync_serves_the_published_version(tiny_model_dir: Path) -> None:
+    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.types import Sampling
+
+    policy = load_policy(tiny_model_dir, learning_rate=1e-1, weight_decay=0.0, lora_rank=0)
+    greedy = Sampling(temperature=0.0, max_tokens=4)
+    with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
+        sync = make_weight_sync("embedded", engine)
+        assert isinstance(sync, WeightSync) and isinstance(sync, InProcessWeightSync)
+        prompt = list(range(100, 120))
+        first = engine.generate_blocking(prompt, greedy, timeout_s=60)
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.add_(torch.randn_like(p))
+        report = sync.publish(policy, 1)
+        assert report.version == 1 and engine.policy_version == 1
+        n_params = sum(t.numel() for t in policy.model.state_dict().values())
+        assert report.bytes == 4 * n_params, "fp32 weights, every tensor of the state dict"
+        assert report.seconds > 0 and set(report.as_metrics()) == {"sync/seconds", "sync/bytes"}
+        served = engine._model.state_dict()
+        for name, tensor in policy.model.state_dict().items():
+            assert torch.equal(served[name], tensor), name
+        after = engine.generate_blocking(prompt, greedy, timeout_s=60)
+        assert after.policy_version == 1 and first.policy_version == 0
+        assert after.completion_logprobs != first.completion_logprobs
+
+
+def test_unknown_engine_kind_has_no_sync() -> None:
+    with pytest.raises(ConfigError, match="engine.kind='vllm'"):
+        make_weight_sync("vllm", object())
