@@ -1,0 +1,138 @@
+"""`harnessrl view`: the index (byte offsets, summaries, torn lines), the per-rollout payload
+rebuilt with the samples builder, the static report's files, and serving over loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from harnessrl.train.samples import build_rows
+from harnessrl.types import Rollout, Trace, Turn
+from harnessrl.view.detail import rollout_detail
+from harnessrl.view.index import build_index
+from harnessrl.view.report import write_report
+from harnessrl.view.server import ViewServer
+
+
+def _turn(i: int, prompt: list[int], completion: list[int], **kw) -> Turn:
+    lps = kw.pop("lps", [-0.25] * len(completion))
+    return Turn(turn_index=i, request={"messages": [{"role": "user", "content": f"message {i}"}]},
+                response={"choices": [{"message": {"role": "assistant", "content": f"reply {i}"}}]},
+                prompt_ids=prompt, completion_ids=completion, completion_logprobs=lps, policy_version=0, **kw)
+
+
+def _rollout(tokenizer, rid: str, group: int, reward: float) -> Rollout:
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    a = enc("<|im_start|>system\n" + "You are a careful agent that solves tasks step by step. " * 4 + "<|im_end|>\n")
+    c0, c1 = enc("I will look.") + [2], enc("Now I answer.") + [2]
+    p1 = a + c0 + enc("\n<|im_start|>user\nobservation one<|im_end|>\n<|im_start|>assistant\n")
+    p2 = p1 + c1[:2] + enc(" rewritten<|im_end|>\n<|im_start|>assistant\n")  # diverges inside c1
+    turns = [_turn(0, a, c0), _turn(1, p1, c1), _turn(2, p2, enc("Done.") + [2]),
+             _turn(3, p2, [], status="error", error="upstream 500"),
+             _turn(4, p2, [5, 6], lps=[-0.1])]  # two ids, one logprob: unfaithful
+    return Rollout(rollout_id=rid, group_id=group, task_id=f"task/{group}", harness="test", status="ok",
+                   reward=reward, trace=Trace(session_id="s-" + rid, turns=turns))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, tokenizer) -> Path:
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "config.toml").write_text('[engine]\nmodel = "tiny-random"\n[train]\ngroups_per_step = 1\n')
+    lines = [_rollout(tokenizer, f"r{k}", k // 2, float(k % 2)).model_dump_json() for k in range(4)]
+    (d / "rollouts.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + '{"torn": \n' + "\n".join(lines[2:]) + "\n")
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.5, "samples/frac_clean": 0.25 * s}) + "\n"
+                                             for s in (1, 2)))
+    return d
+
+
+def test_index_offsets_steps_and_torn_lines(run_dir: Path) -> None:
+    index = build_index(run_dir)
+    assert index.bad_lines == 1
+    assert [s["rollout_id"] for s in index.summaries] == ["r0", "r1", "r2", "r3"]
+    assert [s["step"] for s in index.summaries] == [1, 1, 2, 2]
+    assert [s["advantage"] is not None and round(s["advantage"], 3) for s in index.summaries] == [-1.0, 1.0, -1.0, 1.0]
+    assert index.summaries[0]["error_turns"] == 1 and index.summaries[0]["turns"] == 5
+    assert index.read(2).rollout_id == "r2"
+    assert [m["step"] for m in index.metrics] == [1, 2]
+    with pytest.raises(IndexError, match="rollout 9"):
+        index.read(9)
+
+
+def test_detail_rows_are_the_builders_rows(run_dir: Path, tokenizer) -> None:
+    index = build_index(run_dir)
+    d = rollout_detail(index, 1, tokenizer, {})
+    rows, stats = build_rows(index.read(1))
+    assert [r["ids"] for r in d["rows"]] == [list(r.input_ids) for r in rows]
+    assert [r["trained_ids"] for r in d["rows"]] == [[t for t, m in zip(r.input_ids, r.completion_mask) if m] for r in rows]
+    assert all(r["advantage"] == pytest.approx(1.0, abs=1e-4) for r in d["rows"])
+    turns = {t["turn_index"]: t for t in d["turns"]}
+    assert turns[0]["merge"] == "start" and turns[1]["merge"] == "clean"
+    assert turns[2]["merge"] in ("realign", "fork")  # diverges inside turn 1's reply
+    assert turns[3]["excluded"] == "error" and turns[3]["error"] == "upstream 500"
+    assert turns[4]["excluded"] == "unfaithful"
+    assert "len(completion_ids)=2 != len(completion_logprobs)=1" in turns[4]["unfaithful_reason"]
+    assert turns[1]["reply"] == "reply 1" and turns[1]["messages"][0]["text"] == "message 1"
+    segs = [s for r in d["rows"] for s in r["segments"]]
+    assert {s["turn_index"] for s in segs} == {0, 1, 2}
+    clean = next(s for s in segs if s["turn_index"] == 1)
+    t0 = index.read(1).trace.turns[0]
+    assert clean["context_start"] == len(t0.prompt_ids) + len(t0.completion_ids)
+    assert d["stats"] == stats.as_metrics()
+    assert d["vocab"][str(2)] == "<|im_end|>"
+
+
+def test_report_files(run_dir: Path, tokenizer, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    done = write_report(build_index(run_dir), out, tokenizer, {})
+    assert done["rollouts"] == 4
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["0.js", "1.js", "2.js", "3.js"]
+    page = (out / "index.html").read_text()
+    # no CDN: nothing loaded from elsewhere (the SVG namespace URI is a name, not a fetch)
+    assert re.search(r"(src|href)\s*=\s*[\"']?https?:|@import|url\(https?:|<script src|<link", page) is None
+    assert set(re.findall(r"https?://[^\"' ]+", page)) <= {"http://www.w3.org/2000/svg"}
+    body = (out / "rollouts" / "1.js").read_text()
+    assert body.startswith("hrlRollout(1, ") and body.rstrip().endswith(");")
+    payload = json.loads(body[len("hrlRollout(1, "):body.rstrip().rindex(")")])
+    assert payload["summary"]["rollout_id"] == "r1"
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_serves_index_and_one_rollout_over_loopback(run_dir: Path, tokenizer) -> None:
+    index = build_index(run_dir)
+    server = ViewServer(index, tokenizer, {}, port=0).start()
+    try:
+        assert server.url.startswith("http://127.0.0.1:")
+        code, body = _get(server.url + "api/index.json")
+        assert code == 200
+        got = json.loads(body)
+        assert [r["rollout_id"] for r in got["rollouts"]] == ["r0", "r1", "r2", "r3"]
+        assert "offset" not in got["rollouts"][0] and got["metrics"][1]["samples/frac_clean"] == 0.5
+        code, body = _get(server.url + "api/rollout/2.json")
+        assert code == 200
+        assert json.loads(body) == json.loads(json.dumps(rollout_detail(index, 2, tokenizer, {})))
+        code, page = _get(server.url)
+        assert code == 200 and b'data-mode="server"' in page
+        assert _get(server.url + "api/rollout/17.json")[0] == 404
+        assert _get(server.url + "etc/passwd")[0] == 404
+    finally:
+        server.close()
+
+
+def test_not_a_run_dir_is_a_clear_error(tmp_path: Path) -> None:
+    from harnessrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no rollouts.jsonl"):
+        build_index(tmp_path)
