@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STEPS ?= 3
 
-.PHONY: setup train test agents bench clean
+.PHONY: setup train test agents bench browser clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ agents: setup
 train: setup
 	$(VENV)/bin/harnessrl harness install mini-swe-agent
 	$(VENV)/bin/harnessrl train --steps $(STEPS) --out runs/default
+
+# Headless Chromium (Debian package) for tests/e2e/test_view_browser.py; needs root (apt-get).
+browser:
+	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium)
 
 # pytest exits 5 when it collects no test: that is not a failure of the set-up.
 test: setup agents
