@@ -149,7 +149,6 @@ class TrainConfig(BaseModel):
     """Most tokens per packed micro-batch. On CPU the packed rows attend through a dense
     block-diagonal mask, so cost grows with the square of the pack length: measured here,
     6 rows of 1.1k tokens took 106 s and 9.6 GB at 4096 against 61 s and 4.1 GB at 2048."""
-    fork_threshold_tokens: int = Field(default=1024, ge=0)
     train_auxiliary: bool = False
     """Also train auxiliary calls (titles, summaries); off by default."""
     num_threads: int = Field(default=1, ge=1)

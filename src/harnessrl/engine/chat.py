@@ -38,6 +38,7 @@ import functools
 import hashlib
 import json
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -73,7 +74,6 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Keys `apply_chat_template` aliases to one another (such messages take its own path)."""
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +105,47 @@ class ParsedAssistant:
     """Assistant text; None when the reply is only tool calls."""
     tool_calls: list[ToolCall]
     reasoning: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class BridgePoint:
+    """A finished turn, as bridged rendering needs it (`ChatLayer.bridge_point`)."""
+
+    turn_index: int
+    messages: tuple[Message, ...]
+    """The request's messages."""
+    tools: tuple[dict[str, Any], ...]
+    reply: Message
+    """The assistant message the agent was given."""
+    ids: tuple[int, ...]
+    """`prompt_ids + completion_ids` exactly as the engine consumed and sampled them."""
+    ended: bool
+    """The completion ends with an EOS id (else the bridge adds the end-of-turn framing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPlan:
+    """Prompt ids of a request are `head_ids + ChatLayer.encode(text)`."""
+
+    head_ids: list[int]
+    """An earlier turn's exact prompt + completion ids (empty unless bridged)."""
+    text: str
+    """Marked text to encode after `head_ids` (the whole render when not bridged)."""
+    bridged_from: int | None
+    """`turn_index` of the turn bridged on, or None."""
+
+
+def same_replay(a: Message, b: Message) -> bool:
+    """Whether `a` is `b` as an agent replays it: equal, or both assistant messages with the
+    same text up to surrounding whitespace and the same tool calls (name, and arguments equal
+    as JSON); reasoning and call ids are not compared (agents drop or rewrite them)."""
+    if a == b:
+        return True
+    if a.role != "assistant" or b.role != "assistant" or a.content.strip() != b.content.strip() \
+            or len(a.tool_calls) != len(b.tool_calls):
+        return False
+    return all(x.name == y.name and (x.arguments == y.arguments or _json_or_str(x.arguments) == _json_or_str(y.arguments))
+               for x, y in zip(a.tool_calls, b.tool_calls))
 
 
 def normalize_messages(raw: object) -> list[Message]:
@@ -250,12 +291,83 @@ class ChatLayer:
         self.template_has_tools = "tools" in template
         self.template_has_reasoning = "reasoning_content" in template
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _default_eos(tokenizer))
+        self._init_escapes()
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.segments = SegmentEncoder(backend, encode_cache_tokens) if backend is not None else None
+        self.segments = SegmentEncoder(backend, encode_cache_tokens, marker=self._marker,
+                                       restore=self.unescape) if backend is not None else None
         """Piecewise encoder with a cache of message ids (None for slow tokenizers)."""
         self._template_kwargs: dict[str, Any] = {}
         self._compiled: Any = None
+        self.arguments_as_json_string = False
+        """Replayed tool-call `arguments` go to the template as the JSON string (True) or as a
+        mapping (False); detected from the template (`_detect_arguments_form`)."""
+        if self.template_has_tools:
+            self.arguments_as_json_string = self._detect_arguments_form()
         self._compiled = self._direct_template(template)
+        self.prompt_opens_reasoning = self._detect_open_reasoning()
+        """The generation prompt ends inside an open `<think>` block (Qwen3-style thinking
+        templates): a completion is reasoning until its `</think>`."""
+        self._bridge_sentinel = "\ue002" + secrets.token_hex(8) + "\ue003"
+        eos_texts = sorted({t for t in tokenizer.convert_ids_to_tokens(sorted(self.eos_token_ids)) if t},
+                           key=len, reverse=True)
+        self._eos_text_re = re.compile("|".join(re.escape(t) for t in eos_texts)) if eos_texts else None
+
+    # -- special-token text in content --------------------------------------------------------
+
+    def _init_escapes(self) -> None:
+        """Markers for special-token text inside content (module docstring, "Content never
+        becomes control tokens"). The marker holds a random nonce, so no content can forge one."""
+        specials = sorted({str(t) for t in self.tokenizer.all_special_tokens} | {
+            str(t.content) for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values()
+            if getattr(t, "special", False)}, key=len, reverse=True)
+        specials = [t for t in specials if t]
+        self._marker = "\ue000" + secrets.token_hex(8) if specials else ""
+        self._escape_to = {t: f"{self._marker}{i}\ue001" for i, t in enumerate(specials)}
+        self._escape_from = {v: k for k, v in self._escape_to.items()}
+        self._escape_re = re.compile("|".join(re.escape(t) for t in specials)) if specials else None
+        self._unescape_re = re.compile(re.escape(self._marker) + r"\d+\ue001") if specials else None
+
+    def escape(self, text: str) -> str:
+        """`text` with each special-token string replaced by a marker (content only)."""
+        if self._escape_re is None or not text:
+            return text
+        return self._escape_re.sub(lambda m: self._escape_to[m.group()], text)
+
+    def unescape(self, text: str) -> str:
+        """Inverse of `escape` (markers back to the special-token strings)."""
+        if self._unescape_re is None or self._marker not in text:
+            return text
+        return self._unescape_re.sub(lambda m: self._escape_from[m.group()], text)
+
+    def _detect_arguments_form(self) -> bool:
+        """Whether the template wants tool-call `arguments` as a JSON string (True) rather than
+        a mapping: a probe call is rendered both ways; the mapping wins when it renders its key
+        and value without Python's repr (`{'k': ...}`), else the string when it renders the JSON."""
+        def probe(arguments: object) -> str | None:
+            msgs = [{"role": "user", "content": "u"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+            try:
+                text = self.tokenizer.apply_chat_template(msgs, tools=[{"type": "function", "function": {
+                    "name": "f", "parameters": {"type": "object"}}}], tokenize=False, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 - a template that cannot take this form
+                return None
+            return text if isinstance(text, str) else None
+
+        as_mapping = probe({"probe_key": "probe_value"})
+        if as_mapping is not None and "probe_key" in as_mapping and "probe_value" in as_mapping \
+                and "'probe_key'" not in as_mapping:
+            return False
+        as_string = probe('{"probe_key": "probe_value"}')
+        return as_string is not None and '"probe_key": "probe_value"' in as_string
+
+    def _detect_open_reasoning(self) -> bool:
+        try:
+            text = self.render_text([Message(role="user", content="u")])
+        except RequestError:
+            return False
+        return text.rstrip().endswith("<think>")
 
     def _direct_template(self, template: str) -> Any:
         """The compiled template `apply_chat_template` renders with, called directly.
@@ -294,19 +406,25 @@ class ChatLayer:
         Raises:
             RequestError: the chat template rejected the conversation (param `messages`).
         """
-        return self.encode(self.render_text(messages, tools))
+        return self.encode(self.render_marked(messages, tools))
 
     def render_text(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> str:
-        """The prompt text `render` tokenises (see the module docstring for conventions)."""
+        """The prompt text `render` tokenises, as text (module docstring for conventions)."""
+        return self.unescape(self.render_marked(messages, tools))
+
+    def render_marked(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None,
+                      *, add_generation_prompt: bool = True) -> str:
+        """The prompt text with special-token text inside content replaced by markers; `encode`
+        turns the markers into plain-text ids. Raises `RequestError` like `render`."""
         dicts = self._template_messages(messages, tools or [])
         template_tools = list(tools) if tools and self.template_has_tools else None
         try:
             if self._compiled is not None and not any(k in d for d in dicts for k in _REASONING_KEYS):
                 text = self._compiled.render(messages=dicts, tools=template_tools, documents=None,
-                                             add_generation_prompt=True, **self._template_kwargs)
+                                             add_generation_prompt=add_generation_prompt, **self._template_kwargs)
             else:
                 text = self.tokenizer.apply_chat_template(dicts, tools=template_tools, tokenize=False,
-                                                          add_generation_prompt=True)
+                                                          add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - jinja raises arbitrary types (TemplateError, TypeError)
             raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
         assert isinstance(text, str), f"apply_chat_template returned {type(text).__name__}"
@@ -314,10 +432,25 @@ class ChatLayer:
 
     def encode(self, text: str) -> list[int]:
         """Ids of rendered prompt `text`: exactly `tokenizer.encode(text, add_special_tokens=False)`
-        (tested), through the Rust backend and the per-message cache when there is one."""
+        (tested), through the Rust backend and the per-message cache when there is one. Text from
+        `render_marked` has its escaped content encoded as plain text (no control tokens)."""
         if self.segments is not None:
             return self.segments.encode(text)
+        if self._marker and self._marker in text:
+            return self._encode_marked_slow(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_marked_slow(self, text: str) -> list[int]:
+        # Slow tokenizers: the pieces between markers as usual, each escaped run as plain text.
+        out: list[int] = []
+        pos = 0
+        assert self._unescape_re is not None
+        for m in self._unescape_re.finditer(text):
+            out += self.tokenizer.encode(text[pos:m.start()], add_special_tokens=False)
+            out += self.tokenizer.encode(self._escape_from[m.group()], add_special_tokens=False,
+                                         split_special_tokens=True)
+            pos = m.end()
+        return out + list(self.tokenizer.encode(text[pos:], add_special_tokens=False))
 
     def encode_within(self, text: str, max_uncached_chars: int) -> list[int] | None:
         """`encode(text)` when at most `max_uncached_chars` characters of it are new to the
@@ -336,17 +469,18 @@ class ChatLayer:
             if self.template_has_tools:
                 out.append(self._native_message(m))
             elif m.role == "tool":
-                block = "<tool_response>\n" + m.content + "\n</tool_response>"
+                block = "<tool_response>\n" + self.escape(m.content) + "\n</tool_response>"
                 if out and out[-1].get("_tool_responses"):
                     out[-1]["content"] += "\n" + block
                 else:
                     out.append({"role": "user", "content": block, "_tool_responses": True})
             elif m.role == "assistant" and m.tool_calls:
-                blocks = "\n".join(hermes_tool_call(c) for c in m.tool_calls)
+                blocks = "\n".join(_hermes_block(c.name, self.escape(c.arguments)) for c in m.tool_calls)
                 out.append(self._with_reasoning({"role": "assistant",
-                                                 "content": (m.content + "\n" if m.content else "") + blocks}, m))
+                                                 "content": (self.escape(m.content) + "\n" if m.content else "")
+                                                 + blocks}, m))
             else:
-                out.append(self._with_reasoning({"role": m.role, "content": m.content}, m))
+                out.append(self._with_reasoning({"role": m.role, "content": self.escape(m.content)}, m))
         for d in out:
             d.pop("_tool_responses", None)
         if tools and not self.template_has_tools:
@@ -358,10 +492,12 @@ class ChatLayer:
         return out
 
     def _native_message(self, m: Message) -> dict[str, Any]:
-        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        d: dict[str, Any] = {"role": m.role, "content": self.escape(m.content)}
         if m.tool_calls:
             d["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_str(c.arguments)}}
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.name, "arguments": self.escape(c.arguments) if self.arguments_as_json_string
+                    else _json_or_str(self.escape(c.arguments))}}
                 for c in m.tool_calls
             ]
         if m.tool_call_id is not None:
@@ -372,11 +508,22 @@ class ChatLayer:
 
     def _with_reasoning(self, d: dict[str, Any], m: Message) -> dict[str, Any]:
         if m.reasoning and self.template_has_reasoning:
-            d["reasoning_content"] = m.reasoning
+            d["reasoning_content"] = self.escape(m.reasoning)
         return d
 
-    def parse(self, completion_ids: Sequence[int], has_tools: bool, *, call_id_seed: str = "") -> ParsedAssistant:
+    def parse(self, completion_ids: Sequence[int], has_tools: bool, *, call_id_seed: str = "",
+              stop: Sequence[str] = (), reasoning_open: bool | None = None) -> ParsedAssistant:
         """Parse sampled ids into assistant text, tool calls (when `has_tools`) and reasoning.
+
+        Args:
+            stop: the request's stop strings; the text ends where the first one found begins
+                (the ids keep everything sampled).
+            reasoning_open: the prompt ended inside an open `<think>` block; defaults to
+                `prompt_opens_reasoning`. Then the completion is reasoning up to `</think>`.
+
+        A completion that starts with `<think>` (or whose prompt opened one) and never closes it
+        is all reasoning: content "", no tool calls (a call written while reasoning is never
+        executed). Tool calls are parsed from the text after the reasoning only.
 
         Tool call ids are `call_<24 hex>` from blake2b(`call_id_seed:index`); pass a seed
         unique per turn (the proxy uses `session_id:turn_index`). With no seed, the ids are
@@ -386,10 +533,19 @@ class ChatLayer:
         if ids and ids[-1] in self.eos_token_ids:
             ids.pop()
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = [i for s in stop if s and (i := text.find(s)) >= 0]
+        if cuts:
+            text = text[:min(cuts)]
         reasoning = None
-        think = _THINK_RE.match(text)
-        if think:
-            reasoning, text = think.group(1).strip(), text[think.end():]
+        opened = self.prompt_opens_reasoning if reasoning_open is None else reasoning_open
+        lead = len(text) - len(text.lstrip())
+        if text.startswith("<think>", lead):
+            opened, text = True, text[lead + len("<think>"):]
+        if opened:
+            end = text.find("</think>")
+            if end < 0:  # cut off (or never closed) inside its reasoning: no answer, no calls
+                return ParsedAssistant(content="", tool_calls=[], reasoning=text.strip() or None)
+            reasoning, text = text[:end].strip(), text[end + len("</think>"):].lstrip()
         if not has_tools:
             return ParsedAssistant(content=text, tool_calls=[], reasoning=reasoning)
         seed = call_id_seed or hashlib.blake2b(repr(completion_ids).encode(), digest_size=8).hexdigest()
@@ -406,6 +562,101 @@ class ChatLayer:
         kept.append(text[pos:])
         content = "".join(kept).strip() if calls else text
         return ParsedAssistant(content=content or (None if calls else ""), tool_calls=calls, reasoning=reasoning)
+
+    # -- bridged rendering ----------------------------------------------------------------------
+
+    def bridge_point(self, turn_index: int, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
+                     reply: ParsedAssistant, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> BridgePoint:
+        """What a finished turn leaves for bridging: its request, the reply the agent got, and
+        the exact ids the engine consumed and sampled."""
+        return BridgePoint(
+            turn_index=turn_index, messages=tuple(messages), tools=tuple(tools or ()),
+            reply=Message(role="assistant", content=reply.content or "", tool_calls=tuple(reply.tool_calls),
+                          reasoning=reply.reasoning),
+            ids=(*prompt_ids, *completion_ids),
+            ended=bool(completion_ids) and completion_ids[-1] in self.eos_token_ids)
+
+    def find_bridge(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
+                    points: Sequence[BridgePoint]) -> BridgePoint | None:
+        """The earlier turn that `messages` extend, or None.
+
+        `messages` extend point P when they start with P's request messages, then P's reply as
+        the agent replays it (`same_replay`: same text up to surrounding whitespace, same tool
+        calls up to JSON formatting; reasoning may be dropped), then at least one new message,
+        with the same tools. The longest such P wins (the latest on ties).
+        """
+        tools_t = tuple(tools or ())
+        best: BridgePoint | None = None
+        n = len(messages)
+        for point in points:
+            k = len(point.messages)
+            if k + 2 > n or (best is not None and k < len(best.messages)) or point.tools != tools_t:
+                continue
+            if same_replay(messages[k], point.reply) and all(
+                    same_replay(a, b) for a, b in zip(messages[:k], point.messages)):
+                best = point
+        return best
+
+    def bridge_suffix(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
+                      point: BridgePoint) -> str | None:
+        """The (marked) text that follows `point.ids` for `messages`: the template's framing of
+        the messages after point's reply, and the generation prompt. None when the template
+        cannot say (the request is rendered normally).
+
+        Derived from the template itself: the conversation is rendered with point's reply
+        replaced by a sentinel text; what follows the sentinel, from the end of the template's
+        end-of-turn token on, is the new messages' framing. A reply that ended without an EOS id
+        (cut at `max_tokens`, or by a stop string) gets the whole end-of-turn framing too.
+        """
+        k = len(point.messages)
+        probe = Message(role="assistant", content=self._bridge_sentinel,
+                        tool_calls=point.reply.tool_calls if point.ended else ())
+        try:
+            text = self.render_marked([*messages[:k], probe, *messages[k + 1:]], tools)
+        except RequestError:
+            return None
+        at = text.find(self._bridge_sentinel)
+        if at < 0 or text.find(self._bridge_sentinel, at + 1) >= 0:
+            return None
+        tail = text[at + len(self._bridge_sentinel):]
+        eot = self._eos_text_re.search(tail) if self._eos_text_re is not None else None
+        if eot is None:
+            return tail if point.ended else None
+        return tail[eot.end():] if point.ended else tail[eot.start():]
+
+    def plan_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None,
+                    points: Sequence[BridgePoint] = ()) -> PromptPlan:
+        """How to build the prompt ids of a request: `head_ids + encode(text)`.
+
+        Bridged (`bridged_from` set) when `find_bridge` finds an earlier turn these messages
+        extend and `bridge_suffix` can frame the new messages; else a normal render (empty
+        head). Raises `RequestError` like `render`.
+        """
+        point = self.find_bridge(messages, tools, points) if points else None
+        if point is not None:
+            suffix = self.bridge_suffix(messages, tools, point)
+            if suffix is not None:
+                return PromptPlan(head_ids=list(point.ids), text=suffix, bridged_from=point.turn_index)
+        return PromptPlan(head_ids=[], text=self.render_marked(messages, tools), bridged_from=None)
+
+    def render_bridged(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
+                       prior: Sequence[tuple[Sequence[Message], Sequence[int], Sequence[int]]]) -> list[int]:
+        """Prompt ids of `messages`, bridged on the earlier turns `prior` when they extend one.
+
+        `prior` holds `(messages, prompt_ids, completion_ids)` of earlier turns in order; each
+        reply is what `parse` makes of its completion (the agent replays that). Without a
+        match this is `render(messages, tools)`.
+        """
+        points = [self.bridge_point(i, msgs, tools, self.parse(c, bool(tools)), p, c)
+                  for i, (msgs, p, c) in enumerate(prior)]
+        plan = self.plan_prompt(messages, tools, points)
+        return plan.head_ids + self.encode(plan.text)
+
+    def bridged_prompt_ids(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
+                           points: Sequence[BridgePoint]) -> list[int] | None:
+        """Prompt ids of `messages` bridged on an earlier turn, or None when they extend none."""
+        plan = self.plan_prompt(messages, tools, points)
+        return None if plan.bridged_from is None else plan.head_ids + self.encode(plan.text)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id decoded on its own (the `token` of OpenAI logprobs entries)."""

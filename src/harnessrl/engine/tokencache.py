@@ -16,6 +16,11 @@ Invariants:
     requires word boundaries (`single_word`) or is matched after a normaliser, and special
     tokens are extracted (`encode_special_tokens` off). Otherwise every call encodes whole.
   * Added tokens are matched leftmost-longest, as the tokenizer's Aho-Corasick matcher does.
+  * Escaped content (`marker`, `restore`): a piece holding `marker` is content text in which
+    the chat layer replaced special-token text by markers; it is encoded with `restore`d
+    text and special tokens *not* extracted (`encode_special_tokens`), so text such as
+    `<|im_end|>` inside a tool result becomes plain-text ids, never a control token. Text
+    with markers is always split at added tokens (those are the template's own).
   * The cache holds at most `max_cached_tokens` ids (least recently used pieces go first);
     it is guarded by a lock, so worker threads may encode concurrently.
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 class SegmentEncoder:
@@ -36,10 +42,16 @@ class SegmentEncoder:
     Args:
         backend: the Rust tokenizer (`PreTrainedTokenizerFast.backend_tokenizer`).
         max_cached_tokens: bound on cached ids (~36 bytes each in CPython lists).
+        marker: the string that opens an escaped special token in content ("" for none).
+        restore: maps a piece holding markers back to its original text.
     """
 
-    def __init__(self, backend: Any, max_cached_tokens: int = 2_000_000) -> None:
+    def __init__(self, backend: Any, max_cached_tokens: int = 2_000_000, *, marker: str = "",
+                 restore: Callable[[str], str] | None = None) -> None:
         self.backend = backend
+        self._marker = marker
+        self._restore = restore
+        self._plain: Any = None
         self.max_cached_tokens = max_cached_tokens
         added = backend.get_added_tokens_decoder()
         self._added_ids = {tok.content: int(i) for i, tok in added.items()}
@@ -61,7 +73,7 @@ class SegmentEncoder:
     def encode_within(self, text: str, max_uncached_chars: int | None) -> list[int] | None:
         """`encode(text)`, or None (nothing encoded) when more than `max_uncached_chars`
         characters of it are not in the cache (None: no limit). One pass over the text."""
-        if not self.piecewise or self._split is None:
+        if self._split is None or not (self.piecewise or self._escaped(text)):
             if max_uncached_chars is not None and len(text) > max_uncached_chars:
                 return None
             return self.backend.encode(text, add_special_tokens=False).ids
@@ -81,7 +93,7 @@ class SegmentEncoder:
 
     def uncached_chars(self, text: str) -> int:
         """Characters of `text` that `encode` would tokenise (pieces not in the cache)."""
-        if not self.piecewise or self._split is None:
+        if self._split is None or not (self.piecewise or self._escaped(text)):
             return len(text)
         pieces = self._split.split(text)[::2]
         with self._lock:
@@ -96,13 +108,29 @@ class SegmentEncoder:
             self._cache.clear()
             self._cached_tokens = 0
 
+    def _escaped(self, text: str) -> bool:
+        return bool(self._marker) and self._marker in text
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` with special-token text encoded as plain text (not extracted)."""
+        if self._plain is None:
+            from tokenizers import Tokenizer
+
+            plain = Tokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
     def _piece_ids(self, piece: str) -> list[int]:
         with self._lock:
             ids = self._cache.get(piece)
             if ids is not None:
                 self._cache.move_to_end(piece)
                 return ids
-        ids = self.backend.encode(piece, add_special_tokens=False).ids
+        if self._escaped(piece) and self._restore is not None:
+            ids = self.encode_plain(self._restore(piece))
+        else:
+            ids = self.backend.encode(piece, add_special_tokens=False).ids
         if len(ids) <= self.max_cached_tokens:
             with self._lock:
                 if piece not in self._cache:

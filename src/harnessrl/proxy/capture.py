@@ -15,6 +15,10 @@ Invariants:
     `status="error"` (keeping at most `REJECTED_BODY_CHARS` of the body); turns failing
     `check_turn_faithful` with `status="unfaithful"`. A call whose session closed while it
     generated is answered 401 and not recorded (`close` returned the final trace).
+  * Bridged rendering: a request that extends an earlier ok turn of the session (its messages
+    plus the reply the agent got) starts with that turn's exact prompt + completion ids and
+    renders only its new messages (`ChatLayer.plan_prompt`); the turn notes `bridged_from=N`.
+    The text returned ends where a stop string begins (the ids keep every sampled token).
   * `usage` is truthful: prompt ids consumed and completion ids sampled by the engine.
   * Bad input gives 4xx (`RequestError`), engine failures 5xx; never `choices: []`.
 
@@ -48,6 +52,9 @@ RECORDED_HEADERS = ("x-session-id", "x-session-affinity", "x-stainless-retry-cou
 """Headers copied into `Turn.headers` (looked up lower-case)."""
 OFFLOAD_RENDER_CHARS = 16_384
 """New (uncached) prompt text above which tokenisation runs in a worker thread."""
+BRIDGE_POINTS_KEPT = 8
+"""Finished turns per session a later request may bridge on (bridged rendering, `chat.py`);
+the newest are kept (an agent extends its last turn; a sub-agent or retry one shortly before)."""
 REJECTED_BODY_CHARS = 4096
 """An error turn keeps at most this many characters of the request's JSON (`summarize_body`):
 a call that failed is never trained, and a flood of large bad calls must not fill memory."""
@@ -86,6 +93,8 @@ class PreparedChat:
     turn_index: int
     started_at: float
     started_perf_s: float
+    bridged_from: int | None = None
+    """The earlier turn whose exact ids start the prompt (bridged rendering), if any."""
 
 
 async def complete_chat(deps: CaptureDeps, session: Session, body: dict[str, Any],
@@ -120,10 +129,12 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
     kept = {k: v for k in RECORDED_HEADERS if (v := headers.get(k)) is not None}
     try:
         request = parse_chat_request(body)
-        text = deps.chat.render_text(request.messages, request.tools)
-        prompt_ids = deps.chat.encode_within(text, OFFLOAD_RENDER_CHARS)
+        plan = deps.chat.plan_prompt(request.messages, request.tools, session.bridge_points)
+        prompt_ids = deps.chat.encode_within(plan.text, OFFLOAD_RENDER_CHARS)
         if prompt_ids is None:
-            prompt_ids = await asyncio.to_thread(deps.chat.encode, text)
+            prompt_ids = await asyncio.to_thread(deps.chat.encode, plan.text)
+        if plan.head_ids:
+            prompt_ids = plan.head_ids + prompt_ids
         sampling = resolve_sampling(deps.config, request, len(prompt_ids), deps.engine.max_context_tokens)
     except RequestError as exc:
         turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, str(exc))
@@ -135,7 +146,8 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
         turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, msg)
         return ChatOutcome(500, error_body(msg, type_="server_error", code="internal_error"), turn,
                            stream=body.get("stream") is True, include_usage=False)
-    return PreparedChat(session, request, body, kept, prompt_ids, sampling, turn_index, started_at, started_perf_s)
+    return PreparedChat(session, request, body, kept, prompt_ids, sampling, turn_index, started_at, started_perf_s,
+                        plan.bridged_from)
 
 
 async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
@@ -153,7 +165,7 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         return _failed(p, 500, error_body(msg, type_="server_error", code="engine_error"), msg)
     try:
         parsed = deps.chat.parse(completion.completion_ids, bool(p.request.tools),
-                                 call_id_seed=f"{p.session.session_id}:{p.turn_index}")
+                                 call_id_seed=f"{p.session.session_id}:{p.turn_index}", stop=p.sampling.stop)
         response = build_response(deps, p.request, completion, parsed)
     except Exception as exc:  # noqa: BLE001 - a proxy bug is still one recorded turn and a JSON answer
         log.exception("proxy failed building the reply of session %s turn %d", p.session.session_id, p.turn_index)
@@ -165,13 +177,19 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         completion_logprobs=list(completion.completion_logprobs), sampling=p.sampling,
         policy_version=completion.policy_version, finish_reason=response["choices"][0]["finish_reason"],
         status="ok", error=None, started_at=p.started_at, latency_s=time.perf_counter() - p.started_perf_s,
-        headers=p.headers, request_kind=request_kind(p.headers), usage=response["usage"], notes=[],
+        headers=p.headers, request_kind=request_kind(p.headers), usage=response["usage"],
+        notes=[] if p.bridged_from is None else [f"bridged_from={p.bridged_from}"],
     )
     reason = check_turn_faithful(turn)
     if reason is not None:
         turn.status, turn.error = "unfaithful", reason
     if not p.session.record(turn):
         return _closed_meanwhile(p, turn)
+    if turn.status == "ok":
+        points = p.session.bridge_points
+        points.append(deps.chat.bridge_point(p.turn_index, p.request.messages, p.request.tools, parsed,
+                                             completion.prompt_ids, completion.completion_ids))
+        del points[:-BRIDGE_POINTS_KEPT]
     return ChatOutcome(200, response, turn, stream=p.request.stream, include_usage=p.request.include_usage)
 
 

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harnessrl.engine.chat import BridgePoint
 from harnessrl.errors import ConfigError, RequestError
 from harnessrl.types import Trace, Turn
 
@@ -53,6 +54,8 @@ class Session:
     max_turns: int = 4096
     """Calls recorded at most; later calls are refused (`reserve_turn_index`)."""
     _next_index: int = field(default=0, repr=False)
+    bridge_points: list[BridgePoint] = field(default_factory=list, repr=False)
+    """Recent finished turns a later request may bridge on (`capture.py`, `chat.plan_prompt`)."""
 
     def reserve_turn_index(self) -> int:
         """The next 0-based turn index, in order of arrival.

@@ -38,13 +38,20 @@ Which turns train (in this order):
 Merging (DESIGN.md §5). Each turn is merged into the row holding its parent's tokens:
   * CLEAN: `prompt_ids` starts with the row's tokens: append the prompt tail (mask 0), then
     the completion (mask 1, sampler logprobs, the turn's policy version).
-  * REALIGN: the divergence starts inside the row's last completion and would untrain fewer
-    than `fork_threshold_tokens` trained tokens: overwrite from the divergence (mask 0), append.
-  * FORK: otherwise, or for the root of a later chain: start a new row whose prompt is context.
+  * REALIGN: the divergence starts inside the row's last completion and no trained token lies
+    after it (that completion was kept as context by `train_turn_fn`): overwrite from the
+    divergence (mask 0), append.
+  * FORK: otherwise, or for the root of a later chain: the row ends at the previous turn
+    (its completion stays trained) and a new row starts whose prompt is context.
+  With bridged rendering (`engine/chat.py`) an agent's next prompt starts with the exact ids
+  of its previous turn, so its turns merge CLEAN; REALIGN and FORK remain for prompts that
+  re-render history (compaction, rewritten messages, sub-agents, templates bridging misses).
 
-Invariants: every sampled token trains in at most one row; a trained token's id and logprob
-are exactly the engine's (no re-tokenisation); rows with no trained token are dropped; the
-logprob at index t is that of `input_ids[t]` given `input_ids[:t]`.
+Invariants: every main-chain sampled token trains in exactly one row (accepted by
+`train_turn_fn`; `MergeStats.untrained_sampled_tokens` counts any that do not, and is 0 by
+construction: no merge ever turns a trained token into context); a trained token's id and
+logprob are exactly the engine's (no re-tokenisation); rows with no trained token are
+dropped; the logprob at index t is that of `input_ids[t]` given `input_ids[:t]`.
 
 What this module does not do: stamp advantages (see `advantages.py`), pack rows, or read
 rewards. Prefix comparisons are C-speed list-slice comparisons with a bisection for the
@@ -88,8 +95,10 @@ class MergeStats:
     num_dropped_rows: int = 0
     """Rows built with no trained token (dropped)."""
     tokens_trained: int = 0
-    tokens_untrained_by_realign: int = 0
-    """Sampled tokens that a REALIGN turned into context."""
+    main_sampled_tokens: int = 0
+    """Sampled tokens of main-chain turns accepted by `train_turn_fn` (all should train)."""
+    untrained_sampled_tokens: int = 0
+    """Of `main_sampled_tokens`, those that train in no kept row (goal and invariant: 0)."""
     tokens_total: int = 0
     """Tokens in the kept rows (trained + context)."""
     excluded: Counter[str] = field(default_factory=Counter)
@@ -107,8 +116,8 @@ class MergeStats:
             num_rows=self.num_rows + other.num_rows,
             num_dropped_rows=self.num_dropped_rows + other.num_dropped_rows,
             tokens_trained=self.tokens_trained + other.tokens_trained,
-            tokens_untrained_by_realign=self.tokens_untrained_by_realign
-            + other.tokens_untrained_by_realign,
+            main_sampled_tokens=self.main_sampled_tokens + other.main_sampled_tokens,
+            untrained_sampled_tokens=self.untrained_sampled_tokens + other.untrained_sampled_tokens,
             tokens_total=self.tokens_total + other.tokens_total,
             excluded=self.excluded + other.excluded,
         )
@@ -124,8 +133,8 @@ class MergeStats:
         """Flat metrics for a `MetricsSink`: fractions, counts, and `excluded/<reason>`."""
         out = {f"{prefix}frac_{k}": v for k, v in self.fractions().items()}
         for name in ("num_turns", "num_auxiliary", "num_rejected_by_hook", "num_rows",
-                     "num_dropped_rows", "tokens_trained", "tokens_untrained_by_realign",
-                     "tokens_total"):
+                     "num_dropped_rows", "tokens_trained", "main_sampled_tokens",
+                     "untrained_sampled_tokens", "tokens_total"):
             out[prefix + name] = float(getattr(self, name))
         for reason, count in sorted(self.excluded.items()):
             out[f"{prefix}excluded/{reason}"] = float(count)
@@ -170,6 +179,8 @@ class _RowBuilder:
     last_turn: int = -1
     """Index of the turn whose completion ends the row: then `tokens == prompt + completion`
     of that turn, so its children's prefix match (from `_parents_and_matches`) applies."""
+    main_spans: list[tuple[int, int]] = field(default_factory=list)
+    """(start, length) of each trained main-chain completion appended (for accounting)."""
 
     @classmethod
     def from_context(cls, prompt_ids: list[int]) -> _RowBuilder:
@@ -178,6 +189,7 @@ class _RowBuilder:
 
     def truncate(self, n: int) -> None:
         del self.tokens[n:], self.mask[n:], self.logprobs[n:], self.versions[n:]
+        self.main_spans = [(s, min(k, n - s)) for s, k in self.main_spans if s < n]
 
     def append_context(self, ids: Sequence[int]) -> None:
         k = len(ids)
@@ -186,8 +198,10 @@ class _RowBuilder:
         self.logprobs.extend([0.0] * k)
         self.versions.extend([-1] * k)
 
-    def append_completion(self, turn: Turn, trained: bool) -> None:
+    def append_completion(self, turn: Turn, trained: bool, main: bool = False) -> None:
         self.last_completion_start = len(self.tokens)
+        if trained and main:
+            self.main_spans.append((len(self.tokens), len(turn.completion_ids)))
         if not trained:
             self.append_context(turn.completion_ids)
             return
@@ -198,28 +212,24 @@ class _RowBuilder:
         self.versions.extend([turn.policy_version] * k)
 
 
-def _merge_turn(
-    builder: _RowBuilder, turn: Turn, fork_threshold_tokens: int, known_match: int
-) -> tuple[MergeKind, _RowBuilder, int]:
-    """Merge `turn`'s prompt into `builder`; return (kind, the row to append to, untrained).
+def _merge_turn(builder: _RowBuilder, turn: Turn, known_match: int) -> tuple[MergeKind, _RowBuilder]:
+    """Merge `turn`'s prompt into `builder`; return (kind, the row to append to).
 
     `known_match` is the common prefix length of `turn.prompt_ids` and `builder.tokens` when
     already known, else -1. The returned row is `builder` (CLEAN, REALIGN) or a new row
-    (FORK); `untrained` counts trained tokens a REALIGN turned into context.
+    (FORK). A REALIGN never overwrites a trained token.
     """
     prompt = turn.prompt_ids
     n_row = len(builder.tokens)
     matched = known_match if known_match >= 0 else common_prefix_len(builder.tokens, prompt)
     if matched == n_row:
         builder.append_context(prompt[n_row:])
-        return "clean", builder, 0
-    if matched >= builder.last_completion_start:
-        untrained = sum(builder.mask[matched:])
-        if untrained < fork_threshold_tokens:
-            builder.truncate(matched)
-            builder.append_context(prompt[matched:])
-            return "realign", builder, untrained
-    return "fork", _RowBuilder.from_context(prompt), 0
+        return "clean", builder
+    if matched >= builder.last_completion_start and not any(builder.mask[matched:]):
+        builder.truncate(matched)
+        builder.append_context(prompt[matched:])
+        return "realign", builder
+    return "fork", _RowBuilder.from_context(prompt)
 
 
 def _eligible_turns(turns: Sequence[Turn], stats: MergeStats) -> list[Turn]:
@@ -325,7 +335,6 @@ def _labelled_auxiliary(turn: Turn) -> bool:
 def build_rows(
     rollout: Rollout,
     *,
-    fork_threshold_tokens: int = 1024,
     train_turn_fn: TrainTurnFn | None = None,
     agent_turn_fn: AgentTurnFn | None = None,
     train_auxiliary: bool = False,
@@ -360,8 +369,7 @@ def build_rows(
             builders.append(row)
         else:
             known = matches[j] if parent_row.last_turn == parent else -1
-            kind, row, untrained = _merge_turn(parent_row, turn, fork_threshold_tokens, known)
-            stats.tokens_untrained_by_realign += untrained
+            kind, row = _merge_turn(parent_row, turn, known)
             if row is not parent_row:
                 builders.append(row)
         if is_main[j]:
@@ -370,15 +378,19 @@ def build_rows(
             seen_main = True
         trained = train_turn_fn is None or bool(train_turn_fn(turn))
         stats.num_rejected_by_hook += not trained
-        row.append_completion(turn, trained)
+        if trained and is_main[j]:
+            stats.main_sampled_tokens += len(turn.completion_ids)
+        row.append_completion(turn, trained, is_main[j])
         row.last_turn, builder_of[j] = j, row
     return _finish_rows(builders, rollout, stats), stats
 
 
 def _finish_rows(builders: list[_RowBuilder], rollout: Rollout, stats: MergeStats) -> list[Row]:
     rows: list[Row] = []
+    trained_main = 0
     for b in builders:
         n_trained = sum(b.mask)
+        trained_main += sum(sum(b.mask[s:s + k]) for s, k in b.main_spans)
         if n_trained == 0:
             stats.num_dropped_rows += 1
             continue
@@ -395,4 +407,5 @@ def _finish_rows(builders: list[_RowBuilder], rollout: Rollout, stats: MergeStat
             )
         )
     stats.num_rows += len(rows)
+    stats.untrained_sampled_tokens += stats.main_sampled_tokens - trained_main
     return rows
