@@ -35,9 +35,20 @@ MAIN_PREFIX_TOKENS = 32
 
 def build_kwargs(index: RunIndex, hooks: dict[str, Callable[..., Any]]) -> dict[str, Any]:
     """The `build_rows` keyword arguments `harnessrl train` uses for this run."""
-    t = index.cfg.train
-    return {"fork_threshold_tokens": t.fork_threshold_tokens, "train_turn_fn": hooks.get("train_turn_fn"),
-            "agent_turn_fn": hooks.get("agent_turn_fn"), "train_auxiliary": t.train_auxiliary}
+    return run_build_kwargs(index.cfg, hooks)
+
+
+def run_build_kwargs(cfg: Any, hooks: dict[str, Callable[..., Any]]) -> dict[str, Any]:
+    """`build_rows` keyword arguments from a run config's `[train]` and its hooks: each
+    `[train]` setting `build_rows` takes (e.g. `train_auxiliary`), and the row hooks."""
+    import inspect
+
+    accepted = inspect.signature(build_rows).parameters
+    kwargs: dict[str, Any] = {k: v for k, v in cfg.train.model_dump().items() if k in accepted and k != "rollout"}
+    for name in ("train_turn_fn", "agent_turn_fn"):
+        if name in accepted:
+            kwargs[name] = hooks.get(name)
+    return kwargs
 
 
 def rollout_rows(rollout: Rollout, advantage: float | None, kwargs: dict[str, Any]) -> list[Row]:
@@ -220,7 +231,7 @@ def _turns(turns: Sequence[Turn], by_index: dict[int, int], is_main: Sequence[bo
             "main": None if j is None else is_main[j], "merge": None if j is None else kinds[j],
             "row": None if j is None else row_of[j],
             "messages": [_message_view(m) for m in messages[new_from:]], "messages_total": len(messages),
-            "messages_from": new_from, "reply": _reply_text(turn.response), "sampled": sampled,
+            "messages_from": new_from, "reply": _turn_reply(turn), "sampled": sampled,
             "prompt_tokens": len(turn.prompt_ids), "completion_tokens": len(turn.completion_ids),
             "finish_reason": turn.finish_reason, "policy_version": turn.policy_version,
             "latency_s": round(turn.latency_s, 3),
@@ -285,8 +296,22 @@ def _content_text(content: Any) -> str:
     return json.dumps(content, ensure_ascii=False)
 
 
-def _reply_text(response: dict[str, Any] | None) -> str | None:
+def _turn_reply(turn: Turn) -> str | None:
+    """The reply the agent was given: the turn's parsed `reply` (reasoning, content, tool
+    calls), or for records that carry only a protocol body, that body's text."""
+    reply = getattr(turn, "reply", None)
+    if reply is None:
+        return _reply_text(getattr(turn, "raw_response", None) or getattr(turn, "response", None))
+    parts = [f"[reasoning] {reply.reasoning}"] if reply.reasoning else []
+    parts += [reply.content] if reply.content else []
+    parts += [f"-> tool call {c.name}({c.arguments})" for c in reply.tool_calls]
+    return "\n".join(parts)
+
+
+def _reply_text(response: Any) -> str | None:
     """The reply the agent got, as text (chat, Responses, Messages, white-box bodies)."""
+    if hasattr(response, "model_dump"):
+        response = response.model_dump()
     if not response:
         return None
     choices = response.get("choices")

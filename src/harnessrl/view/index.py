@@ -30,6 +30,9 @@ from harnessrl.types import Rollout
 
 log = logging.getLogger(__name__)
 
+MAX_WARNINGS = 3
+"""Unreadable lines reported one by one; the rest are counted."""
+
 
 @dataclass(slots=True)
 class RunIndex:
@@ -61,16 +64,40 @@ class RunIndex:
             return Rollout.model_validate_json(fh.read(s["length"]))
 
 
+VIEW_KEYS = (("engine", "model"), ("train", "groups_per_step"), ("train", "advantage"),
+             ("train", "train_auxiliary"), ("hooks", "agent_turn_fn"), ("hooks", "train_turn_fn"),
+             ("hooks", "rollout_reward_fn"))
+"""Settings the viewer needs, kept from a `config.toml` that no longer validates."""
+
+
 def load_run_config(run_dir: Path) -> RunConfig:
-    """The run's `config.toml` (defaults when it has none).
+    """The run's `config.toml` (defaults when it has none). A config written by another
+    version of harnessrl (unknown or renamed keys) still opens: the settings the viewer needs
+    (`VIEW_KEYS`) are taken from it, with a warning naming what was ignored.
 
     Raises:
-        ConfigError: `run_dir` has no `rollouts.jsonl`, or its config does not load.
+        ConfigError: `run_dir` has no `rollouts.jsonl`, or a needed setting is invalid.
     """
+    import json
+    import tomllib
+
     if not (run_dir / "rollouts.jsonl").is_file():
         raise ConfigError(f"{run_dir} is not a run directory: it has no rollouts.jsonl")
     path = run_dir / "config.toml"
-    return load_config(path if path.is_file() else None)
+    if not path.is_file():
+        return load_config(None)
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError):
+            raise exc from None
+        kept = [f"{a}.{b}={json.dumps(data[a][b])}" for a, b in VIEW_KEYS
+                if isinstance(data.get(a), dict) and b in data[a] and data[a][b] is not None]
+        log.warning("%s does not load with this version (%s); using its %s and defaults", path, exc,
+                    ", ".join(k.split("=", 1)[0] for k in kept))
+        return load_config(None, kept)
 
 
 def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
@@ -115,7 +142,9 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
                     reshape_reward(Rollout.model_validate(d), reward_fn).reward
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 bad += 1
-                log.warning("rollouts.jsonl: skipped an unreadable line at byte %d (%s)", start, exc)
+                if bad <= MAX_WARNINGS:
+                    log.warning("rollouts.jsonl: skipped an unreadable line at byte %d (%s)", start,
+                                str(exc).splitlines()[0])
                 continue
             group_order.setdefault(summary["group_id"], []).append(summary["i"])
             summaries.append(summary)
@@ -126,6 +155,8 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
         for i, a in zip(members, adv.advantages_G):
             summaries[i]["advantage"] = None if a is None or adv.zero_variance else float(a)
             summaries[i]["step"] = k // per_step + 1 if metrics else None
+    if bad > MAX_WARNINGS:
+        log.warning("rollouts.jsonl: %d unreadable lines skipped in all", bad)
     return RunIndex(run_dir, cfg, summaries, metrics, bad)
 
 
