@@ -427,7 +427,8 @@ def diagnose_rollout(cfg: RunConfig, report: DoctorReport) -> None:
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.jsonl import read_jsonl
     from harnessrl.rollout.evaluate import run_evaluation
-    from harnessrl.view.detail import merge_kinds
+    from harnessrl.train.hooks import load_hooks
+    from harnessrl.view.detail import merge_kinds, run_build_kwargs
 
     cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": 1})})
     with tempfile.TemporaryDirectory(prefix="harnessrl-doctor-") as tmp:
