@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from harnessrl.train.losses import LossConfig, LossInputs, ppo_clip_loss
+from harnessrl.train.losses import LossInputs, PpoClipLoss, ppo_clip_loss
 from harnessrl.train.packing import PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows
 from harnessrl.types import Row
 
@@ -85,7 +85,7 @@ def padded_step(model: torch.nn.Module, rows: list[Row], batch_rows: int, n_glob
         lp = torch.cat([torch.zeros(len(batch), 1), lp], dim=1)
         seq = torch.arange(len(batch))[:, None].expand(-1, width)
         inputs = LossInputs(lp.flatten(), sampler.flatten(), adv.flatten(), mask.flatten(), seq.flatten(), n_global)
-        ppo_clip_loss(inputs, LossConfig()).loss.backward()
+        ppo_clip_loss(inputs, PpoClipLoss()).loss.backward()
 
 
 def _full_logit_logprobs(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
@@ -101,7 +101,7 @@ def packed_step(model: torch.nn.Module, packs: list[PackedBatch], n_global: int,
             lp = _full_logit_logprobs(model, packed)
         else:
             lp = compute_trainer_logprobs(model, packed, temperature=1.0)
-        ppo_clip_loss(loss_inputs(packed, lp, n_global), LossConfig()).loss.backward()
+        ppo_clip_loss(loss_inputs(packed, lp, n_global), PpoClipLoss()).loss.backward()
 
 
 def _best_s(fn, repeats: int, model: torch.nn.Module) -> float:  # type: ignore[no-untyped-def]

@@ -55,3 +55,46 @@ def test_example_configs_validate() -> None:
     cfg = load_config(EXAMPLES / "opencode_stdio.toml")
     assert cfg.harness.kind == "opencode"
     assert cfg.hooks.train_turn_fn == "harnessrl.train.hooks:has_tool_call"
+
+
+def test_the_config_layer_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import harnessrl.config, sys; harnessrl.config.load_config(None, ['train.loss.kind=cispo']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    # a knob of another variant is not accepted silently
+    (["train.loss.kind=cispo", "train.loss.tis_cap=3.0"], "unknown key 'train.loss.tis_cap' (with train.loss.kind = 'cispo')"),
+    (["train.loss.gspo_epsilon_low=0.1"], "unknown key 'train.loss.gspo_epsilon_low' (with train.loss.kind = 'ppo_clip')"),
+    (["train.loss.kind=ppo"], "train.loss.kind = 'ppo' is unknown; expected one of 'ppo_clip', 'gspo', 'cispo'"),
+    (["tasks.kind=stdio", "tasks.path=t.jsonl", "tasks.difficulty=2"], "unknown key 'tasks.difficulty' (with tasks.kind = 'stdio')"),
+    (["tasks.kind=python"], "tasks.source is required (with tasks.kind = 'python')"),
+    (["tasks.kind=humaneval", "tasks.kwargs={a = 1}"], "unknown key 'tasks.kwargs' (with tasks.kind = 'humaneval')"),
+    (["engine.kind=vllm"], "engine.kind = 'vllm' is unknown; expected one of 'embedded'"),
+    (["engine.modle=x"], "unknown key 'engine.modle' (with engine.kind = 'embedded')"),
+    (["sandbox.kind=docker"], "sandbox.kind = 'docker' is unknown; expected one of 'local'"),
+])
+def test_each_kind_accepts_only_its_own_keys(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    assert message in str(exc.value)
+
+
+def test_the_saved_config_holds_the_resolved_options_of_each_kind(tmp_path: Path) -> None:
+    from harnessrl.tasks.config import StdioTasks
+    from harnessrl.train.loss_config import GspoLoss
+
+    cfg = load_config(None, ["train.loss.kind=gspo", "tasks.kind=stdio", "tasks.path=t.jsonl"])
+    assert isinstance(cfg.train.loss, GspoLoss) and cfg.train.loss.epsilon_low == 3e-4
+    assert isinstance(cfg.tasks, StdioTasks)
+    text = dump_config(cfg)
+    assert 'loss = { kl_coef = 0.0, kind = "gspo", epsilon_low = 0.0003, epsilon_high = 0.0004, tis_cap = 2.0 }' in text
+    assert 'kind = "embedded"' in text and 'kind = "local"' in text and 'path = "t.jsonl"' in text
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    assert load_config(path) == cfg

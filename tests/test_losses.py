@@ -9,8 +9,10 @@ import torch
 
 from harnessrl.errors import ConfigError
 from harnessrl.train.losses import (
-    LossConfig,
+    CispoLoss,
+    GspoLoss,
     LossInputs,
+    PpoClipLoss,
     cispo_loss,
     gspo_loss,
     loss_fn_for,
@@ -44,7 +46,7 @@ def _inputs(
     return inputs, lp
 
 
-PPO_CFG = LossConfig(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0)
+PPO_CFG = PpoClipLoss(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0)
 
 
 def test_ppo_clip_hand_computed_value_gradient_and_fractions() -> None:
@@ -69,7 +71,7 @@ def test_ppo_clip_hand_computed_value_gradient_and_fractions() -> None:
 def test_ppo_without_tis_cap_keeps_the_unclipped_negative_branch() -> None:
     # token 4 alone: r = 3, A = -1, cap 100: loss = -min(-3, -1.28) = 3; grad -r A = 3
     inputs, lp = _inputs([-3.0], [3.0], [-1.0])
-    out = ppo_clip_loss(inputs, LossConfig(tis_cap=100.0))
+    out = ppo_clip_loss(inputs, PpoClipLoss(tis_cap=100.0))
     assert out.loss.item() == pytest.approx(3.0, abs=1e-5)
     out.loss.backward()
     assert lp.grad.item() == pytest.approx(3.0, abs=1e-5)
@@ -95,7 +97,7 @@ def test_non_finite_ratios_are_masked_counted_and_never_nan(loss_fn) -> None:
         seq_ids_T=torch.zeros(5, dtype=torch.long),
         num_tokens_global=4,
     )
-    out = loss_fn(inputs, LossConfig())
+    out = loss_fn(inputs)
     assert math.isfinite(out.loss.item())
     out.loss.backward()
     assert torch.isfinite(lp.grad).all()
@@ -109,7 +111,7 @@ def test_gspo_sequence_ratio_value_and_gradient() -> None:
     # seq 1: log r = 3 x ln 0.9 -> s1 = 0.9, A = -1, not clipped (eps_low .2)
     # loss = (2 * -1.414214 + 3 * 0.9) / 5 = -0.025686
     # token form: d loss / d lp_t = -s_i A_i / 5 -> seq0: -0.282843, seq1: +0.18
-    cfg = LossConfig(gspo_epsilon_low=0.2, gspo_epsilon_high=0.5)
+    cfg = GspoLoss(epsilon_low=0.2, epsilon_high=0.5)
     inputs, lp = _inputs(
         [-1.0, -2.0, -1.0, -1.5, -0.5], [2.0, 1.0, 0.9, 0.9, 0.9], [1.0, 1.0, -1.0, -1.0, -1.0],
         seq_ids=[7, 7, 3, 3, 3],
@@ -125,7 +127,7 @@ def test_gspo_sequence_ratio_value_and_gradient() -> None:
 def test_gspo_clips_the_whole_sequence() -> None:
     # default eps 3e-4 / 4e-4: seq ratio sqrt(2) with A > 0 is clipped: loss -(1.0004), no grad
     inputs, lp = _inputs([-1.0, -2.0], [2.0, 1.0], [1.0, 1.0])
-    out = gspo_loss(inputs, LossConfig())
+    out = gspo_loss(inputs, GspoLoss())
     assert out.loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-6)
     out.loss.backward()
     assert lp.grad.abs().sum().item() == 0.0
@@ -137,7 +139,7 @@ def test_cispo_stop_gradient_clipped_weight() -> None:
     # loss = -sum(w A lp) / 3 = -(-1.5 - 1.0 ... ) : -(1.5*-1) - (0.5*-1*-2) - (5*-0.5) = 1.5 - 1 + 2.5 = 3; / 3 = 1
     # grad = -w A / 3 = [-0.5, 0.166667, -1.666667] (every token keeps a gradient)
     inputs, lp = _inputs([-1.0, -2.0, -0.5], [1.5, 0.5, 10.0], [1.0, -1.0, 1.0])
-    out = cispo_loss(inputs, LossConfig(cispo_epsilon_high=4.0))
+    out = cispo_loss(inputs, CispoLoss(epsilon_high=4.0))
     assert out.loss.item() == pytest.approx(1.0, abs=1e-6)
     out.loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([-0.5, 0.5 / 3, -5 / 3]), atol=1e-6, rtol=0)
@@ -149,13 +151,13 @@ def test_k3_kl_penalty_to_reference() -> None:
     # k3 = rho - 1 - ln rho = [2 - 1 - .693147, .5 - 1 + .693147] = [.306853, .193147], mean .25
     # loss = 0.1 * (.306853 + .193147) / 2 = 0.025; d k3 / d lp = 1 - rho -> [-1, .5] * 0.1 / 2
     inputs, lp = _inputs([-1.0, -1.0], [1.0, 1.0], [0.0, 0.0], ref=[-1.0 + math.log(2), -1.0 + math.log(0.5)])
-    out = ppo_clip_loss(inputs, LossConfig(kl_coef=0.1))
+    out = ppo_clip_loss(inputs, PpoClipLoss(kl_coef=0.1))
     assert out.loss.item() == pytest.approx(0.025, abs=1e-7)
     assert out.metrics["kl"] == pytest.approx(0.25, abs=1e-6)
     out.loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([-0.05, 0.025]), atol=1e-7, rtol=0)
     # off by default: the same inputs give a zero loss
-    assert ppo_clip_loss(inputs, LossConfig()).loss.item() == 0.0
+    assert ppo_clip_loss(inputs, PpoClipLoss()).loss.item() == 0.0
 
 
 def test_mismatch_kl_metric() -> None:
@@ -166,8 +168,14 @@ def test_mismatch_kl_metric() -> None:
 
 def test_loss_fn_for_binds_config_and_rejects_unknown_names() -> None:
     inputs, _ = _inputs([-1.0], [1.5], [1.0])
-    fn = loss_fn_for("ppo_clip", LossConfig(epsilon_high=0.1))
+    fn = loss_fn_for(PpoClipLoss(epsilon_high=0.1))
     assert fn(inputs).loss.item() == pytest.approx(-1.1, abs=1e-6)  # clipped at 1 + 0.1
     assert loss_fn_for("gspo")(inputs).loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-6)
     with pytest.raises(ConfigError, match="'grpo'"):
         loss_fn_for("grpo")
+
+
+def test_kl_coef_without_reference_logprobs_is_an_error() -> None:
+    inputs, _ = _inputs([-1.0], [1.0], [1.0])
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logprobs_T"):
+        ppo_clip_loss(inputs, PpoClipLoss(kl_coef=0.1))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harnessrl.train.losses import LossConfig, ppo_clip_loss
+from harnessrl.train.losses import PpoClipLoss, ppo_clip_loss
 from harnessrl.train.packing import (
     compute_trainer_logprobs,
     loss_inputs,
@@ -136,7 +136,7 @@ def _grads(model: torch.nn.Module, rows: list[Row], packs: list) -> tuple[float,
     total = 0.0
     for packed in packs:
         lp = compute_trainer_logprobs(model, packed, temperature=1.0)
-        out = ppo_clip_loss(loss_inputs(packed, lp, n_global), LossConfig())
+        out = ppo_clip_loss(loss_inputs(packed, lp, n_global), PpoClipLoss())
         out.loss.backward()
         total += out.loss.item()
     return total, [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]

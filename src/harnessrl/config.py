@@ -4,6 +4,13 @@ Responsibility: compose the per-component configs into `RunConfig`, load it from
 `--set a.b=value` overrides, validate cross-field constraints, and save the resolved config.
 Unknown keys are rejected with the key named (`extra="forbid"` everywhere).
 
+Each `kind` is a discriminated union of typed configs defined beside its code, in modules that
+do not import torch: `engine` (`engine/config.py`), `tasks` (`tasks/config.py`), `sandbox`
+(`sandbox/local.py`), `train.loss` (`train/loss_config.py`), `harness.options`
+(`harness/options.py`). A table without `kind` takes the default one; a key of another kind
+fails naming it (`unknown key 'tasks.difficulty' (with tasks.kind = 'stdio')`). The saved
+`config.toml` holds the resolved options of each chosen kind, defaults included.
+
 With no file at all the defaults train SmolLM2-135M-Instruct on the embedded CPU engine with
 mini-swe-agent on procedural tasks, G=4.
 
@@ -20,33 +27,24 @@ from __future__ import annotations
 import datetime as _dt
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from harnessrl.engine.config import EmbeddedEngineConfig, EngineConfig
 from harnessrl.errors import ConfigError
 from harnessrl.harness.base import HarnessRequirements
-from harnessrl.sandbox.local import SandboxConfig
-from harnessrl.train.losses import LossConfig
+from harnessrl.sandbox.local import SandboxConfig as LocalSandboxConfig
+from harnessrl.tasks.config import ProceduralTasks, TasksConfig
+from harnessrl.train.loss_config import LossConfig, PpoClipLoss
+
+__all__ = ["EngineConfig", "HarnessConfig", "HooksConfig", "LogConfig", "RolloutConfig", "RunConfig",
+           "SamplingConfig", "TasksConfig", "TrainConfig", "check_run", "dump_config", "load_config"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
-
-class EngineConfig(BaseModel):
-    model_config = _FROZEN
-
-    kind: Literal["embedded"] = "embedded"
-    """Inference engine: `embedded` (in-process transformers, CPU or GPU)."""
-    model: str = "smollm2-135m"
-    """`smollm2-135m`, `tiny-random`, a local HF directory, or a hub id in the offline cache."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    num_threads: int = Field(default=1, ge=1)
-    """torch intra-op threads of the engine's decode thread."""
-    max_batch_size: int = Field(default=16, ge=1)
-    """Most sequences decoded together in one step."""
-    max_context_tokens: int = Field(default=4096, ge=64)
-    """Largest prompt + completion length served. Unset in a run config: the harness's need,
-    at least 4096 (`harnessrl harness options NAME` shows it)."""
+SandboxConfig = Annotated[LocalSandboxConfig, Field(discriminator="kind")]
+"""`[sandbox]`: the backend named by `kind` (default `local`) with its own keys."""
 
 
 class SamplingConfig(BaseModel):
@@ -60,39 +58,6 @@ class SamplingConfig(BaseModel):
     max_tokens: int = Field(default=192, ge=1)
     """Cap on completion tokens per turn (an agent's larger request is lowered to it). Unset in
     a run config: the reply length the harness asks for, at least 192."""
-
-
-class TasksConfig(BaseModel):
-    model_config = _FROZEN
-
-    kind: Literal["procedural", "humaneval", "stdio", "python"] = "procedural"
-    """Task source: built in (`procedural`, `humaneval`, `stdio`), or `python`: your own, named
-    by `source`."""
-    path: str | None = None
-    """JSONL file of stdin/stdout tasks (kind = stdio)."""
-    source: str | None = None
-    """kind = python: `pkg.module:name` (or `path/to/file.py:name`) of a callable (function or
-    class) that, called with `kwargs`, returns a `TaskSource` (`__len__`, `get(seed)`) or a list
-    of `Task`s."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for `source`."""
-    verifier: str | None = None
-    """`pkg.module:name` (or `path/to/file.py:name`) of a callable that, called with
-    `verifier_kwargs`, returns a verifier (an object with `score(task, sandbox, final_answer)`,
-    async or not, returning `Reward`); it scores every task. Unset: the verifier of each
-    task's family (humaneval, stdio, procedural)."""
-    verifier_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for `verifier`."""
-    limit: int | None = Field(default=None, ge=1)
-    """Use only the first N tasks (after the source's seeded order)."""
-    kinds: list[str] | None = None
-    """Procedural task kinds (default: the generator's own set)."""
-    difficulty: int = Field(default=1, ge=1)
-    """Procedural difficulty knob."""
-    seed_offset: int = 0
-    """Procedural: shifts the task generator's seeds (a held-out set uses another offset)."""
-    answer_via: Literal["file", "reply"] = "file"
-    """Procedural: the agent writes `answer.txt` (`file`) or replies with the answer (`reply`)."""
 
 
 class HarnessConfig(BaseModel):
@@ -141,7 +106,7 @@ class TrainConfig(BaseModel):
     max_grad_norm: float = Field(default=1.0, gt=0)
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     """Group-relative advantage estimator (`train/advantages.py`)."""
-    loss: LossConfig = LossConfig()
+    loss: LossConfig = PpoClipLoss()
     """Policy-gradient loss and its clipping / importance-sampling knobs (`train/losses.py`)."""
     max_staleness: int = Field(default=1, ge=0)
     """Most policy versions a trained token may lag behind; 0 runs rollouts and training in turn."""
@@ -184,15 +149,22 @@ class RunConfig(BaseModel):
     model_config = _FROZEN
 
     seed: int = 0
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = EmbeddedEngineConfig()
     sampling: SamplingConfig = SamplingConfig()
-    tasks: TasksConfig = TasksConfig()
+    tasks: TasksConfig = ProceduralTasks()
     harness: HarnessConfig = HarnessConfig()
-    sandbox: SandboxConfig = SandboxConfig()
+    sandbox: SandboxConfig = LocalSandboxConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     hooks: HooksConfig = HooksConfig()
     log: LogConfig = LogConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kinds(cls, data: Any) -> Any:
+        """A union table given without `kind` takes the default kind. (Pydantic runs "before"
+        validators last-defined first: this one runs after `_harness_defaults`.)"""
+        return _with_default_kinds(data) if isinstance(data, dict) else data
 
     @model_validator(mode="before")
     @classmethod
@@ -216,11 +188,6 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.tasks.kind == "stdio" and not self.tasks.path:
-            raise ValueError("tasks.path is required when tasks.kind = 'stdio'")
-        if self.tasks.kind == "python" and not self.tasks.source:
-            raise ValueError("tasks.source is required when tasks.kind = 'python' "
-                             "(e.g. tasks.source = \"my_pkg.tasks:make_tasks\")")
         req = self.harness.requirements()
         kind = self.harness.kind
         if self.engine.max_context_tokens < req.min_context_tokens:
@@ -243,6 +210,29 @@ class RunConfig(BaseModel):
         return self
 
 
+_DEFAULT_KINDS = {("engine",): "embedded", ("tasks",): "procedural", ("sandbox",): "local",
+                  ("train", "loss"): "ppo_clip"}
+"""The `kind` a table of a discriminated union takes when it names none."""
+
+
+def _with_default_kinds(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with `kind` filled in each union table that is given without one."""
+    data = dict(data)
+    for keys, kind in _DEFAULT_KINDS.items():
+        node = data
+        for key in keys[:-1]:
+            child = node.get(key)
+            if not isinstance(child, dict):
+                break
+            node[key] = child = dict(child)
+            node = child
+        else:
+            table = node.get(keys[-1])
+            if isinstance(table, dict) and "kind" not in table:
+                node[keys[-1]] = {"kind": kind, **table}
+    return data
+
+
 def load_config(path: Path | None, overrides: list[str] = ()) -> RunConfig:  # type: ignore[assignment]
     """Load TOML (or defaults), apply `a.b=value` overrides (values parsed as TOML), validate.
 
@@ -262,7 +252,7 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> RunConfig:  # t
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_describe_validation(exc, path)) from None
+        raise ConfigError(_describe_validation(exc, path, data)) from None
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -312,13 +302,40 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     node[keys[-1]] = value
 
 
-def _describe_validation(exc: ValidationError, path: Path | None) -> str:
+def _config_key(loc: tuple[Any, ...], data: Any) -> str:
+    """The dotted config key of an error location, without the union tags pydantic inserts
+    (`train.loss.cispo.tis_cap` is `train.loss.tis_cap`)."""
+    parts: list[str] = []
+    node = _with_default_kinds(data) if isinstance(data, dict) else data
+    for part in loc:
+        if isinstance(node, dict) and part not in node and node.get("kind") == part:
+            continue  # the discriminated union's tag
+        parts.append(str(part))
+        node = node.get(part) if isinstance(node, dict) else None
+    return ".".join(parts) or "<root>"
+
+
+def _describe_validation(exc: ValidationError, path: Path | None, data: Any = None) -> str:
     where = f" in {path}" if path is not None else ""
     lines = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        key = _config_key(err["loc"], data)
+        kind = ""
+        table = key.rsplit(".", 1)[0]
+        if err["type"] in ("extra_forbidden", "missing"):
+            node: Any = _with_default_kinds(data) if isinstance(data, dict) else {}
+            for part in table.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict) and "kind" in node:
+                kind = f" (with {table}.kind = {node['kind']!r})"
         if err["type"] == "extra_forbidden":
-            lines.append(f"unknown key {key!r}{where}")
+            lines.append(f"unknown key {key!r}{kind}{where}")
+        elif err["type"] == "missing":
+            lines.append(f"{key} is required{kind}{where}")
+        elif err["type"] == "union_tag_invalid":
+            ctx = err.get("ctx") or {}
+            lines.append(f"{key}.kind = {ctx.get('tag')!r} is unknown; expected one of "
+                         f"{ctx.get('expected_tags')}{where}")
         elif err["type"] == "value_error":  # a validator's own message names the keys
             lines.append(f"{err['msg'].removeprefix('Value error, ')}{where}")
         else:

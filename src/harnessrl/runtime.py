@@ -58,28 +58,32 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int) -> Engine:
 
 
 def make_task_source(cfg: TasksConfig) -> TaskSource:
-    match cfg.kind:
-        case "procedural":
+    from harnessrl.tasks.config import HumanEvalTasks, OpenEnvTasks, ProceduralTasks, PythonTasks, StdioTasks
+
+    match cfg:
+        case ProceduralTasks():
             from harnessrl.tasks.procedural import ProceduralSource
 
             kwargs = {"difficulty": cfg.difficulty, "seed_offset": cfg.seed_offset, "answer_via": cfg.answer_via}
             if cfg.kinds:
                 kwargs["kinds"] = tuple(cfg.kinds)
             source: TaskSource = ProceduralSource(**kwargs)
-        case "humaneval":
+        case HumanEvalTasks():
             from harnessrl.tasks.humaneval import HumanEvalSource
 
             source = HumanEvalSource()
-        case "stdio":
+        case StdioTasks():
             from harnessrl.tasks.stdio import StdioSource
 
-            assert cfg.path is not None, "validated by RunConfig"
             source = StdioSource(Path(cfg.path))
-        case "python":
+        case PythonTasks():
             from harnessrl.tasks.python_source import load_python_source
 
-            assert cfg.source is not None, "validated by RunConfig"
             source = load_python_source(cfg.source, dict(cfg.kwargs))
+        case OpenEnvTasks():
+            from harnessrl.tasks.openenv import OpenEnvSource
+
+            source = OpenEnvSource(cfg.factory, dict(cfg.kwargs), cfg.path)
     if cfg.limit is not None:
         source = LimitedSource(source, cfg.limit)
     return source

@@ -66,17 +66,19 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.errors import SandboxError
-from harnessrl.sandbox.base import ExecResult
+from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
 from harnessrl.types import Endpoint
 from harnessrl.sandbox import cgroup
-from harnessrl.sandbox.fsread import UnsafePathError, read_beneath, write_beneath
+from harnessrl.sandbox.fsread import UnsafePathError, open_file_beneath, read_beneath, write_beneath
 from harnessrl.sandbox.bwrap import DEFAULT_SYSTEM_PATHS, ProxyRoute, bwrap_argv, bwrap_path, forwarder_python
 from harnessrl.sandbox.cgroup import PidsGroup
 from harnessrl.sandbox.procs import (
     DIR_VAR,
     MARKER_VAR,
+    SPAWN_VAR,
     find_processes,
     kill_sandbox_processes,
+    kill_tree,
     leftover_processes,
 )
 
@@ -111,6 +113,8 @@ class SandboxConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    kind: Literal["local"] = "local"
+    """Sandbox backend (`sandbox.kind`): `local` (this machine, bubblewrap when present)."""
     root_dir: Path = Field(default_factory=default_root_dir)
     """Directory holding one subdirectory per sandbox."""
     use_bwrap: bool | None = None
@@ -145,7 +149,8 @@ class SandboxConfig(BaseModel):
     output_cap_bytes: int = Field(default=1 << 20, ge=1)
     """Captured bytes kept of each of stdout and stderr of `exec`; the rest is counted, dropped."""
     kill_grace_s: float = Field(default=0.5, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL at `close()`."""
+    """Seconds between SIGTERM and SIGKILL wherever the sandbox kills: an agent's tree
+    (`SandboxProcess.kill_tree`), every process (`kill_processes`, `close()`)."""
     pipe_grace_s: float = Field(default=0.2, ge=0.0)
     """After an exec'd command exits, seconds to wait for background children holding its
     output pipes before returning without their output."""
@@ -223,6 +228,52 @@ def _decode(kept: bytearray, dropped: int) -> str:
     return text + TRUNCATION_MARKER.format(dropped=dropped) if dropped else text
 
 
+class LocalProcess:
+    """A process started by `LocalSandbox.spawn` (the `SandboxProcess` seam).
+
+    Its tree is what `procs.find_tree` finds: its process group, its descendants, and every
+    process carrying its spawn marker (`HARNESSRL_SPAWN_ID`) whatever session it moved to.
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process, spawn_id: str, grace_s: float) -> None:
+        self._proc = proc
+        self._spawn_id = spawn_id
+        self._grace_s = grace_s
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self, timeout_s: float | None = None) -> int | None:
+        """Exit status, or None when still running after `timeout_s` seconds."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
+    async def kill_tree(self) -> int:
+        """SIGTERM the tree, `kill_grace_s`, SIGKILL, reap (see `SandboxProcess.kill_tree`)."""
+        async def kill() -> tuple[int, list[int]]:
+            found, survivors = await asyncio.to_thread(kill_tree, self._spawn_id, self._proc.pid, self._grace_s)
+            if self._proc.pid not in survivors:
+                await self._proc.wait()
+            return found, survivors
+
+        task = asyncio.ensure_future(kill())
+        try:
+            found, survivors = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+            raise
+        if survivors:
+            raise SandboxError(f"pids {survivors} of spawned {self._proc.pid} survived SIGKILL")
+        return found
+
+
 class LocalSandbox:
     """One rollout's directory and processes on this machine. Create via `LocalSandboxBackend`."""
 
@@ -262,6 +313,21 @@ class LocalSandbox:
     @property
     def uses_bwrap(self) -> bool:
         return self._bwrap is not None
+
+    def _rel(self, base: Base, rel_path: str) -> str:
+        """`rel_path` under `base` relative to the sandbox root; SandboxError when unsafe."""
+        if base not in BASES:
+            raise SandboxError(f"sandbox {self.sandbox_id}: base={base!r} must be one of {', '.join(BASES)}")
+        parts = Path(rel_path).parts
+        if Path(rel_path).is_absolute() or ".." in parts:
+            raise SandboxError(f"sandbox {self.sandbox_id}: path {rel_path!r} escapes the {base} dir (must be relative, "
+                               "without '..' components)")
+        return "/".join([base, *parts])
+
+    def agent_path(self, base: Base, rel_path: str = "") -> str:
+        """`rel_path` under `base` as processes in this sandbox see it: the host path, since the
+        sandbox directory is bound at its own path under bubblewrap."""
+        return str(self._root / self._rel(base, rel_path))
 
     def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
         """The endpoint as the agent must address it from inside this sandbox.
@@ -428,45 +494,55 @@ class LocalSandbox:
         )
 
     async def spawn(
-        self, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
-        log_path: Path | None = None,
-    ) -> asyncio.subprocess.Process:
-        """Start a background process (an agent) in its own process group, stdin closed,
-        stdout and stderr appended to `log_path` (discarded when None).
+        self, argv: list[str], env: dict[str, str] | None = None, log_file: str | None = None,
+    ) -> LocalProcess:
+        """Start a background process (an agent) in the workdir, in its own process group,
+        stdin closed, stdout and stderr appended to `log_file` (relative to home, opened
+        without following links; discarded when None).
 
-        Raises `SandboxError` when the sandbox is closed or the process cannot start
-        (FileNotFoundError when `argv[0]` does not exist without bubblewrap).
+        Raises `SandboxError` when the sandbox is closed, the log path is unsafe, or the
+        process cannot start (FileNotFoundError when `argv[0]` does not exist without
+        bubblewrap).
         """
-        log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
-        out = log.fileno() if log is not None else asyncio.subprocess.DEVNULL
+        spawn_id = secrets.token_hex(8)
+        out: int = asyncio.subprocess.DEVNULL
+        if log_file is not None:
+            try:
+                out = open_file_beneath(self._root, self._rel("home", log_file), append=True)
+            except UnsafePathError as e:
+                raise SandboxError(f"sandbox {self.sandbox_id}: log {log_file!r} not opened: {e.strerror}") from None
         try:
             proc = await self._start(
-                argv, env, cwd, self._config.spawn_address_space_bytes, out, asyncio.subprocess.STDOUT
+                argv, {**(env or {}), SPAWN_VAR: spawn_id}, None, self._config.spawn_address_space_bytes,
+                out, asyncio.subprocess.STDOUT,
             )
         finally:
-            if log is not None:
-                log.close()
+            if log_file is not None:
+                os.close(out)
         self._spawned.append(proc)
-        return proc
+        return LocalProcess(proc, spawn_id, self._config.kill_grace_s)
 
-    def read_file(self, rel_path: str) -> bytes:
-        """Bytes of `rel_path` under workdir (at most 64 MiB), no symlink followed at any
-        component (`sandbox/fsread.py`). Raises FileNotFoundError, or SandboxError for a
-        symlink, a special file or a `..` component."""
+    def read_file(
+        self, rel_path: str, *, base: Base = "work", max_bytes: int = READ_MAX_BYTES, tail: bool = False
+    ) -> bytes:
+        """At most `max_bytes` of `rel_path` under `base` (its first bytes, or its last with
+        `tail`), no symlink followed at any component (`sandbox/fsread.py`). Raises
+        FileNotFoundError, or SandboxError for a symlink, a special file or a `..` component."""
         try:
-            return read_beneath(self._root, f"work/{rel_path}", 64 << 20)
+            return read_beneath(self._root, self._rel(base, rel_path), max_bytes, tail=tail)
         except UnsafePathError as e:
-            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not read (escapes the workdir or "
+            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not read (escapes the {base} dir or "
                                f"crosses a link): {e.strerror}") from None
 
-    def write_file(self, rel_path: str, data: str | bytes) -> None:
-        """Write `rel_path` under workdir, creating parents, no symlink followed at any
-        component. Raises SandboxError for a symlink, a non-directory parent or a `..`
-        component."""
+    def write_file(self, rel_path: str, data: str | bytes, *, base: Base = "work", mode: int = 0o644) -> None:
+        """Write `rel_path` under `base` (file mode `mode`), creating parents, no symlink
+        followed at any component. Raises SandboxError for a symlink, a non-directory parent
+        or a `..` component."""
         try:
-            write_beneath(self._root, f"work/{rel_path}", data.encode() if isinstance(data, str) else data)
+            write_beneath(self._root, self._rel(base, rel_path),
+                          data.encode() if isinstance(data, str) else data, mode)
         except UnsafePathError as e:
-            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not written (escapes the workdir "
+            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not written (escapes the {base} dir "
                                f"or crosses a link): {e.strerror}") from None
 
     async def _wait_quiet(self, timeout_s: float) -> None:
@@ -636,7 +712,7 @@ class LocalSandboxBackend:
             for rel_path, text in workspace.items():
                 if Path(rel_path).is_absolute():
                     raise SandboxError(f"workspace path {rel_path!r} is absolute")
-                sandbox.write_file(rel_path, text)
+                sandbox.write_file(rel_path, text)  # refuses absolute and `..` paths
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             if group is not None:

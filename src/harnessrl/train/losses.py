@@ -36,36 +36,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.errors import ConfigError
+from harnessrl.train.loss_config import CispoLoss, GspoLoss, LossConfig, PpoClipLoss
 
-
-class LossConfig(BaseModel):
-    """Loss variant and its hyper-parameters."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
-    """Which surrogate: PPO-clip (token ratio), GSPO (sequence ratio), CISPO (clipped weight)."""
-    epsilon_low: float = Field(default=0.2, gt=0.0)
-    """PPO-clip lower bound `1 - epsilon_low` (Schulman et al. 2017)."""
-    epsilon_high: float = Field(default=0.28, gt=0.0)
-    """PPO-clip upper bound `1 + epsilon_high`; 0.28 is DAPO's clip-higher (Yu et al. 2025)."""
-    gspo_epsilon_low: float = Field(default=3e-4, gt=0.0)
-    """GSPO lower bound on the sequence ratio (Zheng et al. 2025, §5.1: 3e-4)."""
-    gspo_epsilon_high: float = Field(default=4e-4, gt=0.0)
-    """GSPO upper bound on the sequence ratio (Zheng et al. 2025, §5.1: 4e-4)."""
-    cispo_epsilon_high: float = Field(default=4.0, gt=0.0)
-    """CISPO caps the IS weight at `1 + cispo_epsilon_high`; no lower bound (MiniMax-M1 §3.1
-    sets the lower bound out of reach; the upper value is ours, tune it)."""
-    tis_cap: float = Field(default=2.0, gt=1.0)
-    """Truncated-IS cap C on the ratio for A < 0 tokens (Yao et al. 2025 use C = 2)."""
-    kl_coef: float = Field(default=0.0, ge=0.0)
-    """Weight of the k3 KL penalty to a reference policy; 0 disables it."""
+__all__ = ["CispoLoss", "GspoLoss", "LossConfig", "LossFn", "LossInputs", "LossOutputs", "PpoClipLoss",
+           "cispo_loss", "gspo_loss", "loss_fn_for", "ppo_clip_loss"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +116,9 @@ def _finish(
         raise ValueError(f"num_tokens_global={inputs.num_tokens_global} must be > 0")
     zeros = torch.zeros_like(loss_T)
     adv = torch.where(r.valid_T, inputs.advantages_T.float(), zeros)
-    if cfg.kl_coef > 0.0 and inputs.ref_logprobs_T is not None:
+    if cfg.kl_coef > 0.0:
+        if inputs.ref_logprobs_T is None:
+            raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs_T (the reference policy's logprobs)")
         log_rho = torch.where(r.valid_T, inputs.ref_logprobs_T.float() - inputs.trainer_logprobs_T.float(), zeros)
         kl_T = _k3(log_rho)
         loss_T = loss_T + cfg.kl_coef * kl_T
@@ -177,7 +157,7 @@ def _clipped_surrogate(
     return -torch.where(adv_T < 0, capped, surrogate)
 
 
-def ppo_clip_loss(inputs: LossInputs, cfg: LossConfig = LossConfig()) -> LossOutputs:
+def ppo_clip_loss(inputs: LossInputs, cfg: PpoClipLoss = PpoClipLoss()) -> LossOutputs:
     """PPO-clip with asymmetric bounds and a truncated-IS cap, per token.
 
     `loss_t = -min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)`, and for A_t < 0 the
@@ -207,7 +187,7 @@ def _sequence_log_ratio(r: _Ratios, seq_ids_T: torch.Tensor) -> torch.Tensor:
     return (sums / counts.clamp(min=1.0))[inverse]
 
 
-def gspo_loss(inputs: LossInputs, cfg: LossConfig = LossConfig()) -> LossOutputs:
+def gspo_loss(inputs: LossInputs, cfg: GspoLoss = GspoLoss()) -> LossOutputs:
     """GSPO: clipped sequence-level ratio, in its token form (GSPO-token).
 
     `s_i = exp(mean_{t in i} log r_t)` (geometric mean of the token ratios of sequence i);
@@ -221,17 +201,17 @@ def gspo_loss(inputs: LossInputs, cfg: LossConfig = LossConfig()) -> LossOutputs
     adv = torch.where(r.valid_T, inputs.advantages_T.float(), torch.zeros_like(r.ratio_T))
     seq_log_ratio = _sequence_log_ratio(r, inputs.seq_ids_T).detach()
     s_T = torch.exp(seq_log_ratio + r.log_ratio_T - r.log_ratio_T.detach())
-    loss_T = _clipped_surrogate(s_T, adv, cfg.gspo_epsilon_low, cfg.gspo_epsilon_high, cfg.tis_cap)
+    loss_T = _clipped_surrogate(s_T, adv, cfg.epsilon_low, cfg.epsilon_high, cfg.tis_cap)
     with torch.no_grad():
         extra = {
-            "clip_low_frac": _frac((s_T < 1.0 - cfg.gspo_epsilon_low) & (adv < 0), r.valid_T),
-            "clip_high_frac": _frac((s_T > 1.0 + cfg.gspo_epsilon_high) & (adv > 0), r.valid_T),
+            "clip_low_frac": _frac((s_T < 1.0 - cfg.epsilon_low) & (adv < 0), r.valid_T),
+            "clip_high_frac": _frac((s_T > 1.0 + cfg.epsilon_high) & (adv > 0), r.valid_T),
             "is_truncated_frac": _frac((s_T > cfg.tis_cap) & (adv < 0), r.valid_T),
         }
     return _finish(inputs, r, loss_T, cfg, extra)
 
 
-def cispo_loss(inputs: LossInputs, cfg: LossConfig = LossConfig()) -> LossOutputs:
+def cispo_loss(inputs: LossInputs, cfg: CispoLoss = CispoLoss()) -> LossOutputs:
     """CISPO: `loss_t = -sg(min(r_t, 1 + eps_high)) * A_t * log pi(y_t)`.
 
     The clipped IS weight is stop-gradient, so every token keeps a gradient (none is dropped
@@ -240,28 +220,35 @@ def cispo_loss(inputs: LossInputs, cfg: LossConfig = LossConfig()) -> LossOutput
     """
     r = _ratios(inputs)
     adv = torch.where(r.valid_T, inputs.advantages_T.float(), torch.zeros_like(r.ratio_T))
-    weight = torch.clamp(r.ratio_T, max=1.0 + cfg.cispo_epsilon_high).detach()
+    weight = torch.clamp(r.ratio_T, max=1.0 + cfg.epsilon_high).detach()
     logprob = torch.where(r.valid_T, inputs.trainer_logprobs_T.float(), torch.zeros_like(r.ratio_T))
     loss_T = -weight * adv * logprob
     with torch.no_grad():
-        truncated = _frac(r.ratio_T > 1.0 + cfg.cispo_epsilon_high, r.valid_T)
+        truncated = _frac(r.ratio_T > 1.0 + cfg.epsilon_high, r.valid_T)
         extra = {"clip_low_frac": 0.0, "clip_high_frac": truncated, "is_truncated_frac": truncated}
     return _finish(inputs, r, loss_T, cfg, extra)
 
 
-def loss_fn_for(name: str, cfg: LossConfig | None = None) -> LossFn:
-    """The loss named `name` (`ppo_clip`, `gspo`, `cispo`) bound to `cfg`: `fn(inputs)`.
+def loss_fn_for(cfg: LossConfig | str | None = None) -> LossFn:
+    """The loss of `cfg`'s variant bound to it: `fn(inputs)`. A string names a variant
+    (`ppo_clip`, `gspo`, `cispo`) with its defaults; None is PPO-clip with its defaults.
 
     Raises:
-        ConfigError: unknown name.
+        ConfigError: an unknown variant name or an object that is not one of the loss configs.
     """
-    cfg = cfg or LossConfig()
-    match name:
-        case "ppo_clip":
+    if cfg is None:
+        cfg = PpoClipLoss()
+    elif isinstance(cfg, str):
+        defaults = {"ppo_clip": PpoClipLoss, "gspo": GspoLoss, "cispo": CispoLoss}
+        if cfg not in defaults:
+            raise ConfigError(f"loss={cfg!r} is not one of 'ppo_clip', 'gspo', 'cispo'")
+        cfg = defaults[cfg]()
+    match cfg:
+        case PpoClipLoss():
             return partial(ppo_clip_loss, cfg=cfg)
-        case "gspo":
+        case GspoLoss():
             return partial(gspo_loss, cfg=cfg)
-        case "cispo":
+        case CispoLoss():
             return partial(cispo_loss, cfg=cfg)
         case _:
-            raise ConfigError(f"loss={name!r} is not one of 'ppo_clip', 'gspo', 'cispo'")
+            raise ConfigError(f"train.loss={cfg!r} is not a PpoClipLoss, GspoLoss or CispoLoss")
