@@ -32,10 +32,40 @@ class Policy:
     """The HF causal LM being trained (a peft model when `lora_rank > 0`)."""
     optimizer: torch.optim.Optimizer
     lora: bool
+    reference: torch.nn.Module | None = None
+    """Full fine-tuning with a KL penalty: a frozen copy of the initial weights (eval mode, no
+    gradient). None otherwise (with LoRA the reference is the base with adapters disabled)."""
+    has_reference: bool = False
+    """Whether `reference_logprobs` may be called (`load_policy(reference=True)`)."""
 
 
-def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, lora_rank: int) -> Policy:
+def reference_logprobs(policy: Policy, packed: Any, temperature: float) -> torch.Tensor:
+    """The reference policy's logprobs of `packed`'s trained tokens (float32 [T], no gradient):
+    the initial weights, frozen. With LoRA the base model with its adapters disabled (no extra
+    memory); with full fine-tuning the frozen copy `policy.reference`.
+
+    Raises:
+        ConfigError: the policy was loaded without a reference.
+    """
+    from harnessrl.train.packing import compute_trainer_logprobs
+
+    if not policy.has_reference:
+        raise ConfigError("reference_logprobs: the policy was loaded without a reference (train.loss.kl_coef = 0)")
+    with torch.no_grad():
+        if policy.lora:
+            with policy.model.disable_adapter():  # type: ignore[operator]
+                return compute_trainer_logprobs(policy.model, packed, temperature)
+        assert policy.reference is not None
+        return compute_trainer_logprobs(policy.reference, packed, temperature)
+
+
+def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, lora_rank: int,
+                reference: bool = False) -> Policy:
     """Load the policy in fp32 on CPU (train mode) with AdamW (Loshchilov & Hutter 2019).
+
+    `reference`: keep the initial weights as the KL reference (`reference_logprobs`). Free with
+    LoRA (the frozen base is the reference); with full fine-tuning one more fp32 copy of the
+    model (4 bytes per parameter: 0.54 GB for 135M) kept frozen for the whole run.
 
     Raises:
         ConfigError: `lora_rank > 0` but peft is not installed.
@@ -51,11 +81,16 @@ def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, l
             raise ConfigError("train.lora_rank > 0 needs peft (pip install 'harnessrl[lora]')") from exc
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
                                                  target_modules="all-linear", lora_dropout=0.0))
+    frozen = None
+    if reference and not lora:
+        import copy
+
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     # fused: one kernel over all parameters (on CPU ~3x faster than the per-tensor loop)
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=True)
-    return Policy(model=model, optimizer=optimizer, lora=lora)
+    return Policy(model=model, optimizer=optimizer, lora=lora, reference=frozen, has_reference=reference)
 
 
 class NonFiniteWeightsError(HarnessRLError):

@@ -36,6 +36,7 @@ import signal
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.train.console import final_table, print_conversation, skip_reason, step_line
     from harnessrl.train.losses import loss_fn_for
     from harnessrl.engine.weight_sync import make_weight_sync
-    from harnessrl.train.policy import latest_checkpoint, load_policy, restore_checkpoint, save_checkpoint
+    from harnessrl.train.policy import (latest_checkpoint, load_policy, reference_logprobs, restore_checkpoint,
+                                        save_checkpoint)
     from harnessrl.train.hooks import load_hooks, reshape_reward
     from harnessrl.train.step import optimizer_step, sampler_parity
 
@@ -127,15 +129,20 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             # 0) the policy (same weights the engine serves), optimizer, hooks, resume point
             policy = await loop.run_in_executor(trainer, lambda: load_policy(
                 rt.model_dir, learning_rate=cfg.train.learning_rate,
-                weight_decay=cfg.train.weight_decay, lora_rank=cfg.train.lora_rank))
+                weight_decay=cfg.train.weight_decay, lora_rank=cfg.train.lora_rank,
+                reference=cfg.train.loss.kl_coef > 0))
             tokenizer = load_tokenizer(rt.model_dir)
             from harnessrl.doctor import quick_line
 
             log.info(quick_line(tokenizer, cfg.engine.model, getattr(rt.engine, "eos_token_ids", None)))
-            loss_fn = loss_fn_for(cfg.train.loss.kind, cfg.train.loss)
+            loss_fn = loss_fn_for(cfg.train.loss)
             advantage_fn = advantage_fn_for(cfg.train.advantage)
             hooks = load_hooks(cfg.hooks)
             sync = make_weight_sync(cfg.engine.kind, rt.engine)
+            # KL penalty: the reference is the initial weights, frozen (before any checkpoint
+            # is restored); its logprobs are computed per micro-batch on the trainer thread
+            reference = (partial(reference_logprobs, policy, temperature=cfg.sampling.temperature)
+                         if cfg.train.loss.kl_coef > 0 else None)
             if checkpoint is not None:
                 state = await loop.run_in_executor(trainer, restore_checkpoint, policy, checkpoint)
                 version = state["policy_version"]
@@ -192,7 +199,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         result = await loop.run_in_executor(trainer, lambda: optimizer_step(
                             policy.model, policy.optimizer, rows, loss_fn,
                             temperature=cfg.sampling.temperature, token_budget=cfg.train.token_budget,
-                            max_grad_norm=cfg.train.max_grad_norm))
+                            max_grad_norm=cfg.train.max_grad_norm,
+                            reference=reference))
                         metrics.update(result.metrics)
                     else:
                         metrics["skipped"] = 1.0

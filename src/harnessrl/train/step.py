@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from harnessrl.train.losses import LossFn
-from harnessrl.train.packing import compute_trainer_logprobs, loss_inputs, pack_rows
+from harnessrl.train.packing import PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows
 from harnessrl.types import Row
 
 
@@ -44,8 +44,12 @@ def optimizer_step(
     temperature: float,
     token_budget: int,
     max_grad_norm: float,
+    reference: Callable[[PackedBatch], torch.Tensor] | None = None,
 ) -> StepResult:
     """Train on `rows` (advantages already stamped) with one optimizer update.
+
+    `reference(batch)` gives the reference policy's logprobs of a micro-batch (float32 [T], no
+    gradient) for the loss's KL penalty (`kl_coef > 0` needs it; `policy.reference_logprobs`).
 
     Rows with no trained token must not be passed (the samples builder drops them).
     Returns metrics; `skipped=1` when no update happened: nothing to train, or a NaN / inf
@@ -72,7 +76,8 @@ def optimizer_step(
             ratio = torch.exp(trainer_lp_T.detach()[mask] - batch.sampler_logprobs_T[mask])
             abs_dev_sum += float(torch.nan_to_num((ratio - 1).abs(), nan=0.0, posinf=0.0).sum())
         # 3) loss, normalised by the whole batch's trained tokens, and backward
-        out = loss_fn(loss_inputs(batch, trainer_lp_T, num_trained))
+        ref_lp_T = reference(batch) if reference is not None else None
+        out = loss_fn(loss_inputs(batch, trainer_lp_T, num_trained, ref_lp_T))
         out.loss.backward()
         loss_total += float(out.loss.detach())
         weight = batch.num_trained_tokens / num_trained
