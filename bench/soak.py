@@ -175,7 +175,7 @@ async def soak(args: argparse.Namespace) -> int:
     engine = SoakEngine(tokenizer)
     use_bwrap = {"auto": None, "on": True, "off": False}[args.bwrap]
     harness = CommandHarness(CommandHarnessConfig(
-        name="soak-agent", files={"agent.py": AGENT}, final_answer_file="answer.txt", kill_grace_s=0.5,
+        name="soak-agent", files={"agent.py": AGENT}, final_answer_file="answer.txt",
         argv=["python3", "{state_dir}/agent.py", "{base_url}", "{api_key}", "{model}", "{state_dir}/task.json", token]))
     limits = RolloutLimits(agent_timeout_s=args.agent_timeout_s, verify_timeout_s=30)
     verifier = CrashingVerifier()

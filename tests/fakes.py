@@ -1,5 +1,7 @@
 """Small fakes and helpers for unit tests: `FakeEngine` returns canned completion ids and
-logprobs; `in_process` serves the proxy app over an in-process transport.
+logprobs; `in_process` serves the proxy app over an in-process transport; `FakeSandbox` is the
+Sandbox seam in memory (files in a dict, scripted process handles, agent paths that are not
+host paths, as in a container), with `FakeBackend` creating them.
 
 It keeps the Engine protocol (`engine/base.py`): the `Completion.prompt_ids` it returns are
 exactly its input, it records every call, and it can be told to fail.
@@ -14,13 +16,14 @@ from pathlib import Path
 
 import httpx
 
-from harnessrl.errors import ContextLengthError, EngineError
+from harnessrl.errors import ContextLengthError, EngineError, SandboxError
 from harnessrl.proxy.app import ProxyDeps, make_app
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import native_protocols
 from harnessrl.proxy.sessions import SessionStore
-from harnessrl.types import Completion, Sampling
+from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
+from harnessrl.types import Completion, Endpoint, Sampling
 
 CAPTURES_DIR = Path(__file__).parent / "data" / "captures"
 """Request bodies captured from real agents (opencode, pi, mini-swe-agent, aider, codex)."""
@@ -77,3 +80,146 @@ def in_process(engine: object, chat: object, **config: object) -> tuple[httpx.As
     deps = ProxyDeps(CaptureDeps(engine, chat, ProxyConfig(**config)), store)  # type: ignore[arg-type]
     app = make_app(deps, native_protocols())
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"), store
+
+
+@dataclass
+class ScriptedProcess:
+    """A `SandboxProcess` whose life is scripted: it exits with `exit_code` after `run_s`
+    seconds, or (`exit_code=None`) runs until `kill_tree`; `kill_survives` makes the kill
+    raise as `LocalProcess` does when a pid survives SIGKILL."""
+
+    exit_code: int | None = 0
+    run_s: float = 0.0
+    kill_survives: bool = False
+    pid: int = 4242
+    returncode: int | None = None
+    kills: int = 0
+
+    async def wait(self, timeout_s: float | None = None) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self.exit_code is None or (timeout_s is not None and self.run_s > timeout_s):
+            await asyncio.sleep(timeout_s if timeout_s is not None else 3600.0)
+            return None
+        await asyncio.sleep(self.run_s)
+        self.returncode = self.exit_code
+        return self.returncode
+
+    async def kill_tree(self) -> int:
+        self.kills += 1
+        if self.kill_survives:
+            raise SandboxError(f"pids [{self.pid}] of spawned {self.pid} survived SIGKILL")
+        if self.returncode is not None:
+            return 0
+        self.returncode = -15
+        return 1
+
+
+Agent = Callable[["FakeSandbox", list[str], dict[str, str]], ScriptedProcess]
+"""What a spawn does in a `FakeSandbox`: may write files (`sandbox.files`), returns the handle."""
+
+
+class FakeSandbox:
+    """The Sandbox seam in memory.
+
+    Files live in `files[(base, rel_path)]` (bytes) with their modes in `modes`; a key in
+    `links` reads and writes as a planted symlink does (SandboxError). `agent_path` gives
+    `/sandbox/<base>/<rel>`, which is no host path (as in a container). `spawn` records
+    `(argv, env, log_file)` in `spawned` and runs `agent`; `kill_fails` makes
+    `kill_processes` raise. Every method call is appended to `calls`.
+    """
+
+    def __init__(self, root: Path = Path("/nonexistent/fake-sandbox"), *, agent: Agent | None = None,
+                 kill_fails: bool = False) -> None:
+        self.root = root
+        self.agent = agent or (lambda sandbox, argv, env: ScriptedProcess())
+        self.kill_fails = kill_fails
+        self.files: dict[tuple[Base, str], bytes] = {}
+        self.modes: dict[tuple[Base, str], int] = {}
+        self.links: set[tuple[Base, str]] = set()
+        self.spawned: list[tuple[list[str], dict[str, str], str | None]] = []
+        self.processes: list[ScriptedProcess] = []
+        self.calls: list[str] = []
+
+    @property
+    def workdir(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @staticmethod
+    def _key(base: Base, rel_path: str) -> tuple[Base, str]:
+        if base not in BASES or rel_path.startswith("/") or ".." in rel_path.split("/"):
+            raise SandboxError(f"fake sandbox: {base}/{rel_path!r} escapes the sandbox")
+        return base, rel_path
+
+    def agent_path(self, base: Base, rel_path: str = "") -> str:
+        self._key(base, rel_path)
+        return f"/sandbox/{base}/{rel_path}" if rel_path else f"/sandbox/{base}"
+
+    def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
+        return endpoint
+
+    async def exec(self, cmd, timeout_s, env=None, cwd=None) -> ExecResult:  # noqa: ANN001
+        self.calls.append("exec")
+        return ExecResult(0, "", "", False, 0.0)
+
+    async def spawn(self, argv: list[str], env: dict[str, str] | None = None,
+                    log_file: str | None = None) -> ScriptedProcess:
+        self.calls.append("spawn")
+        self.spawned.append((list(argv), dict(env or {}), log_file))
+        proc = self.agent(self, list(argv), dict(env or {}))
+        self.processes.append(proc)
+        return proc
+
+    def read_file(self, rel_path: str, *, base: Base = "work", max_bytes: int = READ_MAX_BYTES,
+                  tail: bool = False) -> bytes:
+        key = self._key(base, rel_path)
+        if key in self.links:
+            raise SandboxError(f"fake sandbox: {rel_path!r} not read: a symlink (not followed)")
+        if key not in self.files:
+            raise FileNotFoundError(rel_path)
+        data = self.files[key]
+        return data[-max_bytes:] if tail and max_bytes else data[:max_bytes]
+
+    def write_file(self, rel_path: str, data: str | bytes, *, base: Base = "work", mode: int = 0o644) -> None:
+        self.calls.append("write_file")
+        key = self._key(base, rel_path)
+        if key in self.links:
+            raise SandboxError(f"fake sandbox: {rel_path!r} not written: a symlink (not followed)")
+        self.files[key] = data.encode() if isinstance(data, str) else data
+        self.modes[key] = mode
+
+    def text(self, base: Base, rel_path: str) -> str:
+        """A file's text (test helper)."""
+        return self.files[(base, rel_path)].decode()
+
+    async def kill_processes(self) -> int:
+        self.calls.append("kill_processes")
+        if self.kill_fails:
+            raise SandboxError("sandbox fake: pids [4242] survived SIGKILL")
+        return 1
+
+    async def close(self) -> None:
+        self.calls.append("close")
+        if self.kill_fails:
+            raise SandboxError("sandbox fake: pids [4242] survived SIGKILL")
+
+
+class FakeBackend:
+    """Creates `FakeSandbox`es; `kill_fails[i]` for the i-th one; keeps them in `made`."""
+
+    def __init__(self, root: Path, kill_fails: Sequence[bool] = (), agent: Agent | None = None) -> None:
+        self.root, self.kill_fails, self.agent = root, list(kill_fails), agent
+        self.made: list[FakeSandbox] = []
+
+    async def create(self, rollout_id: str, workspace: dict[str, str]) -> FakeSandbox:
+        sandbox = FakeSandbox(self.root / rollout_id, agent=self.agent,
+                              kill_fails=self.kill_fails.pop(0) if self.kill_fails else False)
+        for rel_path, text in workspace.items():
+            sandbox.write_file(rel_path, text)
+        sandbox.calls.clear()
+        self.made.append(sandbox)
+        return sandbox

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from harnessrl.errors import SandboxError
 from harnessrl.harness import claude_code, codex, mini_swe_agent, opencode, pi
-from harnessrl.harness.cli_agent import agent_log_path, agent_state_dir, read_log_tail
+from harnessrl.harness.cli_agent import AgentPaths, CliAgentHarness, collect_result, read_log_tail
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.rewards.exact_match import ExactMatchVerifier
 from harnessrl.rewards.stdio_tests import StdioVerifier
@@ -269,12 +270,19 @@ def _plant_links_script(state: Path, names: list[str], secret: Path) -> str:
                        f"{shlex.quote(str(state / n))}" for n in names)
 
 
+CLI_HARNESSES = [opencode.OpencodeHarness(), pi.PiHarness(), claude_code.ClaudeCodeHarness(), codex.CodexHarness(),
+                 mini_swe_agent.MiniSweAgentHarness()]
+
+
 @pytest.mark.parametrize("use_bwrap", BWRAP)
 async def test_each_cli_harness_reader_ignores_planted_links(
-    tmp_path: Path, sandbox_root: Path, use_bwrap: bool
+    tmp_path: Path, sandbox_root: Path, use_bwrap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each CLI harness's spec read back through the shared runner (`collect_result`) after the
+    agent replaced its log and its answer/trajectory file with links to host files that would
+    pass as its answer: the answer is None and the secret is nowhere in the result."""
+    monkeypatch.setattr(CliAgentHarness, "executable", lambda self: "/bin/true")
     outside = _outside(tmp_path)
-    # a host file that each reader would accept as the agent's answer if it followed the link
     lure = outside / "lure.jsonl"
     lure.write_text(
         "\n".join([
@@ -285,58 +293,62 @@ async def test_each_cli_harness_reader_ignores_planted_links(
     traj = outside / "traj.json"
     traj.write_text('{"info": {"submission": "%s", "exit_status": "Submitted"}}' % SECRET)
     sandbox = await _sandbox(sandbox_root, use_bwrap)
+    endpoint = Endpoint(base_url="http://127.0.0.1:9/v1", api_key="k", model="m")
     try:
-        logs = {a: agent_log_path(sandbox, a) for a in ("opencode", "pi", "claude-code", "codex")}
-        mini_state = agent_state_dir(sandbox, "mini-swe-agent")
-        codex_state = agent_state_dir(sandbox, "codex")
-        for path in logs.values():
-            path.write_text("ordinary log line\n")
         home = sandbox.home
+        for h in CLI_HARNESSES:
+            sandbox.write_file(f".harnessrl/{h.name}.log", "ordinary log line\n", base="home")
         script = " && ".join([
-            _plant_links_script(home / ".harnessrl", [p.name for p in logs.values()], lure),
-            _plant_links_script(mini_state, ["traj.json"], traj),
-            _plant_links_script(codex_state, ["last_message.txt"], outside / "secret.txt"),
+            _plant_links_script(home / ".harnessrl", [f"{h.name}.log" for h in CLI_HARNESSES], lure),
+            "mkdir -p $HOME/.harnessrl/mini-swe-agent $HOME/.harnessrl/codex",
+            _plant_links_script(home / ".harnessrl/mini-swe-agent", ["traj.json"], traj),
+            _plant_links_script(home / ".harnessrl/codex", ["last_message.txt"], outside / "secret.txt"),
         ])
         await _plant(sandbox, script)
-        # the links are really there and would lead to the secret
-        assert all(p.is_symlink() and SECRET in p.read_text() for p in logs.values())
-        assert opencode.last_text(opencode.read_json_events(sandbox, logs["opencode"])) is None
-        assert pi.last_assistant_text(sandbox, logs["pi"]) is None
-        assert claude_code.read_result(sandbox, logs["claude-code"]) is None
-        assert mini_swe_agent.read_trajectory_info(sandbox, mini_state / "traj.json") == {}
-        assert codex._read(sandbox, codex_state / "last_message.txt") is None
-        for path in logs.values():
-            tail = read_log_tail(sandbox, path)
-            assert SECRET not in tail and "not read" in tail
+        assert all(SECRET in (home / f".harnessrl/{h.name}.log").read_text() for h in CLI_HARNESSES)
+        for h in CLI_HARNESSES:
+            paths = AgentPaths(sandbox, h.name)
+            spec = h.spec(Task("t/0", "test", "x"), endpoint, paths)
+            result = collect_result(sandbox, spec, paths, 1, False, h.name)
+            assert result.final_answer is None, h.name
+            assert SECRET not in repr(result), h.name
+            assert "not read" in result.log_tail and result.error is not None, h.name
     finally:
         await sandbox.close()
 
 
 @pytest.mark.parametrize("use_bwrap", BWRAP)
-async def test_a_symlinked_home_is_not_followed(tmp_path: Path, sandbox_root: Path, use_bwrap: bool) -> None:
+async def test_a_symlinked_home_is_not_followed(
+    tmp_path: Path, sandbox_root: Path, use_bwrap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     outside = _outside(tmp_path)
     (outside / "dir" / ".harnessrl").mkdir()
     (outside / "dir" / ".harnessrl" / "pi.log").write_text(
         '{"message": {"role": "assistant", "content": [{"type": "text", "text": "%s"}]}}\n' % SECRET)
     sandbox = await _sandbox(sandbox_root, use_bwrap)
     try:
-        log = agent_log_path(sandbox, "pi")
-        log.write_text("real log\n")
+        sandbox.write_file(".harnessrl/pi.log", "real log\n", base="home")
         await _plant(sandbox, f"cd .. && mv home home.orig && ln -s {shlex.quote(str(outside / 'dir'))} home")
-        assert SECRET in log.read_text(), "the plant did not work"
-        assert pi.last_assistant_text(sandbox, log) is None
-        assert "not read" in read_log_tail(sandbox, log)
+        assert SECRET in (sandbox.home / ".harnessrl/pi.log").read_text(), "the plant did not work"
+        monkeypatch.setattr(CliAgentHarness, "executable", lambda self: "/bin/true")
+        paths = AgentPaths(sandbox, "pi")
+        spec = pi.PiHarness().spec(Task("t/0", "test", "x"), Endpoint("http://127.0.0.1:9/v1", "k", "m"), paths)
+        result = collect_result(sandbox, spec, paths, 0, False, "pi")
+        assert result.final_answer is None and SECRET not in repr(result)
+        assert "not read" in read_log_tail(sandbox, paths)
+        with pytest.raises(SandboxError, match="symlink"):
+            sandbox.read_file(".harnessrl/pi.log", base="home")
+        with pytest.raises(SandboxError, match="symlink"):
+            sandbox.write_file(".harnessrl/pi.log", "x", base="home")
     finally:
         await sandbox.close()
-    assert (outside / "dir" / ".harnessrl" / "pi.log").exists()
+    assert (outside / "dir" / ".harnessrl" / "pi.log").read_text().startswith('{"message"')
 
 
 @pytest.mark.parametrize("use_bwrap", BWRAP)
 async def test_sandbox_file_api_follows_no_link(tmp_path: Path, sandbox_root: Path, use_bwrap: bool) -> None:
     """`Sandbox.write_file` / `read_file` (the white-box loop's write_file tool, workspace set-up)
     after the agent swapped `work` for a link to a host directory: nothing read or written there."""
-    from harnessrl.errors import SandboxError
-
     outside = _outside(tmp_path)
     before = _listing(outside)
     sandbox = await _sandbox(sandbox_root, use_bwrap, {"a/b.txt": "x"})

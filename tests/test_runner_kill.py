@@ -1,8 +1,8 @@
 """A sandbox whose processes survive SIGKILL ends one rollout, not the run; the rollout status
 table (one terminal status per rollout, DESIGN.md §3.3) on a fake sandbox.
 
-On a fake sandbox (every method recorded; `kill_processes` raises as `LocalSandbox` does when
-pids survive): the rollout is `infra_error` with the cause, the verifier never runs (hidden
+On the fake sandbox of `tests/fakes.py` (every method recorded; `kill_processes` raises as
+`LocalSandbox` does when pids survive): the rollout is `infra_error` with the cause, the verifier never runs (hidden
 tests never meet a live agent), the proxy session is closed and the sandbox closed; the next
 rollout on a healthy sandbox runs normally.
 """
@@ -14,67 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.errors import SandboxError
 from harnessrl.harness.base import HarnessResult
 from harnessrl.rewards.base import Reward
 from harnessrl.rollout.runner import RolloutLimits, run_rollout
-from harnessrl.sandbox.base import ExecResult
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint, Trace
-
-
-class FakeSandbox:
-    """The Sandbox seam in memory; `kill_fails` makes `kill_processes` raise."""
-
-    def __init__(self, root: Path, kill_fails: bool) -> None:
-        self.root = root
-        self.kill_fails = kill_fails
-        self.calls: list[str] = []
-
-    @property
-    def workdir(self) -> Path:
-        return self.root / "work"
-
-    @property
-    def home(self) -> Path:
-        return self.root / "home"
-
-    def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
-        return endpoint
-
-    async def exec(self, cmd, timeout_s, env=None, cwd=None) -> ExecResult:  # noqa: ANN001
-        self.calls.append("exec")
-        return ExecResult(0, "", "", False, 0.0)
-
-    async def spawn(self, argv, env=None, cwd=None, log_path=None):  # noqa: ANN001, ANN201
-        raise AssertionError("not used")
-
-    def read_file(self, rel_path: str) -> bytes:
-        raise FileNotFoundError(rel_path)
-
-    def write_file(self, rel_path: str, data: str | bytes) -> None:
-        self.calls.append("write_file")
-
-    async def kill_processes(self) -> int:
-        self.calls.append("kill_processes")
-        if self.kill_fails:
-            raise SandboxError("sandbox fake: pids [4242] survived SIGKILL")
-        return 1
-
-    async def close(self) -> None:
-        self.calls.append("close")
-        if self.kill_fails:
-            raise SandboxError("sandbox fake: pids [4242] survived SIGKILL")
-
-
-class Backend:
-    def __init__(self, root: Path, kill_fails: list[bool]) -> None:
-        self.root, self.kill_fails, self.made = root, list(kill_fails), []
-
-    async def create(self, rollout_id: str, workspace: dict[str, str]) -> FakeSandbox:
-        sandbox = FakeSandbox(self.root / rollout_id, self.kill_fails.pop(0))
-        self.made.append(sandbox)
-        return sandbox
+from fakes import FakeBackend as Backend
+from fakes import FakeSandbox
 
 
 class Sessions:

@@ -178,8 +178,8 @@ async def test_missing_program_is_127_not_an_exception(tmp_path: Path) -> None:
 
 async def test_spawn_logs_and_is_killed_at_close(backend: LocalSandboxBackend) -> None:
     sb = await backend.create("s", {})
-    log = sb.root / "agent.log"
-    proc = await sb.spawn(["bash", "-c", "echo hello; echo err >&2; exec sleep 1000"], log_path=log)
+    log = sb.home / "agent.log"
+    proc = await sb.spawn(["bash", "-c", "echo hello; echo err >&2; exec sleep 1000"], log_file="agent.log")
     for _ in range(100):
         if log.exists() and log.read_text() == "hello\nerr\n":
             break

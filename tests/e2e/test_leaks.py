@@ -81,13 +81,13 @@ async def test_fifty_faulty_rollouts_leave_nothing(tiny_model_dir: Path, sandbox
 
     harness = CommandHarness(CommandHarnessConfig(
         argv=["python3", "{state_dir}/agent.py", "{base_url}", "{api_key}", "{instruction_file}"],
-        files={"agent.py": AGENT}, kill_grace_s=0.5))
+        files={"agent.py": AGENT}))
     engine = EmbeddedEngine(tiny_model_dir, num_threads=1, seed=0)
     groups = []
     try:
         async with ProxyServer(engine, ChatLayer(load_tokenizer(tiny_model_dir)),
                                ProxyConfig(port=0, max_tokens_cap=4)) as proxy:
-            orch = Orchestrator(FaultyTasks(), harness, LocalSandboxBackend(SandboxConfig(root_dir=sandbox_root), proxy_port=proxy.port,
+            orch = Orchestrator(FaultyTasks(), harness, LocalSandboxBackend(SandboxConfig(root_dir=sandbox_root, kill_grace_s=0.5), proxy_port=proxy.port,
                                                                     proxy_socket=proxy.agent_socket_path),
                                 proxy, lambda task: FaultyVerifier(), group_size=5,
                                 max_concurrent_rollouts=10, limits=RolloutLimits(agent_timeout_s=4.0))

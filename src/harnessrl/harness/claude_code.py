@@ -24,21 +24,12 @@ What this module deliberately does not do: log in to an Anthropic account, or us
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessRequirements, HarnessResult
-from harnessrl.harness.cli_agent import (
-    agent_log_path,
-    agent_state_dir,
-    base_env,
-    read_agent_file,
-    run_agent_process,
-)
-from harnessrl.harness.install import agent_executable
-from harnessrl.sandbox.base import Sandbox
+from harnessrl.harness.base import HarnessRequirements
+from harnessrl.harness.cli_agent import AgentFile, AgentOutcome, AgentPaths, AgentSpec, CliAgentHarness
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -69,9 +60,6 @@ class ClaudeCodeConfig(BaseModel):
     """`CLAUDE_CODE_MAX_OUTPUT_TOKENS`: the `max_tokens` it sends."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `claude` options."""
-    kill_grace_s: float = Field(default=2.0, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
-
     def requirements(self) -> HarnessRequirements:
         """Claude Code's prompts are 12-20k tokens; it gives up on a reply cut below `output_tokens`."""
         return HarnessRequirements(
@@ -81,43 +69,23 @@ class ClaudeCodeConfig(BaseModel):
                 "the harness.options.output_tokens it asked for")
 
 
-class ClaudeCodeHarness:
+class ClaudeCodeHarness(CliAgentHarness):
     """Runs `claude -p --output-format json` in the sandbox workdir; see the module docstring."""
 
     name = AGENT
+    install_name = AGENT
 
     def __init__(self, config: ClaudeCodeConfig | None = None) -> None:
         self.config = config or ClaudeCodeConfig()
 
-    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
-        """Run Claude Code on `task` for at most `timeout_s` wall seconds.
-
-        Raises:
-            HarnessInstallError: Claude Code is not installed (the message gives the install
-                command). Agent failures never raise.
-        """
-        executable = agent_executable(AGENT)
-        state = agent_state_dir(sandbox, AGENT)
-        settings_path = state / "settings.json"
-        settings_path.write_text(json.dumps(self.settings(endpoint), indent=2))
-        argv = [str(executable), "-p", "--output-format", "json", "--dangerously-skip-permissions",
+    def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
+        """Claude Code's argv, env and `settings.json`; its result is its last JSON `result` line."""
+        argv = [self.executable(), "-p", "--output-format", "json", "--dangerously-skip-permissions",
                 "--max-turns", str(self.config.max_turns), "--model", endpoint.model,
-                "--settings", str(settings_path), *self.config.extra_args, task.instruction]
-        env = base_env(sandbox, {**_QUIET_ENV, "CLAUDE_CONFIG_DIR": str(state)})
-        log_path = agent_log_path(sandbox, AGENT)
-        run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
-        result = read_result(sandbox, log_path)
-        error = None
-        if not run.timed_out and (run.exit_code != 0 or (result or {}).get("is_error")):
-            detail = (result or {}).get("result") or (result or {}).get("subtype")
-            if detail is None:
-                lines = [ln for ln in run.log_tail.splitlines() if ln.strip()]
-                detail = lines[-1][:500] if lines else "no output"
-            error = f"claude exited with code {run.exit_code}: {str(detail)[:500]}"
-        answer = (result or {}).get("result")
-        return HarnessResult(exit_code=run.exit_code, timed_out=run.timed_out,
-                             final_answer=answer if isinstance(answer, str) else None, error=error,
-                             log_tail=run.log_tail)
+                "--settings", paths.state("settings.json"), *self.config.extra_args, task.instruction]
+        settings = AgentFile(f"{paths.state_rel}/settings.json", json.dumps(self.settings(endpoint), indent=2))
+        return AgentSpec(argv=argv, env={**_QUIET_ENV, "CLAUDE_CONFIG_DIR": paths.state()}, files=(settings,),
+                         interpret=interpret_result, label="claude")
 
     def settings(self, endpoint: Endpoint) -> dict[str, Any]:
         """The `settings.json` content for `endpoint` (see the module docstring)."""
@@ -127,14 +95,19 @@ class ClaudeCodeHarness:
         return {"env": env, "includeCoAuthoredBy": False, "cleanupPeriodDays": 1}
 
 
-def read_result(sandbox: Sandbox, log_path: Path) -> dict[str, Any] | None:
-    """The last `{"type": "result", ...}` JSON line Claude Code printed, or None (also when the
-    log is missing or a symlink: `read_agent_file`)."""
-    text = read_agent_file(sandbox, log_path, tail=True)
-    if text is None:
-        return None
-    lines = text.splitlines()
-    for line in reversed(lines):
+def interpret_result(output: str | None, log_tail: str) -> AgentOutcome:
+    """The `result` of Claude Code's last result line as the final answer; `is_error` marks the
+    run failed (the detail is its `result` or `subtype`)."""
+    result = read_result(output) or {}
+    answer = result.get("result")
+    detail = result.get("result") or result.get("subtype")
+    return AgentOutcome(final_answer=answer if isinstance(answer, str) else None,
+                        error_detail=str(detail) if detail is not None else None, failed=bool(result.get("is_error")))
+
+
+def read_result(text: str | None) -> dict[str, Any] | None:
+    """The last `{"type": "result", ...}` JSON line in `text` (Claude Code's log), or None."""
+    for line in reversed((text or "").splitlines()):
         if line.startswith("{"):
             try:
                 obj = json.loads(line)

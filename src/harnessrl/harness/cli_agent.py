@@ -1,245 +1,258 @@
-"""Running one loop-owning CLI agent process in a sandbox: start, wall-clock timeout, tree kill.
+"""The one runner of loop-owning CLI agents: what every CLI harness shares.
 
-Responsibility: the machinery every CLI harness shares.
-  * where an agent's private files go: `<sandbox home>/.harnessrl/<agent>/` for its config
-    and state, `<sandbox home>/.harnessrl/<agent>.log` for its stdout+stderr; both outside the
-    workdir the verifier scores;
-  * the base environment an agent gets (built from scratch: HOME, XDG dirs, PATH, locale;
-    never the endpoint or the key, which reach the agents through their own config files);
-  * `run_agent_process`: spawn through `Sandbox.spawn`, wait at most `timeout_s`, then kill
-    the agent's whole process tree (SIGTERM, `kill_grace_s`, then SIGKILL) whether it exited,
-    timed out, or the awaiting task was cancelled.
+Responsibility: given an `AgentSpec` (what is specific to one agent: its config files, argv,
+env, where its final answer is and how to read its output), run it in a sandbox:
+  1. write its files through the seam (`Sandbox.write_file`, mode 0600: they hold the key);
+  2. spawn it (`Sandbox.spawn`) in the work dir, stdout+stderr to its log, with an
+     environment built from scratch (`base_env`);
+  3. wait at most `timeout_s`, then kill its whole tree (`SandboxProcess.kill_tree`: SIGTERM,
+     the sandbox's `kill_grace_s`, SIGKILL) whether it exited, timed out or the awaiting task
+     was cancelled;
+  4. read back its log tail and its output file through the seam (no link followed, bounded),
+     let the spec interpret them, and map the outcome to a `HarnessResult`.
+
+Where an agent's private files go: `<home>/.harnessrl/<agent>/` for its config and state,
+`<home>/.harnessrl/<agent>.log` for its output; both outside the work dir the verifier scores.
+Paths the agent is told about come from `AgentPaths` (`Sandbox.agent_path`), never from host
+paths, so the runner works on any sandbox backend.
 
 Invariants:
-  * When `run_agent_process` returns or raises, no process of the agent's tree is alive: its
-    process group and every descendant found at kill time (including ones that left the group
-    with `setsid`) got SIGKILL if SIGTERM did not end them within `kill_grace_s`.
-  * The process group of the calling process is never signalled.
+  * When `run_cli_agent` returns or raises, no process of the agent's tree is alive (or
+    `SandboxError` was raised because one survived SIGKILL).
+  * The harness never touches host pids or host paths.
 
-  * Files the agent could have touched are read back with `read_log_tail` /
-    `read_agent_file` only: relative to the sandbox root, following no symlink, bounded.
-
-What this module deliberately does not do: interpret the agent's output (harness modules do),
-or remove files (the sandbox owns its directory).
+What this module deliberately does not do: know any agent's output format (the spec's
+`interpret` does), or remove files (the sandbox owns its directory).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import signal
+import logging
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from harnessrl.errors import SandboxError
+from harnessrl.harness.base import HarnessResult
+from harnessrl.harness.install import agent_executable
+from harnessrl.sandbox.base import Base, Sandbox
+from harnessrl.tasks.base import Task
+from harnessrl.types import Endpoint
 
-import psutil
-
-from harnessrl.sandbox.base import Sandbox
-from harnessrl.sandbox.fsread import (
-    UnsafePathError,
-    read_beneath,
-    read_sandbox_text,
-    relative_to_root,
-    sandbox_root,
-)
+log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 """PATH for agents: system directories only (not the project's venv)."""
 LOG_TAIL_BYTES = 4000
 """How much of the end of an agent's log goes into `HarnessResult.log_tail`."""
 AGENT_FILE_BYTES = 8 << 20
-"""How much of the end of an agent's output file (log, answer, trajectory) a harness reads."""
-_POLL_S = 0.05
+"""Default bound of an agent's output file read back (log, answer, trajectory), bytes."""
+STATE_DIR = ".harnessrl"
+"""Directory under the sandbox home holding every agent's state dir and log."""
 
 
 @dataclass(frozen=True, slots=True)
-class AgentRun:
-    """Outcome of one agent process."""
+class AgentPaths:
+    """Where one agent's files are: relative to the sandbox home (for the seam's file API) and
+    as the agent sees them (`Sandbox.agent_path`)."""
 
-    exit_code: int | None
-    """Exit status (negative: killed by that signal); None when killed at the timeout."""
-    timed_out: bool
-    duration_s: float
-    """Wall seconds from spawn to exit or kill."""
-    log_tail: str
-    """Last `LOG_TAIL_BYTES` of the agent's stdout+stderr, decoded with replacement."""
-    killed_pids: int
-    """Processes of the agent's tree still alive after it ended and killed by us."""
+    sandbox: Sandbox
+    agent: str
+
+    @property
+    def state_rel(self) -> str:
+        """`.harnessrl/<agent>`, relative to home."""
+        return f"{STATE_DIR}/{self.agent}"
+
+    @property
+    def log_rel(self) -> str:
+        """`.harnessrl/<agent>.log`, relative to home."""
+        return f"{STATE_DIR}/{self.agent}.log"
+
+    def state(self, rel_path: str = "") -> str:
+        """Path of `rel_path` under the agent's state dir as the agent sees it."""
+        return self.sandbox.agent_path("home", f"{self.state_rel}/{rel_path}" if rel_path else self.state_rel)
+
+    @property
+    def home(self) -> str:
+        return self.sandbox.agent_path("home")
+
+    @property
+    def workdir(self) -> str:
+        return self.sandbox.agent_path("work")
 
 
-def agent_state_dir(sandbox: Sandbox, agent: str) -> Path:
-    """Private directory for `agent`'s config and outputs: `<home>/.harnessrl/<agent>` (created)."""
-    path = sandbox.home / ".harnessrl" / agent
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+@dataclass(frozen=True, slots=True)
+class AgentFile:
+    """A file written into the sandbox before the agent starts."""
+
+    rel_path: str
+    """Relative to `base`."""
+    content: str
+    base: Base = "home"
+    mode: int = 0o600
 
 
-def agent_log_path(sandbox: Sandbox, agent: str) -> Path:
-    """Log file for `agent`'s stdout+stderr: `<home>/.harnessrl/<agent>.log`."""
-    path = sandbox.home / ".harnessrl" / f"{agent}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+@dataclass(frozen=True, slots=True)
+class AgentOutcome:
+    """What an agent's own output says about its run."""
+
+    final_answer: str | None = None
+    error_detail: str | None = None
+    """Why it failed, in its own words (used when it exited non-zero or `failed`); None: the
+    last non-empty line of its log."""
+    failed: bool = False
+    """It reports failure although it exited 0 (Claude Code's `is_error`)."""
 
 
-def base_env(sandbox: Sandbox, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment built from scratch for an agent: HOME and XDG dirs inside the sandbox home,
-    system PATH, UTF-8 locale, no colours; `extra` is applied last. (The sandbox adds its own
-    entries such as TMPDIR and its markers.)"""
-    home = sandbox.home
+def no_answer(output: str | None, log_tail: str) -> AgentOutcome:
+    """The default `interpret`: no final answer, errors described by the log's last line."""
+    return AgentOutcome()
+
+
+def stripped_answer(output: str | None, log_tail: str) -> AgentOutcome:
+    """The output file's text, stripped, as the final answer (None when missing or blank)."""
+    return AgentOutcome(final_answer=(output.strip() or None) if output is not None else None)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSpec:
+    """What is specific to one CLI agent; `run_cli_agent` does the rest."""
+
+    argv: list[str]
+    """The command, `argv[0]` an absolute executable path as the sandbox sees it."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Entries applied over `base_env` (never the key: it goes into a file)."""
+    files: tuple[AgentFile, ...] = ()
+    output: tuple[Base, str] | None = None
+    """The file its result is read from (`(base, rel_path)`); None: its own log."""
+    output_bytes: int = AGENT_FILE_BYTES
+    """Most bytes of the output file read (the last ones when `output` is None, the log)."""
+    interpret: Callable[[str | None, str], AgentOutcome] = no_answer
+    """(output text or None when missing/unsafe, log tail) -> outcome."""
+    label: str = ""
+    """Name in error messages ("<label> exited with code N: ..."); empty: the harness name."""
+
+
+def base_env(paths: AgentPaths, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment built from scratch for an agent: HOME and XDG dirs inside the sandbox home
+    (as the agent sees it), system PATH, UTF-8 locale, no colours; `extra` is applied last.
+    (The sandbox adds its own entries such as TMPDIR and its markers.)"""
+    home = paths.home
     env = {
-        "HOME": str(home),
+        "HOME": home,
         "PATH": DEFAULT_PATH,
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",
         "TERM": "dumb",
         "NO_COLOR": "1",
         "PYTHONUNBUFFERED": "1",
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_DATA_HOME": str(home / ".local" / "share"),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"),
+        "XDG_CONFIG_HOME": f"{home}/.config",
+        "XDG_DATA_HOME": f"{home}/.local/share",
+        "XDG_CACHE_HOME": f"{home}/.cache",
+        "XDG_STATE_HOME": f"{home}/.local/state",
     }
     env.update(extra or {})
     return env
 
 
-async def run_agent_process(
-    sandbox: Sandbox,
-    argv: list[str],
-    env: dict[str, str],
-    log_path: Path,
-    timeout_s: float,
-    kill_grace_s: float = 2.0,
-) -> AgentRun:
-    """Run `argv` in `sandbox.workdir` for at most `timeout_s` wall seconds, then kill its tree.
-
-    Args:
-        argv: the agent command; `argv[0]` an absolute executable path.
-        env: the complete environment (see `base_env`).
-        log_path: where stdout and stderr go (inside the sandbox home).
-        timeout_s: wall-clock limit from spawn.
-        kill_grace_s: seconds between SIGTERM and SIGKILL.
-
-    Raises:
-        SandboxError: from `sandbox.spawn` when the sandbox cannot start processes. The agent's
-            own failures (non-zero exit, crash, hang) never raise.
-    """
-    start = time.monotonic()
-    proc = await sandbox.spawn(argv, env=env, cwd=sandbox.workdir, log_path=log_path)
-    pgid = _pgid_of(proc.pid)
-    exit_code: int | None = None
-    timed_out = False
-    killed = 0
+def read_text(sandbox: Sandbox, base: Base, rel_path: str, max_bytes: int = AGENT_FILE_BYTES,
+              *, tail: bool = False) -> str | None:
+    """Text (UTF-8, replacement) of a file the agent could have touched, via `Sandbox.read_file`
+    (bounded, no link followed); None when missing, or unsafe (a symlink or special file,
+    logged as a warning)."""
     try:
-        try:
-            exit_code = await asyncio.wait_for(proc.wait(), timeout=timeout_s)
-        except TimeoutError:
-            timed_out = True
-    finally:
-        killed = await _kill_tree(proc, pgid, kill_grace_s)
-    return AgentRun(
-        exit_code=None if timed_out else exit_code,
-        timed_out=timed_out,
-        duration_s=time.monotonic() - start,
-        log_tail=read_log_tail(sandbox, log_path),
-        killed_pids=killed,
-    )
+        data = sandbox.read_file(rel_path, base=base, max_bytes=max_bytes, tail=tail)
+    except FileNotFoundError:
+        return None
+    except SandboxError as e:
+        log.warning("agent file not read: %s", e)
+        return None
+    return data.decode("utf-8", errors="replace")
 
 
-def read_log_tail(sandbox: Sandbox, log_path: Path, max_bytes: int = LOG_TAIL_BYTES) -> str:
-    """The last `max_bytes` of the agent's log file `log_path` (a host path inside the
-    sandbox) as text: "" when it does not exist, a one-line note when it is a symlink or not a
-    regular file (never followed: `sandbox/fsread.py`)."""
-    root = sandbox_root(sandbox)
+def read_log_tail(sandbox: Sandbox, paths: AgentPaths, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last `max_bytes` of the agent's log: "" when missing, a one-line note when it is a
+    symlink or not a regular file (never followed)."""
     try:
-        data = read_beneath(root, relative_to_root(root, log_path), max_bytes, tail=True)
+        data = sandbox.read_file(paths.log_rel, base="home", max_bytes=max_bytes, tail=True)
     except FileNotFoundError:
         return ""
-    except (UnsafePathError, IsADirectoryError) as e:
+    except SandboxError as e:
         return f"[harnessrl: agent log not read: {e}]"
     return data.decode("utf-8", errors="replace")
 
 
-def read_agent_file(
-    sandbox: Sandbox, path: Path, max_bytes: int = AGENT_FILE_BYTES, *, tail: bool = False
-) -> str | None:
-    """Text of an agent's output file `path` (a host path inside the sandbox: its log, its
-    final-answer or trajectory file), at most its first (or with `tail` last) `max_bytes`;
-    None when missing, or when a symlink or special file stands at any component (not
-    followed; logged as a warning)."""
-    return read_sandbox_text(sandbox, path, max_bytes, tail=tail)
+def collect_result(sandbox: Sandbox, spec: AgentSpec, paths: AgentPaths, exit_code: int | None,
+                   timed_out: bool, label: str) -> HarnessResult:
+    """Read back the agent's log tail and output through the seam, let `spec.interpret` read
+    them, and map to a `HarnessResult` (`error` set when it exited non-zero, not at a timeout,
+    or when it reports failure)."""
+    log_tail = read_log_tail(sandbox, paths)
+    if spec.output is None:
+        output = read_text(sandbox, "home", paths.log_rel, spec.output_bytes, tail=True)
+    else:
+        output = read_text(sandbox, spec.output[0], spec.output[1], spec.output_bytes)
+    outcome = spec.interpret(output, log_tail)
+    error = None
+    if not timed_out and (exit_code != 0 or outcome.failed):
+        detail = outcome.error_detail
+        if detail is None:
+            lines = [ln for ln in log_tail.splitlines() if ln.strip()]
+            detail = lines[-1] if lines else "no output"
+        error = f"{spec.label or label} exited with code {exit_code}: {detail[:500]}"
+    return HarnessResult(exit_code=None if timed_out else exit_code, timed_out=timed_out,
+                         final_answer=outcome.final_answer, error=error, log_tail=log_tail)
 
 
-def _pgid_of(pid: int) -> int | None:
-    """The process group of `pid`, unless it is our own (then None: never signal ourselves)."""
+async def run_cli_agent(sandbox: Sandbox, spec: AgentSpec, paths: AgentPaths, timeout_s: float,
+                        label: str) -> HarnessResult:
+    """Write `spec.files`, spawn `spec.argv`, wait at most `timeout_s` wall seconds, kill the
+    tree, collect the result (see the module docstring).
+
+    Raises:
+        SandboxError: the sandbox cannot write a file or start the process, or a process of
+            the agent's tree survived SIGKILL. The agent's own failures never raise.
+    """
+    for f in spec.files:
+        sandbox.write_file(f.rel_path, f.content, base=f.base, mode=f.mode)
+    started = time.monotonic()
+    proc = await sandbox.spawn(spec.argv, env=base_env(paths, spec.env), log_file=paths.log_rel)
     try:
-        pgid = os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-    return None if pgid == os.getpgrp() else pgid
+        exit_code = await proc.wait(timeout_s)
+    finally:
+        killed = await proc.kill_tree()
+    log.debug("%s: exit %s after %.1f s, %d processes killed", label, exit_code, time.monotonic() - started, killed)
+    return collect_result(sandbox, spec, paths, exit_code, exit_code is None, label)
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    """`pid` and all its live descendants (empty when `pid` is gone)."""
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+class CliAgentHarness:
+    """A `Harness` made of one `AgentSpec`: subclasses set `name`, optionally `install_name`
+    (checked with `agent_executable` before anything is written) and implement `spec`."""
 
+    name: str
+    install_name: str | None = None
 
-def _group_members(pgid: int | None) -> list[psutil.Process]:
-    """Live, non-zombie processes of group `pgid` (found by scanning /proc)."""
-    if pgid is None:
-        return []
-    members: list[psutil.Process] = []
-    for p in psutil.process_iter():
-        # a process may exit between the scan and these calls
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                members.append(p)
-    return members
+    def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
+        raise NotImplementedError
 
+    def executable(self) -> str:
+        """The installed agent's executable (`install_name`), as the sandbox sees it (install
+        trees are bound read-only at their own path).
 
-def _signal_all(procs: list[psutil.Process], pgid: int | None, sig: signal.Signals) -> None:
-    if pgid is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(sig)
+        Raises:
+            HarnessInstallError: the agent is not installed (the message gives the command).
+        """
+        assert self.install_name is not None, "only for installed agents"
+        return str(agent_executable(self.install_name))
 
+    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        """Run the agent on `task` for at most `timeout_s` wall seconds; its tree is dead when
+        this returns. `endpoint` is the one the sandbox gives agents (`Sandbox.agent_endpoint`).
 
-async def _kill_tree(proc: asyncio.subprocess.Process, pgid: int | None, grace_s: float) -> int:
-    """SIGTERM the agent's group and descendants, SIGKILL what is left after `grace_s`, reap.
-
-    Runs to completion even when the awaiting task is cancelled meanwhile (then it skips the
-    grace period and goes straight to SIGKILL). Returns how many processes were alive."""
-    procs = {p.pid: p for p in [*_tree(proc.pid), *_group_members(pgid)]}
-    alive = [p for p in procs.values() if _is_alive(p)]
-    if not alive and proc.returncode is not None:
-        return 0
-    _signal_all(alive, pgid, signal.SIGTERM)
-    cancelled = False
-    try:
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_is_alive(p) for p in alive):
-            await asyncio.sleep(_POLL_S)
-    except asyncio.CancelledError:
-        cancelled = True
-    survivors = [p for p in alive if _is_alive(p)] + _group_members(pgid)
-    _signal_all(survivors, pgid, signal.SIGKILL)
-    if proc.returncode is None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(proc.wait())
-    if cancelled:
-        raise asyncio.CancelledError
-    return len(alive)
-
-
-def _is_alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        Raises:
+            HarnessInstallError: the agent is not installed. ConfigError: invalid options.
+            SandboxError: see `run_cli_agent`. Agent failures never raise.
+        """
+        paths = AgentPaths(sandbox, self.name)
+        spec = self.spec(task, endpoint, paths)
+        return await run_cli_agent(sandbox, spec, paths, timeout_s, self.name)

@@ -25,20 +25,11 @@ Codex's MCP / app-server modes.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessRequirements, HarnessResult
-from harnessrl.harness.cli_agent import (
-    agent_log_path,
-    agent_state_dir,
-    base_env,
-    read_agent_file,
-    run_agent_process,
-)
-from harnessrl.harness.install import agent_executable
-from harnessrl.sandbox.base import Sandbox
+from harnessrl.harness.base import HarnessRequirements
+from harnessrl.harness.cli_agent import AgentFile, AgentPaths, AgentSpec, CliAgentHarness, stripped_answer
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -60,9 +51,6 @@ class CodexConfig(BaseModel):
     """`model_auto_compact_token_limit`: Codex compacts when reported usage passes it."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `codex exec` options."""
-    kill_grace_s: float = Field(default=2.0, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
-
     def requirements(self) -> HarnessRequirements:
         """Codex is told its window is `context_tokens`; its first prompt is ~9.3k tokens; a
         reply cut at the cap (`response.incomplete`) makes it exit 1."""
@@ -73,36 +61,23 @@ class CodexConfig(BaseModel):
                 "at sampling.max_tokens is a stream error to it and it exits 1")
 
 
-class CodexHarness:
+class CodexHarness(CliAgentHarness):
     """Runs `codex exec --skip-git-repo-check --ephemeral` in the sandbox workdir."""
 
     name = AGENT
+    install_name = AGENT
 
     def __init__(self, config: CodexConfig | None = None) -> None:
         self.config = config or CodexConfig()
 
-    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
-        """Run Codex on `task` for at most `timeout_s` wall seconds.
-
-        Raises:
-            HarnessInstallError: Codex is not installed (the message gives the install command).
-                Agent failures never raise.
-        """
-        executable = agent_executable(AGENT)
-        state = agent_state_dir(sandbox, AGENT)
-        (state / "config.toml").write_text(self.config_toml(endpoint))
-        answer_path = state / "last_message.txt"
-        argv = [str(executable), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
-                "-c", 'web_search="disabled"', "-o", str(answer_path), *self.config.extra_args, task.instruction]
-        env = base_env(sandbox, {"CODEX_HOME": str(state), "DO_NOT_TRACK": "1"})
-        log_path = agent_log_path(sandbox, AGENT)
-        run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
-        error = None
-        if not run.timed_out and run.exit_code != 0:
-            lines = [ln for ln in run.log_tail.splitlines() if ln.strip()]
-            error = f"codex exited with code {run.exit_code}: {lines[-1][:500] if lines else 'no output'}"
-        return HarnessResult(exit_code=run.exit_code, timed_out=run.timed_out, final_answer=_read(sandbox, answer_path),
-                             error=error, log_tail=run.log_tail)
+    def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
+        """Codex's argv, env and `config.toml`; its answer is the last message it writes with `-o`."""
+        argv = [self.executable(), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
+                "-c", 'web_search="disabled"', "-o", paths.state("last_message.txt"), *self.config.extra_args,
+                task.instruction]
+        return AgentSpec(argv=argv, env={"CODEX_HOME": paths.state(), "DO_NOT_TRACK": "1"},
+                         files=(AgentFile(f"{paths.state_rel}/config.toml", self.config_toml(endpoint)),),
+                         output=("home", f"{paths.state_rel}/last_message.txt"), interpret=stripped_answer)
 
     def config_toml(self, endpoint: Endpoint) -> str:
         """The `config.toml` content for `endpoint` (see the module docstring)."""
@@ -126,8 +101,3 @@ class CodexHarness:
             "enabled = false",
             "",
         ])  # fmt: skip
-
-
-def _read(sandbox: Sandbox, path: Path) -> str | None:
-    text = read_agent_file(sandbox, path)
-    return (text.strip() or None) if text is not None else None

@@ -24,21 +24,21 @@ sandbox's view of the filesystem), or parse its output beyond an optional answer
 
 from __future__ import annotations
 
+import posixpath
 import re
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.errors import ConfigError
-from harnessrl.harness.base import HarnessResult
 from harnessrl.harness.cli_agent import (
-    agent_log_path,
-    agent_state_dir,
-    base_env,
-    read_agent_file,
-    run_agent_process,
+    AgentFile,
+    AgentOutcome,
+    AgentPaths,
+    AgentSpec,
+    CliAgentHarness,
+    no_answer,
 )
-from harnessrl.sandbox.base import Sandbox
+from harnessrl.sandbox.base import Base
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -64,8 +64,6 @@ class CommandHarnessConfig(BaseModel):
     """Config files to write before the start: path template -> content template."""
     final_answer_file: str | None = None
     """File (path template, relative to the workdir) whose text is the agent's final answer."""
-    kill_grace_s: float = Field(default=2.0, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
 
 
 def render_template(template: str, values: dict[str, str]) -> str:
@@ -73,68 +71,57 @@ def render_template(template: str, values: dict[str, str]) -> str:
     return _PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], template)
 
 
-class CommandHarness:
+class CommandHarness(CliAgentHarness):
     """Runs the configured command in the sandbox workdir; see the module docstring."""
 
     def __init__(self, config: CommandHarnessConfig) -> None:
         self.config = config
         self.name = config.name
 
-    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
-        """Run the command on `task` for at most `timeout_s` wall seconds.
+    def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
+        """The rendered argv, env and files; the answer is `final_answer_file`'s text exactly
+        (None when missing, or unsafe: a link is not followed).
 
         Raises:
-            ConfigError: a config file path lies outside the sandbox. Agent failures never raise.
+            ConfigError: a config file path lies outside the sandbox home and workdir.
         """
-        state = agent_state_dir(sandbox, self.name)
-        instruction_file = state / "instruction.md"
-        instruction_file.write_text(task.instruction)
         values = {
             "base_url": endpoint.base_url,
             "keyed_base_url": endpoint.keyed_base_url,
             "api_key": endpoint.api_key,
             "model": endpoint.model,
             "instruction": task.instruction,
-            "instruction_file": str(instruction_file),
-            "workdir": str(sandbox.workdir),
-            "home": str(sandbox.home),
-            "state_dir": str(state),
+            "instruction_file": paths.state("instruction.md"),
+            "workdir": paths.workdir,
+            "home": paths.home,
+            "state_dir": paths.state(),
         }
+        files = [AgentFile(f"{paths.state_rel}/instruction.md", task.instruction)]
         for path_template, content_template in self.config.files.items():
-            path = _inside_sandbox(sandbox, state, render_template(path_template, values))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(render_template(content_template, values))
-        argv = [render_template(arg, values) for arg in self.config.argv]
-        env = base_env(sandbox, {k: render_template(v, values) for k, v in self.config.env.items()})
-        log_path = agent_log_path(sandbox, self.name)
-        run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
-        error = None
-        if not run.timed_out and run.exit_code != 0:
-            lines = [ln for ln in run.log_tail.splitlines() if ln.strip()]
-            error = f"{self.name} exited with code {run.exit_code}: {lines[-1][:500] if lines else 'no output'}"
-        return HarnessResult(
-            exit_code=run.exit_code,
-            timed_out=run.timed_out,
-            final_answer=self._final_answer(sandbox, values),
-            error=error,
-            log_tail=run.log_tail,
+            base, rel = _inside_sandbox(paths, render_template(path_template, values))
+            files.append(AgentFile(rel, render_template(content_template, values), base=base))
+        answer = self.config.final_answer_file
+        return AgentSpec(
+            argv=[render_template(arg, values) for arg in self.config.argv],
+            env={k: render_template(v, values) for k, v in self.config.env.items()},
+            files=tuple(files),
+            output=("work", render_template(answer, values)) if answer is not None else None,
+            interpret=_file_answer if answer is not None else no_answer,
         )
 
-    def _final_answer(self, sandbox: Sandbox, values: dict[str, str]) -> str | None:
-        if self.config.final_answer_file is None:
-            return None
-        path = sandbox.workdir / render_template(self.config.final_answer_file, values)
-        return read_agent_file(sandbox, path)
+
+def _file_answer(output: str | None, log_tail: str) -> AgentOutcome:
+    return AgentOutcome(final_answer=output)
 
 
-def _inside_sandbox(sandbox: Sandbox, state: Path, rendered: str) -> Path:
-    """Resolve a file path (relative -> under `state`) and require it inside home or workdir."""
-    path = Path(rendered)
-    path = (path if path.is_absolute() else state / path).resolve()
-    for root in (sandbox.home.resolve(), sandbox.workdir.resolve()):
-        if path == root or root in path.parents:
-            return path
+def _inside_sandbox(paths: AgentPaths, rendered: str) -> tuple[Base, str]:
+    """A rendered file path (relative: under the state dir) as `(base, path relative to it)`;
+    ConfigError unless it lies inside home or the workdir (as the agent sees them)."""
+    path = posixpath.normpath(posixpath.join(paths.state(), rendered))
+    for base, root in (("home", paths.home), ("work", paths.workdir)):
+        if path.startswith(root + "/"):
+            return base, path[len(root) + 1:]  # type: ignore[return-value]
     raise ConfigError(
         f"command harness files: path {rendered!r} resolves to {path}, outside the sandbox "
-        f"home {sandbox.home} and workdir {sandbox.workdir}"
+        f"home {paths.home} and workdir {paths.workdir}"
     )

@@ -31,21 +31,12 @@ the proxy trace is the record of what the model did.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessRequirements, HarnessResult
-from harnessrl.harness.cli_agent import (
-    agent_log_path,
-    agent_state_dir,
-    base_env,
-    read_agent_file,
-    run_agent_process,
-)
-from harnessrl.harness.install import agent_executable
-from harnessrl.sandbox.base import Sandbox
+from harnessrl.harness.base import HarnessRequirements
+from harnessrl.harness.cli_agent import AgentFile, AgentOutcome, AgentPaths, AgentSpec, CliAgentHarness
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -78,9 +69,6 @@ class MiniSweAgentConfig(BaseModel):
     sampling parameters take precedence anyway."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `mini` arguments, appended last (e.g. `["-c", "agent.wall_time_limit_seconds=60"]`)."""
-    kill_grace_s: float = Field(default=2.0, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
-
     def requirements(self) -> HarnessRequirements:
         """mini-swe-agent's prompts are short (~0.7k tokens at the second step)."""
         return HarnessRequirements(
@@ -89,66 +77,42 @@ class MiniSweAgentConfig(BaseModel):
                 "each step adds a reply and the command's output")
 
 
-class MiniSweAgentHarness:
+class MiniSweAgentHarness(CliAgentHarness):
     """Runs `mini -y --exit-immediately` in the sandbox workdir; see the module docstring."""
 
     name = AGENT
+    install_name = AGENT
 
     def __init__(self, config: MiniSweAgentConfig | None = None) -> None:
         self.config = config or MiniSweAgentConfig()
 
-    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
-        """Run mini-swe-agent on `task` for at most `timeout_s` wall seconds.
-
-        Raises:
-            HarnessInstallError: mini-swe-agent is not installed (the message gives the
-                `harnessrl harness install mini-swe-agent` command). Agent failures never raise.
-        """
-        executable = agent_executable(AGENT)
-        state = agent_state_dir(sandbox, AGENT)
-        config_path = state / "harnessrl.yaml"
-        traj_path = state / "traj.json"
-        # JSON is valid YAML; mini requires the `.yaml` suffix.
-        config_path.write_text(json.dumps(self._agent_config(endpoint, sandbox), indent=2))
+    def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
+        """mini's argv, env and config file; its result is read from its trajectory file."""
+        executable = self.executable()
         argv = [
-            str(executable), "-y", "--exit-immediately",
+            executable, "-y", "--exit-immediately",
             "-m", f"openai/{endpoint.model}",
             "-c", "mini.yaml" if self.config.tool_calls else "mini_textbased.yaml",
-            "-c", str(config_path),
-            "-o", str(traj_path),
+            "-c", paths.state("harnessrl.yaml"),
+            "-o", paths.state("traj.json"),
             "-t", task.instruction,
             *self.config.extra_args,
         ]  # fmt: skip
-        env = base_env(
-            sandbox,
-            {
-                "MSWEA_CONFIGURED": "true",
-                "MSWEA_COST_TRACKING": "ignore_errors",
-                "MSWEA_SILENT_STARTUP": "1",
-                "MSWEA_GLOBAL_CONFIG_DIR": str(state / "global"),
-                "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": str(self.config.model_retry_attempts),
-                "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-            },
-        )
-        run = await run_agent_process(
-            sandbox, argv, env, agent_log_path(sandbox, AGENT), timeout_s, self.config.kill_grace_s
-        )
-        info = read_trajectory_info(sandbox, traj_path)
-        submission = info.get("submission")
-        exit_status = info.get("exit_status") or "unknown"
-        error = None
-        if not run.timed_out and run.exit_code != 0:
-            detail = info.get("exception_str") or exit_status
-            error = f"mini-swe-agent exited with code {run.exit_code}: {detail}"
-        return HarnessResult(
-            exit_code=run.exit_code,
-            timed_out=run.timed_out,
-            final_answer=submission if isinstance(submission, str) and submission else None,
-            error=error,
-            log_tail=run.log_tail,
-        )
+        env = {
+            "MSWEA_CONFIGURED": "true",
+            "MSWEA_COST_TRACKING": "ignore_errors",
+            "MSWEA_SILENT_STARTUP": "1",
+            "MSWEA_GLOBAL_CONFIG_DIR": paths.state("global"),
+            "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": str(self.config.model_retry_attempts),
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        }
+        # JSON is valid YAML; mini requires the `.yaml` suffix.
+        config = AgentFile(f"{paths.state_rel}/harnessrl.yaml",
+                           json.dumps(self._agent_config(endpoint, paths), indent=2))
+        return AgentSpec(argv=argv, env=env, files=(config,), output=("home", f"{paths.state_rel}/traj.json"),
+                         output_bytes=TRAJECTORY_BYTES, interpret=interpret_trajectory)
 
-    def _agent_config(self, endpoint: Endpoint, sandbox: Sandbox) -> dict[str, Any]:
+    def _agent_config(self, endpoint: Endpoint, paths: AgentPaths) -> dict[str, Any]:
         """The config merged over mini's bundled one (mini merges `-c` specs recursively)."""
         cfg = self.config
         model: dict[str, Any] = {
@@ -169,16 +133,24 @@ class MiniSweAgentHarness:
                 "mode": "yolo",
                 "confirm_exit": False,
             },
-            "environment": {"cwd": str(sandbox.workdir), "timeout": cfg.command_timeout_s},
+            "environment": {"cwd": paths.workdir, "timeout": cfg.command_timeout_s},
             "model": model,
         }
 
 
-def read_trajectory_info(sandbox: Sandbox, traj_path: Path) -> dict[str, Any]:
-    """`info` of a mini trajectory (`exit_status`, `submission`, ...) plus `exception_str` of
-    the exit message when present; {} when the file is missing, unreadable, larger than
-    `TRAJECTORY_BYTES`, or a symlink (read with `read_agent_file`, never followed)."""
-    text = read_agent_file(sandbox, traj_path, TRAJECTORY_BYTES)
+def interpret_trajectory(output: str | None, log_tail: str) -> AgentOutcome:
+    """The submission of mini's trajectory as the final answer (None when empty), and its
+    exit status / exception as the error detail (mini exits 0 at its limits)."""
+    info = trajectory_info(output)
+    submission = info.get("submission")
+    detail = info.get("exception_str") or info.get("exit_status") or "unknown"
+    return AgentOutcome(final_answer=submission if isinstance(submission, str) and submission else None,
+                        error_detail=str(detail))
+
+
+def trajectory_info(text: str | None) -> dict[str, Any]:
+    """`info` of a mini trajectory's text (`exit_status`, `submission`, ...) plus
+    `exception_str` of the exit message when present; {} when missing or not valid JSON."""
     try:
         data = json.loads(text) if text is not None else None
     except ValueError:

@@ -32,21 +32,12 @@ talk to opencode's server mode.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessRequirements, HarnessResult
-from harnessrl.harness.cli_agent import (
-    agent_log_path,
-    agent_state_dir,
-    base_env,
-    read_agent_file,
-    run_agent_process,
-)
-from harnessrl.harness.install import agent_executable
-from harnessrl.sandbox.base import Sandbox
+from harnessrl.harness.base import HarnessRequirements
+from harnessrl.harness.cli_agent import AgentFile, AgentOutcome, AgentPaths, AgentSpec, CliAgentHarness
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -88,9 +79,6 @@ class OpencodeConfig(BaseModel):
     """opencode's `permission` block; anything left at `ask` would block a headless run."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `opencode run` options (e.g. `["--agent", "build"]`)."""
-    kill_grace_s: float = Field(default=2.0, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
-
     def requirements(self) -> HarnessRequirements:
         """opencode is told its window is `context_tokens` and asks for `output_tokens` replies."""
         return HarnessRequirements(
@@ -100,48 +88,30 @@ class OpencodeConfig(BaseModel):
                 "harness.options.output_tokens per reply (its first prompt is ~7.4k tokens)")
 
 
-class OpencodeHarness:
+class OpencodeHarness(CliAgentHarness):
     """Runs `opencode run --format json` in the sandbox workdir; see the module docstring."""
 
     name = AGENT
+    install_name = AGENT
 
     def __init__(self, config: OpencodeConfig | None = None) -> None:
         self.config = config or OpencodeConfig()
 
-    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
-        """Run opencode on `task` for at most `timeout_s` wall seconds.
-
-        Raises:
-            HarnessInstallError: opencode is not installed (the message gives the
-                `harnessrl harness install opencode` command). Agent failures never raise.
-        """
-        executable = agent_executable(AGENT)
-        state = agent_state_dir(sandbox, AGENT)
-        config_path = state / "opencode.json"
-        config_path.write_text(json.dumps(self.provider_config(endpoint), indent=2))
-        prompt_path = state / "instruction.md"
-        prompt_path.write_text(task.instruction)
+    def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
+        """opencode's argv (the prompt on stdin from a file), env and provider config; its
+        result is read from the JSON events in its log."""
+        executable = self.executable()
         argv = [
-            "/bin/sh", "-c", 'exec "$@" < "$0"', str(prompt_path),
-            str(executable), "run",
+            "/bin/sh", "-c", 'exec "$@" < "$0"', paths.state("instruction.md"),
+            executable, "run",
             "-m", f"{PROVIDER_ID}/{endpoint.model}",
             "--format", "json",
             *self.config.extra_args,
         ]  # fmt: skip
-        env = base_env(sandbox, {**_OPENCODE_ENV, "OPENCODE_CONFIG": str(config_path)})
-        log_path = agent_log_path(sandbox, AGENT)
-        run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
-        events = read_json_events(sandbox, log_path)
-        error = None
-        if not run.timed_out and run.exit_code != 0:
-            error = f"opencode exited with code {run.exit_code}: {_last_error(events, run.log_tail)}"
-        return HarnessResult(
-            exit_code=run.exit_code,
-            timed_out=run.timed_out,
-            final_answer=last_text(events),
-            error=error,
-            log_tail=run.log_tail,
-        )
+        files = (AgentFile(f"{paths.state_rel}/opencode.json", json.dumps(self.provider_config(endpoint), indent=2)),
+                 AgentFile(f"{paths.state_rel}/instruction.md", task.instruction))
+        return AgentSpec(argv=argv, env={**_OPENCODE_ENV, "OPENCODE_CONFIG": paths.state("opencode.json")},
+                         files=files, interpret=interpret_events)
 
     def provider_config(self, endpoint: Endpoint) -> dict[str, Any]:
         """The `opencode.json` content for `endpoint` (see the module docstring)."""
@@ -170,15 +140,17 @@ class OpencodeHarness:
         }
 
 
-def read_json_events(sandbox: Sandbox, log_path: Path) -> list[dict[str, Any]]:
-    """The JSON event objects `opencode run --format json` printed (other log lines skipped),
-    from the end of the log (`read_agent_file`: bounded, a symlinked log reads as empty)."""
+def interpret_events(output: str | None, log_tail: str) -> AgentOutcome:
+    """The last `text` event as the final answer, the last `error` event as the error detail."""
+    events = json_events(output)
+    return AgentOutcome(final_answer=last_text(events), error_detail=_last_error(events))
+
+
+def json_events(text: str | None) -> list[dict[str, Any]]:
+    """The JSON event objects `opencode run --format json` printed in `text` (its log's
+    end; other lines skipped)."""
     events: list[dict[str, Any]] = []
-    text = read_agent_file(sandbox, log_path, tail=True)
-    if text is None:
-        return events
-    lines = text.splitlines()
-    for line in lines:
+    for line in (text or "").splitlines():
         if not line.startswith("{"):
             continue
         try:
@@ -199,9 +171,8 @@ def last_text(events: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _last_error(events: list[dict[str, Any]], log_tail: str) -> str:
+def _last_error(events: list[dict[str, Any]]) -> str | None:
     for event in reversed(events):
         if event.get("type") == "error":
             return json.dumps(event.get("error", event))[:500]
-    lines = [ln for ln in log_tail.splitlines() if ln.strip()]
-    return lines[-1][:500] if lines else "no output"
+    return None

@@ -25,21 +25,12 @@ pi's RPC mode.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.harness.base import HarnessRequirements, HarnessResult
-from harnessrl.harness.cli_agent import (
-    agent_log_path,
-    agent_state_dir,
-    base_env,
-    read_agent_file,
-    run_agent_process,
-)
-from harnessrl.harness.install import agent_executable
-from harnessrl.sandbox.base import Sandbox
+from harnessrl.harness.base import HarnessRequirements
+from harnessrl.harness.cli_agent import AgentFile, AgentOutcome, AgentPaths, AgentSpec, CliAgentHarness
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -63,9 +54,6 @@ class PiConfig(BaseModel):
     """Completion cap declared to pi (`maxTokens`), sent as `max_completion_tokens`."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `pi` options (e.g. `["--thinking", "high"]`)."""
-    kill_grace_s: float = Field(default=2.0, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL when the agent's tree is killed."""
-
     def requirements(self) -> HarnessRequirements:
         """pi is told its window is `context_tokens` and asks for `output_tokens` replies."""
         protocol = {"openai-completions": "chat.completions", "openai-responses": "responses",
@@ -76,36 +64,23 @@ class PiConfig(BaseModel):
                 "and asks for harness.options.output_tokens per reply")
 
 
-class PiHarness:
+class PiHarness(CliAgentHarness):
     """Runs `pi -p --mode json --no-session` in the sandbox workdir; see the module docstring."""
 
     name = AGENT
+    install_name = AGENT
 
     def __init__(self, config: PiConfig | None = None) -> None:
         self.config = config or PiConfig()
 
-    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
-        """Run pi on `task` for at most `timeout_s` wall seconds.
-
-        Raises:
-            HarnessInstallError: pi is not installed (the message gives the install command).
-                Agent failures never raise.
-        """
-        executable = agent_executable(AGENT)
-        state = agent_state_dir(sandbox, AGENT)
-        (state / "models.json").write_text(json.dumps(self.models_config(endpoint), indent=2))
-        (state / "settings.json").write_text(json.dumps({"enableInstallTelemetry": False}))
-        argv = [str(executable), "--model", f"{PROVIDER_ID}/{endpoint.model}", "--mode", "json", "--no-session",
+    def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
+        """pi's argv, env and model registry; its answer is read from the JSON lines in its log."""
+        argv = [self.executable(), "--model", f"{PROVIDER_ID}/{endpoint.model}", "--mode", "json", "--no-session",
                 *self.config.extra_args, "-p", task.instruction]
-        env = base_env(sandbox, {**_PI_ENV, "PI_CODING_AGENT_DIR": str(state)})
-        log_path = agent_log_path(sandbox, AGENT)
-        run = await run_agent_process(sandbox, argv, env, log_path, timeout_s, self.config.kill_grace_s)
-        error = None
-        if not run.timed_out and run.exit_code != 0:
-            lines = [ln for ln in run.log_tail.splitlines() if ln.strip()]
-            error = f"pi exited with code {run.exit_code}: {lines[-1][:500] if lines else 'no output'}"
-        return HarnessResult(exit_code=run.exit_code, timed_out=run.timed_out,
-                             final_answer=last_assistant_text(sandbox, log_path), error=error, log_tail=run.log_tail)
+        files = (AgentFile(f"{paths.state_rel}/models.json", json.dumps(self.models_config(endpoint), indent=2)),
+                 AgentFile(f"{paths.state_rel}/settings.json", json.dumps({"enableInstallTelemetry": False})))
+        return AgentSpec(argv=argv, env={**_PI_ENV, "PI_CODING_AGENT_DIR": paths.state()}, files=files,
+                         interpret=lambda output, log_tail: AgentOutcome(final_answer=last_assistant_text(output)))
 
     def models_config(self, endpoint: Endpoint) -> dict[str, Any]:
         """The `models.json` content for `endpoint` (see the module docstring)."""
@@ -118,15 +93,10 @@ class PiHarness:
                                             "apiKey": endpoint.api_key, "models": [model]}}}
 
 
-def last_assistant_text(sandbox: Sandbox, log_path: Path) -> str | None:
-    """Text of the last assistant message in pi's JSON event lines, or None (also when the log
-    is missing or a symlink: `read_agent_file`)."""
-    text = read_agent_file(sandbox, log_path, tail=True)
-    if text is None:
-        return None
-    lines = text.splitlines()
+def last_assistant_text(text: str | None) -> str | None:
+    """Text of the last assistant message in pi's JSON event lines `text`, or None."""
     found: str | None = None
-    for line in lines:
+    for line in (text or "").splitlines():
         if not line.startswith("{"):
             continue
         try:

@@ -190,14 +190,15 @@ def read_sandbox_text(
     return read_text_or_none(root, rel, max_bytes, tail=tail)
 
 
-def write_beneath(root: Path, rel_path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
-    """Write `data` to `root/rel_path` (created or truncated), creating missing parent
-    directories, following no symlink at any component below `root`.
+def open_file_beneath(root: Path, rel_path: str | os.PathLike[str], mode: int = 0o644, *,
+                      append: bool = False) -> int:
+    """A write descriptor of regular file `root/rel_path` (created when missing; truncated, or
+    positioned at its end with `append`), creating missing parent directories, following no
+    symlink at any component below `root`. The caller closes it.
 
     Raises:
-        UnsafePathError: a component is a symlink or not a directory, the file is a symlink,
-            or the path has `..` components.
-        OSError: the write itself failed.
+        UnsafePathError: a component is a symlink or not a directory, the file is a symlink or
+            not a regular file, or the path has `..` components.
     """
     parts = _parts(rel_path)
     root_fd = open_root(root)
@@ -212,14 +213,33 @@ def write_beneath(root: Path, rel_path: str | os.PathLike[str], data: bytes, mod
             os.close(fd)
             fd = nxt
         shown = f"{root}/{'/'.join(parts)}"
-        out = _open_component(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                              | os.O_CLOEXEC, fd, shown, mode)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        out = _open_component(parts[-1], flags | (os.O_APPEND if append else 0), fd, shown, mode)
     finally:
         os.close(fd)
     try:
         if not stat.S_ISREG(os.fstat(out).st_mode):
             raise UnsafePathError(errno.EINVAL, f"{shown}: not a regular file")
-        os.ftruncate(out, 0)
+        if not append:
+            os.ftruncate(out, 0)
+        os.fchmod(out, mode)
+    except BaseException:
+        os.close(out)
+        raise
+    return out
+
+
+def write_beneath(root: Path, rel_path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+    """Write `data` to `root/rel_path` (created or truncated, file mode `mode`), creating
+    missing parent directories, following no symlink at any component below `root`.
+
+    Raises:
+        UnsafePathError: a component is a symlink or not a directory, the file is a symlink,
+            or the path has `..` components.
+        OSError: the write itself failed.
+    """
+    out = open_file_beneath(root, rel_path, mode)
+    try:
         view = memoryview(data)
         while view:
             view = view[os.write(out, view):]

@@ -320,8 +320,8 @@ class LocalSandbox:
             raise SandboxError(f"sandbox {self.sandbox_id}: base={base!r} must be one of {', '.join(BASES)}")
         parts = Path(rel_path).parts
         if Path(rel_path).is_absolute() or ".." in parts:
-            raise SandboxError(f"sandbox {self.sandbox_id}: path {rel_path!r} escapes the {base} dir (must be relative, "
-                               "without '..' components)")
+            raise SandboxError(f"sandbox {self.sandbox_id}: path {rel_path!r} escapes the {base} dir "
+                               "(must be relative, without '..' components)")
         return "/".join([base, *parts])
 
     def agent_path(self, base: Base, rel_path: str = "") -> str:

@@ -33,10 +33,12 @@ MARKER_VAR = "HARNESSRL_SANDBOX_ID"
 """Environment variable every sandboxed command carries; its value is the sandbox id."""
 DIR_VAR = "HARNESSRL_SANDBOX_DIR"
 """Environment variable carrying the sandbox directory (used to scope leak checks to a root)."""
+SPAWN_VAR = "HARNESSRL_SPAWN_ID"
+"""Environment variable every process started by one `spawn` carries (its tree's marker)."""
 
 
-def _read_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, pgid) of `pid` from /proc/<pid>/stat, or None when it is gone."""
+def _read_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, pgid, ppid) of `pid` from /proc/<pid>/stat, or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
@@ -44,7 +46,7 @@ def _read_stat(pid: int) -> tuple[str, int] | None:
         return None
     # comm may contain spaces and parentheses: fields resume after the last ')'.
     rest = raw[raw.rfind(b")") + 2 :].split()
-    return rest[0].decode(), int(rest[2])
+    return rest[0].decode(), int(rest[2]), int(rest[1])
 
 
 def read_environ(pid: int) -> dict[str, str]:
@@ -146,6 +148,52 @@ def _signal_all(pids: Collection[int], pgids: Collection[int], sig: signal.Signa
             pass
 
 
+def find_tree(spawn_id: str, pid: int) -> list[int]:
+    """Live (non-zombie) pids of the tree one `spawn` started: `pid`, its process group, every
+    descendant of `pid` (by parent pid), and every process carrying `SPAWN_VAR=spawn_id`
+    (descendants keep it whatever session or directory they move to)."""
+    entry = f"{SPAWN_VAR}={spawn_id}".encode()
+    stats = {p: s for p in _live_pids() if (s := _read_stat(p)) is not None and s[0] not in ("Z", "X")}
+    found = {p for p, s in stats.items() if p == pid or s[1] == pid or _environ_has(p, entry)}
+    children: dict[int, list[int]] = {}
+    for p, s in stats.items():
+        children.setdefault(s[2], []).append(p)
+    stack = list(found)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return sorted(found)
+
+
+def _kill_found(find: Callable[[], list[int]], pgids: Collection[int], grace_s: float) -> tuple[int, list[int]]:
+    """SIGTERM what `find` returns, up to `grace_s`, then SIGKILL until `find` comes back empty
+    (or another `grace_s` passed). Returns (found at the start, survivors)."""
+    pids = find()
+    found = len(pids)
+    if not pids:
+        return 0, []
+    _signal_all(pids, pgids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.01)
+        pids = find()
+    # Processes may have forked during the grace period: SIGKILL until a scan comes back empty.
+    deadline = time.monotonic() + max(grace_s, 0.5)
+    while pids and time.monotonic() < deadline:
+        _signal_all(pids, pgids, signal.SIGKILL)
+        time.sleep(0.01)
+        pids = find()
+    return found, pids
+
+
+def kill_tree(spawn_id: str, pid: int, grace_s: float) -> tuple[int, list[int]]:
+    """Kill the tree of one spawned process (`find_tree`): SIGTERM, up to `grace_s` seconds,
+    then SIGKILL. Blocking; returns (how many were alive, pids that survived SIGKILL)."""
+    return _kill_found(lambda: find_tree(spawn_id, pid), (pid,), grace_s)
+
+
 def kill_sandbox_processes(
     sandbox_id: str, directory: Path, pgids: Collection[int], grace_s: float,
     members: Members | None = None,
@@ -157,19 +205,4 @@ def kill_sandbox_processes(
     SIGKILL and a further `grace_s`: normally none; a process in uninterruptible sleep can
     outlive it).
     """
-    pids = find_processes(sandbox_id, directory, pgids, members)
-    found = len(pids)
-    if not pids:
-        return 0, []
-    _signal_all(pids, pgids, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while pids and time.monotonic() < deadline:
-        time.sleep(0.01)
-        pids = find_processes(sandbox_id, directory, pgids, members)
-    # Processes may have forked during the grace period: SIGKILL until a scan comes back empty.
-    deadline = time.monotonic() + grace_s
-    while pids and time.monotonic() < deadline:
-        _signal_all(pids, pgids, signal.SIGKILL)
-        time.sleep(0.01)
-        pids = find_processes(sandbox_id, directory, pgids, members)
-    return found, pids
+    return _kill_found(lambda: find_processes(sandbox_id, directory, pgids, members), pgids, grace_s)
