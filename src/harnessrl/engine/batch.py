@@ -12,8 +12,10 @@ The buffers keep spare room along L (amortised doubling), so a decode step write
 key/value column in place instead of re-concatenating the whole cache (what `DynamicLayer`
 does each step, an O(B*L) copy per layer per step).
 
-What it deliberately does not do: paged/blocked memory, prefix sharing, sliding-window layers
-(only full-attention `DynamicLayer` models such as Llama/SmolLM2/Qwen2), chunked prefill.
+What it deliberately does not do: paged/blocked memory, prefix sharing (the prefix cache,
+`engine/prefix_cache.py`, keeps its own copies: `row_kv`), sliding-window layers (only
+full-attention `DynamicLayer` models such as Llama/SmolLM2/Qwen2), prefill (the engine
+prefills each prompt in its own batch-1 cache, in chunks, and `add`s it).
 Invariant: after `trim`, column 0 is real for at least one row (no all-padding columns).
 """
 
@@ -114,6 +116,17 @@ class KVBatch:
         self.mask_B_L = mask
         self.positions_B = torch.cat([self.positions_B, torch.tensor([prompt_len])])
         self.last_ids_B = torch.cat([self.last_ids_B, torch.tensor([first_id])])
+
+    def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row `row`'s real columns per layer: (keys, values), each `[1, H, n, D]`
+        with n = the row's tokens fed so far (its position); for the prefix cache."""
+        assert self.cache is not None and 0 <= row < self.size, f"no row {row} in a batch of {self.size}"
+        n = int(self.positions_B[row])
+        L = self.length
+        return [
+            (layer.keys[row : row + 1, :, L - n :].clone(), layer.values[row : row + 1, :, L - n :].clone())
+            for layer in self.cache.layers
+        ]
 
     def step_inputs(self) -> dict[str, torch.Tensor | Cache]:
         """Model kwargs for one decode step: ids `[B, 1]`, mask `[B, L+1]`, positions `[B, 1]`."""

@@ -4,15 +4,27 @@ Responsibility: turn concurrent `generate(prompt_ids, sampling)` calls (from any
 event loop) into batched decode steps on one model copy the engine owns, and return the
 sampled ids with their logprobs and the weight version at admission.
 
-How it works. One decode thread owns the model, the KV batch (`engine/batch.py`) and all
-per-request state. Requests and weight loads reach it through a queue. Each loop iteration:
+How it works. One decode thread owns the model, the KV batch (`engine/batch.py`), the prefix
+cache (`engine/prefix_cache.py`) and all per-request state. Requests and weight loads reach it
+through a queue. Each loop iteration:
   1) drain the queue (new requests wait; a weight load is applied now, between steps);
-  2) admit waiting requests up to `max_batch_size`: prefill each alone (batch 1, its own
-     cache), sample its first id, merge its cache into the left-padded batch;
+  2) prefill, at most `prefill_chunk_tokens` prompt tokens per iteration (chunked prefill):
+     waiting requests are admitted one at a time, up to `max_batch_size` rows; the first
+     chunk of a request starts from the longest prefix of its prompt found in the prefix
+     cache (only its new tokens are computed), each chunk extends the request's own batch-1
+     cache, and when the last chunk is done the prompt's KV is stored in the prefix cache, its
+     first id is sampled and its cache merged into the left-padded batch. A long prompt thus
+     takes several iterations, and the rows already decoding take a step between its chunks;
   3) one decode step: a single forward over `[B, 1]` ids (per-row position ids and padding
      mask), sample every row (`engine/sampler.py`), finish rows that hit max_tokens, an EOS id
-     or a stop string, and drop them from the batch.
+     or a stop string, store a finished row's KV (prompt + completion) in the prefix cache, and
+     drop it from the batch.
 A request arriving mid-generation therefore joins at the next step; a finished one leaves.
+An agent's next turn (previous prompt + reply + tool output) and the other rollouts of a group
+(same task prompt; they are prefilled one after another, so the second finds the first's KV)
+prefill only the ids not already cached. A prompt wholly cached still computes its last id
+(its logits are needed); the reused KV equals what a full prefill computes up to float
+rounding of the different matmul shapes (`tests/test_prefix_cache.py`: logprobs within 1e-5).
 Results go back through an asyncio future (`loop.call_soon_threadsafe`) or a
 `concurrent.futures.Future` for `generate_blocking`.
 
@@ -26,7 +38,11 @@ Weight swaps (DESIGN §3.6): `load_weights` blocks the caller until the decode t
 copied the tensors into the model between two steps, so the caller may reuse its tensors
 afterwards. Requests in flight continue with the new weights from the next step; their
 `Completion.policy_version` stays the version at admission (dispatch). Requests still
-waiting when the swap happens are admitted under the new version.
+waiting when the swap happens are admitted under the new version. A swap clears the prefix
+cache, entries carry the version they were computed under and lookups ask for the current one,
+a request whose prefill was under way restarts it under the new weights (it is admitted
+anew), and a row admitted before the swap is not stored when it finishes (its KV mixes
+versions): KV computed with old weights never serves a request admitted under new ones.
 
 Threads: with torch's OpenMP backend (the CPU wheels), `torch.set_num_threads(n)` sets the
 calling thread's intra-op count *and* a process default that each thread adopts when it first
@@ -36,8 +52,8 @@ yet run any adopts 2). The engine therefore calls it first thing in its decode t
 decode work uses exactly `num_threads`; a trainer running in another thread should call
 `torch.set_num_threads` itself (before or after the engine starts) to keep its own count.
 
-What it deliberately does not do: chunked prefill (a long prompt stalls the batch for its
-prefill), prefix caching, speculative decoding, GPU streams. Prefill of a prompt runs alone.
+What it deliberately does not do: paged KV memory (the batch and each cache entry hold their
+own copies), speculative decoding, GPU streams. Prefill of a prompt runs alone (batch 1).
 Invariants: `Completion.prompt_ids` is the input exactly; `len(completion_ids) ==
 len(completion_logprobs)`; every logprob finite and <= 0 for finite weights; `finish_reason`
 is `stop` when the last id is an EOS id or completes a stop string (even as the last id the
@@ -63,6 +79,7 @@ from transformers import DynamicCache
 
 from harnessrl.engine.batch import KVBatch
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
+from harnessrl.engine.prefix_cache import PrefixCache
 from harnessrl.engine.sampler import RowSampling, effective_temperature, sample_next
 from harnessrl.engine.stop import StopWatcher
 from harnessrl.errors import ContextLengthError, EngineError
@@ -71,6 +88,8 @@ from harnessrl.types import Completion, Sampling
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT_TOKENS = 8192
+DEFAULT_PREFIX_CACHE_TOKENS = 32768
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Deliver = Callable[[Completion | BaseException], None]
@@ -88,6 +107,17 @@ class EngineStats:
     prefills: int
     generated_tokens: int
     weight_loads: int
+    prefill_tokens: int
+    """Prompt tokens run through the model in prefill (what the prefix cache saves on)."""
+    prefix_hit_tokens: int
+    """Prompt tokens whose KV came from the prefix cache instead."""
+    prefix_hits: int
+    """Prefills that started from a cached prefix."""
+    prefill_chunks: int
+    """Forward passes of prefill (a prompt takes ceil(new tokens / chunk) of them)."""
+    prefix_cache_tokens: int = 0
+    """Token positions held in the prefix cache now."""
+    prefix_cache_evictions: int = 0
 
 
 @dataclass(slots=True)
@@ -103,6 +133,15 @@ class _Request:
     policy_version: int = -1
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """A request being prefilled: its batch-1 cache holds the KV of `prompt_ids[:done]`."""
+
+    req: _Request
+    cache: DynamicCache
+    done: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +166,8 @@ class EmbeddedEngine:
         max_batch_size: int = 32,
         max_context_tokens: int | None = None,
         seed: int = 0,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> None:
         """Load the model and tokenizer from `model_dir` and start the decode thread.
 
@@ -138,6 +179,11 @@ class EmbeddedEngine:
             max_context_tokens: cap on `len(prompt) + completion`; default the model's
                 `max_position_embeddings`, capped at 8192.
             seed: seeds the generator that seeds requests without their own `seed`.
+            prefix_cache_tokens: memory bound of the prefix cache, in token positions (LRU;
+                one position costs `2 * layers * kv_heads * head_dim * dtype bytes`, 46 KiB
+                for SmolLM2-135M in float32, so the default 32768 is about 1.5 GiB); 0 turns
+                the cache off.
+            prefill_chunk_tokens: most prompt tokens prefilled between two decode steps.
 
         Raises:
             EngineError: unknown dtype or non-positive sizes.
@@ -148,6 +194,10 @@ class EmbeddedEngine:
             raise EngineError(f"max_batch_size={max_batch_size} must be >= 1")
         if num_threads is not None and num_threads < 1:
             raise EngineError(f"num_threads={num_threads} must be >= 1")
+        if prefix_cache_tokens < 0:
+            raise EngineError(f"prefix_cache_tokens={prefix_cache_tokens} must be >= 0")
+        if prefill_chunk_tokens < 1:
+            raise EngineError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         self._model = load_causal_lm(Path(model_dir), dtype=dtype)
         self._tokenizer = load_tokenizer(Path(model_dir))
         config = self._model.config
@@ -166,7 +216,10 @@ class EmbeddedEngine:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._active: list[_Request] = []
+        self._prefilling: _Prefill | None = None
         self._batch = KVBatch()
+        self._prefix_cache = PrefixCache(prefix_cache_tokens)
+        self._chunk_tokens = prefill_chunk_tokens
         self._stats = dict.fromkeys(EngineStats.__slots__, 0)  # type: ignore[attr-defined]
         self._closed = False
         self._failure: BaseException | None = None
@@ -194,7 +247,14 @@ class EmbeddedEngine:
         return self._tokenizer
 
     def stats(self) -> EngineStats:
-        return EngineStats(**self._stats)
+        """A snapshot of the counters (cache gauges read without a lock: approximate while busy)."""
+        return EngineStats(
+            **{
+                **self._stats,
+                "prefix_cache_tokens": self._prefix_cache.num_tokens,
+                "prefix_cache_evictions": self._prefix_cache.evictions,
+            }
+        )
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
         """Generate one completion; concurrent calls are decoded in one batch.
@@ -320,7 +380,7 @@ class EmbeddedEngine:
             with torch.inference_mode():
                 while self._drain_queue():
                     self._drop_cancelled()
-                    self._admit()
+                    self._prefill_some()
                     if self._active:
                         self._decode_step()
         except Exception as exc:  # noqa: BLE001 - a failed forward fails every request, then the engine
@@ -333,7 +393,7 @@ class EmbeddedEngine:
 
     def _drain_queue(self) -> bool:
         """Take queued items (blocking when idle); False once asked to stop."""
-        idle = not self._active and not self._waiting
+        idle = not self._active and not self._waiting and self._prefilling is None
         items = [self._queue.get()] if idle else []
         while True:
             try:
@@ -363,42 +423,85 @@ class EmbeddedEngine:
             load.done.set_exception(EngineError(f"load_weights failed: {exc!r}"))
             return
         self._version = load.version
+        self._prefix_cache.clear()
+        if self._prefilling is not None:  # its partial KV is from the old weights: admit it anew
+            self._waiting.appendleft(self._prefilling.req)
+            self._prefilling = None
         self._stats["weight_loads"] += 1
         load.done.set_result(None)
 
     def _drop_cancelled(self) -> None:
+        if self._prefilling is not None and self._prefilling.req.cancelled.is_set():
+            self._prefilling = None
         self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
         gone = [b for b, r in enumerate(self._active) if r.cancelled.is_set()]
         if gone:
             self._batch.remove(gone)
             self._active = [r for r in self._active if not r.cancelled.is_set()]
 
-    def _admit(self) -> None:
-        while self._waiting and len(self._active) < self._max_batch_size:
-            req = self._waiting.popleft()
-            req.policy_version = self._version
+    def _prefill_some(self) -> None:
+        """Prefill up to `prefill_chunk_tokens` prompt tokens, admitting waiting requests in turn."""
+        budget = self._chunk_tokens
+        while budget > 0:
+            if self._prefilling is None:
+                if not self._waiting or len(self._active) >= self._max_batch_size:
+                    return
+                self._prefilling = self._start_prefill(self._waiting.popleft())
+                if self._prefilling is None:
+                    continue
+            p = self._prefilling
+            n = min(budget, len(p.req.prompt_ids) - p.done)
             try:
-                seed = req.sampling.seed
-                if seed is None:
-                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
-                req.generator = torch.Generator().manual_seed(seed)
-                cache = DynamicCache(config=self._model.config)
                 out = self._model(
-                    input_ids=torch.tensor([req.prompt_ids], dtype=torch.long),
-                    cache=cache,
+                    input_ids=torch.tensor([p.req.prompt_ids[p.done : p.done + n]], dtype=torch.long),
+                    position_ids=torch.arange(p.done, p.done + n).unsqueeze(0),
+                    cache=p.cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
             except Exception as exc:  # noqa: BLE001 - this request's prefill failed; the others go on
                 log.warning("prefill of a request failed", exc_info=True)
-                req.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
+                self._prefilling = None
+                p.req.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
                 continue
-            self._stats["prefills"] += 1
-            (tok,), (lp,), failed = self._sample(out.logits[:, -1, :], [req])
-            if failed or self._append(req, tok, lp):
-                continue
-            self._batch.add(cache, len(req.prompt_ids), tok)
-            self._active.append(req)
+            p.done += n
+            budget -= n
+            self._stats["prefill_tokens"] += n
+            self._stats["prefill_chunks"] += 1
+            if p.done == len(p.req.prompt_ids):
+                self._prefilling = None
+                self._finish_prefill(p, out.logits[:, -1, :])
+
+    def _start_prefill(self, req: _Request) -> _Prefill | None:
+        """Admit `req`: its version, generator, and a cache seeded from the prefix cache."""
+        req.policy_version = self._version
+        try:
+            seed = req.sampling.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+            req.generator = torch.Generator().manual_seed(seed)
+        except Exception as exc:  # noqa: BLE001 - e.g. a seed torch refuses; only this request fails
+            req.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
+            return None
+        cache = DynamicCache(config=self._model.config)
+        hit = self._prefix_cache.lookup(req.prompt_ids, self._version, max_length=len(req.prompt_ids) - 1)
+        if hit is None:
+            return _Prefill(req, cache, 0)
+        for layer, (k, v) in enumerate(hit.kv):
+            cache.update(k, v, layer)
+        self._stats["prefix_hits"] += 1
+        self._stats["prefix_hit_tokens"] += hit.length
+        return _Prefill(req, cache, hit.length)
+
+    def _finish_prefill(self, p: _Prefill, logits_1_V: torch.Tensor) -> None:
+        req = p.req
+        self._stats["prefills"] += 1
+        self._prefix_cache.insert(req.prompt_ids, self._version, [(ly.keys, ly.values) for ly in p.cache.layers])
+        (tok,), (lp,), failed = self._sample(logits_1_V, [req])
+        if failed or self._append(req, tok, lp):
+            return
+        self._batch.add(p.cache, len(req.prompt_ids), tok)
+        self._active.append(req)
 
     def _decode_step(self) -> None:
         inputs = self._batch.step_inputs()
@@ -412,9 +515,24 @@ class EmbeddedEngine:
         gone = set(failed)
         finished = [b for b, req in enumerate(self._active) if b in gone or self._append(req, ids[b], lps[b])]
         if finished:
+            self._cache_finished([b for b in finished if b not in gone])
             self._batch.remove(finished)
             done = set(finished)
             self._active = [r for b, r in enumerate(self._active) if b not in done]
+
+    def _cache_finished(self, rows: list[int]) -> None:
+        """Store finished rows' KV (prompt + completion ids fed so far) in the prefix cache.
+        Rows admitted under an older weight version are skipped (their KV mixes versions)."""
+        if not self._prefix_cache.enabled:
+            return
+        for b in rows:
+            req = self._active[b]
+            if req.policy_version != self._version:
+                continue
+            kv = self._batch.row_kv(b)
+            n = kv[0][0].shape[-2]
+            ids = (req.prompt_ids + tuple(req.completion_ids))[:n]
+            self._prefix_cache.insert(ids, self._version, kv)
 
     def _sample(self, logits_B_V: torch.Tensor, reqs: list[_Request]) -> tuple[list[int], list[float], list[int]]:
         """Sample every row; returns (ids, logprobs, failed rows). When the batch cannot be
@@ -468,8 +586,12 @@ class EmbeddedEngine:
     def _fail_all(self, error: EngineError) -> None:
         for req in [*self._active, *self._waiting]:
             req.deliver(error)
+        if self._prefilling is not None:
+            self._prefilling.req.deliver(error)
+            self._prefilling = None
         self._active, self._waiting = [], collections.deque()
         self._batch = KVBatch()
+        self._prefix_cache.clear()
         while True:
             try:
                 item = self._queue.get_nowait()

@@ -1,0 +1,203 @@
+"""Prefix cache: the index itself, and the engine with it on against it off (same ids, same
+logprobs), the group sharing a task prompt, weight swaps, and chunked prefill interleaving."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from harnessrl.engine.embedded import EmbeddedEngine
+from harnessrl.engine.model_store import load_causal_lm
+from harnessrl.engine.prefix_cache import PrefixCache
+from harnessrl.errors import EngineError
+from harnessrl.types import Completion, Sampling
+
+GREEDY = Sampling(temperature=0.0, max_tokens=10)
+
+
+def kv_of(n: int, fill: float = 1.0, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fake per-layer KV `[1, 2, n, 4]` whose column j holds fill * j (to check slicing)."""
+    col = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1) * fill
+    return [(col.expand(1, 2, n, 4).clone(), -col.expand(1, 2, n, 4).clone()) for _ in range(layers)]
+
+
+# -- the index ---------------------------------------------------------------------------
+
+
+def test_lookup_returns_the_exact_common_prefix_past_the_last_block() -> None:
+    cache = PrefixCache(max_tokens=1000, block_tokens=4)
+    ids = tuple(range(10, 30))  # 20 ids, 5 blocks
+    assert cache.insert(ids, version=0, kv=kv_of(20))
+    query = ids[:13] + (999, 998, 997, 996, 995)
+    hit = cache.lookup(query, version=0)
+    assert hit is not None and hit.length == 13
+    k, v = hit.kv[0]
+    assert k.shape == (1, 2, 13, 4) and k[0, 0, :, 0].tolist() == [float(j) for j in range(13)]
+    assert torch.equal(v, -k)
+    assert cache.lookup(query, version=0, max_length=6).length == 6
+    assert cache.lookup((999,) + ids, version=0) is None, "a prompt that differs in its first id reuses nothing"
+    assert cache.lookup(ids[:3], version=0) is None, "less than one block never matches"
+
+
+def test_entries_of_another_weight_version_never_match() -> None:
+    cache = PrefixCache(max_tokens=1000, block_tokens=4)
+    ids = tuple(range(40))
+    cache.insert(ids, version=3, kv=kv_of(40))
+    assert cache.lookup(ids, version=3) is not None
+    assert cache.lookup(ids, version=4) is None
+    assert cache.lookup(ids, version=2) is None
+    cache.clear()
+    assert cache.lookup(ids, version=3) is None and cache.num_tokens == 0 and len(cache) == 0
+
+
+def test_lru_bound_evicts_least_recently_used_and_prefixes_are_replaced() -> None:
+    cache = PrefixCache(max_tokens=100, block_tokens=4)
+    a, b, c = tuple(range(0, 40)), tuple(range(100, 140)), tuple(range(200, 240))
+    cache.insert(a, 0, kv_of(40))
+    cache.insert(b, 0, kv_of(40))
+    assert cache.lookup(a, 0) is not None  # a is now the most recently used
+    cache.insert(c, 0, kv_of(40))  # 120 > 100: evict the LRU entry, b
+    assert cache.num_tokens == 80 and cache.evictions == 1
+    assert cache.lookup(b, 0) is None and cache.lookup(a, 0) is not None and cache.lookup(c, 0) is not None
+    # The next turn of `a` (a + more ids) replaces `a`, which is a prefix of it.
+    a2 = a + tuple(range(500, 518))
+    cache.insert(a2, 0, kv_of(58))
+    assert len(cache) == 2 and cache.num_tokens == 98 and cache.lookup(a2, 0).length == 58
+    assert not cache.insert(a2[:30], 0, kv_of(30)), "a prefix of a stored entry is not stored again"
+    assert not cache.insert(tuple(range(101)), 0, kv_of(101)), "an entry above the bound is not stored"
+    assert not PrefixCache(max_tokens=0).insert(a, 0, kv_of(40)), "max_tokens=0 disables the cache"
+
+
+def test_bad_bounds_raise() -> None:
+    with pytest.raises(ValueError, match="max_tokens=-1"):
+        PrefixCache(max_tokens=-1)
+    with pytest.raises(ValueError, match="block_tokens=0"):
+        PrefixCache(max_tokens=10, block_tokens=0)
+
+
+# -- the engine ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path):
+    cached = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, prefix_cache_tokens=4096)
+    plain = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, prefix_cache_tokens=0)
+    yield cached, plain
+    cached.close()
+    plain.close()
+
+
+def reference_logprobs(model: torch.nn.Module, c: Completion) -> torch.Tensor:
+    ids = torch.tensor([[*c.prompt_ids, *c.completion_ids]])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    P = len(c.prompt_ids)
+    return lp[P - 1 : -1].gather(-1, torch.tensor(c.completion_ids).unsqueeze(-1)).squeeze(-1)
+
+
+def test_agent_turns_with_and_without_cache_agree(engines) -> None:  # noqa: ANN001
+    cached, plain = engines
+    prompt = list(range(1000, 1060))
+    hits0, computed0 = cached.stats().prefix_hit_tokens, cached.stats().prefill_tokens
+    plain0 = plain.stats().prefill_tokens
+    reused = 0
+    for turn in range(4):
+        a = cached.generate_blocking(prompt, GREEDY)
+        b = plain.generate_blocking(prompt, GREEDY)
+        assert a.completion_ids == b.completion_ids, f"turn {turn}: greedy ids differ with the cache"
+        diff = (torch.tensor(a.completion_logprobs) - torch.tensor(b.completion_logprobs)).abs().max().item()
+        assert diff <= 1e-5, f"turn {turn}: logprobs differ by {diff} with the cache"
+        if turn > 0:
+            reused += len(prompt) - len(tool_output) - 1  # previous prompt + reply, except its last id
+        tool_output = [3000 + 7 * turn + j for j in range(15)]
+        prompt = [*prompt, *a.completion_ids, *tool_output]
+    s = cached.stats()
+    assert s.prefix_hit_tokens - hits0 == reused
+    assert s.prefill_tokens - computed0 == plain.stats().prefill_tokens - plain0 - reused
+    assert s.prefix_cache_tokens > 0
+
+
+async def test_group_shares_the_task_prompt(engines) -> None:  # noqa: ANN001
+    cached, _ = engines
+    prompt = list(range(2000, 2090))
+    before = cached.stats()
+    outs = await asyncio.gather(
+        *(cached.generate(prompt, Sampling(temperature=1.0, max_tokens=6, seed=s)) for s in range(4))
+    )
+    after = cached.stats()
+    assert after.prefix_hits - before.prefix_hits == 3
+    assert after.prefill_tokens - before.prefill_tokens == len(prompt) + 3  # rollouts 2-4 compute the last id
+    assert len({c.completion_ids for c in outs}) > 1, "seeded rollouts should differ"
+
+
+def test_no_cache_hit_after_a_weight_swap(tiny_model_dir: Path) -> None:
+    new_weights = load_causal_lm(tiny_model_dir)
+    with torch.no_grad():
+        for p in new_weights.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    prompt = list(range(500, 580))
+    with EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=4096) as eng:
+        first = eng.generate_blocking(prompt, GREEDY)
+        again = eng.generate_blocking(prompt, GREEDY)
+        assert eng.stats().prefix_hits == 1 and again.completion_ids == first.completion_ids
+        eng.load_weights(dict(new_weights.state_dict()), version=1)
+        assert eng.stats().prefix_cache_tokens == 0, "the swap clears the cache"
+        before = eng.stats()
+        after = eng.generate_blocking(prompt, GREEDY)
+        s = eng.stats()
+        assert s.prefix_hits == before.prefix_hits, "a prefix computed with old weights served new ones"
+        assert s.prefill_tokens - before.prefill_tokens == len(prompt)
+        assert after.policy_version == 1
+        ref = reference_logprobs(new_weights, after)
+        assert torch.allclose(torch.tensor(after.completion_logprobs), ref, atol=1e-4)
+
+
+async def test_a_row_admitted_before_a_swap_is_not_cached(tiny_model_dir: Path) -> None:
+    state = dict(load_causal_lm(tiny_model_dir).state_dict())
+    with EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=4096) as eng:
+        long_run = asyncio.create_task(eng.generate(list(range(700, 740)), Sampling(temperature=0.0, max_tokens=60)))
+        while eng.stats().decode_steps < 3:
+            await asyncio.sleep(0.002)
+        await asyncio.to_thread(eng.load_weights, state, 1)
+        done = await long_run
+        assert done.policy_version == 0
+        assert eng.stats().prefix_cache_tokens == 0, "KV mixing two weight versions was stored"
+
+
+async def test_chunked_prefill_lets_decoding_rows_move(tiny_model_dir: Path, engines) -> None:  # noqa: ANN001
+    long_prompt = list(range(4000, 4200))
+    reference = load_causal_lm(tiny_model_dir)
+
+    async def order(chunk: int) -> list[str]:
+        finished: list[str] = []
+        with EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0, prefill_chunk_tokens=chunk) as eng:
+
+            async def run(name: str, prompt: list[int], max_tokens: int) -> Completion:
+                c = await eng.generate(prompt, Sampling(temperature=0.0, max_tokens=max_tokens))
+                finished.append(name)
+                return c
+
+            decoding = asyncio.create_task(run("decoding", [5, 6, 7], 12))
+            while eng.stats().decode_steps < 1:
+                await asyncio.sleep(0.001)
+            long = await run("long", long_prompt, 1)
+            await decoding
+            chunks = eng.stats().prefill_chunks
+        ref = reference_logprobs(reference, long)
+        assert torch.allclose(torch.tensor(long.completion_logprobs), ref, atol=1e-4)
+        return [*finished, f"chunks={chunks}"]
+
+    # 200 ids in chunks of 8 take 25 iterations, each with a decode step: the 12-id reply ends first.
+    assert await order(8) == ["decoding", "long", "chunks=26"]
+    # In one chunk the long prompt's prefill and its single id come before the next decode step.
+    assert await order(512) == ["long", "decoding", "chunks=2"]
+
+
+def test_bad_engine_knobs_raise(tiny_model_dir: Path) -> None:
+    with pytest.raises(EngineError, match="prefix_cache_tokens=-1"):
+        EmbeddedEngine(tiny_model_dir, prefix_cache_tokens=-1)
+    with pytest.raises(EngineError, match="prefill_chunk_tokens=0"):
+        EmbeddedEngine(tiny_model_dir, prefill_chunk_tokens=0)
