@@ -2,7 +2,7 @@
 
 Each synthetic rollout has `--turns` turns (default 20): a 600-token system prompt and task,
 then per turn a 100-400-token completion and a 250-650-token tool result, so prompts grow to
-~12k tokens. Every 7th turn re-renders the end of the previous answer (REALIGN), one turn per
+~12k tokens. Every 7th turn re-renders the end of the previous answer (a FORK: a REALIGN would untrain sampled tokens), one turn per
 rollout rewrites history after the system prompt (FORK), and one title call runs in parallel
 with turn 1 (auxiliary). Token ids are random.
 
@@ -42,7 +42,7 @@ def _turn(index: int, prompt: list[int], completion: list[int]) -> Turn:
 
 
 def synth_rollout(seed: int, num_turns: int) -> Rollout:
-    """One rollout with growing prompts, some REALIGN, one FORK and one title call."""
+    """One rollout with growing prompts, re-rendered answers and a history rewrite (FORK), and one title call."""
     rng = random.Random(seed)
     system = _ids(rng, 600)
     context = list(system)

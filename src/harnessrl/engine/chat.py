@@ -22,10 +22,41 @@ because they decide which tokens the model sees:
   mentions `reasoning_content`; otherwise it is dropped, as such templates define no place
   for it (the model never saw it as text).
 
-Parsing decodes the completion without its trailing EOS id and without special tokens. A
-leading `<think>...</think>` block becomes `reasoning`. When the request had tools, every
-`<tool_call>` block holding a JSON object with a string `name` becomes a `ToolCall`
-(arguments re-serialised as a JSON string); blocks that fail to parse stay in the text.
+* Tool-call `arguments` on replay go to a tools-aware template in the form it expects,
+  detected once from the template (`arguments_as_json_string`): a probe call is rendered
+  with a mapping and with a JSON string; a template that iterates the mapping or writes it
+  with `tojson` gets the mapping, one that writes or concatenates the string gets the string.
+* Content never becomes control tokens: special-token text (`<|im_end|>`, `<|im_start|>`, ...)
+  inside content, reasoning or tool-call arguments is replaced by a marker holding a random
+  nonce before the template runs (`render_marked`) and encoded as plain text
+  (`SegmentEncoder`, special tokens not extracted), so a tool result cannot forge a system
+  turn. Control tokens the template writes stay control tokens; ids the model sampled are
+  reused as sampled through bridging. `render_text` returns the real text.
+
+Parsing decodes the completion without its trailing EOS id and without special tokens; the
+text ends where the first of the request's stop strings begins (the ids keep every sampled
+token). Reasoning: a completion starting with `<think>`, or any completion when the template's
+generation prompt itself opens the block (`prompt_opens_reasoning`, Qwen3-style), is reasoning
+up to `</think>`; one that never closes it (cut at `max_tokens`) is all reasoning, with content
+"" and no tool calls. When the request had tools, every `<tool_call>` block after the reasoning
+holding a JSON object with a string `name` becomes a `ToolCall` (arguments re-serialised as a
+JSON string); blocks that fail to parse stay in the text.
+
+Bridged rendering (DESIGN.md §5). The public question "does this request extend an earlier
+turn, and what are its bridged prompt ids" is `find_bridge` / `plan_prompt` /
+`bridged_prompt_ids` (or `render_bridged` from `(messages, prompt_ids, completion_ids)`
+tuples). A finished turn leaves a `BridgePoint` (`bridge_point`: its request messages, the
+reply the agent got, its exact `prompt_ids + completion_ids`). A request extends point P when
+its messages are P's messages, then P's reply as the agent replays it (`same_replay`), then at
+least one new message, with the same tools. Its prompt is then P's ids followed by the
+template's own framing of the new messages (`bridge_suffix`): the conversation is rendered
+with P's reply replaced by a sentinel, and the text after the sentinel, from the end of the
+template's end-of-turn token on, is encoded and appended; a reply that ended without an EOS id
+(cut at `max_tokens` or by a stop string) gets the end-of-turn framing too. So the engine sees
+its own sampled ids whatever the template does to history (reasoning stripped, tool calls
+re-serialised, whitespace normalised), and the next prompt extends the row (CLEAN). A request
+that extends no point (compaction, rewritten history, a sub-agent, other tools) renders
+normally.
 
 What this module deliberately does not do: talk HTTP, sample, or build training rows. The
 ids it renders are handed to the engine, which reports the ids it consumed; those are what
