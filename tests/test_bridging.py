@@ -128,7 +128,7 @@ async def test_smollm2_reserialised_tool_calls_merge_clean(tokenizer):
     turns, chat = await converse(tokenizer, [call, call, ids(tokenizer, "Fixed.") + [2]],
                                  [[{"role": "tool", "content": "a.py"}], [{"role": "tool", "content": "b.py"}]],
                                  tools=[BASH])
-    assert turns[0].response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "bash"
+    assert turns[0].reply.tool_calls[0].name == "bash"
     assert_all_clean(turns, 3)
     assert unbridged_divergence(chat, turns, [BASH]) < len(call) - 1
 
@@ -142,9 +142,9 @@ async def test_qwen3_thinking_template_keeps_the_sampled_reasoning(tokenizer):
     turns, chat = await converse(tok, [first, second, ids(tok, "ok\n</think>\n\nDone.") + [2]],
                                  [[{"role": "tool", "content": "def x(): pass"}],
                                   [{"role": "user", "content": "fix it"}]], tools=[BASH])
-    msg = turns[0].response["choices"][0]["message"]
-    assert msg["reasoning_content"] == "The test imports x." and msg["content"] == "I will look."
-    assert msg["tool_calls"][0]["function"]["arguments"] == '{"command": "cat x.py"}'
+    reply = turns[0].reply
+    assert reply.reasoning == "The test imports x." and reply.content == "I will look."
+    assert reply.tool_calls[0].arguments == '{"command": "cat x.py"}'
     assert_all_clean(turns, 3)
     # the template drops the reasoning of turns before the last user query: re-rendering loses it
     assert unbridged_divergence(chat, turns, [BASH]) <= 0

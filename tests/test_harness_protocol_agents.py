@@ -94,6 +94,9 @@ def _assert_recorded(result: HarnessResult, trace: Trace, protocol: str) -> None
         assert turn.protocol == protocol
         assert check_turn_faithful(turn) is None, check_turn_faithful(turn)
         assert turn.completion_ids and turn.sampling is not None and turn.sampling.max_tokens <= 16
+        # one neutral record whatever the protocol; the protocol's own bodies beside it
+        assert turn.reply is not None and isinstance(turn.request.get("messages"), list)
+        assert (turn.raw_request is None) == (turn.raw_response is None) == (protocol == "chat.completions")
 
 
 @pytest.mark.agents
@@ -104,8 +107,10 @@ async def test_pi_rollout_is_recorded(proxy: object, sandbox_root: Path, api: st
     _require_agent("pi")
     result, trace, _ = await _rollout(proxy, sandbox_root, PiHarness(PiConfig(api=api, output_tokens=16)), "pi")
     _assert_recorded(result, trace, protocol)
-    first = trace.turns[0].request
+    first = trace.turns[0].request if protocol == "chat.completions" else trace.turns[0].raw_request
     assert first.get("stream") is True
+    if protocol != "chat.completions":  # the neutral record holds the chat layer's messages
+        assert "Make hello.py print 42." in str(trace.turns[0].request["messages"])
     if api == "openai-completions":
         user = next(m for m in first["messages"] if m["role"] == "user")
         assert user["content"][0]["type"] == "text"  # pi sends user content as a list of parts
@@ -117,7 +122,7 @@ async def test_codex_rollout_is_recorded(proxy: object, sandbox_root: Path) -> N
     _require_agent("codex")
     result, trace, _ = await _rollout(proxy, sandbox_root, CodexHarness(), "codex")
     _assert_recorded(result, trace, "responses")
-    assert all(t.request.get("stream") is True for t in trace.turns)
+    assert all(t.raw_request.get("stream") is True for t in trace.turns)
     assert {t.request_kind for t in trace.turns} <= {"turn", "compaction"}
     assert trace.turns[0].request_kind == "turn" and trace.turns[0].headers["originator"] == "codex_exec"
 

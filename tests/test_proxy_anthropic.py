@@ -48,8 +48,11 @@ async def test_sdk_unary_and_stream_agree_on_tiny_model(engine, chat):
     assert a.prompt_ids == b.prompt_ids and a.completion_ids == b.completion_ids
     assert final.usage.input_tokens == unary.usage.input_tokens == len(a.prompt_ids)
     assert check_turn_faithful(a) is None and check_turn_faithful(b) is None
-    assert a.sampling.max_tokens == 10 and a.request["system"] == "Be brief."
-    assert b.response["id"] == final.id and b.response["content"][0]["text"] == unary.content[0].text
+    assert a.sampling.max_tokens == 10 and a.raw_request["system"] == "Be brief."
+    assert b.raw_response["id"] == final.id and b.raw_response["content"][0]["text"] == unary.content[0].text
+    # the neutral record: the chat layer's messages and the parsed reply
+    assert a.request["messages"][0] == {"role": "system", "content": "Be brief."} and a.request["max_tokens"] == 10
+    assert a.reply.content == unary.content[0].text and b.reply.content == final.content[0].text
     assert trace.rejected_calls == 1
 
 

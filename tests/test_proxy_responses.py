@@ -60,8 +60,12 @@ async def test_sdk_unary_and_stream_agree_on_tiny_model(engine, chat):
     assert a.prompt_ids == b.prompt_ids and a.completion_ids == b.completion_ids
     assert unary.usage.input_tokens == len(a.prompt_ids)
     assert check_turn_faithful(a) is None and check_turn_faithful(b) is None
-    assert a.request["instructions"] == "Be brief." and a.response["id"] == unary.id
-    assert b.response["status"] == "incomplete" and b.response["output"][0]["content"][0]["text"] == unary.output_text
+    assert a.raw_request["instructions"] == "Be brief." and a.raw_response["id"] == unary.id
+    assert b.raw_response["status"] == "incomplete"
+    assert b.raw_response["output"][0]["content"][0]["text"] == unary.output_text
+    # the neutral record: the chat layer's messages and the parsed reply
+    assert a.request["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert a.reply.content == b.reply.content == unary.output_text and a.reply.tool_calls == []
 
 
 def _tool_call_engine(tokenizer, text: str) -> FakeEngine:
@@ -108,7 +112,10 @@ async def test_captured_codex_requests_stream_and_record(engine, chat, capture: 
                                                                              "response.incomplete")
     (turn,) = session.trace.turns
     assert turn.protocol == "responses" and turn.status == "ok" and check_turn_faithful(turn) is None
-    assert turn.request == recorded["body"] and turn.response == events[-1]["response"]
+    assert turn.raw_request == recorded["body"] and turn.raw_response == events[-1]["response"]
+    assert turn.request["messages"][0]["role"] in ("system", "developer") and turn.request["stream"] is False
+    assert turn.reply is not None and turn.reply.content == "".join(
+        e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert turn.request_kind == ("compaction" if "compaction" in capture.stem else "turn")
     assert turn.headers["originator"] == "codex_exec"
     prompt = chat.tokenizer.decode(turn.prompt_ids)

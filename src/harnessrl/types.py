@@ -22,12 +22,13 @@ floats, so every record written reloads (`null` would not validate as a float).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 """Why generation ended: `stop` (the last id is an EOS id or completes a stop string, even
@@ -98,8 +99,46 @@ class Completion:
     """Engine weight version at dispatch (when the request was admitted)."""
 
 
+class ReplyToolCall(BaseModel):
+    """One tool call of a `Reply`, as the chat layer parsed it from the completion."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    """The call id the agent was given (`call_<hex>`)."""
+    name: str
+    """Function name, as the model wrote it."""
+    arguments: str
+    """The arguments as a JSON string, as the model wrote them (not re-serialised)."""
+
+
+class Reply(BaseModel):
+    """The assistant reply of one turn, parsed once from its completion ids, the same for every
+    protocol: what `Turn.raw_response` says in the protocol's own words."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    content: str | None = None
+    """Assistant text (cut where a stop string begins); None when the reply is only tool calls."""
+    tool_calls: list[ReplyToolCall] = Field(default_factory=list)
+    """Parsed tool calls, in order; [] when none."""
+    reasoning: str | None = None
+    """The reasoning (`<think>` block) text, when the completion had one."""
+
+
 class Turn(BaseModel):
-    """One LLM call of a rollout, as recorded by the proxy or the white-box loop."""
+    """One LLM call of a rollout, as recorded by the proxy or the white-box loop.
+
+    The record is protocol-neutral: `request` (the chat-layer request) and `reply` (the parsed
+    reply) have one shape whatever protocol the agent spoke; hooks, shaping, the console and
+    the samples builder read only them. The protocol's own bodies are kept for inspection in
+    `raw_request` / `raw_response`. A turn is built once, when it is recorded.
+
+    Old records (a `response` field: the chat.completion body, or for `responses` / `messages`
+    turns the protocol's body, with `request` the protocol's body) load through a validator:
+    `reply` is parsed from `response`; for the other protocols the bodies move to the `raw_*`
+    fields and `request` is `{}` (the conversion is not redone on load).
+    """
 
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
@@ -108,9 +147,22 @@ class Turn(BaseModel):
     protocol: str = "chat.completions"
     """Wire protocol of the request: `chat.completions`, `responses`, `messages`, `white_box`."""
     request: dict[str, Any]
-    """The request body as received (before sampling overrides)."""
-    response: dict[str, Any] | None = None
-    """The unary response body as sent (for streams: the equivalent unary body)."""
+    """The request as the chat layer saw it: an OpenAI chat-completions body (`messages` with
+    roles system/user/assistant/tool, `tools` as function tools, `max_tokens`, ...) before
+    sampling overrides. For `chat.completions` it is the body as received; for another
+    protocol its adapter's conversion (`raw_request` is the body as received). An error turn
+    keeps at most `proxy.capture.REJECTED_BODY_CHARS` characters of it (`summarize_body`);
+    `{}` when the protocol's body could not be converted."""
+    reply: Reply | None = None
+    """The parsed assistant reply the agent was given; None when no reply was generated
+    (`status="error"`)."""
+    raw_request: dict[str, Any] | None = Field(default=None, exclude_if=lambda v: v is None)
+    """The protocol's request body as received, when the protocol is not chat completions
+    (bounded like `request` on error turns); None (and not written) otherwise."""
+    raw_response: dict[str, Any] | None = Field(default=None, exclude_if=lambda v: v is None)
+    """The protocol's unary response body as sent (for streams: the equivalent unary body),
+    when the protocol is not chat completions and a reply was sent; None (and not written)
+    otherwise (a chat.completion body is `reply` + `finish_reason` + `usage`)."""
     prompt_ids: list[int] = Field(default_factory=list)
     completion_ids: list[int] = Field(default_factory=list)
     completion_logprobs: list[float] = Field(default_factory=list)
@@ -131,8 +183,60 @@ class Turn(BaseModel):
     usage: dict[str, int] = Field(default_factory=dict)
     """Usage reported to the agent: prompt_tokens, completion_tokens, total_tokens."""
     notes: list[str] = Field(default_factory=list)
-    """What the proxy did to the request that `request` alone does not show (e.g. hosted tools
-    the engine cannot run, dropped before rendering)."""
+    """What the proxy did that `request` alone does not show: what the protocol's conversion
+    dropped (e.g. hosted tools the engine cannot run), `bridged_from=N` (bridged rendering)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _map_old_record(cls, data: Any) -> Any:
+        """Old records carry `response` (see the class docstring); map it to the fields above."""
+        if not isinstance(data, dict) or "response" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("response")
+        if data.get("protocol", "chat.completions") not in ("chat.completions", "white_box"):
+            data["raw_request"], data["request"] = data.get("request"), {}
+            data["raw_response"] = old
+        data.setdefault("reply", _old_reply(old) if data.get("status", "ok") != "error" else None)
+        return data
+
+
+def _old_reply(body: Any) -> dict[str, Any] | None:
+    """The reply an old record's `response` body shows: a chat.completion (`choices`), a
+    Responses body (`output` items) or a Messages body (`content` blocks)."""
+    if not isinstance(body, dict):
+        return None
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    if isinstance(body.get("choices"), list) and body["choices"]:
+        message = (body["choices"][0] or {}).get("message") or {}
+        for c in message.get("tool_calls") or []:
+            fn = (c or {}).get("function") or {}
+            calls.append({"id": str(c.get("id", "")), "name": str(fn.get("name", "")),
+                          "arguments": str(fn.get("arguments", ""))})
+        return {"content": message.get("content"), "tool_calls": calls,
+                "reasoning": message.get("reasoning_content")}
+    for item in body.get("output") or []:  # Responses
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "message":
+            texts.extend(p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict))
+        elif kind == "function_call":
+            calls.append({"id": str(item.get("call_id", "")), "name": str(item.get("name", "")),
+                          "arguments": str(item.get("arguments", ""))})
+        elif kind == "reasoning":
+            thoughts.extend(p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict))
+    for block in body.get("content") or [] if isinstance(body.get("content"), list) else []:  # Messages
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(block.get("text", ""))
+        elif kind == "tool_use":
+            calls.append({"id": str(block.get("id", "")), "name": str(block.get("name", "")),
+                          "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)})
+        elif kind == "thinking":
+            thoughts.append(block.get("thinking", ""))
+    return {"content": "\n".join(texts) if texts else None, "tool_calls": calls,
+            "reasoning": "\n".join(thoughts) if thoughts else None}
 
 
 class Trace(BaseModel):

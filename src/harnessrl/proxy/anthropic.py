@@ -59,7 +59,7 @@ from harnessrl.engine.chat import ToolCall, hermes_tool_call, normalize_messages
 from harnessrl.errors import RequestError
 from harnessrl.proxy import native
 from harnessrl.proxy.app import ProxyDeps, json_response, read_json
-from harnessrl.proxy.capture import ChatOutcome
+from harnessrl.proxy.capture import ChatOutcome, Origin
 from harnessrl.proxy.wire import dumps
 
 PROTOCOL = "messages"
@@ -80,20 +80,22 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
         converted = _convert_or_record(session, body, headers)
     except RequestError as exc:
         return error_response(exc.status_code, exc.message)
-    call = native.Call(session, PROTOCOL, body, headers, converted.notes)
+    message_id = "msg_" + secrets.token_hex(12)
+    stops = tuple(converted.chat_body.get("stop") or ())
+
+    def render(chat: dict[str, Any]) -> dict[str, Any]:
+        return message_body(chat, message_id, stops)
+
+    call = native.Call(session, Origin(PROTOCOL, body, headers, converted.notes, render))
     prepared = await native.prepare(call, deps.capture, converted, request.headers)
     if isinstance(prepared, ChatOutcome):
         return error_response(prepared.status_code, _message_of(prepared.body))
-    message_id = "msg_" + secrets.token_hex(12)
     if body.get("stream") is not True:
         outcome = await native.generate(call, deps.capture, prepared)
         if outcome.status_code != 200:
             return error_response(outcome.status_code, _message_of(outcome.body))
-        result = message_body(outcome.body, message_id, tuple(converted.chat_body.get("stop") or ()))
-        native.restamp(call, outcome.turn, result)
-        return json_response(200, result)
-    stops = tuple(converted.chat_body.get("stop") or ())
-    return StreamingResponse(_stream(call, deps, prepared, message_id, stops), media_type="text/event-stream",
+        return json_response(200, outcome.protocol_body)
+    return StreamingResponse(_stream(call, deps, prepared, message_id), media_type="text/event-stream",
                              headers={"cache-control": "no-cache"})
 
 
@@ -329,8 +331,7 @@ def _object_or_none(arguments: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-async def _stream(call: native.Call, deps: ProxyDeps, prepared: Any, message_id: str,
-                  stops: tuple[str, ...]) -> AsyncIterator[bytes]:
+async def _stream(call: native.Call, deps: ProxyDeps, prepared: Any, message_id: str) -> AsyncIterator[bytes]:
     model = call.body.get("model") or deps.capture.config.model_name
     start = {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
              "stop_reason": None, "stop_sequence": None,
@@ -346,11 +347,10 @@ async def _stream(call: native.Call, deps: ProxyDeps, prepared: Any, message_id:
     if outcome.status_code != 200:
         error = {"type": "api_error" if outcome.status_code >= 500 else "invalid_request_error",
                  "message": _message_of(outcome.body)}
-        native.restamp(call, outcome.turn, {"type": "error", "error": error})
         yield _event("error", {"error": error})
         return
-    result = message_body(outcome.body, message_id, stops)
-    native.restamp(call, outcome.turn, result)
+    result = outcome.protocol_body
+    assert result is not None
     for frame in stream_events(result):
         yield frame
 

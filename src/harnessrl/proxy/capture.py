@@ -21,6 +21,25 @@ Invariants:
     The text returned ends where a stop string begins (the ids keep every sampled token).
   * `usage` is truthful: prompt ids consumed and completion ids sampled by the engine.
   * Bad input gives 4xx (`RequestError`), engine failures 5xx; never `choices: []`.
+  * The turn is built once, here, when it is recorded, and is protocol-neutral (`types.Turn`):
+    `request` is the chat body the chat layer parsed, `reply` the parsed assistant reply
+    (content, tool calls, reasoning). Nothing rewrites a recorded turn.
+
+How a protocol adapter produces a neutral turn (`responses.py`, `anthropic.py`; any new
+dialect does the same, through the glue in `native.py`):
+  1. Convert the protocol's request body into a chat-completions body (`stream: false`;
+     messages with roles system/user/assistant/tool, function tools, `max_tokens`, ...), or
+     raise `RequestError` naming the field (`native.record_rejected` records that call as an
+     error turn with `request={}` and `raw_request` = the body).
+  2. Describe the call as an `Origin`: the protocol's name (`Turn.protocol`), its body as
+     received (`Turn.raw_request`), its extra headers, what the conversion dropped
+     (`Turn.notes`), and `render`: the chat.completion body -> the protocol's own response body.
+  3. Call `prepare_chat(..., origin=origin)` then `generate_chat`. Capture renders, samples,
+     parses and calls `render` once, before the turn is recorded: the turn gets `request` =
+     the converted body, `reply` = the parse, `raw_response` = `render`'s body, and
+     `ChatOutcome.protocol_body` is that same body for the adapter to send (unary) or to
+     stream as events. An error turn has no `reply` and no `raw_response`; the adapter answers
+     with its protocol's error form from `ChatOutcome.body` (an OpenAI error body).
 
 What this module deliberately does not do: HTTP framing, SSE, keys (see `app.py`, `sse.py`).
 """
@@ -31,7 +50,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +62,8 @@ from harnessrl.errors import ContextLengthError, EngineError, RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import Session
 from harnessrl.proxy.wire import ChatRequest, error_body, parse_chat_request
-from harnessrl.types import Completion, Sampling, Turn, check_turn_faithful, effective_temperature
+from harnessrl.types import (Completion, Reply, ReplyToolCall, Sampling, Turn, check_turn_faithful,
+                             effective_temperature)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +88,24 @@ class CaptureDeps:
 
 
 @dataclass(frozen=True, slots=True)
+class Origin:
+    """A call that arrived in another protocol (see the module docstring): what its turn records
+    besides the neutral form."""
+
+    protocol: str
+    """`Turn.protocol`: `responses`, `messages`, ..."""
+    body: dict[str, Any]
+    """The protocol's request body as received (`Turn.raw_request`; bounded on error turns)."""
+    headers: dict[str, str]
+    """Protocol-specific headers of interest, added to `Turn.headers`."""
+    notes: tuple[str, ...] = ()
+    """What the conversion dropped that the request shows, first in `Turn.notes`."""
+    render: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """The chat.completion body -> the protocol's response body (`Turn.raw_response`); called
+    once per ok generation, before the turn is recorded. None: no raw response is kept."""
+
+
+@dataclass(frozen=True, slots=True)
 class ChatOutcome:
     """Result of one call: the status and body the agent gets, and the recorded turn."""
 
@@ -78,6 +116,9 @@ class ChatOutcome:
     stream: bool
     """The agent asked for SSE (`sse.py` synthesises it from `body`)."""
     include_usage: bool
+    protocol_body: dict[str, Any] | None = None
+    """The origin's rendering of `body` (200 from a call with an `Origin.render` only); the
+    same object as `turn.raw_response`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +136,8 @@ class PreparedChat:
     started_perf_s: float
     bridged_from: int | None = None
     """The earlier turn whose exact ids start the prompt (bridged rendering), if any."""
+    origin: Origin | None = None
+    """The protocol the call arrived in, when not chat completions."""
 
 
 async def complete_chat(deps: CaptureDeps, session: Session, body: dict[str, Any],
@@ -116,8 +159,11 @@ async def complete_chat(deps: CaptureDeps, session: Session, body: dict[str, Any
 
 
 async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any],
-                       headers: Mapping[str, str]) -> PreparedChat | ChatOutcome:
+                       headers: Mapping[str, str], origin: Origin | None = None) -> PreparedChat | ChatOutcome:
     """Validate and render; returns a recorded 4xx outcome when the input is bad.
+
+    `body` is a chat-completions body (`Turn.request`); `origin` describes the protocol it was
+    converted from, if any (module docstring).
 
     The template renders inline (well under a millisecond even for 60 KB). Tokenisation runs
     in a worker thread when more than `OFFLOAD_RENDER_CHARS` characters are new to the chat
@@ -137,17 +183,17 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
             prompt_ids = plan.head_ids + prompt_ids
         sampling = resolve_sampling(deps.config, request, len(prompt_ids), deps.engine.max_context_tokens)
     except RequestError as exc:
-        turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, str(exc))
+        turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, str(exc), origin)
         return ChatOutcome(exc.status_code, error_body(exc.message, param=exc.param, code=exc.code), turn,
                            stream=body.get("stream") is True, include_usage=False)
     except Exception as exc:  # noqa: BLE001 - a proxy bug is still one recorded turn and a JSON answer
         log.exception("proxy failed preparing session %s turn %d", session.session_id, turn_index)
         msg = f"internal proxy error: {type(exc).__name__}: {exc}"
-        turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, msg)
+        turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, msg, origin)
         return ChatOutcome(500, error_body(msg, type_="server_error", code="internal_error"), turn,
                            stream=body.get("stream") is True, include_usage=False)
     return PreparedChat(session, request, body, kept, prompt_ids, sampling, turn_index, started_at, started_perf_s,
-                        plan.bridged_from)
+                        plan.bridged_from, origin)
 
 
 async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
@@ -167,18 +213,24 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         parsed = deps.chat.parse(completion.completion_ids, bool(p.request.tools),
                                  call_id_seed=f"{p.session.session_id}:{p.turn_index}", stop=p.sampling.stop)
         response = build_response(deps, p.request, completion, parsed)
+        origin = p.origin
+        protocol_body = origin.render(response) if origin is not None and origin.render is not None else None
     except Exception as exc:  # noqa: BLE001 - a proxy bug is still one recorded turn and a JSON answer
         log.exception("proxy failed building the reply of session %s turn %d", p.session.session_id, p.turn_index)
         msg = f"internal proxy error: {type(exc).__name__}: {exc}"
         return _failed(p, 500, error_body(msg, type_="server_error", code="internal_error"), msg)
+    notes = [] if p.bridged_from is None else [f"bridged_from={p.bridged_from}"]
     turn = Turn.model_construct(
-        turn_index=p.turn_index, protocol="chat.completions", request=p.body, response=response,
+        turn_index=p.turn_index, protocol="chat.completions" if origin is None else origin.protocol,
+        request=p.body, reply=reply_of(parsed),
+        raw_request=None if origin is None else origin.body, raw_response=protocol_body,
         prompt_ids=list(completion.prompt_ids), completion_ids=list(completion.completion_ids),
         completion_logprobs=list(completion.completion_logprobs), sampling=p.sampling,
         policy_version=completion.policy_version, finish_reason=response["choices"][0]["finish_reason"],
         status="ok", error=None, started_at=p.started_at, latency_s=time.perf_counter() - p.started_perf_s,
-        headers=p.headers, request_kind=request_kind(p.headers), usage=response["usage"],
-        notes=[] if p.bridged_from is None else [f"bridged_from={p.bridged_from}"],
+        headers=p.headers if origin is None else {**p.headers, **origin.headers},
+        request_kind=request_kind(p.headers), usage=response["usage"],
+        notes=notes if origin is None else [*origin.notes, *notes],
     )
     reason = check_turn_faithful(turn)
     if reason is not None:
@@ -190,7 +242,8 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         points.append(deps.chat.bridge_point(p.turn_index, p.request.messages, p.request.tools, parsed,
                                              completion.prompt_ids, completion.completion_ids))
         del points[:-BRIDGE_POINTS_KEPT]
-    return ChatOutcome(200, response, turn, stream=p.request.stream, include_usage=p.request.include_usage)
+    return ChatOutcome(200, response, turn, stream=p.request.stream, include_usage=p.request.include_usage,
+                       protocol_body=protocol_body)
 
 
 def resolve_sampling(config: ProxyConfig, request: ChatRequest, prompt_tokens: int,
@@ -250,6 +303,14 @@ def build_response(deps: CaptureDeps, request: ChatRequest, completion: Completi
     }
 
 
+def reply_of(parsed: ParsedAssistant) -> Reply:
+    """The neutral `Turn.reply` of a parse (the same values the chat.completion body carries)."""
+    return Reply.model_construct(
+        content=parsed.content, reasoning=parsed.reasoning,
+        tool_calls=[ReplyToolCall.model_construct(id=c.id, name=c.name, arguments=c.arguments)
+                    for c in parsed.tool_calls])
+
+
 def _logprobs(chat: ChatLayer, completion: Completion) -> dict[str, Any]:
     """OpenAI-format logprobs: one entry per sampled id, with its token string and bytes."""
     strings = chat.token_strings(completion.completion_ids)
@@ -285,7 +346,7 @@ def summarize_body(body: dict[str, Any], limit: int = REJECTED_BODY_CHARS) -> di
 
 def _failed(p: PreparedChat, status: int, body: dict[str, Any], error: str) -> ChatOutcome:
     turn = _error_turn(p.session, p.turn_index, p.body, p.headers, p.started_at, p.started_perf_s, error,
-                       prompt_ids=p.prompt_ids, sampling=p.sampling)
+                       p.origin, prompt_ids=p.prompt_ids, sampling=p.sampling)
     if p.session.revoked:
         return _closed_meanwhile(p, turn)
     return ChatOutcome(status, body, turn, stream=p.request.stream, include_usage=p.request.include_usage)
@@ -299,13 +360,17 @@ def _closed_meanwhile(p: PreparedChat, turn: Turn) -> ChatOutcome:
 
 
 def _error_turn(session: Session, turn_index: int, body: dict[str, Any], headers: dict[str, str],
-                started_at: float, started_perf_s: float, error: str, prompt_ids: list[int] | None = None,
-                sampling: Sampling | None = None) -> Turn:
+                started_at: float, started_perf_s: float, error: str, origin: Origin | None,
+                prompt_ids: list[int] | None = None, sampling: Sampling | None = None) -> Turn:
+    if origin is not None:
+        headers = {**headers, **origin.headers}
     turn = Turn.model_construct(
-        turn_index=turn_index, protocol="chat.completions", request=summarize_body(body), response=None,
+        turn_index=turn_index, protocol="chat.completions" if origin is None else origin.protocol,
+        request=summarize_body(body), reply=None,
+        raw_request=None if origin is None else summarize_body(origin.body), raw_response=None,
         prompt_ids=list(prompt_ids or ()), completion_ids=[], completion_logprobs=[], sampling=sampling,
         policy_version=-1, finish_reason=None, status="error", error=error, started_at=started_at,
         latency_s=time.perf_counter() - started_perf_s, headers=headers, request_kind=request_kind(headers),
-        usage={}, notes=[])
+        usage={}, notes=[] if origin is None else list(origin.notes))
     session.record(turn)
     return turn

@@ -1,20 +1,19 @@
 """Serving a non-chat protocol (Responses API, Anthropic Messages) through the one capture path.
 
-Responsibility: the glue both protocol modules share. A protocol module converts its request
-body into a chat-completions body (`Converted`); this module runs that body through
-`capture.prepare_chat` / `capture.generate_chat`, the same validation, rendering, sampling
-enforcement, engine call and recording as `POST /v1/chat/completions`, and then restamps the
-recorded turn with what the agent actually sent and got:
-`Turn.protocol` (`responses` / `messages`), `Turn.request` (the body as received; an error
-turn keeps at most `capture.REJECTED_BODY_CHARS` of it),
-`Turn.response` (the protocol's own body), `Turn.notes` (what conversion dropped) and the
-protocol's extra headers.
+Responsibility: the glue protocol modules share. A protocol module converts its request body
+into a chat-completions body (`Converted`) and describes the call as a `capture.Origin`
+(its protocol, body as received, extra headers, and how to render the chat result in its own
+words); this module runs the converted body through `capture.prepare_chat` /
+`capture.generate_chat`, the same validation, rendering, sampling enforcement, engine call
+and recording as `POST /v1/chat/completions`. Capture builds the protocol-neutral turn once
+(`request` = the converted body, `reply` = the parse, `raw_request` / `raw_response` = the
+protocol's bodies; see `capture`'s module docstring); nothing here rewrites it.
 
 Invariants:
   * Every call is one recorded turn, whatever fails: conversion errors are recorded here as
-    `status="error"` turns (they never reach the chat layer), later failures by `capture`.
-  * The recorded ids are the engine's (`capture` owns that); restamping touches only the
-    fields named above, in the same event-loop step as the recording (no await between).
+    `status="error"` turns with `request={}` (they never reach the chat layer), later
+    failures by `capture`.
+  * The recorded ids are the engine's (`capture` owns that).
   * A streamed generation runs as a task that survives a client disconnect, so the turn is
     recorded even when nobody reads the result.
 
@@ -30,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from harnessrl.errors import RequestError
-from harnessrl.proxy.capture import (RECORDED_HEADERS, CaptureDeps, ChatOutcome, PreparedChat, generate_chat,
-                                     prepare_chat, request_kind, summarize_body)
+from harnessrl.proxy.capture import (RECORDED_HEADERS, CaptureDeps, ChatOutcome, Origin, PreparedChat,
+                                     generate_chat, prepare_chat, request_kind, summarize_body)
 from harnessrl.proxy.sessions import Session
 from harnessrl.types import Turn
 
@@ -54,13 +53,13 @@ class Call:
     """One protocol call on its way through capture."""
 
     session: Session
-    protocol: str
-    """`responses` or `messages` (`Turn.protocol`)."""
-    body: dict[str, Any]
-    """The request body as received."""
-    headers: dict[str, str]
-    """Protocol-specific headers of interest (added to `Turn.headers`)."""
-    notes: tuple[str, ...]
+    origin: Origin
+    """What the turn records of the protocol (`capture.Origin`)."""
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The request body as received."""
+        return self.origin.body
 
 
 def kept_headers(headers: Mapping[str, str], extra: tuple[str, ...]) -> dict[str, str]:
@@ -70,27 +69,25 @@ def kept_headers(headers: Mapping[str, str], extra: tuple[str, ...]) -> dict[str
 
 def record_rejected(session: Session, protocol: str, body: dict[str, Any], headers: dict[str, str],
                     exc: RequestError) -> Turn:
-    """Record a call whose conversion failed as an error turn (no generation happened)."""
-    turn = Turn(turn_index=session.reserve_turn_index(), protocol=protocol, request=summarize_body(body),
-                status="error", error=str(exc), headers=headers, request_kind=request_kind(headers))
+    """Record a call whose conversion failed as an error turn (no generation happened): no
+    neutral request (`{}`), the body kept as `raw_request` (at most `REJECTED_BODY_CHARS`)."""
+    turn = Turn(turn_index=session.reserve_turn_index(), protocol=protocol, request={},
+                raw_request=summarize_body(body), status="error", error=str(exc), headers=headers,
+                request_kind=request_kind(headers))
     session.record(turn)
     return turn
 
 
 async def prepare(call: Call, deps: CaptureDeps, converted: Converted,
                   headers: Mapping[str, str]) -> PreparedChat | ChatOutcome:
-    """`capture.prepare_chat` on the converted body; a 4xx outcome comes back restamped."""
-    prepared = await prepare_chat(deps, call.session, converted.chat_body, headers)
-    if isinstance(prepared, ChatOutcome):
-        restamp(call, prepared.turn, None)
-    return prepared
+    """`capture.prepare_chat` on the converted body, with the call's origin."""
+    return await prepare_chat(deps, call.session, converted.chat_body, headers, call.origin)
 
 
 async def generate(call: Call, deps: CaptureDeps, prepared: PreparedChat) -> ChatOutcome:
-    """`capture.generate_chat`, restamped (the caller sets `Turn.response` once it is built)."""
-    outcome = await generate_chat(deps, prepared)
-    restamp(call, outcome.turn, None)
-    return outcome
+    """`capture.generate_chat` (the origin rides on `prepared`); a 200 outcome carries the
+    protocol's body in `protocol_body`."""
+    return await generate_chat(deps, prepared)
 
 
 async def generate_with_keepalive(call: Call, deps: CaptureDeps, prepared: PreparedChat,
@@ -104,16 +101,6 @@ async def generate_with_keepalive(call: Call, deps: CaptureDeps, prepared: Prepa
         if not task.done():
             yield None
     yield task.result()
-
-
-def restamp(call: Call, turn: Turn, response: dict[str, Any] | None) -> None:
-    """Make a recorded turn say what the agent sent and got in its own protocol."""
-    turn.protocol = call.protocol
-    turn.request = summarize_body(call.body) if turn.status == "error" else call.body
-    turn.headers = {**turn.headers, **call.headers}
-    turn.notes = list(call.notes)
-    if response is not None:
-        turn.response = response
 
 
 def now_s() -> int:

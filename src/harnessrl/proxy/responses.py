@@ -61,7 +61,7 @@ from starlette.responses import Response, StreamingResponse
 from harnessrl.errors import RequestError
 from harnessrl.proxy import native
 from harnessrl.proxy.app import ProxyDeps, json_response, read_json
-from harnessrl.proxy.capture import ChatOutcome
+from harnessrl.proxy.capture import ChatOutcome, Origin
 from harnessrl.proxy.sse import KEEPALIVE
 from harnessrl.proxy.wire import dumps
 
@@ -86,24 +86,26 @@ _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     """`POST /v1/responses`: unary JSON, or the Responses event stream."""
     body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
-    call = native.Call(session, PROTOCOL, body, native.kept_headers(request.headers, EXTRA_HEADERS), ())
+    headers = native.kept_headers(request.headers, EXTRA_HEADERS)
     try:
         converted = to_chat_body(body)
     except RequestError as exc:
-        native.record_rejected(session, PROTOCOL, body, call.headers, exc)
+        native.record_rejected(session, PROTOCOL, body, headers, exc)
         raise
-    call = native.Call(session, PROTOCOL, body, call.headers, converted.notes)
+    response_id, created_at = "resp_" + secrets.token_hex(12), native.now_s()
+
+    def render(chat: dict[str, Any]) -> dict[str, Any]:
+        return response_body(chat, body, response_id, created_at)
+
+    call = native.Call(session, Origin(PROTOCOL, body, headers, converted.notes, render))
     prepared = await native.prepare(call, deps.capture, converted, request.headers)
     if isinstance(prepared, ChatOutcome):
         return json_response(prepared.status_code, prepared.body)
-    response_id, created_at = "resp_" + secrets.token_hex(12), native.now_s()
     if body.get("stream") is not True:
         outcome = await native.generate(call, deps.capture, prepared)
         if outcome.status_code != 200:
             return json_response(outcome.status_code, outcome.body)
-        result = response_body(outcome.body, body, response_id, created_at)
-        native.restamp(call, outcome.turn, result)
-        return json_response(200, result)
+        return json_response(200, outcome.protocol_body)
     return StreamingResponse(_stream(call, deps, prepared, response_id, created_at),
                              media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
@@ -363,11 +365,10 @@ async def _stream(call: native.Call, deps: ProxyDeps, prepared: Any, response_id
         err = outcome.body["error"]
         failed = start | {"status": "failed", "error": {"code": err.get("code") or "server_error",
                                                         "message": err["message"]}}
-        native.restamp(call, outcome.turn, failed)
         yield _event("response.failed", next(seq), {"response": failed})
         return
-    result = response_body(outcome.body, call.body, response_id, created_at)
-    native.restamp(call, outcome.turn, result)
+    result = outcome.protocol_body
+    assert result is not None
     for frame in stream_events(result, seq):
         yield frame
 

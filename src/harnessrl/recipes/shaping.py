@@ -13,6 +13,9 @@
 * `alternating_smoke_reward`: a pipeline smoke-test reward, 0.0, 1.0, 0.0, ... in call order
   (None for unscored rollouts), so every group of two or more has variance and a gradient even
   with a random-weight model. It says nothing about the task: for tests and benchmarks only.
+
+All of them read the protocol-neutral record (`Turn.reply`, `RolloutOutcome`), so a rollout
+of Codex (Responses), Claude Code (Messages) or a chat-completions agent is shaped alike.
 """
 
 from __future__ import annotations
@@ -46,11 +49,10 @@ def action_format_credit(outcome: RolloutOutcome) -> float | None:
     replies = 0
     well_formed = 0
     for turn in outcome.rollout.trace.turns:
-        if turn.status != "ok" or not turn.response or not turn.response.get("choices"):
+        if turn.status != "ok" or turn.reply is None:
             continue
         replies += 1
-        message = turn.response["choices"][0].get("message") or {}
-        content = message.get("content") or ""
+        content = turn.reply.content or ""
         if tool_call_names(turn) or len(_ACTION_BLOCK.findall(content)) == 1:
             well_formed += 1
     fraction = well_formed / replies if replies else 0.0

@@ -14,8 +14,9 @@ from __future__ import annotations
 from harnessrl.types import Trace
 
 _CONTEXT_MARKERS = ("max_context_tokens", "context limit", "context_length_exceeded")
-_ASKED_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-"""Request fields in which the chat, Responses and Messages protocols carry the agent's own cap."""
+_ASKED_KEYS = ("max_tokens", "max_completion_tokens")
+"""Fields of the neutral request (`Turn.request`, a chat body: the Responses and Messages
+adapters convert their caps to `max_tokens`) that carry the agent's own cap."""
 
 
 def proxy_cause(trace: Trace) -> str | None:

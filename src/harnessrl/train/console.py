@@ -73,7 +73,8 @@ def content_text(content: Any) -> str:
 
 
 def print_conversation(console: Console, rollout: Rollout, max_chars: int = 1200) -> None:
-    """The rollout's last recorded request plus the reply it got, as one panel."""
+    """The rollout's last recorded request plus the reply it got, as one panel (the neutral
+    record: `Turn.request` messages and `Turn.reply`, whatever protocol the agent spoke)."""
     turns = [t for t in rollout.trace.turns if t.request.get("messages") is not None]
     if not turns:
         console.print(Panel(f"(no chat turns) status={rollout.status}", title=rollout.rollout_id))
@@ -88,9 +89,11 @@ def print_conversation(console: Console, rollout: Rollout, max_chars: int = 1200
             fn = call.get("function", {}) if isinstance(call, dict) else {}
             text += f"\n[tool call] {fn.get('name')}({fn.get('arguments')})"
         lines.append(f"[bold]{escape(str(msg.get('role', '?')))}[/]: {escape(_cut(text, max_chars))}")
-    if last.response and last.response.get("choices"):
-        reply = last.response["choices"][0].get("message", {})
-        lines.append(f"[bold green]assistant[/]: {escape(_cut(content_text(reply.get('content')), max_chars))}")
+    if last.reply is not None:
+        text = last.reply.content or ""
+        for call in last.reply.tool_calls:
+            text += f"\n[tool call] {call.name}({call.arguments})"
+        lines.append(f"[bold green]assistant[/]: {escape(_cut(text, max_chars))}")
     title = f"{rollout.task_id} · {rollout.status} · reward {rollout.reward}"
     if "train_reward" in rollout.model_fields_set:
         title += f" (train {rollout.train_reward})"

@@ -95,7 +95,7 @@ class RolloutOutcome:
     reward: float | None
     """The verifier's reward (`rollout.reward`); None when unscored."""
     tool_calls_by_name: dict[str, int] = field(default_factory=dict)
-    """Tool calls the model emitted in `ok` turns, by function name, from recorded responses."""
+    """Tool calls the model emitted in `ok` turns, by function name, from the recorded replies."""
     num_turns: int = 0
     """Recorded turns with `status="ok"`."""
     timed_out: bool = False
@@ -103,20 +103,11 @@ class RolloutOutcome:
 
 
 def tool_call_names(turn: Turn) -> list[str]:
-    """Function names of the tool calls in `turn.response` (OpenAI chat shape), in order.
-
-    Tolerates the shapes recorded for failures: no response, empty `choices`, a `None`
-    message, `tool_calls: None` or `[]`, a call without a function name (skipped).
-    """
-    response = turn.response or {}
-    names: list[str] = []
-    for choice in response.get("choices") or []:
-        message = (choice or {}).get("message") or {}
-        for call in message.get("tool_calls") or []:
-            name = ((call or {}).get("function") or {}).get("name")
-            if isinstance(name, str) and name:
-                names.append(name)
-    return names
+    """Function names of the tool calls in `turn.reply` (the neutral parsed reply, the same for
+    every protocol), in order; [] when the turn has no reply. Calls without a name are skipped."""
+    if turn.reply is None:
+        return []
+    return [call.name for call in turn.reply.tool_calls if call.name]
 
 
 def outcome_of(rollout: Rollout) -> RolloutOutcome:
@@ -135,7 +126,7 @@ def outcome_of(rollout: Rollout) -> RolloutOutcome:
 
 
 def has_tool_call(turn: Turn) -> bool:
-    """A ready-made `train_turn_fn`: train only turns whose response calls a tool."""
+    """A ready-made `train_turn_fn`: train only turns whose reply calls a tool (any protocol)."""
     return bool(tool_call_names(turn))
 
 
