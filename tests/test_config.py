@@ -78,6 +78,8 @@ def test_the_config_layer_does_not_import_torch() -> None:
     (["engine.kind=vllm"], "engine.kind = 'vllm' is unknown; expected one of 'embedded'"),
     (["engine.modle=x"], "unknown key 'engine.modle' (with engine.kind = 'embedded')"),
     (["sandbox.kind=docker"], "sandbox.kind = 'docker' is unknown; expected one of 'local'"),
+    # a knob that would do nothing is refused
+    (["tasks.verifier_kwargs={strict = true}"], "tasks.verifier_kwargs is set but tasks.verifier is not"),
 ])
 def test_each_kind_accepts_only_its_own_keys(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as exc:

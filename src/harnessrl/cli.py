@@ -81,7 +81,7 @@ def train(
 def rollout(
     config: ConfigOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/rollout-<timestamp>).")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="Number of tasks (groups) to run.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Number of tasks (groups) to run (default: tasks.limit, else 4); not a config key.")] = None,
     set_: SetOpt = None,
 ) -> None:
     """Run rollouts without training (evaluation): writes rollouts.jsonl and prints a summary."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _TasksBase(BaseModel):
@@ -24,7 +24,14 @@ class _TasksBase(BaseModel):
     async or not, returning `Reward`); it scores every task. Unset: the verifier of each
     task's family (humaneval, stdio, procedural)."""
     verifier_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for `verifier`."""
+    """Keyword arguments for `verifier` (only with `verifier`: the built-in verifiers take none)."""
+
+    @model_validator(mode="after")
+    def _kwargs_need_a_verifier(self) -> _TasksBase:
+        if self.verifier_kwargs and not self.verifier:
+            raise ValueError("tasks.verifier_kwargs is set but tasks.verifier is not: the built-in "
+                             "verifiers take no arguments (name your verifier with tasks.verifier)")
+        return self
 
 
 class ProceduralTasks(_TasksBase):
