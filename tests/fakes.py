@@ -10,6 +10,7 @@ exactly its input, it records every call, and it can be told to fail.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,12 +127,14 @@ class FakeSandbox:
     `links` reads and writes as a planted symlink does (SandboxError). `agent_path` gives
     `/sandbox/<base>/<rel>`, which is no host path (as in a container). `spawn` records
     `(argv, env, log_file)` in `spawned` and runs `agent`; `kill_fails` makes
-    `kill_processes` raise. Every method call is appended to `calls`.
+    `kill_processes` raise; `proxy_host` is the host `agent_endpoint` puts in place of
+    127.0.0.1 (a container's route to the host). Every method call is appended to `calls`.
     """
 
     def __init__(self, root: Path = Path("/nonexistent/fake-sandbox"), *, agent: Agent | None = None,
-                 kill_fails: bool = False) -> None:
+                 kill_fails: bool = False, proxy_host: str | None = None) -> None:
         self.root = root
+        self.proxy_host = proxy_host
         self.agent = agent or (lambda sandbox, argv, env: ScriptedProcess())
         self.kill_fails = kill_fails
         self.files: dict[tuple[Base, str], bytes] = {}
@@ -160,7 +163,11 @@ class FakeSandbox:
         return f"/sandbox/{base}/{rel_path}" if rel_path else f"/sandbox/{base}"
 
     def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
-        return endpoint
+        if self.proxy_host is None:
+            return endpoint
+        return dataclasses.replace(
+            endpoint, base_url=endpoint.base_url.replace("127.0.0.1", self.proxy_host),
+            keyed_base_url=endpoint.keyed_base_url.replace("127.0.0.1", self.proxy_host))
 
     async def exec(self, cmd, timeout_s, env=None, cwd=None) -> ExecResult:  # noqa: ANN001
         self.calls.append("exec")
@@ -211,12 +218,13 @@ class FakeSandbox:
 class FakeBackend:
     """Creates `FakeSandbox`es; `kill_fails[i]` for the i-th one; keeps them in `made`."""
 
-    def __init__(self, root: Path, kill_fails: Sequence[bool] = (), agent: Agent | None = None) -> None:
-        self.root, self.kill_fails, self.agent = root, list(kill_fails), agent
+    def __init__(self, root: Path, kill_fails: Sequence[bool] = (), agent: Agent | None = None,
+                 proxy_host: str | None = None) -> None:
+        self.root, self.kill_fails, self.agent, self.proxy_host = root, list(kill_fails), agent, proxy_host
         self.made: list[FakeSandbox] = []
 
     async def create(self, rollout_id: str, workspace: dict[str, str]) -> FakeSandbox:
-        sandbox = FakeSandbox(self.root / rollout_id, agent=self.agent,
+        sandbox = FakeSandbox(self.root / rollout_id, agent=self.agent, proxy_host=self.proxy_host,
                               kill_fails=self.kill_fails.pop(0) if self.kill_fails else False)
         for rel_path, text in workspace.items():
             sandbox.write_file(rel_path, text)

@@ -202,3 +202,17 @@ def test_a_command_file_outside_the_sandbox_stops_the_run_after_release(tmp_path
     with pytest.raises(ConfigError, match="escape.txt"):
         asyncio.run(run_rollout(TASK, 0, harness, backend, sessions, verifier, RolloutLimits(agent_timeout_s=1)))
     assert backend.made[0].calls == ["close"] and sessions.open == set() and verifier.scored == 0
+
+
+@pytest.mark.parametrize("harness", HARNESSES, ids=lambda h: h.name)
+def test_every_harness_is_given_the_sandbox_route_to_the_proxy(tmp_path: Path, harness: CliAgentHarness) -> None:
+    """The runner hands the harness `sandbox.agent_endpoint(...)`: a sandbox that reaches the
+    host as `host.sandbox.internal` gets that address in its agent's config, never 127.0.0.1."""
+    backend = FakeBackend(tmp_path, agent=_writes_log("done\n"), proxy_host="host.sandbox.internal")
+    rollout = asyncio.run(run_rollout(TASK, 0, harness, backend, _Sessions(), _Verifier(False),
+                                      RolloutLimits(agent_timeout_s=5), rollout_id="r"))
+    assert rollout.status == "ok", rollout.error
+    sandbox = backend.made[0]
+    config = "".join(sandbox.files[k].decode() for k in sandbox.files if k[1].startswith(".harnessrl/"))
+    config += json.dumps(sandbox.spawned[0][:2])
+    assert "host.sandbox.internal:7000" in config and "127.0.0.1" not in config
