@@ -3,7 +3,10 @@
 Two kinds share this seam and produce identical traces (DESIGN.md §2):
   * loop-owning CLI agents (mini-swe-agent, opencode, any command) talk HTTP to the proxy;
   * the white-box Python loop samples the engine directly through the same recorder.
-A harness never raises for the agent's own failure: it reports it in `HarnessResult`.
+A harness never raises for the agent's own failure: it reports it in `HarnessResult`. It speaks
+only the `Sandbox` seam (sandbox-relative files, `agent_path`, the `SandboxProcess` handle),
+never host paths or pids, and the endpoint it is given is the sandbox's
+(`Sandbox.agent_endpoint`, applied by the rollout runner).
 """
 
 from __future__ import annotations

@@ -25,6 +25,13 @@ Every command (exec or spawn):
     the proxy's agent socket behind a forwarder on `127.0.0.1:<proxy port>` (`sandbox/bwrap.py`;
     `agent_endpoint` gives the URL to hand the agent).
 
+`spawn` returns a `LocalProcess` (the `SandboxProcess` seam): its tree is its process group,
+its descendants and every process carrying its spawn marker `HARNESSRL_SPAWN_ID`;
+`kill_tree` kills that tree the way `close()` kills the sandbox (`sandbox/procs.py`: SIGTERM,
+`kill_grace_s`, SIGKILL until a scan is empty). File paths are relative to `work/` or `home/`
+(`read_file` / `write_file` with `base`); `agent_path` is the host path, as the sandbox
+directory is bound at its own path under bubblewrap.
+
 While commands run, a watchdog sums the sandbox directory's allocated bytes every
 `disk_poll_s`; past `disk_bytes` it kills every process of the sandbox and no further
 command starts (`disk_exceeded`). A fast writer can overshoot by what it writes in one poll.

@@ -18,6 +18,10 @@ changed directory out of the sandbox *and* left its process group when there is 
 (with bubblewrap the PID namespace still takes those down when the sandbox's init exits). Zombies are ignored: they
 hold no resources but a pid and their parent reaps them.
 
+The tree of one spawned process (`find_tree`, `kill_tree`) is found the same way, narrower:
+its process group, its descendants by parent pid, and the processes carrying its own marker
+`HARNESSRL_SPAWN_ID=<id>`.
+
 Invariant: a pid is only ever signalled after it was seen alive and matching in the same scan.
 """
 
