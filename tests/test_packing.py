@@ -11,10 +11,12 @@ import torch
 
 from harnessrl.train.losses import PpoClipLoss, ppo_clip_loss
 from harnessrl.train.packing import (
+    SEGMENT_ATTENTION,
     compute_trainer_logprobs,
     loss_inputs,
     pack_rows,
     plan_micro_batches,
+    segment_bounds,
 )
 from harnessrl.types import Row
 
@@ -219,3 +221,51 @@ def test_greedy_temperature_uses_the_unscaled_distribution(model: torch.nn.Modul
         hot = compute_trainer_logprobs(model, packed, temperature=0.5)
     torch.testing.assert_close(greedy, plain, atol=0, rtol=0)
     assert (hot - plain).abs().max() > 1e-3
+
+
+def test_segment_bounds_follow_position_resets() -> None:
+    assert segment_bounds(torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3])) == [(0, 3), (3, 5), (5, 9)]
+    assert segment_bounds(torch.tensor([0])) == [(0, 1)]
+    assert segment_bounds(torch.tensor([5, 6, 7, 0])) == [(0, 3), (3, 4)]
+
+
+def test_segment_attention_builds_no_dense_mask(tiny_model_dir: Path) -> None:
+    from transformers import AutoConfig
+    from transformers.masking_utils import create_causal_mask
+
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])
+    embeds = torch.zeros(1, 9, config.hidden_size)
+    config._attn_implementation = "sdpa"
+    dense = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=pos)
+    assert dense is not None and tuple(dense.shape[-2:]) == (9, 9)
+    config._attn_implementation = SEGMENT_ATTENTION
+    assert create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                              position_ids=pos) is None
+    padded = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=torch.ones(1, 9, dtype=torch.long),
+                                cache=None, position_ids=torch.arange(9)[None])
+    assert padded is None or tuple(padded.shape[-2:]) == (9, 9), "a padding mask still goes to sdpa's mask"
+
+
+def test_segment_attention_equals_dense_mask_logprobs_and_grads(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    rows = _random_rows(7, seed=4)
+    (packed,) = pack_rows(rows, token_budget=10_000)
+    n_global = sum(r.num_trained_tokens for r in rows)
+    grads = {}
+    lps = {}
+    for attention in ("segments", "dense"):
+        model.zero_grad(set_to_none=True)
+        lp = compute_trainer_logprobs(model, packed, temperature=0.8, attention=attention)
+        ppo_clip_loss(loss_inputs(packed, lp, n_global), PpoClipLoss()).loss.backward()
+        lps[attention] = lp.detach()
+        grads[attention] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        assert model.config._attn_implementation == "sdpa", "the model's attention setting is restored"
+    torch.testing.assert_close(lps["segments"], lps["dense"], atol=1e-5, rtol=0)
+    assert lps["segments"].abs().sum() > 0
+    for g_seg, g_dense in zip(grads["segments"], grads["dense"], strict=True):
+        torch.testing.assert_close(g_seg, g_dense, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="attention='sparse'"):
+        compute_trainer_logprobs(model, packed, temperature=1.0, attention="sparse")  # type: ignore[arg-type]

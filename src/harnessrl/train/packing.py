@@ -10,10 +10,16 @@ Responsibility:
 Row isolation. The forward passes `position_ids` and no attention mask (and `use_cache=False`).
 transformers (>= 4.5x, checked on 5.x for Llama with sdpa and eager) then detects the packed
 rows from the position resets (`masking_utils.find_packed_sequence_indices`) and builds a
-block-diagonal causal mask, so no token attends across rows. `tests/test_packing.py` checks
-that a row's logprobs inside a pack equal those computed alone (1e-5). With sdpa/eager that
-mask is a dense [T, T] boolean (64 MiB at T = 8192); `flash_attention_2` on GPU takes the same
-position ids and runs varlen kernels without it.
+block-diagonal causal mask, so no token attends across rows. With sdpa/eager that mask is a
+dense [T, T] boolean (64 MiB at T = 8192) and attention is computed over all T x T pairs, so
+memory and time are quadratic in the pack length. `compute_trainer_logprobs` therefore runs
+sdpa models under the segment attention (`SEGMENT_ATTENTION`, `segment_attention`): no mask
+is built, and each layer runs causal SDPA once per row segment (segments found from the
+position resets), so cost is sum(n_row^2) instead of T^2 and memory is linear in T for a given
+row length. Any other call (a 2D padding mask, a KV cache, batch > 1) falls through to plain
+sdpa. `tests/test_packing.py` checks that a row's logprobs inside a pack equal those computed
+alone, and that segment and dense-mask logprobs agree (1e-5, float32). `flash_attention_2` on
+GPU takes the same position ids and runs varlen kernels; models not on sdpa keep their own.
 
 Oversized rows: a row longer than the budget gets a micro-batch of its own; rows are never
 dropped or truncated (a too-long row is the trainer's memory problem to report, not a silent
@@ -29,10 +35,15 @@ What this module does not do: choose the budget, run the optimizer, or compute l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from harnessrl.train.losses import LossInputs
 from harnessrl.types import Row
@@ -153,8 +164,83 @@ def _concat(rows: Sequence[Row], indices: Sequence[int]) -> PackedBatch:
     )
 
 
+SEGMENT_ATTENTION = "harnessrl_segments"
+"""transformers attention implementation name of the per-row segment attention."""
+
+
+def segment_bounds(position_ids_T: torch.Tensor) -> list[tuple[int, int]]:
+    """`[start, end)` of each row of a pack: a row starts where the position does not
+    continue the previous one (`pos[t] != pos[t-1] + 1`), and at t = 0."""
+    T = int(position_ids_T.shape[-1])
+    starts = (torch.nonzero(position_ids_T[1:] != position_ids_T[:-1] + 1).flatten() + 1).tolist()
+    edges = [0, *starts, T]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def _segment_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal SDPA per row segment of a packed `[1, H, T, D]` sequence; output `[1, T, H, D]`."""
+    position_ids = kwargs.get("position_ids")
+    if (
+        attention_mask is not None
+        or position_ids is None
+        or query.shape[0] != 1
+        or query.shape[2] != key.shape[2]
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    outs = [
+        sdpa_attention_forward(
+            module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, is_causal=True, **kwargs
+        )[0]
+        for s, e in segment_bounds(position_ids.reshape(-1))
+    ]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _segment_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """No mask for an unpadded sequence without a cache (segments come from the position ids);
+    otherwise sdpa's own mask."""
+    if kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length") and not kwargs.get(
+        "q_offset"
+    ):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(SEGMENT_ATTENTION, _segment_attention_forward)
+AttentionMaskInterface.register(SEGMENT_ATTENTION, _segment_mask)
+
+
+@contextlib.contextmanager
+def segment_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` (a transformers model on `sdpa`) with the segment attention inside the block.
+
+    Models on another implementation (eager, flash_attention_2, ...) are left as they are.
+    Not thread-safe for one model used from two threads at once (it switches the config).
+    """
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    config._attn_implementation = SEGMENT_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
 def compute_trainer_logprobs(
-    model: torch.nn.Module, packed: PackedBatch, temperature: float
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    temperature: float,
+    attention: Literal["segments", "dense"] = "segments",
 ) -> torch.Tensor:
     """Logprobs of the trained tokens of `packed` under `model`, float32, shape [T].
 
@@ -163,7 +249,14 @@ def compute_trainer_logprobs(
     the positions that predict a trained token. Differentiable with respect to the model.
     `temperature <= 0` (greedy) uses 1.0, the distribution whose logprobs the engine reports.
     The model must accept `position_ids`, `use_cache` and `logits_to_keep` (any HF causal LM).
+    `attention="segments"` (default) runs an sdpa model under `segment_attention` (memory
+    linear in the pack length); `"dense"` keeps transformers' block-diagonal [T, T] mask.
+
+    Raises:
+        ValueError: an unknown `attention`.
     """
+    if attention not in ("segments", "dense"):
+        raise ValueError(f"attention={attention!r} is not 'segments' or 'dense'")
     device = next(model.parameters()).device
     mask = packed.mask_T.to(device)
     target_idx = torch.nonzero(mask, as_tuple=False).squeeze(-1)
@@ -171,12 +264,13 @@ def compute_trainer_logprobs(
     if target_idx.numel() == 0:
         return out
     scale = temperature if temperature > 0 else 1.0
-    result = model(
-        input_ids=packed.input_ids_T.to(device)[None],
-        position_ids=packed.position_ids_T.to(device)[None],
-        use_cache=False,
-        logits_to_keep=target_idx - 1,
-    )
+    with segment_attention(model) if attention == "segments" else contextlib.nullcontext():
+        result = model(
+            input_ids=packed.input_ids_T.to(device)[None],
+            position_ids=packed.position_ids_T.to(device)[None],
+            use_cache=False,
+            logits_to_keep=target_idx - 1,
+        )
     logits_K_V = result.logits[0].float() / scale
     targets_K = packed.input_ids_T.to(device)[target_idx]
     lp_K = logits_K_V.gather(-1, targets_K[:, None]).squeeze(-1) - torch.logsumexp(logits_K_V, dim=-1)
