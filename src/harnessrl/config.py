@@ -268,6 +268,8 @@ def check_run(cfg: RunConfig) -> None:
     load_hooks(cfg.hooks)
     if cfg.tasks.kind == "python" and cfg.tasks.source:
         load_hook(cfg.tasks.source, what="tasks.source")
+    if cfg.tasks.kind == "openenv":
+        load_hook(cfg.tasks.factory, what="tasks.factory")
     if cfg.tasks.verifier:
         load_hook(cfg.tasks.verifier, what="tasks.verifier")
 

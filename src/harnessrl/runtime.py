@@ -165,4 +165,8 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
                 engine.close()
     finally:
         engine.close()
+        if cfg.tasks.kind == "openenv":  # sessions of rollouts that never reached their verifier
+            from harnessrl.tasks.openenv import close_all_sessions
+
+            close_all_sessions()
 

@@ -11,6 +11,8 @@ Tools (hermes `<tool_call>` convention, described to the model by the chat layer
   * `write_file(path, content)`: writes a file in the workspace;
   * `submit(answer)`: ends the rollout with `answer` as the final answer.
 With `tools = []` the loop is a single-turn chat: the assistant's text is the final answer.
+An OpenEnv task (`tasks.kind = "openenv"`) brings its own messages and tools instead: its
+session's, driven by `harness/openenv_loop.py` through the same `_sample`.
 
 What it does not do: retry failed calls, or hide anything from the trace. The session is looked
 up by the rollout's key, so a revoked key ends the loop like it ends an HTTP agent.
@@ -88,11 +90,31 @@ class WhiteBoxHarness:
         import asyncio
 
         try:
-            return await asyncio.wait_for(self._loop(task, sandbox, endpoint), timeout_s)
+            return await asyncio.wait_for(self._loop(task, sandbox, endpoint, timeout_s), timeout_s)
         except asyncio.TimeoutError:
             return HarnessResult(exit_code=None, timed_out=True, error=f"white-box loop exceeded {timeout_s:.0f} s")
 
-    async def _loop(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
+    async def _sample(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], endpoint: Endpoint
+                      ) -> tuple[dict[str, Any] | None, str | None]:
+        """One model call through the shared capture function: `(assistant message, None)`, or
+        `(None, why)` when the key is revoked or the call failed."""
+        session = self._store.lookup(endpoint.api_key)
+        if session is None:
+            return None, "session key revoked during the loop"
+        body: dict[str, Any] = {"model": endpoint.model, "messages": list(messages)}
+        if tools:
+            body["tools"] = tools
+        outcome = await complete_chat(self._deps, session, body, {"user-agent": "harnessrl-white-box"})
+        if outcome.status_code != 200:
+            message = outcome.body.get("error", {}).get("message", str(outcome.body))
+            return None, f"model call failed ({outcome.status_code}): {message}"
+        return outcome.body["choices"][0]["message"], None
+
+    async def _loop(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        if task.family == "openenv":  # the session's own messages and tools (tasks/openenv.py)
+            from harnessrl.harness.openenv_loop import run_openenv_session
+
+            return await run_openenv_session(self, task, sandbox, endpoint, timeout_s)
         cfg = self._config
         messages: list[dict[str, Any]] = []
         system = cfg.system_prompt or task.system_prompt
@@ -103,19 +125,9 @@ class WhiteBoxHarness:
         last_text: str | None = None
         for _ in range(cfg.max_turns):
             # 1) one model call, recorded on the rollout's session
-            session = self._store.lookup(endpoint.api_key)
-            if session is None:
-                return HarnessResult(exit_code=1, timed_out=False, final_answer=last_text,
-                                     error="session key revoked during the loop")
-            body: dict[str, Any] = {"model": endpoint.model, "messages": list(messages)}
-            if tools:
-                body["tools"] = tools
-            outcome = await complete_chat(self._deps, session, body, {"user-agent": "harnessrl-white-box"})
-            if outcome.status_code != 200:
-                message = outcome.body.get("error", {}).get("message", str(outcome.body))
-                return HarnessResult(exit_code=1, timed_out=False, final_answer=last_text,
-                                     error=f"model call failed ({outcome.status_code}): {message}")
-            reply = outcome.body["choices"][0]["message"]
+            reply, failure = await self._sample(messages, tools, endpoint)
+            if reply is None:
+                return HarnessResult(exit_code=1, timed_out=False, final_answer=last_text, error=failure)
             last_text = reply.get("content")
             messages.append(_assistant_message(reply))
             calls = reply.get("tool_calls") or []

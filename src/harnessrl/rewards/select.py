@@ -36,6 +36,10 @@ def verifier_for(task: Task) -> Verifier:
             return StdioVerifier()
         case "procedural":
             return ExactMatchVerifier()
+        case "openenv":
+            from harnessrl.rewards.openenv import OpenEnvVerifier
+
+            return OpenEnvVerifier()
         case other:
             raise TaskError(
                 f"task {task.task_id!r}: no verifier for family {other!r} "
