@@ -1,7 +1,8 @@
 """Host-side file access to a sandbox tree that never follows a path the agent controls.
 
-Responsibility: the only way host code (harness readers, verifiers) reads files an agent could
-have touched, or creates directories inside a sandbox. DESIGN.md §10: "host-side code never
+Responsibility: the only way host code (`LocalSandbox.read_file` / `write_file` / `spawn`'s log,
+which harnesses use; verifiers) reads files an agent could have touched, or creates files and
+directories inside a sandbox. DESIGN.md §10: "host-side code never
 follows a path the agent controls".
 
 How: the sandbox root (the common parent of `Sandbox.workdir` and `Sandbox.home`, a path the
@@ -174,20 +175,6 @@ def read_text_or_none(
     except (UnsafePathError, IsADirectoryError) as e:
         log.warning("sandbox file not read: %s", e)
         return None
-
-
-def read_sandbox_text(
-    sandbox: _HasDirs, path: Path, max_bytes: int = DEFAULT_MAX_BYTES, *, tail: bool = False
-) -> str | None:
-    """`read_text_or_none` of an absolute host `path` inside the sandbox tree (for harness
-    readers that know their files by host path, e.g. `<home>/.harnessrl/<agent>.log`)."""
-    root = sandbox_root(sandbox)
-    try:
-        rel = relative_to_root(root, path)
-    except UnsafePathError as e:
-        log.warning("sandbox file not read: %s", e)
-        return None
-    return read_text_or_none(root, rel, max_bytes, tail=tail)
 
 
 def open_file_beneath(root: Path, rel_path: str | os.PathLike[str], mode: int = 0o644, *,
