@@ -10,7 +10,9 @@ step, in order; the k-th distinct group of the file is in step `k // groups_per_
 without `metrics.jsonl` (`harnessrl rollout`) has no steps (`step` is None).
 
 Advantage: the rollout's group-relative advantage, from the run's `[train] advantage` on the
-rewards the trainer uses (`[hooks] rollout_reward_fn` applied when the config names one).
+rewards the trainer used: the rollout's recorded `train_reward`; for records without one, the
+config's `[hooks] rollout_reward_fn` applied again (a hook with state, e.g. a counter, then gives
+other values than it gave the trainer), else the verifier's reward.
 """
 
 from __future__ import annotations
@@ -111,7 +113,11 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
 
     run_dir = Path(run_dir)
     cfg = cfg or load_run_config(run_dir)
-    reward_fn = load_hooks(cfg.hooks).get("rollout_reward_fn")
+    reward_fn = None
+    try:
+        reward_fn = load_hooks(cfg.hooks).get("rollout_reward_fn")
+    except ConfigError as exc:  # only needed for records without train_reward
+        log.warning("the run's reward hook does not load (%s): rewards without train_reward use the verifier's", exc)
     metrics_path = run_dir / "metrics.jsonl"
     metrics = read_jsonl(metrics_path).rows if metrics_path.is_file() else []
     summaries: list[dict[str, Any]] = []
@@ -138,8 +144,12 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
                     "prompt_tokens": len(turns[-1].get("prompt_ids", ())) if turns else 0,
                     "completion_tokens": sum(len(t.get("completion_ids", ())) for t in turns),
                 }
-                summary["train_reward"] = summary["reward"] if reward_fn is None else \
-                    reshape_reward(Rollout.model_validate(d), reward_fn).reward
+                if "train_reward" in d:  # the reward the trainer used, as it recorded it
+                    summary["train_reward"] = d["train_reward"]
+                elif reward_fn is not None:  # older records: shaped again here
+                    summary["train_reward"] = reshape_reward(Rollout.model_validate(d), reward_fn).reward
+                else:
+                    summary["train_reward"] = summary["reward"]
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 bad += 1
                 if bad <= MAX_WARNINGS:

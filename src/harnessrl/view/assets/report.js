@@ -4,14 +4,14 @@
   const DATA = JSON.parse(document.getElementById("hrl-index").textContent);
   const MODE = document.body.dataset.mode; // "server" (fetch JSON) or "static" (script files)
   const PREFERRED = [
-    ["verifier reward", ["verifier_reward_mean", "verifier/reward_mean", "reward_verifier_mean"]],
-    ["training reward", ["reward_mean", "train_reward_mean"]],
+    ["verifier reward", ["reward/verifier_mean", "verifier_reward_mean", "reward_verifier_mean"]],
+    ["training reward", ["reward/train_mean", "reward_mean", "train_reward_mean"]],
     ["pass rate", ["pass_rate"]],
     ["staleness", ["staleness_mean", "staleness_max"]],
     ["clip fraction", ["clip_frac", "clip_high_frac", "clip_low_frac", "is_truncated_frac"]],
     ["CLEAN fraction", ["samples/frac_clean", "frac_clean"]],
     ["REALIGN / FORK", ["samples/frac_realign", "samples/frac_fork"]],
-    ["untrained sampled tokens", ["untrained_sampled_tokens", "samples/untrained_sampled_tokens", "samples/tokens_untrained_by_realign"]],
+    ["untrained sampled tokens", ["untrained_sampled_tokens", "samples/tokens_untrained_by_realign"]],
   ];
   const el = (tag, attrs, ...kids) => {
     const e = document.createElement(tag);
