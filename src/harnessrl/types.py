@@ -105,7 +105,8 @@ class ReplyToolCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str
-    """The call id the agent was given (`call_<hex>`)."""
+    """The call id the chat layer assigned (`call_<hex>`); a protocol may present it in its own
+    form (Messages: `toolu_<hex>`, the same hex)."""
     name: str
     """Function name, as the model wrote it."""
     arguments: str
