@@ -257,6 +257,8 @@ class LocalProcess:
 
     async def wait(self, timeout_s: float | None = None) -> int | None:
         """Exit status, or None when still running after `timeout_s` seconds."""
+        if self._proc.returncode is not None:
+            return self._proc.returncode
         try:
             return await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
         except asyncio.TimeoutError:
