@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.config import load_config
+from harnessrl.config import dump_config, load_config
 from harnessrl.harness.install import agent_executable
 from harnessrl.sandbox.local import leftover_sandboxes
 from harnessrl.sandbox.procs import leftover_processes
@@ -105,3 +105,25 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
     # the first run trained on group 0 and had group 1 in flight: the resumed run replays group 1
     assert first["replay_group_ids"] == [1] and first["next_group_id"] == 2
     assert sorted(set(groups)) == [0, 1] and len(groups) == 8, "each group once, none lost, none redone"
+
+
+@pytest.mark.e2e
+def test_kl_penalty_weight_sync_and_both_rewards_in_a_real_run(tmp_path: Path) -> None:
+    cfg = load_config(None, _overrides(tmp_path, "white_box", "train.steps=2", "train.loss.kl_coef=0.1",
+                                       "train.max_staleness=0"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    asyncio.run(train(cfg, run_dir))
+    rows = _metrics(run_dir)
+    assert [m["policy_version"] for m in rows] == [1, 2]
+    first, second = rows
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6), "step 1 trains the reference itself"
+    assert second["kl"] > 0.0, "step 2: the policy has left the frozen initial weights"
+    for m in rows:
+        assert m["sync/bytes"] > 0 and m["sync/seconds"] > 0 and m["param_delta_l2"] > 0
+        # the shaped reward trains; the verifier's is reported apart, and pass rate counts it
+        assert "reward/verifier_mean" in m and "reward/train_mean" in m
+    assert first["reward/train_mean"] == pytest.approx(0.5), "alternating 0, 1, 0, 1"
+    saved = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert all("train_reward" in r for r in saved)
+    assert "kl_coef = 0.1" in dump_config(cfg), "what run_training saves as config.toml"
