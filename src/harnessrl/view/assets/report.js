@@ -70,6 +70,7 @@
   // ---- rollout list ----------------------------------------------------------------------
   const F = { step: "", status: "", task: "", rmin: "", rmax: "" };
   const MAX_SHOWN = 300;
+  const FOLD_AT = 400, FOLD_HEAD = 60, FOLD_TAIL = 160;
   function renderFilters() {
     const root = document.getElementById("filters");
     const steps = [...new Set(DATA.rollouts.map(r => r.step))].filter(s => s != null).sort((a, b) => a - b);
@@ -170,15 +171,34 @@
     }
     const toks = el("div", { class: "tokens" });
     const frag = document.createDocumentFragment();
-    for (let t = 0; t < r.ids.length; t++) {
-      for (const sg of marks.get(t) || []) frag.append(el("span", { class: "mark kind-" + sg.kind, "data-kind": sg.kind, text: sg.kind.toUpperCase() + " turn " + sg.turn_index }));
-      const id = r.ids[t], tr = r.mask[t] === 1;
-      const span = document.createElement("span");
-      span.className = tr ? "tok tr " + sign : "tok ctx";
-      span.dataset.id = id; span.dataset.pos = t;
-      span.title = "id " + id + " · pos " + t + (tr ? " · logprob " + r.lp[t] + " · v" + r.ver[t] : " · context");
-      span.textContent = vocab[id] ?? ("<" + id + ">");
-      frag.append(span);
+    const emit = (into, a, b) => {
+      for (let t = a; t < b; t++) {
+        for (const sg of marks.get(t) || []) into.append(el("span", { class: "mark kind-" + sg.kind, "data-kind": sg.kind, text: sg.kind.toUpperCase() + " turn " + sg.turn_index }));
+        const id = r.ids[t], tr = r.mask[t] === 1;
+        const span = document.createElement("span");
+        span.className = tr ? "tok tr " + sign : "tok ctx";
+        span.dataset.id = id; span.dataset.pos = t;
+        span.title = "id " + id + " · pos " + t + (tr ? " · logprob " + r.lp[t] + " · v" + r.ver[t] : " · context");
+        span.textContent = vocab[id] ?? ("<" + id + ">");
+        into.append(span);
+      }
+    };
+    // long runs of context are folded (head and tail shown; click to expand); trained tokens
+    // and merge marks are always shown
+    let t = 0;
+    while (t < r.ids.length) {
+      let u = t;
+      while (u < r.ids.length && r.mask[u] === 0 && (u === t || !marks.has(u))) u++;
+      if (u === t) u = t + 1;
+      if (r.mask[t] === 0 && u - t > FOLD_AT) {
+        emit(frag, t, t + FOLD_HEAD);
+        const a = t + FOLD_HEAD, b = u - FOLD_TAIL;
+        const fold = el("span", { class: "fold", text: " … " + (b - a) + " context tokens (show) … " });
+        fold.addEventListener("click", () => { const f = document.createDocumentFragment(); emit(f, a, b); fold.replaceWith(f); });
+        frag.append(fold);
+        emit(frag, b, u);
+      } else emit(frag, t, u);
+      t = u;
     }
     toks.append(frag); box.append(toks);
     return box;
