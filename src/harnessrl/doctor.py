@@ -438,8 +438,9 @@ def diagnose_rollout(cfg: RunConfig, report: DoctorReport) -> None:
         report.problems.append(f"the {cfg.harness.kind} rollout produced no rollout")
         return
     rollout = Rollout.model_validate(rows[0])
-    _, stats = build_rows(rollout, train_auxiliary=cfg.train.train_auxiliary)
-    eligible, is_main, kinds = merge_kinds(rollout, {"train_auxiliary": cfg.train.train_auxiliary})
+    kwargs = run_build_kwargs(cfg, load_hooks(cfg.hooks))
+    _, stats = build_rows(rollout, **kwargs)
+    eligible, is_main, kinds = merge_kinds(rollout, kwargs)
     sampled = sum(len(t.completion_ids) for t, m in zip(eligible, is_main) if m)
     trained_main = stats.tokens_trained
     untrained = max(0, sampled - trained_main)

@@ -75,9 +75,11 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
     """
     rollout = index.read(i)
     summary = {k: v for k, v in index.summaries[i].items() if k not in ("offset", "length")}
+    from harnessrl.train.advantages import stamp_advantage
+
     kwargs = build_kwargs(index, hooks)
-    rows = rollout_rows(rollout, summary.get("advantage"), kwargs)
-    _, stats = build_rows(rollout, **kwargs)
+    built, stats = build_rows(rollout, **kwargs)
+    rows = stamp_advantage(built, summary.get("advantage") or 0.0)
     eligible, is_main, kinds = merge_kinds(rollout, kwargs)
     parents = find_parents(eligible)
     row_of = _rows_of_turns(rows, eligible)
@@ -124,11 +126,12 @@ def _eligible_and_main(rollout: Rollout, kwargs: dict[str, Any]) -> tuple[list[T
         flags = classify_main(turns, find_parents(turns), MAIN_PREFIX_TOKENS)
         return [t for t, m in zip(turns, flags) if m]
 
-    chosen = {t.turn_index for t in capture_call(rollout, kwargs, capture)}
+    chosen = {t.turn_index for t in _capture_call(rollout, kwargs, capture)}
     return seen, [t.turn_index in chosen for t in seen]
 
 
-def capture_call(rollout: Rollout, kwargs: dict[str, Any], fn: Callable[[list[Turn]], list[Turn]]) -> list[Turn]:
+def _capture_call(rollout: Rollout, kwargs: dict[str, Any], fn: Callable[[list[Turn]], list[Turn]]) -> list[Turn]:
+    """Build the rollout's rows with `fn` as `agent_turn_fn`; returns the turns `fn` chose."""
     out: list[Turn] = []
 
     def wrapped(turns: list[Turn]) -> list[Turn]:
@@ -215,7 +218,7 @@ def _turns(turns: Sequence[Turn], by_index: dict[int, int], is_main: Sequence[bo
         why = None
         if turn.status != "ok":
             why = turn.status
-        elif (reason := check_turn_faithful(turn)) is not None:
+        elif check_turn_faithful(turn) is not None:
             why = "unfaithful"
         elif j is None:
             why = "retry_superseded"
