@@ -1,4 +1,4 @@
-"""The `harnessrl` command line: train, rollout, serve, doctor, view, session, harness.
+"""The `harnessrl` command line: train, rollout, serve, doctor, view, export, session, harness.
 
 Responsibility: parse arguments, load and print the resolved config, and call one library
 function per command. torch and the engine are imported inside the commands, so
@@ -195,6 +195,24 @@ def view(
         pass
     finally:
         server.close()
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (rollouts.jsonl, config.toml).")],
+    out: Annotated[Path, typer.Option(help="Directory to write the export into (one file per rollout + index.jsonl).")],
+    format_: Annotated[str, typer.Option("--format", help="Output format: openenv (OpenEnv TrainingTrace files).")] = "openenv",
+) -> None:
+    """Write a run's rollouts as training traces of another format (token ids, logprobs, loss masks)."""
+    from harnessrl.errors import HarnessRLError
+    from harnessrl.export import export_run
+
+    try:
+        done = export_run(run_dir, out, format_)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"exported {done.rollouts} rollouts ({done.rows} rows, {done.tokens_trained} trained tokens) to {out}"
+               + (f"; {done.skipped_lines} unreadable lines skipped" if done.skipped_lines else ""))
 
 
 @session_app.command("open")
