@@ -327,3 +327,23 @@ def test_outcome_counts_tool_calls_from_responses_and_tolerates_failures() -> No
     outcome = outcome_of(_rollout(turns, status="timeout", reward=None))
     assert outcome.tool_calls_by_name == {"bash": 2, "read": 1}
     assert outcome.num_turns == 5 and outcome.timed_out and outcome.reward is None
+
+
+def test_step_metrics_log_merge_fractions_and_untrained_sampled_tokens() -> None:
+    from harnessrl.config import RunConfig
+    from harnessrl.train.advantages import advantage_fn_for
+    from harnessrl.train.run import _rows_for_step
+    from harnessrl.types import Group
+
+    p0 = SYSTEM + TASK
+    clean = [_turn(0, p0, [10, 11]), _turn(1, p0 + [10, 11, 20], [30])]
+    forked = [_turn(0, p0, [10, 11]), _turn(1, p0 + [10, 99, 20], [30])]  # diverges inside the reply
+    rollouts = [_rollout(clean, reward=1.0).model_copy(update={"rollout_id": "a"}),
+                _rollout(forked, reward=0.0).model_copy(update={"rollout_id": "b"})]
+    rows, metrics, _ = _rows_for_step([Group(group_id=5, task_id="t", rollouts=rollouts)], RunConfig(), {},
+                                      advantage_fn_for("grpo"), 0)
+    assert metrics["samples/frac_clean"] == 0.5 and metrics["samples/frac_fork"] == 0.5
+    assert metrics["samples/frac_realign"] == 0.0
+    assert metrics["untrained_sampled_tokens"] == 0.0 == metrics["samples/untrained_sampled_tokens"]
+    assert metrics["samples/main_sampled_tokens"] == 6.0
+    assert sum(sum(r.completion_mask) for r in rows) == 6  # every sampled token in exactly one row
