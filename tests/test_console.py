@@ -47,5 +47,20 @@ def test_final_table_headers_fit_80_columns() -> None:
     header = next(line for line in lines if "reward" in line)
     assert header.split() == list(FINAL_COLUMNS), header
     body = [line.split() for line in lines if line.strip().startswith(("12 ", "13 "))]
-    assert body[0][:6] == ["12", "11", "0.123", "0.25", "0.12", "-0.0123"]
-    assert body[1][5] == "skip"
+    assert body[0][:8] == ["12", "11", "0.12", "-", "0.25", "0.12", "-", "-0.0123"]
+    assert body[1][7] == "skip"
+
+
+def test_final_table_shows_held_out_pass_and_the_train_reward() -> None:
+    before = {"step": 0, "policy_version": 0, "eval/pass_rate": 0.125}
+    row = {"step": 5, "policy_version": 5, "reward/verifier_mean": 0.5, "reward/train_mean": 0.625,
+           "pass_rate": 0.5, "error_rate": 0.0, "eval/pass_rate": 0.375, "loss": 0.01, "grad_norm": 1.0,
+           "ratio_abs_dev": 1e-6, "tokens_trained": 100, "rows_stale_dropped": 0, "time/step_s": 10.0}
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(final_table([before, row]))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    body = [line.split() for line in lines if line.strip().startswith(("0 ", "5 "))]
+    assert body[0][:8] == ["0", "0", "-", "-", "-", "-", "0.12", "-"]
+    assert body[1][:8] == ["5", "5", "0.50", "0.62", "0.50", "0.00", "0.38", "0.0100"]
+    assert "eval 0.38" in step_line(5, 5, row)

@@ -66,18 +66,25 @@ class HarnessConfig(BaseModel):
     kind: str = "mini-swe-agent"
     """`mini-swe-agent`, `opencode`, `pi`, `codex`, `claude-code`, `command`, or `white_box`."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """Options of the chosen harness's own typed config model (validated by it at load time;
-    `harnessrl harness options NAME` lists them)."""
+    """Options of the chosen harness's own typed config model, validated by it at load time and
+    held resolved (every option with its value, defaults included; `harnessrl harness options
+    NAME` lists them)."""
 
-    @model_validator(mode="after")
-    def _check_options(self) -> HarnessConfig:
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_options(cls, data: Any) -> Any:
         from harnessrl.harness.options import validate_options
 
+        if not isinstance(data, dict):
+            return data
+        kind, options = data.get("kind", "mini-swe-agent"), data.get("options", {})
+        if not isinstance(kind, str) or not isinstance(options, dict):
+            return data  # the fields' own validation reports it
         try:
-            validate_options(self.kind, dict(self.options))
+            resolved = validate_options(kind, dict(options))
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
-        return self
+        return {**data, "options": resolved.model_dump(mode="json", exclude_none=True)}
 
     def requirements(self) -> HarnessRequirements:
         """What this harness with these options needs from the engine and sampling."""
@@ -122,6 +129,14 @@ class TrainConfig(BaseModel):
     """Save a checkpoint every N steps (0: only at the end)."""
     lora_rank: int = Field(default=0, ge=0)
     """LoRA rank via peft; 0 trains every weight."""
+    eval_every: int = Field(default=0, ge=0)
+    """Score a held-out set before the first update and after every N steps (and the last);
+    0 never evaluates. Logged as `eval/pass_rate`, `eval/pass@k`, `eval/error_rate`
+    (`train/evaluation.py`); rollouts in `RUN/eval/step-K/`."""
+    eval_size: int = Field(default=16, ge=1)
+    """Held-out tasks per evaluation (disjoint from the training tasks)."""
+    eval_samples: int | None = Field(default=None, ge=1)
+    """Rollouts per held-out task, with the run's sampling (unset: `rollout.group_size`)."""
 
 
 class HooksConfig(BaseModel):
@@ -275,7 +290,9 @@ def check_run(cfg: RunConfig) -> None:
 
 
 def dump_config(cfg: RunConfig) -> str:
-    """The resolved config as TOML text (round-trips through `load_config`)."""
+    """The resolved config as TOML text (round-trips through `load_config`): every key of each
+    chosen kind with its value, defaults included, `harness.options` as the harness's options
+    model resolved them."""
     return _to_toml(cfg.model_dump(mode="json", exclude_none=True))
 
 

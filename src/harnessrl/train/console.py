@@ -33,6 +33,8 @@ def step_line(step: int, steps: int, m: dict[str, Any]) -> str:
             f"err {f('error_rate', '.2f')} ")
     times = (f"t(wait/train/sync) {f('time/rollout_wait_s', '.1f')}/{f('time/train_s', '.1f')}/"
              f"{f('time/sync_s', '.1f')}s")
+    if "eval/pass_rate" in m:
+        head += f"eval {f('eval/pass_rate', '.2f')} "
     if m.get("skipped"):
         return head + f"no update: {m.get('skip_reason') or 'no row to train'}; " + times
     return head + (f"loss {f('loss', '.4f')} gnorm {f('grad_norm', '.3f')} |r-1| {f('ratio_abs_dev', '.2e')} "
@@ -100,10 +102,12 @@ def print_conversation(console: Console, rollout: Rollout, max_chars: int = 1200
     console.print(Panel("\n".join(lines), title=escape(title), expand=False))
 
 
-FINAL_COLUMNS = ("step", "ver", "reward", "pass", "err", "loss", "gnorm", "|r-1|", "tok", "stale", "s")
-"""Columns of the final table: step (1-based), policy version, the verifier's mean reward
-(`reward/verifier_mean`), pass rate, error
-rate, loss, grad norm, mean |ratio - 1|, trained tokens, stale rows dropped, step seconds."""
+FINAL_COLUMNS = ("step", "ver", "reward", "train", "pass", "err", "eval", "loss", "gnorm", "tok", "stale", "s")
+"""Columns of the final table: step (1-based; 0 is the held-out evaluation before any
+update), policy version, the verifier's mean reward (`reward/verifier_mean`), the training
+reward (`reward/train_mean`, after shaping), pass rate, error rate, held-out pass rate
+(`eval/pass_rate`, on the steps that evaluated), loss, grad norm, trained tokens, stale rows
+dropped, step seconds (the mean |ratio - 1| is in each step line and `metrics.jsonl`)."""
 
 
 def final_table(history: Sequence[dict[str, Any]]) -> Table:
@@ -113,11 +117,13 @@ def final_table(history: Sequence[dict[str, Any]]) -> Table:
         table.add_column(col, justify="right", no_wrap=True)
     for m in history:
         skipped = bool(m.get("skipped"))
+        evaluated_only = "loss" not in m and not skipped
         table.add_row(
-            str(m.get("step")), str(m.get("policy_version")), _fmt(m.get("reward/verifier_mean")),
-            _fmt(m.get("pass_rate"), ".2f"), _fmt(m.get("error_rate"), ".2f"),
-            "skip" if skipped else _fmt(m.get("loss"), ".4f"), _fmt(m.get("grad_norm")),
-            _fmt(m.get("ratio_abs_dev"), ".1e"), str(int(m.get("tokens_trained", 0))),
+            str(m.get("step")), str(m.get("policy_version")), _fmt(m.get("reward/verifier_mean"), ".2f"),
+            _fmt(m.get("reward/train_mean"), ".2f"),
+            _fmt(m.get("pass_rate"), ".2f"), _fmt(m.get("error_rate"), ".2f"), _fmt(m.get("eval/pass_rate"), ".2f"),
+            "skip" if skipped else ("-" if evaluated_only else _fmt(m.get("loss"), ".4f")), _fmt(m.get("grad_norm"), ".2f"),
+            str(int(m.get("tokens_trained", 0))),
             str(int(m.get("rows_stale_dropped", 0))), _fmt(m.get("time/step_s"), ".1f"),
         )
     return table

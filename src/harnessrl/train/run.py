@@ -66,6 +66,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
     from harnessrl.train.policy import latest_checkpoint
 
     check_run(cfg)
+    check_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     setup_logging(cfg.log.level, run_dir / "run.log", console=console)
@@ -86,8 +87,34 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
     return 0
 
 
+def check_training(cfg: RunConfig) -> None:
+    """Checks of a config that only training needs.
+
+    Raises:
+        ConfigError: `sampling.top_p < 1` or `sampling.top_k > 0`: the engine renormalises over
+            the kept tokens but the trainer's logprobs are the full softmax at the temperature
+            (`train/packing.py`), so the importance ratio would be wrong from the first step
+            (0.50 at top_p = 0.5); a lower `sampling.temperature` is exact.
+    """
+    from harnessrl.errors import ConfigError
+
+    s = cfg.sampling
+    if s.top_p < 1.0 or s.top_k > 0:
+        raise ConfigError(
+            f"sampling.top_p = {s.top_p} / sampling.top_k = {s.top_k}: training needs top_p = 1 and "
+            f"top_k = 0 (the trainer computes logprobs under the full distribution at "
+            f"sampling.temperature, not the truncated one the engine samples from); lower "
+            f"sampling.temperature instead")
+
+
 async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None) -> list[dict[str, Any]]:
-    """The training loop; returns the per-step metrics it logged."""
+    """The training loop; returns the per-step metrics it logged (with `train.eval_every`, a
+    first entry with `step` 0 holds the held-out evaluation before any update).
+
+    Raises:
+        ConfigError: truncated sampling (`check_training`), or a task source too small for
+            `train.eval_size` held-out tasks.
+    """
     import torch
 
     from harnessrl.engine.model_store import load_tokenizer
@@ -103,8 +130,10 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.train.policy import (latest_checkpoint, load_policy, reference_logprobs, restore_checkpoint,
                                         save_checkpoint)
     from harnessrl.train.hooks import load_hooks, reshape_reward
+    from harnessrl.train.evaluation import evaluate_held_out, held_out_split
     from harnessrl.train.step import optimizer_step, sampler_parity
 
+    check_training(cfg)
     console = console or Console(stderr=True)
     loop = asyncio.get_running_loop()
     trainer = ThreadPoolExecutor(1, thread_name_prefix="trainer",
@@ -157,11 +186,22 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             elif resume:
                 log.warning("no checkpoint in %s: starting from step 1", run_dir / "checkpoints")
 
+            limits = RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s)
+            train_tasks, eval_tasks = rt.tasks, None
+            if cfg.train.eval_every:
+                train_tasks, eval_tasks = held_out_split(cfg.tasks, rt.tasks, cfg.train.eval_size)
+
+            async def held_out(after_step: int) -> dict[str, float]:
+                return await evaluate_held_out(
+                    rt, eval_tasks, samples=cfg.train.eval_samples or cfg.rollout.group_size,
+                    max_concurrent=cfg.rollout.max_concurrent_rollouts, limits=limits,
+                    out_dir=run_dir / "eval" / f"step-{after_step}")
+
             orch = Orchestrator(
-                rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
+                train_tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
                 group_size=cfg.rollout.group_size,
                 max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
-                limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
+                limits=limits,
                 first_group_id=next_group_id,
                 replay_group_ids=replay,
                 on_rollout=lambda r: log.info("rollout %d (group %d) %s", orch.rollouts_finished, r.group_id,
@@ -171,6 +211,12 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             orch.allow((cfg.train.max_staleness + 1) * groups_per_step)
             orch.start()
             nonfinite_skips = 0  # updates skipped for a NaN/inf gradient norm, this process
+            if eval_tasks is not None and checkpoint is None:
+                # before the first update (training rollouts of step 1 run meanwhile)
+                before = {"step": 0, "policy_version": version, **await held_out(0)}
+                history.append(before)
+                for sink in sinks:
+                    sink.log(0, before)
             try:
                 # `step` is 1-based: the k-th training step; checkpoints/step-k holds the state after it
                 for step in range(start_step + 1, cfg.train.steps + 1):
@@ -218,6 +264,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         metrics.update(report.as_metrics())
                     orch.allow(groups_per_step)
                     t_synced = time.monotonic()
+                    if eval_tasks is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                        metrics.update(await held_out(step))  # the policy after this step
 
                     # 6) the step completed: its rollouts, metrics, console lines, checkpoint
                     metrics.update({
@@ -254,6 +302,13 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             finally:
                 await orch.close()
         Console().print(final_table(history))
+        from harnessrl.train.plot import curve_table, write_curve_png
+
+        curve = write_curve_png(history, run_dir / "curve.png",
+                                title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
+        Console().print(curve_table(history), markup=False, highlight=False)
+        if curve is not None:
+            Console().print(f"curve: {curve}", markup=False, highlight=False)
         completed = True
         return history
     finally:
