@@ -54,6 +54,8 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int) -> Engine:
                 max_batch_size=cfg.max_batch_size,
                 max_context_tokens=cfg.max_context_tokens,
                 seed=seed,
+                prefix_cache_tokens=cfg.prefix_cache_tokens,
+                prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             )
 
 

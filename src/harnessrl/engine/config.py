@@ -28,6 +28,11 @@ class EmbeddedEngineConfig(BaseModel):
     max_context_tokens: int = Field(default=4096, ge=64)
     """Largest prompt + completion length served. Unset in a run config: the harness's need,
     at least 4096 (`harnessrl harness options NAME` shows it)."""
+    prefix_cache_tokens: int = Field(default=32768, ge=0)
+    """Memory bound of the prefix cache in token positions (LRU; 45 KiB each for SmolLM2-135M
+    float32, about 1.4 GiB at the default); 0 turns it off. Cleared on every weight swap."""
+    prefill_chunk_tokens: int = Field(default=512, ge=1)
+    """Most prompt tokens prefilled between two decode steps (chunked prefill)."""
 
 
 EngineConfig = Annotated[EmbeddedEngineConfig, Field(discriminator="kind")]

@@ -180,8 +180,8 @@ class EmbeddedEngine:
                 `max_position_embeddings`, capped at 8192.
             seed: seeds the generator that seeds requests without their own `seed`.
             prefix_cache_tokens: memory bound of the prefix cache, in token positions (LRU;
-                one position costs `2 * layers * kv_heads * head_dim * dtype bytes`, 46 KiB
-                for SmolLM2-135M in float32, so the default 32768 is about 1.5 GiB); 0 turns
+                one position costs `2 * layers * kv_heads * head_dim * dtype bytes`, 45 KiB
+                for SmolLM2-135M in float32, so the default 32768 is about 1.4 GiB); 0 turns
                 the cache off.
             prefill_chunk_tokens: most prompt tokens prefilled between two decode steps.
 
