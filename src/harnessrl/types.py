@@ -132,7 +132,7 @@ class Turn(BaseModel):
 
     The record is protocol-neutral: `request` (the chat-layer request) and `reply` (the parsed
     reply) have one shape whatever protocol the agent spoke; hooks, shaping, the console and
-    the samples builder read only them. The protocol's own bodies are kept for inspection in
+    the rollout-cause code read only them. The protocol's own bodies are kept for inspection in
     `raw_request` / `raw_response`. A turn is built once, when it is recorded.
 
     Old records (a `response` field: the chat.completion body, or for `responses` / `messages`
@@ -151,7 +151,8 @@ class Turn(BaseModel):
     """The request as the chat layer saw it: an OpenAI chat-completions body (`messages` with
     roles system/user/assistant/tool, `tools` as function tools, `max_tokens`, ...) before
     sampling overrides. For `chat.completions` it is the body as received; for another
-    protocol its adapter's conversion (`raw_request` is the body as received). An error turn
+    protocol its adapter's conversion, with `stream: false` (the protocol streams itself;
+    `raw_request` is the body as received and says whether the agent streamed). An error turn
     keeps at most `proxy.capture.REJECTED_BODY_CHARS` characters of it (`summarize_body`);
     `{}` when the protocol's body could not be converted."""
     reply: Reply | None = None

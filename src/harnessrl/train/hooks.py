@@ -3,8 +3,8 @@
 Responsibility: turn a config string such as `"my_pkg.filters:has_tool_call"` (or
 `"my_pkg.filters.has_tool_call"`, or `"path/to/file.py:has_tool_call"`) into a callable (also
 used for the config's other dotted paths: `tasks.source`, `tasks.verifier`), and build `RolloutOutcome` from a finished
-rollout. The three hooks apply identically to both harness kinds, because both produce the
-same `Trace` (DESIGN.md §5):
+rollout. The three hooks apply identically to both harness kinds and every protocol, because
+all produce the same protocol-neutral `Trace` (`Turn.request`, `Turn.reply`; DESIGN.md §4, §5):
   * `agent_turn_fn(turns: list[Turn]) -> list[Turn]`: which eligible turns are the agent's own
     (replaces the structural rule of `samples.py`);
   * `train_turn_fn(turn: Turn) -> bool`: False keeps the turn as context only (mask 0);
