@@ -94,6 +94,10 @@ def test_qwen3_style_thinking_template(tokenizer) -> None:
     report = diagnose_template(tok, model="qwen3-style", engine_eos=[2])
     f = _by_probe(report)
     assert report.generation_prompt == "<|im_start|>assistant\n<think>\n"
+    chat = ChatLayer(tok)
+    reply = chat.encode("\n</think>\n\n" + '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>') + [2]
+    if chat.parse(reply, True).tool_calls:  # the chat layer reads calls after a closed block
+        assert report.tool_roundtrip == "ok"
     multi = f["multi_turn"]
     if multi.bridged != "clean":
         # the history drops the `<think>\n` the generation prompt opened: the next prompt
@@ -107,7 +111,6 @@ def test_qwen3_style_thinking_template(tokenizer) -> None:
         assert reasoning.kind in ("realign", "fork")
         assert "Add two" in reasoning.example
         assert report.exit_code == int(any(x.loses_tokens for x in report.findings) or bool(report.problems))
-    chat = ChatLayer(tok)
     parsed = chat.parse(chat.encode("Add two and two.\n</think>\n\n4") + [2], False)
     if parsed.reasoning is None:  # the chat layer does not split a reply the prompt opened
         assert report.reasoning_split.startswith("a <think> reply parses to content")

@@ -237,7 +237,7 @@ def diagnose_template(tokenizer: PreTrainedTokenizerBase, *, model: str = "",
     findings = [_run_probe(chat, p, stop_id, gen_prompt) for p in PROBES]
     report = DoctorReport(model=model, engine_eos=name(engine), chat_eos=name(sorted(chat.eos_token_ids)),
                           generation_prompt=gen_prompt, end_of_turn=end_text, end_of_turn_id=end_id,
-                          findings=findings, tool_roundtrip=_tool_roundtrip(chat, stop_id),
+                          findings=findings, tool_roundtrip=_tool_roundtrip(chat, stop_id, gen_prompt),
                           reasoning_split=_reasoning_split(chat, gen_prompt, stop_id))
     if not engine:
         report.problems.append("the model declares no EOS id: replies end only at max_tokens")
@@ -274,7 +274,22 @@ def _framing(tokenizer: PreTrainedTokenizerBase, chat: ChatLayer) -> tuple[str, 
     return gen, end
 
 
+def _as_sampled(reply: str, gen_prompt: str) -> str:
+    """`reply` as the model writes it after `gen_prompt`: when the generation prompt opens a
+    `<think>` block, the model continues inside it (an empty one when the reply has none)."""
+    if not gen_prompt.rstrip().endswith("<think>"):
+        return reply
+    if reply.startswith("<think>\n"):
+        return reply[len("<think>\n"):]
+    return "\n</think>\n\n" + reply
+
+
 def _sampled_ids(chat: ChatLayer, text: str, stop_id: int | None, non_canonical: bool = False) -> list[int]:
+    """Ids of `text` + the stop id; `non_canonical`: the first word (after a closed empty
+    `<think>` block, if any) one id per character."""
+    head, sep, body = text.rpartition("</think>\n\n")
+    if non_canonical and sep:
+        return chat.encode(head + sep) + _sampled_ids(chat, body, stop_id, True)
     if non_canonical:
         word, rest = (text.split(" ", 1) + [""])[:2]
         ids = [i for ch in word for i in chat.encode(ch)] + (chat.encode(" " + rest) if rest else [])
@@ -304,10 +319,7 @@ def _run_probe(chat: ChatLayer, probe: Probe, stop_id: int | None, gen_prompt: s
     except RequestError as exc:
         finding.note = f"turn 1 does not render: {exc}"
         return finding
-    reply = probe.reply
-    if reply.startswith("<think>\n") and gen_prompt.rstrip().endswith("<think>"):
-        reply = reply[len("<think>\n"):]  # the generation prompt already opened the block
-    c1 = _sampled_ids(chat, reply, stop_id, probe.non_canonical)
+    c1 = _sampled_ids(chat, _as_sampled(probe.reply, gen_prompt), stop_id, probe.non_canonical)
     finding.sampled_tokens = len(c1)
     parsed = chat.parse(c1, bool(probe.tools), call_id_seed="doctor")
     follow = [dict(m) for m in probe.follow]
@@ -360,8 +372,8 @@ def _divergence(chat: ChatLayer, sampled: list[int], rerendered: list[int], widt
             f" | re-rendered {dec(rerendered[d:d + width])!r} (ids {sampled[d:d + 4]} vs {rerendered[d:d + 4]})")
 
 
-def _tool_roundtrip(chat: ChatLayer, stop_id: int | None) -> str:
-    ids = _sampled_ids(chat, _CALL_TEXT, stop_id)
+def _tool_roundtrip(chat: ChatLayer, stop_id: int | None, gen_prompt: str = "") -> str:
+    ids = _sampled_ids(chat, _as_sampled(_CALL_TEXT, gen_prompt), stop_id)
     parsed = chat.parse(ids, True, call_id_seed="doctor")
     if len(parsed.tool_calls) != 1:
         return f"the hermes call parsed to {len(parsed.tool_calls)} calls (text {parsed.content!r})"
@@ -373,7 +385,8 @@ def _tool_roundtrip(chat: ChatLayer, stop_id: int | None) -> str:
         text = chat.render_text(normalize_messages(replay), _TOOLS)
     except RequestError as exc:
         return f"the template rejects the replayed call: {exc}"
-    again = chat.parse(chat.encode(_replayed_reply(text)), True, call_id_seed="doctor") if "get_weather" in text else None
+    block = _as_sampled(_replayed_reply(text), gen_prompt)
+    again = chat.parse(chat.encode(block), True, call_id_seed="doctor") if "get_weather" in text else None
     if again is None or [(c.name, json.loads(c.arguments)) for c in again.tool_calls] != [("get_weather", {"city": "Paris"})]:
         return "the re-rendered history does not parse back to the same call"
     return "ok"
@@ -387,9 +400,7 @@ def _replayed_reply(text: str) -> str:
 
 
 def _reasoning_split(chat: ChatLayer, gen_prompt: str, stop_id: int | None) -> str:
-    reply = "<think>\nAdd two and two.\n</think>\n\n4"
-    if gen_prompt.rstrip().endswith("<think>"):
-        reply = reply[len("<think>\n"):]  # the prompt already opened the block
+    reply = _as_sampled("<think>\nAdd two and two.\n</think>\n\n4", gen_prompt)
     parsed = chat.parse(_sampled_ids(chat, reply, stop_id), False)
     if parsed.reasoning == "Add two and two." and (parsed.content or "").strip() == "4":
         return "ok"
