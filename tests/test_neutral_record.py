@@ -228,3 +228,19 @@ def test_old_records_with_a_response_body_still_load() -> None:
     dumped = json.loads(turn.model_copy(update={"raw_request": None, "raw_response": None}).model_dump_json())
     assert "response" not in dumped and "raw_request" not in dumped and dumped["reply"]["content"] == "ok"
     assert Turn.model_validate(dumped) == turn.model_copy(update={"raw_request": None, "raw_response": None})
+
+
+def test_the_readme_train_turn_fn_trains_the_same_tokens_in_every_protocol(traces) -> None:
+    """`train_turn_fn = has_tool_call` (the README's example) trains the tool-call turn of a
+    Codex- or Claude-Code-style rollout as it does a chat one, not nothing."""
+    from harnessrl.train.samples import build_rows
+
+    built = {}
+    for key, trace in traces.items():
+        rows, _ = build_rows(_rollout(trace), train_turn_fn=has_tool_call, main_prefix_tokens=1)
+        built[key] = [(r.input_ids, r.completion_mask, r.sampler_logprobs) for r in rows]
+    reference = built[("chat.completions", False)]
+    first = traces[("chat.completions", False)].turns[0]
+    # the tool-call turn's completion trains; the last (text) reply is context only
+    assert sum(sum(mask) for _, mask, _ in reference) == len(first.completion_ids) > 0
+    assert all(rows == reference for rows in built.values()), {k: len(v) for k, v in built.items()}
