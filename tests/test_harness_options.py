@@ -61,6 +61,8 @@ def test_option_errors_name_the_key_and_list_the_valid_ones() -> None:
     msg = str(err.value)
     assert "unknown option 'harness.options.contxt_tokens'" in msg
     assert "valid options: context_tokens, auto_compact_tokens, extra_args" in msg
+    with pytest.raises(ConfigError, match=r"unknown option 'harness.options.kill_grace_s' \(set sandbox.kill_grace_s"):
+        load_config(None, ["harness.kind=opencode", "harness.options={kill_grace_s = 1}"])
     with pytest.raises(ConfigError, match=r"harness.options.max_turns: Input should be greater than or equal to 1"):
         load_config(None, ["harness.kind=white_box", "harness.options={max_turns = 0}"])
     with pytest.raises(ConfigError, match=r"harness.options.argv is required"):

@@ -33,6 +33,9 @@ _OPTION_MODELS: dict[str, tuple[str, str]] = {
 }
 _ALIASES = {"mini_swe_agent": "mini-swe-agent", "claude_code": "claude-code"}
 
+_MOVED = {"kill_grace_s": "sandbox.kill_grace_s, the one kill grace of every harness"}
+"""Options that harnesses no longer take, and the key that now sets the knob."""
+
 HARNESS_KINDS = tuple(_OPTION_MODELS)
 """Harness kinds a config may name (`harness.kind`)."""
 
@@ -76,7 +79,8 @@ def validate_options(kind: str, options: dict[str, Any]) -> BaseModel:
         for err in exc.errors():
             key = "harness.options." + ".".join(str(p) for p in err["loc"]) if err["loc"] else "harness.options"
             if err["type"] == "extra_forbidden":
-                problems.append(f"unknown option {key!r}")
+                moved = _MOVED.get(str(err["loc"][-1])) if err["loc"] else None
+                problems.append(f"unknown option {key!r}" + (f" (set {moved} instead)" if moved else ""))
             elif err["type"] == "missing":
                 problems.append(f"{key} is required")
             else:
