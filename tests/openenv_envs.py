@@ -155,3 +155,38 @@ class AgentFactory(ResourceSessionFactory):
         with _LOCK:
             CREATED.append({"task": task, "seed": seed, "episode_id": episode_id, "base_url": base_url})
         return AgentSession(str(episode_id), base_url, api_key, model, self.hang)
+
+
+GOOD_ENTRY = {"request": {"messages": [{"role": "user", "content": "hi"}]},
+              "response": {"choices": [{"message": {"role": "assistant", "content": "yo"}, "finish_reason": "stop"}],
+                           "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+              "prompt_token_ids": [1, 2, 3], "completion_token_ids": [7, 8], "per_token_logps": [-0.5, -0.25],
+              "loss_mask": [0, 0, 0, 1, 1]}
+BAD_ENTRIES = [
+    {**GOOD_ENTRY, "per_token_logps": [-0.5]},                                  # count off
+    {**GOOD_ENTRY, "prompt_token_ids": []},                                     # no prompt ids
+    {**GOOD_ENTRY, "per_token_logps": [-0.5, 0.5]},                             # positive logprob
+    {**GOOD_ENTRY, "loss_mask": [0, 0, 0, 0, 0]},                               # producer masked it
+    {**GOOD_ENTRY, "response": {**GOOD_ENTRY["response"], "usage": {"completion_tokens": 5}}},  # usage disagrees
+    "not an object",
+]
+STRINGS_ENTRY = {**GOOD_ENTRY, "prompt_token_ids": [1, 2, 3, 7, 8, 4], "completion_token_ids": [],  # continues GOOD
+                 "completion_tokens": ["token_id:7", "token_id:9"], "loss_mask": [0] * 6 + [1, 1]}
+
+
+class TraceOnlySession(AgentSession):
+    """A loop-owning session whose agent used its own capture: only `fetch_proxy_trace`."""
+
+    def __init__(self, episode_id: str) -> None:
+        self.episode_id = episode_id
+        self.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+
+    def fetch_proxy_trace(self) -> list[Any]:
+        return [GOOD_ENTRY, *BAD_ENTRIES, STRINGS_ENTRY]
+
+
+class TraceOnlyFactory(ResourceSessionFactory):
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> TraceOnlySession:
+        with _LOCK:
+            CREATED.append({"task": task, "seed": seed, "episode_id": episode_id})
+        return TraceOnlySession(str(episode_id))

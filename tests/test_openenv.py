@@ -178,3 +178,23 @@ async def test_a_failing_create_is_the_agents_error_and_a_cancel_closes() -> Non
     with pytest.raises(asyncio.CancelledError):
         await run
     assert sessions.get(sandbox) is None and envs.CLOSED[-1] == envs.CREATED[-1]["episode_id"]
+
+
+def test_own_trace_entries_are_validated_like_any_upstream() -> None:
+    from harnessrl.harness.openenv_trace import turn_from_entry
+
+    good = turn_from_entry(envs.GOOD_ENTRY, 0, 5)
+    assert good.status == "ok" and good.error is None
+    assert (good.prompt_ids, good.completion_ids, good.completion_logprobs) == ([1, 2, 3], [7, 8], [-0.5, -0.25])
+    assert good.reply is not None and good.reply.content == "yo" and good.policy_version == 5
+    assert good.finish_reason == "stop" and good.protocol == "openenv"
+    reasons = [turn_from_entry(e, i, 5) for i, e in enumerate(envs.BAD_ENTRIES)]
+    assert [t.status for t in reasons] == ["unfaithful"] * len(envs.BAD_ENTRIES)
+    assert "len(completion_ids)=2 != len(completion_logprobs)=1" in reasons[0].error
+    assert reasons[1].error == "prompt_ids is empty"
+    assert "completion_logprobs[1]=0.5" in reasons[2].error
+    assert "masked the whole completion" in reasons[3].error
+    assert "usage.completion_tokens=5 != len(completion_ids)=2" in reasons[4].error
+    assert "not an object" in reasons[5].error
+    strings = turn_from_entry(envs.STRINGS_ENTRY, 7, 5)
+    assert strings.status == "ok" and strings.completion_ids == [7, 9]

@@ -114,3 +114,17 @@ def test_cancelled_rollout_closes_the_session_and_its_agent(tmp_path: Path) -> N
     episode = envs.CREATED[n_created]["episode_id"]
     assert episode in envs.CLOSED
     assert leftover_sandboxes(tmp_path / "sbx") == []
+
+
+def test_session_with_only_its_own_trace_trains_only_valid_turns(tmp_path: Path) -> None:
+    from harnessrl.train.samples import build_rows
+
+    r = asyncio.run(_one_rollout(_cfg(tmp_path, "openenv_envs:TraceOnlyFactory")))
+    assert r.status == "ok", r.error
+    statuses = [t.status for t in r.trace.turns]
+    assert statuses == ["ok"] + ["unfaithful"] * len(envs.BAD_ENTRIES) + ["ok"]
+    rows, stats = build_rows(r)
+    assert stats.excluded["unfaithful"] == len(envs.BAD_ENTRIES)
+    trained = [tok for row in rows for tok, m in zip(row.input_ids, row.completion_mask) if m]
+    assert trained == [7, 8, 7, 9]  # the good entry and the token-string one continuing it, nothing else
+    assert len(rows) == 1 and list(rows[0].input_ids) == [1, 2, 3, 7, 8, 4, 7, 9]

@@ -12,7 +12,9 @@ Responsibility: for one rollout of `tasks.kind = "openenv"`, open the session
     `max_turns` model calls;
   * loop-owning session (`wait_for_completion`): its agent was pointed at the rollout's proxy
     endpoint when `create` takes `base_url`/`api_key`/`model`; the proxy records every call, the
-    loop waits (`wait_for_completion(timeout)`, a `TimeoutError` is the rollout's timeout).
+    loop waits (`wait_for_completion(timeout)`, a `TimeoutError` is the rollout's timeout). When
+    the proxy saw no call and the session offers `fetch_proxy_trace`, its entries become the
+    rollout's turns, validated like any upstream (`harness/openenv_trace.py`).
 
 The transcript and final state (`done`, `metrics`, `tool_trace`, `exit_code`) are recorded on
 the live session for the verifier (`rewards/openenv.py`), on every path. A failed `create` is
@@ -48,7 +50,9 @@ async def run_openenv_session(harness: WhiteBoxHarness, task: Task, sandbox: San
                              error=f"OpenEnv factory.create raised {type(exc).__name__}: {exc}")
     try:
         if is_loop_owning(live.session):
-            return await _wait(live, timeout_s)
+            result = await _wait(live, timeout_s)
+            await asyncio.to_thread(_import_own_trace, harness, live, endpoint)
+            return result
         return await _drive(harness, live, endpoint)
     except BaseException:
         await asyncio.shield(sessions.close(sandbox))
@@ -65,6 +69,32 @@ async def _wait(live: LiveSession, timeout_s: float) -> HarnessResult:
     live.final_state = {"done": True, "timed_out": False, "exit_code": code}
     error = None if code == 0 else f"OpenEnv session's agent exited with {code}"
     return HarnessResult(exit_code=code, timed_out=False, error=error)
+
+
+def _import_own_trace(harness: WhiteBoxHarness, live: LiveSession, endpoint: Endpoint) -> int:
+    """When the proxy recorded none of the agent's calls and the session offers
+    `fetch_proxy_trace`, its entries become this rollout's turns, validated
+    (`harness/openenv_trace.py`). Returns how many were imported."""
+    from harnessrl.harness.openenv_trace import turn_from_entry
+
+    recorder = harness._store.lookup(endpoint.api_key)
+    fetch = getattr(live.session, "fetch_proxy_trace", None)
+    if recorder is None or recorder.trace.turns or not callable(fetch):
+        return 0
+    try:
+        entries = list(fetch() or [])
+    except Exception as exc:  # noqa: BLE001 - a failed fetch leaves the trace empty; say why
+        live.final_state["trace_error"] = f"fetch_proxy_trace raised {type(exc).__name__}: {exc}"
+        return 0
+    version = harness._deps.engine.policy_version
+    imported = 0
+    for entry in entries:
+        try:
+            index = recorder.reserve_turn_index()
+        except Exception:  # noqa: BLE001 - max_turns_per_session reached: the rest is not kept
+            break
+        imported += recorder.record(turn_from_entry(entry, index, version))
+    return imported
 
 
 async def _drive(harness: WhiteBoxHarness, live: LiveSession, endpoint: Endpoint) -> HarnessResult:
