@@ -82,13 +82,24 @@ def rollout(
     config: ConfigOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/rollout-<timestamp>).")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Number of tasks (groups) to run (default: tasks.limit, else 4); not a config key.")] = None,
+    compare: Annotated[Optional[tuple[Path, Path]], typer.Option(help="Run nothing: list the tasks fixed and regressed from evaluation directory A to B (each with a rollouts.jsonl).", metavar="A B")] = None,
     set_: SetOpt = None,
 ) -> None:
-    """Run rollouts without training (evaluation): writes rollouts.jsonl and prints a summary."""
+    """Run rollouts without training (evaluation): writes rollouts.jsonl and prints a summary. An existing --out DIR resumes: only missing or errored rollouts run."""
     from harnessrl.config import load_config, resolve_run_dir
     from harnessrl.errors import HarnessRLError
     from harnessrl.rollout.evaluate import run_evaluation
 
+    if compare is not None:
+        from harnessrl.rollout.compare import compare_dirs
+
+        try:
+            lines = compare_dirs(*compare).lines()
+        except HarnessRLError as exc:
+            raise _fail(exc) from None
+        for line in lines:
+            typer.echo(line)
+        return
     try:
         cfg = load_config(config, set_ or [])
         code = run_evaluation(cfg, resolve_run_dir(out, prefix="rollout-"), limit=limit)

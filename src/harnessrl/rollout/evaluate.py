@@ -10,6 +10,11 @@ Ctrl-C / SIGTERM (`harnessrl.signals`): rollouts in flight are cancelled and rel
 they are not written. The summary of the groups completed before the signal is still printed
 and saved, with `stopped_by_signal` = the signal number; the exit code is 130 / 143.
 
+Resume: run again with the same `--out DIR` and only what is missing runs. Rollouts already in
+`DIR/rollouts.jsonl` of groups 0..N-1 are kept (at most G a group) unless their status is an
+error (`summary.ERROR_STATUSES`); each group runs only the rollouts it lacks. Errored records
+move to `DIR/rollouts.replaced.jsonl`; the summary covers kept and new rollouts together.
+
 The config means what it means for `harnessrl train`: it is checked the same way before
 anything starts (`config.check_run`). The summary shows both rewards: `reward/verifier_*`
 (the verifier's, which pass rate and pass@k count) and `reward/train_*` (what `[hooks]
@@ -64,13 +69,17 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
     setup_logging(cfg.log.level, out_dir / "run.log", console=console)
     (out_dir / "config.toml").write_text(dump_config(cfg), encoding="utf-8")
     n_groups = limit or cfg.tasks.limit or DEFAULT_GROUPS
+    kept, needed = resume_plan(out_dir, n_groups, cfg.rollout.group_size)
     log.info("harnessrl rollout -> %s (model %s, harness %s, tasks %s, %d tasks x G=%d)", out_dir,
              cfg.engine.model, cfg.harness.kind, cfg.tasks.kind, n_groups, cfg.rollout.group_size)
     t0 = time.monotonic()
     groups: list[Group] = []
     stopped: RunStopped | None = None
+    groups.extend(Group(group_id=gid, task_id=rs[0].task_id, rollouts=rs)
+                  for gid, rs in sorted(kept.items()) if gid not in needed)
     try:
-        asyncio.run(run_until_signal(_evaluate(cfg, out_dir, n_groups, console, groups)))
+        if needed:
+            asyncio.run(run_until_signal(_evaluate(cfg, out_dir, needed, kept, console, groups)))
     except RunStopped as exc:
         stopped = exc
     shaped = [g.model_copy(update={"rollouts": [reshape_reward(r, reward_fn) for r in g.rollouts]})
@@ -91,11 +100,54 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
     return 0 if stopped is None else stopped.exit_code
 
 
-async def _evaluate(cfg: RunConfig, out_dir: Path, n_groups: int, console: Console, groups: list[Group]) -> None:
-    """Run `n_groups` groups, appending each to `groups` (and `rollouts.jsonl`) as it completes."""
+def resume_plan(out_dir: Path, n_groups: int, group_size: int) -> tuple[dict[int, list[Rollout]], dict[int, int]]:
+    """What an evaluation of groups `0..n_groups-1` in `out_dir` still has to run: (kept rollouts
+    per group id, rollouts to run per group id). Rewrites `out_dir/rollouts.jsonl` to the kept
+    records (errored ones appended to `rollouts.replaced.jsonl`); a fresh directory needs all."""
+    from harnessrl.jsonl import read_jsonl
+    from harnessrl.rollout.summary import ERROR_STATUSES
+
+    path = out_dir / "rollouts.jsonl"
+    kept: dict[int, list[Rollout]] = {}
+    if path.exists():
+        read = read_jsonl(path)
+        keep_lines, replaced = [], []
+        for line, row in zip(read.lines, read.rows):
+            try:
+                rollout = Rollout.model_validate(row)
+            except ValueError:
+                replaced.append(line)
+                continue
+            group = kept.setdefault(rollout.group_id, [])
+            if (rollout.status in ERROR_STATUSES or not 0 <= rollout.group_id < n_groups
+                    or len(group) >= group_size):
+                replaced.append(line)
+                continue
+            group.append(rollout)
+            keep_lines.append(line)
+        kept = {gid: rs for gid, rs in kept.items() if rs}
+        if replaced or read.bad_lines or read.torn_tail:
+            with (out_dir / "rollouts.replaced.jsonl").open("a", encoding="utf-8") as fh:
+                fh.writelines(line + "\n" for line in replaced)
+            tmp = path.with_name("rollouts.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in keep_lines), encoding="utf-8")
+            tmp.replace(path)
+        n_kept = sum(len(rs) for rs in kept.values())
+        log.info("resuming in %s: %d rollouts kept, %d errored or extra set aside in "
+                 "rollouts.replaced.jsonl, %d unreadable lines dropped", out_dir, n_kept, len(replaced),
+                 len(read.bad_lines))
+    needed = {gid: group_size - len(kept.get(gid, [])) for gid in range(n_groups)
+              if len(kept.get(gid, [])) < group_size}
+    return kept, needed
+
+
+async def _evaluate(cfg: RunConfig, out_dir: Path, needed: dict[int, int], kept: dict[int, list[Rollout]],
+                    console: Console, groups: list[Group]) -> None:
+    """Run the rollouts `needed` (per group id), appending each completed group (with its `kept`
+    rollouts) to `groups`, its new rollouts to `rollouts.jsonl`."""
     from harnessrl.runtime import start_runtime
 
-    total = n_groups * cfg.rollout.group_size
+    total = sum(needed.values())
     last_record = time.monotonic()
 
     def on_rollout(rollout: Rollout) -> None:
@@ -117,23 +169,23 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, n_groups: int, console: Conso
             group_size=cfg.rollout.group_size,
             max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
             limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
-            on_rollout=on_rollout,
+            on_rollout=on_rollout, replay_group_ids=sorted(needed), group_sizes=needed,
         )
         # the bar's total is fixed: every rollout of the run, known before any starts
         progress = Progress(TextColumn("rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=console, transient=False, disable=not console.is_terminal)
         bar = progress.add_task("rollouts", total=total)
-        orch.allow(n_groups)
+        orch.allow(len(needed))
         orch.start()
         try:
             repair_torn_tail(out_dir / "rollouts.jsonl")  # left by a killed earlier run
             with progress, (out_dir / "rollouts.jsonl").open("a", encoding="utf-8") as fh:
-                while len(groups) < n_groups:
+                for _ in range(len(needed)):
                     group = await orch.get_group(on_wait=on_wait)
                     for r in group.rollouts:
                         fh.write(r.model_dump_json() + "\n")
                     fh.flush()
-                    groups.append(group)
+                    groups.append(group.model_copy(update={"rollouts": kept.get(group.group_id, []) + group.rollouts}))
                 progress.update(bar, completed=orch.rollouts_finished)
         finally:
             await orch.close()

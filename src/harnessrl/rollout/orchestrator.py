@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from harnessrl.harness.base import Harness
 from harnessrl.rewards.base import Verifier
@@ -51,8 +51,11 @@ class Orchestrator:
         first_group_id: int = 0,
         replay_group_ids: Sequence[int] = (),
         on_rollout: Callable[[Rollout], None] | None = None,
+        group_sizes: Mapping[int, int] | None = None,
     ) -> None:
-        """`on_rollout` is called with each rollout as it finishes (progress displays)."""
+        """`on_rollout` is called with each rollout as it finishes (progress displays);
+        `group_sizes` gives some groups another number of rollouts than `group_size` (a resumed
+        evaluation runs only the rollouts a group still lacks)."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if max_concurrent_rollouts < 1:
@@ -63,6 +66,7 @@ class Orchestrator:
         self._sessions = sessions
         self._verifier_for = verifier_for
         self._group_size = group_size
+        self._group_sizes = dict(group_sizes or {})
         self._limits = limits
         self._rollout_slots = asyncio.Semaphore(max_concurrent_rollouts)
         self._tickets = asyncio.Semaphore(0)
@@ -155,7 +159,7 @@ class Orchestrator:
             task = self._tasks_source.get(group_id)
             verifier = self._verifier_for(task)
             jobs = [asyncio.ensure_future(self._run_one(task, group_id, verifier))
-                    for _ in range(self._group_size)]
+                    for _ in range(self._group_sizes.get(group_id, self._group_size))]
             rollouts = await asyncio.gather(*jobs)
         except BaseException as exc:
             # cancel the group's other rollouts and wait until each released its resources
