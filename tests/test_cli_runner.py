@@ -26,6 +26,7 @@ from harnessrl.harness.opencode import OpencodeHarness
 from harnessrl.harness.pi import PiHarness
 from harnessrl.rewards.base import Reward
 from harnessrl.rollout.runner import RolloutLimits, run_rollout
+from harnessrl.sandbox.base import Sandbox, SandboxProcess
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint, Trace
 
@@ -52,6 +53,10 @@ def _writes_log(text: str, exit_code: int | None = 0, run_s: float = 0.0, **file
             sandbox.write_file(rel, content, base=base)  # type: ignore[arg-type]
         return ScriptedProcess(exit_code=exit_code, run_s=run_s)
     return agent
+
+
+def test_the_fake_satisfies_the_seam() -> None:
+    assert isinstance(FakeSandbox(), Sandbox) and isinstance(ScriptedProcess(), SandboxProcess)
 
 
 HARNESSES = [OpencodeHarness(), PiHarness(), CodexHarness(), ClaudeCodeHarness(), MiniSweAgentHarness(),
