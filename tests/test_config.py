@@ -24,7 +24,7 @@ def test_overrides_parse_toml_values() -> None:
     cfg = load_config(None, ["train.learning_rate=3e-6", "harness.kind=white_box",
                              "harness.options={max_turns = 2}", "train.loss.kind=gspo", "log.report_to=[\"jsonl\"]"])
     assert cfg.train.learning_rate == 3e-6
-    assert cfg.harness.kind == "white_box" and cfg.harness.options == {"max_turns": 2}
+    assert cfg.harness.kind == "white_box" and cfg.harness.options["max_turns"] == 2
     assert cfg.train.loss.kind == "gspo"
 
 
@@ -100,3 +100,6 @@ def test_the_saved_config_holds_the_resolved_options_of_each_kind(tmp_path: Path
     path = tmp_path / "config.toml"
     path.write_text(text)
     assert load_config(path) == cfg
+    # the harness's options too, as its options model resolved them
+    text = dump_config(load_config(None, ["harness.kind=white_box", "harness.options={max_turns = 2}"]))
+    assert "options = { max_turns = 2, tools = [\"bash\", \"write_file\", \"submit\"], command_timeout_s = 20.0" in text
