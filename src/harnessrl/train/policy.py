@@ -2,10 +2,12 @@
 
 Responsibility: everything about the trainer's copy of the model that is not the loss: build it
 from the same HF directory the engine serves, export full weights for the engine after each
-step (LoRA adapters merged), and save / restore checkpoints in HF `save_pretrained` format plus
+step (LoRA adapters merged), keep the KL reference (the initial weights, frozen) and give its
+logprobs, and save / restore checkpoints in HF `save_pretrained` format plus
 `trainer_state.pt` (optimizer, step, policy version, data position).
 
-What it does not do: compute losses (`losses.py`) or decide when to sync (`loop.py`).
+What it does not do: compute losses (`losses.py`), move weights to the engine
+(`engine/weight_sync.py`) or decide when to sync (`run.py`).
 """
 
 from __future__ import annotations
@@ -110,8 +112,8 @@ def export_weights(policy: Policy, copy: bool = False) -> dict[str, torch.Tensor
     """Full (merged) weights under the base model's parameter names, detached.
 
     Without `copy` the tensors of full fine-tuning are the live parameters: hand them only to
-    a consumer that copies them before the next optimizer step (`Engine.load_weights` does,
-    synchronously). LoRA exports are always fresh tensors (merged, then unmerged).
+    a consumer that copies them before the next optimizer step (the in-process `WeightSync`,
+    `EmbeddedEngine.load_weights`, does, synchronously). LoRA exports are always fresh tensors (merged, then unmerged).
 
     Raises:
         NonFiniteWeightsError: a weight is NaN or inf (never handed to the engine).
