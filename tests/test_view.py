@@ -136,3 +136,40 @@ def test_not_a_run_dir_is_a_clear_error(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="no rollouts.jsonl"):
         build_index(tmp_path)
+
+
+def test_cli_writes_report(run_dir: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from harnessrl.cli import app
+
+    out = tmp_path / "cli-report"
+    result = CliRunner().invoke(app, ["view", str(run_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "indexed 4 rollouts, 2 steps" in result.output and "(1 unreadable lines skipped)" in result.output
+    assert (out / "index.html").is_file() and len(list((out / "rollouts").iterdir())) == 4
+
+
+def test_cli_serves_on_loopback_and_prints_the_url(run_dir: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("harnessrl")
+    proc = subprocess.Popen([str(exe), "view", str(run_dir), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        url = None
+        for _ in range(5):
+            line = proc.stdout.readline()
+            if line.startswith("serving "):
+                url = line.split(" at ", 1)[1].split(" ", 1)[0]
+                break
+        assert url is not None and url.startswith("http://127.0.0.1:"), proc.stderr.read() if proc.poll() is not None else url
+        code, body = _get(url + "api/index.json")
+        assert code == 200 and len(json.loads(body)["rollouts"]) == 4
+        code, body = _get(url + "api/rollout/0.json")
+        assert code == 200 and json.loads(body)["summary"]["rollout_id"] == "r0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
