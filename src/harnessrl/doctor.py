@@ -20,10 +20,12 @@ generation config, and the chat layer's), the generation prompt, the end-of-turn
 a tool call round-trips through render and parse.
 
 Exit code (`DoctorReport.exit_code`): 1 when training would silently lose or misalign tokens:
-a probe leaves sampled tokens untrained (and bridging does not cover it), the template rejects a
-replayed conversation (every such turn becomes an error), a tool call does not round-trip, or
-the template's end-of-turn token is not an EOS id of the engine (replies would run past the
-turn); 0 otherwise (FORKs that keep every sampled token trained are reported, not failed).
+a probe leaves sampled tokens untrained (the builder's invariant is that none are; bridging
+covering the case also clears it), the template rejects a replayed conversation (every such
+turn becomes an error), a tool call does not round-trip, or the template's end-of-turn token is
+not an EOS id of the engine (replies would run past the turn); 0 otherwise. A FORK keeps every
+sampled token trained (in a new row, its context computed again): reported as a warning when
+bridging does not cover it.
 With a harness, a short real rollout is run and the same rule applies to its main chain.
 """
 

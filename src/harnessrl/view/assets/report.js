@@ -148,12 +148,13 @@
     const head = el("div", { class: "head" }, "turn " + t.turn_index + " ",
       t.merge ? el("span", { class: "flag kind-" + t.merge, text: t.merge.toUpperCase() }) : null,
       t.main === false ? el("span", { class: "flag aux", text: "auxiliary" + (t.request_kind ? " (" + t.request_kind + ")" : "") }) : null,
+      ...(t.notes || []).filter(n => n.startsWith("bridged_from=")).map(n => el("span", { class: "flag kind-clean", text: "bridged from turn " + n.slice(13) })),
       t.excluded ? el("span", { class: "flag " + t.excluded, text: "not trained: " + t.excluded }) : null,
       el("span", { class: "muted", text: "  " + t.protocol + " · prompt " + t.prompt_tokens + " · completion " + t.completion_tokens + " · " + (t.finish_reason || "") + " · v" + t.policy_version + (t.row != null ? " · row " + t.row : "") }));
     const box = el("div", { class: "turn" + (bad ? " bad" : ""), "data-turn": t.turn_index }, head);
     if (t.error) box.append(el("div", { class: "warn", text: "error: " + t.error }));
     if (t.unfaithful_reason) box.append(el("div", { class: "warn", text: "unfaithful: " + t.unfaithful_reason }));
-    for (const n of t.notes || []) box.append(el("div", { class: "muted", text: "note: " + n }));
+    for (const n of (t.notes || []).filter(n => !n.startsWith("bridged_from="))) box.append(el("div", { class: "muted", text: "note: " + n }));
     if (t.messages_from > 0) box.append(el("div", { class: "muted", text: "(" + t.messages_from + " earlier messages as in the previous call)" }));
     for (const m of t.messages) box.append(el("div", { class: "msg" }, el("span", { class: "role", text: m.role }), el("pre", { text: m.text })));
     box.append(el("div", { class: "reply" }, el("span", { class: "role", text: "reply" }), el("pre", { text: t.reply == null ? "(none)" : t.reply })));
