@@ -45,6 +45,16 @@ def test_param_delta_l2_is_the_norm_of_the_update(tiny_model_dir: Path, weight_d
         assert m["param_delta_l2"] == pytest.approx(want, rel=1e-4)
 
 
+def test_param_delta_l2_with_lora_is_the_adapters_update(tiny_model_dir: Path) -> None:
+    pytest.importorskip("peft")
+    policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=0.0, lora_rank=4)
+    before = _snapshot(policy.model)
+    m = optimizer_step(policy.model, policy.optimizer, _rows(), loss_fn_for("ppo_clip"),
+                       temperature=1.0, token_budget=256, max_grad_norm=1.0).metrics
+    want = _distance(policy.model, before)  # only the adapter matrices move
+    assert want > 0 and m["param_delta_l2"] == pytest.approx(want, rel=1e-4)
+
+
 def test_update_l2_rejects_other_optimizers() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(TypeError, match="AdamW"):
