@@ -116,6 +116,7 @@ def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:
         top_k=cfg.sampling.top_k,
         enforce_sampling=True,
         max_tokens_cap=cfg.sampling.max_tokens,
+        max_model_calls=cfg.rollout.max_model_calls,
     )
 
 

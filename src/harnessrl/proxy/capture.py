@@ -138,6 +138,9 @@ class PreparedChat:
     """The earlier turn whose exact ids start the prompt (bridged rendering), if any."""
     origin: Origin | None = None
     """The protocol the call arrived in, when not chat completions."""
+    final_stop: str | None = None
+    """Why this call gets a final stop instead of the engine (`ProxyConfig.max_model_calls`):
+    `generate_chat` answers it without sampling (`_final_stop`)."""
 
 
 async def complete_chat(deps: CaptureDeps, session: Session, body: dict[str, Any],
@@ -173,8 +176,13 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
     started_at, started_perf_s = time.time(), time.perf_counter()
     turn_index = session.reserve_turn_index()
     kept = {k: v for k in RECORDED_HEADERS if (v := headers.get(k)) is not None}
+    request: ChatRequest | None = None
+    budget = deps.config.max_model_calls
     try:
         request = parse_chat_request(body)
+        if budget and turn_index >= budget:
+            return PreparedChat(session, request, body, kept, [], Sampling(max_tokens=1), turn_index, started_at,
+                                started_perf_s, None, origin, final_stop=f"max_model_calls={budget} reached")
         plan = deps.chat.plan_prompt(request.messages, request.tools, session.bridge_points)
         prompt_ids = deps.chat.encode_within(plan.text, OFFLOAD_RENDER_CHARS)
         if prompt_ids is None:
@@ -183,6 +191,9 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
             prompt_ids = plan.head_ids + prompt_ids
         sampling = resolve_sampling(deps.config, request, len(prompt_ids), deps.engine.max_context_tokens)
     except RequestError as exc:
+        if budget and request is not None and exc.code == "context_length_exceeded":
+            return PreparedChat(session, request, body, kept, [], Sampling(max_tokens=1), turn_index, started_at,
+                                started_perf_s, None, origin, final_stop=f"context exhausted: {exc}")
         turn = _error_turn(session, turn_index, body, kept, started_at, started_perf_s, str(exc), origin)
         return ChatOutcome(exc.status_code, error_body(exc.message, param=exc.param, code=exc.code), turn,
                            stream=body.get("stream") is True, include_usage=False)
@@ -198,9 +209,15 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
 
 async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
     """Run the engine on a prepared call, parse, record, and build the response."""
+    if p.final_stop is not None:
+        return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
+                           p.started_perf_s, p.origin, p.final_stop)
     try:
         completion = await deps.engine.generate(p.prompt_ids, p.sampling)
     except ContextLengthError as exc:
+        if deps.config.max_model_calls:
+            return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
+                               p.started_perf_s, p.origin, f"context exhausted: {exc}", p.prompt_ids, p.sampling)
         return _failed(p, 400, error_body(str(exc), param="messages", code="context_length_exceeded"), str(exc))
     except EngineError as exc:
         msg = f"engine error: {exc}"
@@ -350,6 +367,30 @@ def _failed(p: PreparedChat, status: int, body: dict[str, Any], error: str) -> C
     if p.session.revoked:
         return _closed_meanwhile(p, turn)
     return ChatOutcome(status, body, turn, stream=p.request.stream, include_usage=p.request.include_usage)
+
+
+def _final_stop(deps: CaptureDeps, session: Session, turn_index: int, body: dict[str, Any], request: ChatRequest,
+                headers: dict[str, str], started_at: float, started_perf_s: float, origin: Origin | None, why: str,
+                prompt_ids: list[int] | None = None, sampling: Sampling | None = None) -> ChatOutcome:
+    """The reply that ends an agent's loop once its call budget or its context is spent
+    (`ProxyConfig.max_model_calls`): a 200 assistant message with empty text, no tool call and
+    finish_reason `stop`, in the call's own protocol (the origin renders it) and as a stream
+    when one was asked for. Recorded as an `error` turn with no sampled ids (never trained),
+    noted `final_stop: <why>`."""
+    response = {
+        "id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion", "created": int(time.time()),
+        "model": request.model or deps.config.model_name,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop",
+                     "logprobs": None}],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }
+    protocol_body = origin.render(response) if origin is not None and origin.render is not None else None
+    turn = _error_turn(session, turn_index, body, headers, started_at, started_perf_s, f"final stop sent: {why}",
+                       origin, prompt_ids=prompt_ids, sampling=sampling)
+    turn.notes.append(f"final_stop: {why}")
+    turn.raw_response = protocol_body
+    return ChatOutcome(200, response, turn, stream=request.stream, include_usage=request.include_usage,
+                       protocol_body=protocol_body)
 
 
 def _closed_meanwhile(p: PreparedChat, turn: Turn) -> ChatOutcome:

@@ -52,6 +52,11 @@ class ProxyConfig(BaseModel):
     max_turns_per_session: int = Field(default=4096, ge=1)
     """Calls one session may make; later calls get 429 (counted in `Trace.refused_calls`, not
     recorded), so a session flooding the proxy with calls cannot grow its trace without bound."""
+    max_model_calls: int = Field(default=0, ge=0)
+    """Calls one session may have answered by the model (0: no limit). Past it, and when a
+    call's prompt leaves no room in the context, the agent gets a final stop in its own
+    protocol (empty assistant text, no tool call, finish_reason stop) rather than an error it
+    may retry; recorded as an `error` turn noted `final_stop: ...`, never trained."""
     max_revoked_keys: int = Field(default=100_000, ge=1)
     """Revoked keys remembered (a few hundred bytes each) so late calls are counted in
     `Trace.rejected_calls`; older revoked keys still get 401, uncounted (keys are never reused)."""
