@@ -134,7 +134,7 @@
     if (d.error) root.append(el("div", { class: "warn", text: "error: " + d.error }));
     if (d.dropped_by_trainer) root.append(el("div", { class: "warn", text: d.dropped_by_trainer }));
     const st = d.stats;
-    root.append(el("div", { class: "muted", text: "builder: " + fmt(st["samples/num_rows"]) + " rows, " + fmt(st["samples/tokens_trained"]) + " trained of " + fmt(st["samples/tokens_total"]) + " tokens; CLEAN " + fmt(st["samples/frac_clean"], 2) + ", REALIGN " + fmt(st["samples/frac_realign"], 2) + ", FORK " + fmt(st["samples/frac_fork"], 2) }));
+    root.append(el("div", { class: "muted", text: "builder: " + fmt(st["samples/num_rows"]) + " rows, " + fmt(st["samples/tokens_trained"]) + " trained of " + fmt(st["samples/tokens_total"]) + " tokens; CLEAN " + fmt(st["samples/frac_clean"], 2) + ", REALIGN " + fmt(st["samples/frac_realign"], 2) + ", FORK " + fmt(st["samples/frac_fork"], 2) + (st["samples/untrained_sampled_tokens"] != null ? "; untrained sampled tokens " + fmt(st["samples/untrained_sampled_tokens"]) : "") }));
     root.append(el("h2", { text: "Turns, as the agent saw them" }));
     for (const t of d.turns) root.append(renderTurn(t));
     root.append(el("h2", { text: "Training rows (" + d.rows.length + "), as they train" }),
