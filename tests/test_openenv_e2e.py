@@ -128,3 +128,23 @@ def test_session_with_only_its_own_trace_trains_only_valid_turns(tmp_path: Path)
     trained = [tok for row in rows for tok, m in zip(row.input_ids, row.completion_mask) if m]
     assert trained == [7, 8, 7, 9]  # the good entry and the token-string one continuing it, nothing else
     assert len(rows) == 1 and list(rows[0].input_ids) == [1, 2, 3, 7, 8, 4, 7, 9]
+
+
+def test_example_step_environment_runs_through_harnessrl_rollout(tmp_path: Path) -> None:
+    """examples/openenv/guess.toml as documented, on the tiny model."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, "-m", "harnessrl.cli", "rollout", "--config", "examples/openenv/guess.toml",
+         "--set", "engine.model=tiny-random", "--set", "sampling.max_tokens=8", "--set", "rollout.group_size=2",
+         "--set", f'sandbox.root_dir="{tmp_path / "sbx"}"', "--limit", "1", "--out", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 and all(r["status"] == "ok" for r in rollouts)
+    assert all(r["reward"] == r["reward_parts"]["env_reward"] for r in rollouts)
+    assert all("Guess a number from 1 to 5" in json.dumps(r["trace"]["turns"][0]["request"]) for r in rollouts)
