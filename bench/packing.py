@@ -15,12 +15,23 @@ Tokens/s counts real (non-pad) row tokens per second of forward + backward. Timi
 best of `--repeats`. The machine may be shared: ratios are measured in the same run.
 
 Run: `.venv/bin/python bench/packing.py`. Target: packed >= 1.5x padded.
+
+Budget sweep (`--budgets 2048,4096,8192`): for each token budget, the same rows (lengths in
+[`--min-len`, `--max-len`]) packed under it and trained through `compute_trainer_logprobs`
+with `attention="dense"` (transformers' block-diagonal [T, T] mask) and `"segments"` (SDPA
+per row, no mask), each in a fresh subprocess, reporting tokens/s of forward + backward and
+the step's peak memory (peak RSS during the step minus RSS before it, `ru_maxrss`). The
+methods alternate per repeat and the best time is kept; the machine may be loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import resource
+import subprocess
+import sys
 import time
 
 import torch
@@ -95,12 +106,14 @@ def _full_logit_logprobs(model: torch.nn.Module, packed: PackedBatch) -> torch.T
     return torch.cat([torch.zeros(1), lp]) * packed.mask_T
 
 
-def packed_step(model: torch.nn.Module, packs: list[PackedBatch], n_global: int, full_logits: bool) -> None:
+def packed_step(
+    model: torch.nn.Module, packs: list[PackedBatch], n_global: int, full_logits: bool, attention: str = "segments"
+) -> None:
     for packed in packs:
         if full_logits:
             lp = _full_logit_logprobs(model, packed)
         else:
-            lp = compute_trainer_logprobs(model, packed, temperature=1.0)
+            lp = compute_trainer_logprobs(model, packed, temperature=1.0, attention=attention)  # type: ignore[arg-type]
         ppo_clip_loss(loss_inputs(packed, lp, n_global), PpoClipLoss()).loss.backward()
 
 
@@ -114,6 +127,56 @@ def _best_s(fn, repeats: int, model: torch.nn.Module) -> float:  # type: ignore[
     return best
 
 
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def one_budget(args: argparse.Namespace) -> None:
+    """Child process: one (budget, attention) pair; prints a JSON line."""
+    torch.set_num_threads(args.threads)
+    model = make_model(args.hidden, args.layers)
+    rows = make_rows(args.rows, args.min_len, args.max_len, args.trained_frac, seed=0)
+    n_global = sum(r.num_trained_tokens for r in rows)
+    packs = pack_rows(rows, token_budget=args.one_budget)
+    # Warm-up on the smallest pack (allocator, kernels), then measure the whole step.
+    packed_step(model, packs[-1:], n_global, False, args.attention)
+    model.zero_grad(set_to_none=False)
+    before = _rss_mib()
+    t0 = time.perf_counter()
+    packed_step(model, packs, n_global, False, args.attention)
+    dt = time.perf_counter() - t0
+    print(json.dumps({"seconds": dt, "peak_mib": _rss_mib() - before, "packs": len(packs),
+                      "longest_pack": max(p.num_tokens for p in packs),
+                      "tokens": sum(p.num_tokens for p in packs)}))
+
+
+def sweep(args: argparse.Namespace) -> None:
+    budgets = [int(b) for b in args.budgets.split(",")]
+    best: dict[tuple[int, str], dict] = {}
+    for _ in range(args.repeats):
+        for budget in budgets:
+            for attention in ("dense", "segments"):
+                cmd = [sys.executable, __file__, "--one-budget", str(budget), "--attention", attention]
+                for key in ("rows", "min_len", "max_len", "trained_frac", "hidden", "layers", "threads"):
+                    cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                res = json.loads(out.strip().splitlines()[-1])
+                key = (budget, attention)
+                if key not in best or res["seconds"] < best[key]["seconds"]:
+                    peak = max(res["peak_mib"], best.get(key, {}).get("peak_mib", 0.0))
+                    best[key] = {**res, "peak_mib": peak}
+    print(f"rows={args.rows} lengths {args.min_len}..{args.max_len} hidden={args.hidden} layers={args.layers} "
+          f"threads={args.threads} repeats={args.repeats} (best time, max peak)")
+    print(f"{'budget':>6} {'attention':>9} {'packs':>5} {'longest':>7} {'tokens/s':>9} {'peak MiB':>9}")
+    for (budget, attention), r in best.items():
+        print(f"{budget:>6} {attention:>9} {r['packs']:>5} {r['longest_pack']:>7} "
+              f"{r['tokens'] / r['seconds']:>9.0f} {r['peak_mib']:>9.0f}")
+    for budget in budgets:
+        d, g = best[(budget, "dense")], best[(budget, "segments")]
+        print(f"budget {budget}: segments {d['seconds'] / g['seconds']:.2f}x the tokens/s of dense, "
+              f"peak memory {g['peak_mib']:.0f} vs {d['peak_mib']:.0f} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=12)
@@ -125,7 +188,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--budgets", default="", help="comma-separated token budgets: run the budget sweep")
+    parser.add_argument("--one-budget", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--attention", default="segments", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_budget:
+        one_budget(args)
+        return
+    if args.budgets:
+        sweep(args)
+        return
     torch.set_num_threads(args.threads)
     model = make_model(args.hidden, args.layers)
     rows = make_rows(args.rows, args.min_len, args.max_len, args.trained_frac, seed=0)
