@@ -102,7 +102,8 @@ class RolloutConfig(BaseModel):
     agent_timeout_s: float = Field(default=180.0, gt=0)
     verify_timeout_s: float = Field(default=60.0, gt=0)
     max_model_calls: int = Field(default=0, ge=0)
-    """Model calls one rollout may make (0: no limit). Past it, and when the context is
+    """Model calls one rollout may make, each counted on arrival, rejected ones too (0: no
+    limit). Past it, and when the context is
     exhausted, the agent gets a final stop in its own protocol (a reply with no tool call,
     finish_reason stop) that ends its loop, instead of an error it may retry until the
     timeout; recorded as an `error` turn (`final_stop: ...` in its notes), never trained."""

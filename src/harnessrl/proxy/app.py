@@ -10,8 +10,9 @@ Routes:
     returns the final trace).
   * Protocol routes, each served at `/v1/<sub>` (key in `Authorization: Bearer <key>` or
     `x-api-key`) and at `/r/<key>/v1/<sub>` (key in the path): `chat/completions` (POST),
-    `models` (GET), plus any handler passed in `protocols` (how `/v1/responses` and
-    `/v1/messages` plug in: a `ProtocolHandler` gets the request, the session its key
+    `models` (GET), plus any handler passed in `protocols` (how `/v1/responses`,
+    `/v1/messages` and Google's `/v1beta/models/{target}` plug in; a sub-path with a leading
+    `/` is served at that path instead of under `/v1`: a `ProtocolHandler` gets the request, the session its key
     addresses, and the deps; `read_json` and `json_response` are the shared helpers).
 
 Invariants: an unknown or revoked key gets 401 with an OpenAI-style body, and a revoked
@@ -78,8 +79,9 @@ def make_app(deps: ProxyDeps, protocols: Mapping[str, ProtocolHandler] | None = 
     handlers += [(sub, h, "POST") for sub, h in (protocols or {}).items()]
     for sub, handler, method in handlers:
         endpoint = _keyed(deps, handler)
-        routes.append(Route(f"/v1/{sub}", endpoint, methods=[method]))
-        routes.append(Route(f"/r/{{key}}/v1/{sub}", endpoint, methods=[method]))
+        path = sub if sub.startswith("/") else f"/v1/{sub}"  # a leading "/": a path of its own (Google's /v1beta)
+        routes.append(Route(path, endpoint, methods=[method]))
+        routes.append(Route(f"/r/{{key}}{path}", endpoint, methods=[method]))
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
@@ -130,14 +132,15 @@ async def read_json(request: Request, max_body_bytes: int, max_depth: int = MAX_
 
 
 def session_key(request: Request) -> str | None:
-    """The session key: path `/r/<key>/...`, else `Authorization: Bearer`, else `x-api-key`."""
+    """The session key: path `/r/<key>/...`, else `Authorization: Bearer`, else `x-api-key`,
+    else `x-goog-api-key`, else the `key` query parameter (Google's forms)."""
     key = request.path_params.get("key")
     if key:
         return key
     auth = request.headers.get("authorization")
     if auth is not None and auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return request.headers.get("x-api-key")
+    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or request.query_params.get("key")
 
 
 async def chat_completions(request: Request, session: Session, deps: ProxyDeps) -> Response:

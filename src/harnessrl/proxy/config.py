@@ -53,7 +53,8 @@ class ProxyConfig(BaseModel):
     """Calls one session may make; later calls get 429 (counted in `Trace.refused_calls`, not
     recorded), so a session flooding the proxy with calls cannot grow its trace without bound."""
     max_model_calls: int = Field(default=0, ge=0)
-    """Calls one session may have answered by the model (0: no limit). Past it, and when a
+    """Calls one session may make, each counted on arrival, rejected ones too (0: no limit).
+    Past it, and when a
     call's prompt leaves no room in the context, the agent gets a final stop in its own
     protocol (empty assistant text, no tool call, finish_reason stop) rather than an error it
     may retry; recorded as an `error` turn noted `final_stop: ...`, never trained."""

@@ -41,7 +41,7 @@ import uvicorn
 from harnessrl.engine.base import Engine
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.errors import ConfigError
-from harnessrl.proxy import anthropic, responses
+from harnessrl.proxy import anthropic, google, responses
 from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
@@ -74,9 +74,11 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
 
 
 def native_protocols() -> dict[str, ProtocolHandler]:
-    """The protocol routes served besides chat completions: Responses API and Anthropic Messages."""
+    """The protocol routes served besides chat completions: Responses API, Anthropic Messages
+    and Google's generateContent / streamGenerateContent."""
     return {"responses": responses.handle, "messages": anthropic.handle,
-            "messages/count_tokens": anthropic.count_tokens}
+            "messages/count_tokens": anthropic.count_tokens, google.ROUTE: google.handle,
+            google.V1_ROUTE: google.handle}
 
 
 class _Uvicorn(uvicorn.Server):
