@@ -16,6 +16,16 @@ Protocols (mini-swe-agent 2.4 configs):
   * `tool_calls=True`: `mini.yaml`, one `bash` tool called through OpenAI tool calls.
 The run ends when a command prints `COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` (the rest of its
 output is the submission), at `step_limit`, or after `max_format_errors` bad replies in a row.
+mini runs the action of its last allowed step before it stops at `step_limit`, so a task
+checked from the workspace (e.g. `answer.txt`) is scored after one step.
+
+Prompts (`templates`): `bundled` keeps mini's own system and instance templates (~1.2k tokens
+of workflow advice for capable models); `compact` (the default) is a short, example-led prompt
+for a small model: one worked example of a task and its one-command reply (`COMPACT_SYSTEM`,
+`COMPACT_INSTANCE`; the example is not any built-in task), and with the text protocol an
+action block whose fence may be tagged `mswea_bash_command`, `bash`, `sh` or nothing
+(`COMPACT_ACTION_REGEX`). `system_template` / `instance_template` / `action_regex` replace
+either (mini's Jinja templates: `{{task}}` is the task's instruction).
 `HarnessResult.final_answer` is that submission exactly as mini recorded it (trailing newline
 kept; None when empty); mini exits 0 at its limits, so only crashes set `error`.
 
@@ -31,7 +41,7 @@ the proxy trace is the record of what the model did.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,6 +51,27 @@ from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
 AGENT = "mini-swe-agent"
+
+COMPACT_SYSTEM = """\
+You are a shell agent. Every reply is exactly one bash command in a code block, like this:
+
+```mswea_bash_command
+echo hello > greeting.txt
+```
+"""
+COMPACT_INSTANCE = """\
+Example task: Write the word hello to the file greeting.txt.
+Example reply:
+```mswea_bash_command
+echo hello > greeting.txt
+```
+
+Task: {{task}}
+When the task is done, reply with the command `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`.
+"""
+COMPACT_ACTION_REGEX = r"```(?:mswea_bash_command|bash|sh)?[ \t]*\n(.*?)\n```"
+"""The compact prompt's action block: a fence tagged `mswea_bash_command`, `bash`, `sh` or
+untagged (mini's own only accepts `mswea_bash_command`)."""
 TRAJECTORY_BYTES = 64 << 20
 """Largest trajectory file read back (a larger one reads as missing: truncated JSON)."""
 
@@ -69,6 +100,18 @@ class MiniSweAgentConfig(BaseModel):
     sampling parameters take precedence anyway."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `mini` arguments, appended last (e.g. `["-c", "agent.wall_time_limit_seconds=60"]`)."""
+    templates: Literal["compact", "bundled"] = "compact"
+    """`compact`: a short example-led prompt for small models; `bundled`: mini's own (module
+    docstring)."""
+    system_template: str | None = None
+    """mini's `agent.system_template` (Jinja); unset: the one `templates` picks."""
+    instance_template: str | None = None
+    """mini's `agent.instance_template` (Jinja, `{{task}}` is the instruction); unset: the one
+    `templates` picks."""
+    action_regex: str | None = None
+    """Text protocol only: mini's `model.action_regex` (one group: the command); unset: the one
+    `templates` picks (mini's own with `bundled`)."""
+
     def requirements(self) -> HarnessRequirements:
         """mini-swe-agent's prompts are short (~0.7k tokens at the second step)."""
         return HarnessRequirements(
@@ -125,8 +168,19 @@ class MiniSweAgentHarness(CliAgentHarness):
         }
         if not cfg.tool_calls:
             model["model_class"] = "litellm_textbased"
+            regex = cfg.action_regex or (COMPACT_ACTION_REGEX if cfg.templates == "compact" else None)
+            if regex is not None:
+                model["action_regex"] = regex
+        templates: dict[str, str] = {}
+        if cfg.templates == "compact":
+            templates = {"system_template": COMPACT_SYSTEM, "instance_template": COMPACT_INSTANCE}
+        if cfg.system_template is not None:
+            templates["system_template"] = cfg.system_template
+        if cfg.instance_template is not None:
+            templates["instance_template"] = cfg.instance_template
         return {
             "agent": {
+                **templates,
                 "step_limit": cfg.step_limit,
                 "cost_limit": cfg.cost_limit,
                 "max_consecutive_format_errors": cfg.max_format_errors,

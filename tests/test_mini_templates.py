@@ -1,0 +1,53 @@
+"""mini-swe-agent's prompt options: the compact example-led templates (default), mini's bundled
+ones, explicit templates, and the compact action block mini parses with `action_regex`."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from harnessrl.errors import ConfigError
+from harnessrl.harness.mini_swe_agent import (COMPACT_ACTION_REGEX, COMPACT_INSTANCE, COMPACT_SYSTEM,
+                                              MiniSweAgentConfig, MiniSweAgentHarness)
+from harnessrl.harness.options import validate_options
+from harnessrl.types import Endpoint
+
+ENDPOINT = Endpoint(base_url="http://127.0.0.1:1/v1", api_key="k", model="m")
+PATHS = SimpleNamespace(workdir="/work")
+
+
+def _config(**options: object) -> dict:
+    return MiniSweAgentHarness(MiniSweAgentConfig(**options))._agent_config(ENDPOINT, PATHS)  # type: ignore[arg-type]
+
+
+def test_compact_templates_are_the_default() -> None:
+    cfg = _config()
+    assert cfg["agent"]["system_template"] == COMPACT_SYSTEM
+    assert cfg["agent"]["instance_template"] == COMPACT_INSTANCE and "{{task}}" in COMPACT_INSTANCE
+    assert cfg["model"]["action_regex"] == COMPACT_ACTION_REGEX
+    assert len(COMPACT_SYSTEM + COMPACT_INSTANCE) < 600  # mini's bundled pair is ~5k characters
+
+
+def test_bundled_keeps_minis_own_prompts_and_explicit_templates_win() -> None:
+    bundled = _config(templates="bundled")
+    assert "system_template" not in bundled["agent"] and "action_regex" not in bundled["model"]
+    mine = _config(templates="bundled", instance_template="Do: {{task}}", action_regex=r"<cmd>(.*?)</cmd>")
+    assert mine["agent"]["instance_template"] == "Do: {{task}}" and "system_template" not in mine["agent"]
+    assert mine["model"]["action_regex"] == r"<cmd>(.*?)</cmd>"
+    assert "action_regex" not in _config(tool_calls=True)["model"]  # tool calls have no text block
+    with pytest.raises(ConfigError, match="templates"):
+        validate_options("mini-swe-agent", {"templates": "tiny"})
+
+
+@pytest.mark.parametrize(("reply", "actions"), [
+    ("```mswea_bash_command\necho 71 > answer.txt\n```", ["echo 71 > answer.txt"]),
+    ("Sure.\n```bash\necho 71 > answer.txt\n```", ["echo 71 > answer.txt"]),
+    ("```\necho 71 > answer.txt\n```", ["echo 71 > answer.txt"]),
+    ("```python\nprint(71)\n```", []),
+    ("71", []),
+])
+def test_compact_action_block(reply: str, actions: list[str]) -> None:
+    # mini's text parser: re.findall(action_regex, content, re.DOTALL), each stripped
+    assert [a.strip() for a in re.findall(COMPACT_ACTION_REGEX, reply, re.DOTALL)] == actions
