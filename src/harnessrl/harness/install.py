@@ -7,7 +7,7 @@ harnesses where its executable is.
 * `mini-swe-agent`: a venv made with the system `python3 -m venv`, then
   `pip install mini-swe-agent==<pin>` into it (about 750 MB).
 * `opencode`: `npm install --prefix <dir> opencode-ai@<pin>` (about 355 MB).
-* `pi`, `codex`, `claude-code`: the same npm form with `@mariozechner/pi-coding-agent`
+* `pi`, `codex`, `claude-code`, `gemini-cli`: the same npm form with `@mariozechner/pi-coding-agent`
   (about 205 MB), `@openai/codex` (about 425 MB), `@anthropic-ai/claude-code`.
 
 Invariants:
@@ -95,6 +95,13 @@ AGENTS: dict[str, AgentSpec] = {
         package="@anthropic-ai/claude-code",
         version="2.1.332",
         executable="node_modules/.bin/claude",
+    ),
+    "gemini-cli": AgentSpec(
+        name="gemini-cli",
+        manager="npm",
+        package="@google/gemini-cli",
+        version="0.61.0",
+        executable="node_modules/.bin/gemini",
     ),
 }
 

@@ -30,8 +30,10 @@ _OPTION_MODELS: dict[str, tuple[str, str]] = {
     "pi": ("harnessrl.harness.pi", "PiConfig"),
     "codex": ("harnessrl.harness.codex", "CodexConfig"),
     "claude-code": ("harnessrl.harness.claude_code", "ClaudeCodeConfig"),
+    "gemini-cli": ("harnessrl.harness.gemini_cli", "GeminiCliConfig"),
 }
-_ALIASES = {"mini_swe_agent": "mini-swe-agent", "claude_code": "claude-code"}
+_ALIASES = {"mini_swe_agent": "mini-swe-agent", "claude_code": "claude-code", "gemini_cli": "gemini-cli",
+            "gemini": "gemini-cli"}
 
 _MOVED = {"kill_grace_s": "sandbox.kill_grace_s, the one kill grace of every harness"}
 """Options that harnesses no longer take, and the key that now sets the knob."""

@@ -17,6 +17,7 @@ from harnessrl.harness.base import Harness
 from harnessrl.harness.claude_code import ClaudeCodeHarness
 from harnessrl.harness.codex import CodexHarness
 from harnessrl.harness.command import CommandHarness
+from harnessrl.harness.gemini_cli import GeminiCliHarness
 from harnessrl.harness.mini_swe_agent import MiniSweAgentHarness
 from harnessrl.harness.opencode import OpencodeHarness
 from harnessrl.harness.options import HARNESS_KINDS, canonical_kind, validate_options
@@ -63,4 +64,6 @@ def make_harness(
             return CodexHarness(config)  # type: ignore[arg-type]
         case "claude-code":
             return ClaudeCodeHarness(config)  # type: ignore[arg-type]
+        case "gemini-cli":
+            return GeminiCliHarness(config)  # type: ignore[arg-type]
     raise ConfigError(f"harness.kind={kind!r} has no harness class")  # unreachable: canonical_kind checked it
