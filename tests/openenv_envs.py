@@ -105,9 +105,11 @@ print(reply["choices"][0]["message"]["content"] or "")
 class AgentSession(ResourceSession):
     """A loop-owning session: `create` started an agent process pointed at `base_url`."""
 
-    def __init__(self, episode_id: str, base_url: str, api_key: str, model: str, hang: bool) -> None:
+    def __init__(self, episode_id: str, base_url: str, api_key: str, model: str, hang: bool, marker: str = "") -> None:
         self.episode_id = episode_id
-        script = "import time; time.sleep(600)" if hang else AGENT
+        # a hanging agent ignores SIGINT (a terminal's Ctrl-C reaches it too): only close() ends it
+        script = (f"import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)  # {marker}"
+                  if hang else AGENT)
         self.proc = subprocess.Popen([sys.executable, "-c", script, base_url, api_key, model],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.output = ""
@@ -147,14 +149,16 @@ class AgentSession(ResourceSession):
 class AgentFactory(ResourceSessionFactory):
     """Starts `AgentSession`s; takes the endpoint keywords harnessrl offers."""
 
-    def __init__(self, hang: bool = False) -> None:
+    def __init__(self, hang: bool = False, marker: str = "") -> None:
         self.hang = hang
+        self.marker = marker
+        """Put in a hanging agent's command line, so a test finds the process."""
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None, *,
                base_url: str = "", api_key: str = "", model: str = "") -> AgentSession:
         with _LOCK:
             CREATED.append({"task": task, "seed": seed, "episode_id": episode_id, "base_url": base_url})
-        return AgentSession(str(episode_id), base_url, api_key, model, self.hang)
+        return AgentSession(str(episode_id), base_url, api_key, model, self.hang, self.marker)
 
 
 GOOD_ENTRY = {"request": {"messages": [{"role": "user", "content": "hi"}]},

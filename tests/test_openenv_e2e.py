@@ -148,3 +148,56 @@ def test_example_step_environment_runs_through_harnessrl_rollout(tmp_path: Path)
     assert len(rollouts) == 2 and all(r["status"] == "ok" for r in rollouts)
     assert all(r["reward"] == r["reward_parts"]["env_reward"] for r in rollouts)
     assert all("Guess a number from 1 to 5" in json.dumps(r["trace"]["turns"][0]["request"]) for r in rollouts)
+
+
+def test_ctrl_c_kills_a_loop_owning_sessions_agent(tmp_path: Path) -> None:
+    """`harnessrl rollout` on sessions whose agents hang: SIGINT to the process group exits 130
+    and leaves no agent process (closed through session.close) and no sandbox directory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[1]
+    marker = f"openenv-hang-{uuid.uuid4().hex[:8]}"
+    envs_path = Path(__file__).with_name("openenv_envs.py")
+    args = [sys.executable, "-m", "harnessrl.cli", "rollout", "--out", str(tmp_path / "run"), "--limit", "1"]
+    for s in ["engine.model=\"tiny-random\"", 'tasks.kind="openenv"', f'tasks.factory="{envs_path}:AgentFactory"',
+              f'tasks.kwargs={{hang = true, marker = "{marker}"}}', 'harness.kind="white_box"',
+              "rollout.group_size=2", "rollout.agent_timeout_s=300", f'sandbox.root_dir="{tmp_path / "sbx"}"']:
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def agents() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(marker in part for part in (p.info["cmdline"] or [])):
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    try:
+        deadline = time.monotonic() + 180
+        while len(agents()) < 2:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+            assert time.monotonic() < deadline, "the sessions' agents never started"
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == 130, proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+    assert took < 15.0
+    assert agents() == []
+    assert leftover_sandboxes(tmp_path / "sbx") == []
