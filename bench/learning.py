@@ -1,17 +1,28 @@
-"""Learning benchmark: does async GRPO teach SmolLM2-135M-Instruct to pick the larger number?
+"""Learning benchmark: harnessrl's async GRPO and TRL's GRPOTrainer side by side, one invocation.
 
-Task: "Which of the two numbers a and b is larger? Reply with only the number." (a, b in 1..99),
-reward 1 when the first integer of the reply is the larger number. Harness: white-box, single
-turn (no tools). Held-out: 64 prompts from another seed offset, greedy, before and after
-training; also the strict-format pass rate (reply is exactly the number), the mean completion
-length, and the clip fraction of the training steps.
+Task (`bench/larger_task.py`): the user message `Which number is larger, {a} or {b}? Reply with
+only the number.` with no system message of ours, pairs drawn in turn from
+`random.Random("larger-1234")` for training; reward 1 when the first integer of the reply is the
+larger number (`--reward format_aware`: 1 for exactly the number, 0.5 for the number first).
 
-Baseline for comparison (measured on a 2-core machine with one torch thread, outside this
-script): TRL's synchronous GRPOTrainer took this model from 33% to 91% held-out greedy in 51 steps
-and 10 minutes (lr 1e-5, 2 prompts x 4 completions per step, replies <= 24 tokens).
-Target: >= 90% held-out within 6 minutes of wall time.
+Arms, run one after the other on the same model (SmolLM2-135M-Instruct), learning rate,
+prompts x completions per step, reply cap and step budget:
+  * harnessrl: `harnessrl.train.run.train` with the white-box single-turn harness (engine on
+    one thread, trainer on another, `train.max_staleness` = 1);
+  * TRL: `bench/trl_arm.py` in its own venv (trl 1.16.0, made by `trl_arm.py --setup` on the
+    first run), TRL's defaults otherwise.
+Both final models are scored by one held-out evaluation (`held_out`): 64 prompts of seed
+987654, greedy, replies <= 24 tokens, on harnessrl's engine; lenient and strict pass, mean
+completion length and the fraction of replies cut at the cap. Printed: both training wall
+times and their ratio (goal: harnessrl >= 90% held-out in <= 60% of TRL's time), and each
+arm's ratio-clip fraction over its steps.
 
-    .venv/bin/python bench/learning.py   # 68 steps, lr 3e-5, trainer on 2 threads
+Anchor measured earlier on a 2-core machine (TRL, one torch thread): 33% -> 91% held-out in 51
+steps and 10 minutes at lr 1e-5, 2 prompts x 4 completions per step.
+
+    .venv/bin/python bench/learning.py                        # both arms, 51 steps, lr 1e-5
+    .venv/bin/python bench/learning.py --arms harnessrl --lr 3e-5 --steps 68
+    .venv/bin/python bench/learning.py --harness mini-swe-agent --steps 20   # through the agent
 """
 
 from __future__ import annotations
@@ -20,102 +31,170 @@ import argparse
 import asyncio
 import json
 import os
-import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import larger_task as lt  # noqa: E402
 
 
-async def evaluate_greedy(model_dir: Path, n_prompts: int, seed_offset: int, threads: int) -> dict[str, float]:
-    """Greedy held-out accuracy of the model in `model_dir` on `n_prompts` compare tasks."""
+async def held_out(model_dir: Path, n_prompts: int, threads: int, max_tokens: int = 24) -> dict[str, float]:
+    """Greedy held-out scores of the model in `model_dir` on `n_prompts` prompts of the held-out
+    seed: lenient / strict pass, mean completion tokens, fraction cut at `max_tokens`."""
     from harnessrl.engine.chat import ChatLayer, normalize_messages
     from harnessrl.engine.embedded import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer
-    from harnessrl.tasks.procedural import ProceduralSource
     from harnessrl.types import Sampling
 
-    source = ProceduralSource(kinds=("compare",), seed_offset=seed_offset, answer_via="reply")
+    pairs = lt.pairs(lt.HELD_OUT_SEED, n_prompts)
     chat = ChatLayer(load_tokenizer(model_dir))
     engine = EmbeddedEngine(model_dir, num_threads=threads, max_batch_size=64)
     try:
-        tasks = [source.get(i) for i in range(n_prompts)]
-        prompts = [chat.render(normalize_messages([{"role": "system", "content": t.system_prompt},
-                                                   {"role": "user", "content": t.instruction}]))
-                   for t in tasks]
-        sampling = Sampling(temperature=0.0, max_tokens=24)
-        completions = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+        prompts = [chat.render(normalize_messages([{"role": "user", "content": lt.prompt(a, b)}])) for a, b in pairs]
+        completions = await asyncio.gather(*(engine.generate(p, Sampling(temperature=0.0, max_tokens=max_tokens))
+                                             for p in prompts))
     finally:
         engine.close()
-    correct = strict = 0
-    lengths = []
-    for task, completion in zip(tasks, completions):
-        text = chat.parse(list(completion.completion_ids), False).content or ""
-        lengths.append(len(completion.completion_ids))
-        match = re.search(r"-?\d+", text)
-        answer = task.hidden_tests["answer"]
-        correct += bool(match and match.group() == answer)
-        strict += text.strip() == answer
-    return {"pass": correct / n_prompts, "strict_pass": strict / n_prompts,
-            "mean_completion_tokens": sum(lengths) / len(lengths)}
+    texts = [chat.parse(list(c.completion_ids), False).content or "" for c in completions]
+    lengths = [len(c.completion_ids) for c in completions]
+    return {"pass": sum(lt.lenient(t, max(p)) for t, p in zip(texts, pairs)) / n_prompts,
+            "strict_pass": sum(lt.strict(t, max(p)) for t, p in zip(texts, pairs)) / n_prompts,
+            "mean_completion_tokens": sum(lengths) / n_prompts,
+            "cap_frac": sum(n >= max_tokens for n in lengths) / n_prompts}
+
+
+def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float, list[dict]]:
+    """Train with harnessrl; returns (final checkpoint, training wall seconds, step metrics)."""
+    from harnessrl.config import load_config
+    from harnessrl.train.policy import latest_checkpoint
+    from harnessrl.train.run import train
+
+    task_file = BENCH / "larger_task.py"
+    concurrent = args.completions * args.prompts_per_step * (args.max_staleness + 1)
+    cfg = load_config(None, [
+        f"engine.model={json.dumps(args.model)}", "engine.num_threads=1", "harness.kind=\"white_box\"",
+        "harness.options={tools = [], max_turns = 1}", "tasks.kind=\"python\"",
+        f"tasks.source={json.dumps(f'{task_file}:make_source')}",
+        f"tasks.verifier={json.dumps(f'{task_file}:make_verifier')}",
+        f"tasks.verifier_kwargs={{reward = {json.dumps(args.reward)}}}", 'hooks.rollout_reward_fn=""',
+        "sampling.temperature=1.0", f"sampling.max_tokens={args.max_tokens}",
+        f"rollout.group_size={args.completions}", f"rollout.max_concurrent_rollouts={concurrent}",
+        f"train.steps={args.steps}", f"train.groups_per_step={args.prompts_per_step}",
+        f"train.learning_rate={args.lr}", f"train.max_staleness={args.max_staleness}",
+        f"train.num_threads={args.train_threads}",
+    ])
+    t0 = time.monotonic()
+    history = asyncio.run(train(cfg, run_dir))
+    seconds = time.monotonic() - t0
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint is not None, "training saved no checkpoint"
+    return checkpoint, seconds, history
+
+
+def trl_arm(args: argparse.Namespace, model_dir: Path, out: Path) -> tuple[Path, float, list[dict]]:
+    """Train with TRL in its venv; returns (final model, training wall seconds, TRL's step log)."""
+    python = subprocess.run([sys.executable, str(BENCH / "trl_arm.py"), "--setup"], check=True,
+                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    cmd = [python, str(BENCH / "trl_arm.py"), "--model", str(model_dir), "--out", str(out),
+           "--steps", str(args.steps), "--lr", str(args.lr), "--prompts-per-step", str(args.prompts_per_step),
+           "--completions", str(args.completions), "--max-tokens", str(args.max_tokens),
+           "--threads", str(args.trl_threads), "--reward", args.reward]
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
+    wall = time.monotonic() - t0
+    report = json.loads((out / "report.json").read_text())
+    print(f"trl arm: training {report['train_s']:.0f} s of {wall:.0f} s in its process", flush=True)
+    return out / "model", report["train_s"], [m for m in report["log"] if "reward" in m]
+
+
+def agent_curve(args: argparse.Namespace, run_dir: Path) -> None:
+    """`--harness NAME`: the default procedural compare task through a real agent, with a
+    held-out evaluation every `--eval-every` steps (the curve is the run's own)."""
+    from harnessrl.config import load_config
+    from harnessrl.train.run import train
+
+    cfg = load_config(None, [
+        f"engine.model={json.dumps(args.model)}", f"harness.kind={json.dumps(args.harness)}",
+        "tasks.kinds=[\"compare\"]", f"rollout.group_size={args.completions}",
+        f"rollout.max_concurrent_rollouts={args.completions * args.prompts_per_step}",
+        f"train.steps={args.steps}", f"train.groups_per_step={args.prompts_per_step}",
+        f"train.learning_rate={args.lr}", f"train.eval_every={args.eval_every}", "train.eval_size=16",
+        "train.eval_samples=1", f"train.num_threads={args.train_threads}", *args.set,
+    ])
+    t0 = time.monotonic()
+    history = asyncio.run(train(cfg, run_dir))
+    evals = [(m["step"], m["eval/pass_rate"]) for m in history if "eval/pass_rate" in m]
+    print(f"{args.harness}: {args.steps} steps in {time.monotonic() - t0:.0f} s; held-out pass by step: {evals}; "
+          f"curve {run_dir / 'curve.png'}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--steps", type=int, default=68)
-    parser.add_argument("--lr", type=float, default=3e-5)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--groups-per-step", type=int, default=2)
-    parser.add_argument("--max-staleness", type=int, default=1)
-    parser.add_argument("--harness", default="white_box", help="white_box or mini-swe-agent")
-    parser.add_argument("--train-threads", type=int, default=2, help="torch threads of the trainer")
-    parser.add_argument("--eval-prompts", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--arms", default="both", choices=["both", "harnessrl", "trl"])
+    p.add_argument("--steps", type=int, default=51)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--completions", type=int, default=4, help="completions per prompt (group size)")
+    p.add_argument("--prompts-per-step", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=24, help="reply cap, training and held-out")
+    p.add_argument("--reward", default="lenient", choices=["lenient", "format_aware"])
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--train-threads", type=int, default=1, help="torch threads of harnessrl's trainer")
+    p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (it "
+                   "generates and trains in turn, so it gets both cores)")
+    p.add_argument("--eval-prompts", type=int, default=64)
+    p.add_argument("--harness", default="white_box", help="white_box (the side-by-side), or an agent "
+                   "(mini-swe-agent, ...) for a curve through it")
+    p.add_argument("--eval-every", type=int, default=5, help="with --harness AGENT")
+    p.add_argument("--set", action="append", default=[], help="with --harness AGENT: a config override")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
 
     import torch
 
     torch.set_num_threads(2)
-    from harnessrl.config import load_config
     from harnessrl.engine.model_store import resolve_model
-    from harnessrl.train.policy import latest_checkpoint
-    from harnessrl.train.run import train
 
+    out = args.out or Path(tempfile.mkdtemp(prefix="harnessrl-learning-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.harness != "white_box":
+        agent_curve(args, out / "agent")
+        return
     model_dir = resolve_model(args.model)
-    before = asyncio.run(evaluate_greedy(model_dir, args.eval_prompts, 100_000, threads=2))
-    print(f"before: {json.dumps(before)}", flush=True)
-
-    harness_opts = "{tools = [], max_turns = 1}" if args.harness == "white_box" else "{step_limit = 3}"
-    answer_via = "reply" if args.harness == "white_box" else "file"
-    cfg = load_config(None, [
-        f"engine.model={json.dumps(args.model)}", f"harness.kind={json.dumps(args.harness)}",
-        f"harness.options={harness_opts}", "tasks.kinds=[\"compare\"]", f"tasks.answer_via=\"{answer_via}\"",
-        "sampling.temperature=1.0", "sampling.max_tokens=24", f"rollout.group_size={args.group_size}",
-        f"rollout.max_concurrent_rollouts={args.group_size * args.groups_per_step * (args.max_staleness + 1)}",
-        f"train.steps={args.steps}", f"train.groups_per_step={args.groups_per_step}",
-        f"train.learning_rate={args.lr}", f"train.max_staleness={args.max_staleness}",
-        f"train.num_threads={args.train_threads}",
-    ])
-    run_dir = args.out or Path(tempfile.mkdtemp(prefix="harnessrl-learning-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    history = asyncio.run(train(cfg, run_dir))
-    train_s = time.monotonic() - t0
-    checkpoint = latest_checkpoint(run_dir)
-    assert checkpoint is not None, "training saved no checkpoint"
-    after = asyncio.run(evaluate_greedy(checkpoint, args.eval_prompts, 100_000, threads=2))
-    clip = [m.get("clip_high_frac", 0.0) + m.get("clip_low_frac", 0.0) for m in history if "loss" in m]
-    print(f"after:  {json.dumps(after)}")
-    print(f"train wall time: {train_s:.0f} s for {args.steps} steps "
-          f"({args.groups_per_step} prompts x {args.group_size} completions per step)")
-    print(f"held-out greedy pass: {before['pass']:.1%} -> {after['pass']:.1%} "
-          f"(ratio {after['pass'] / max(before['pass'], 1e-9):.2f}x); strict format "
-          f"{before['strict_pass']:.1%} -> {after['strict_pass']:.1%}")
-    print(f"mean clip fraction: {sum(clip) / max(len(clip), 1):.4f}; run dir {run_dir}")
-    curve = [(m["step"], round(m.get("reward/train_mean", float("nan")), 3)) for m in history]
-    print(f"train reward curve (step, mean reward): {curve}")
+    results: dict[str, dict] = {"base": asyncio.run(held_out(model_dir, args.eval_prompts, threads=2))}
+    times: dict[str, float] = {}
+    clip: dict[str, float] = {}
+    if args.arms in ("both", "harnessrl"):
+        checkpoint, times["harnessrl"], history = harnessrl_arm(args, out / "harnessrl")
+        results["harnessrl"] = asyncio.run(held_out(checkpoint, args.eval_prompts, threads=2))
+        fracs = [m.get("clip_high_frac", 0.0) + m.get("clip_low_frac", 0.0) for m in history if "loss" in m]
+        clip["harnessrl"] = sum(fracs) / max(len(fracs), 1)
+    if args.arms in ("both", "trl"):
+        model, times["trl"], log = trl_arm(args, model_dir, out / "trl")
+        results["trl"] = asyncio.run(held_out(model, args.eval_prompts, threads=2))
+        fracs = [float(m.get("clip_ratio/region_mean", 0.0)) for m in log]
+        clip["trl"] = sum(fracs) / max(len(fracs), 1)
+    print(f"\nlarger-number task, {args.steps} steps, lr {args.lr}, {args.prompts_per_step} prompts x "
+          f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
+          f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy")
+    print(f"{'arm':10} {'pass':>6} {'strict':>7} {'len':>6} {'at cap':>7} {'train s':>8} {'clip':>7}")
+    for arm, r in results.items():
+        t = f"{times[arm]:.0f}" if arm in times else "-"
+        c = f"{clip[arm]:.4f}" if arm in clip else "-"
+        print(f"{arm:10} {r['pass']:6.1%} {r['strict_pass']:7.1%} {r['mean_completion_tokens']:6.1f} "
+              f"{r['cap_frac']:7.1%} {t:>8} {c:>7}")
+    if "harnessrl" in times and "trl" in times:
+        print(f"wall time ratio harnessrl / TRL: {times['harnessrl'] / times['trl']:.2f} "
+              f"(goal <= 0.60 with harnessrl >= 90% held-out)")
+    (out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                   "held_out": results, "train_s": times, "clip": clip}, indent=1))
+    print(f"results: {out / 'learning.json'}")
 
 
 if __name__ == "__main__":
