@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 # CPU build of torch (already on disk on CPU machines); another build: make TORCH_SPEC=... setup
 TORCH_SPEC ?= torch==2.13.0
 STEPS ?= 3
+# held-out evaluation before the first update and after the last (8 tasks, one rollout each)
+EVAL ?= --set train.eval_every=$(STEPS) --set train.eval_size=8 --set train.eval_samples=1
 
 .PHONY: setup train test agents bench browser clean
 
@@ -24,7 +26,7 @@ agents: setup
 
 train: setup
 	$(VENV)/bin/harnessrl harness install mini-swe-agent
-	$(VENV)/bin/harnessrl train --steps $(STEPS) --out runs/default
+	$(VENV)/bin/harnessrl train --steps $(STEPS) --out runs/default $(EVAL)
 
 # Headless Chromium (Debian package) for tests/e2e/test_view_browser.py; needs root (apt-get).
 browser:
