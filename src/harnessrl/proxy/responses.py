@@ -14,7 +14,10 @@ Request conversion (each unsupported field or item type -> 400 naming it):
   assistant message (or a new one); `function_call_output` -> a `tool` message (output a
   string or text parts); `reasoning` (content `reasoning_text`, else its summary texts) ->
   the `reasoning_content` of the next assistant message (Codex replays reasoning items
-  verbatim; the chat layer renders them only when the template has a place for them).
+  verbatim; the chat layer renders them only when the template has a place for them); an
+  item with only `encrypted_content` is read back when this proxy wrote it (`include:
+  ["reasoning.encrypted_content"]` makes reasoning items carry the text, base64url behind
+  `hrl1.`), and is a 400 naming it when another server did (never silently dropped).
 * `tools`: `function` tools -> chat function tools (all keys but `type` go under
   `function`); function tools inside a `namespace` are flattened (their bare names; a call
   of one comes back with its `namespace`); hosted tools the engine cannot run
@@ -51,6 +54,7 @@ hosted tools, or chunk text token by token.
 
 from __future__ import annotations
 
+import base64
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -219,8 +223,37 @@ def _append_call(out: list[dict[str, Any]], item: dict[str, Any], where: str, re
     out.append(message)
 
 
+ENCRYPTED_PREFIX = "hrl1."
+"""Marks an `encrypted_content` this proxy wrote: the reasoning text, base64url (it is the
+agent's own context, not a secret; the prefix tells it apart from another server's blob)."""
+
+
+def encode_reasoning(text: str) -> str:
+    """The `encrypted_content` of a reasoning item whose text is `text` (`decode_reasoning` inverts it)."""
+    return ENCRYPTED_PREFIX + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def decode_reasoning(blob: str, where: str) -> str:
+    """The reasoning text of an `encrypted_content` this proxy wrote.
+
+    Raises:
+        RequestError: another server's blob (opaque: it cannot be rendered, and dropping it
+            would silently change the prompt), or a damaged one; `param` names the field.
+    """
+    if not blob.startswith(ENCRYPTED_PREFIX):
+        raise RequestError(f"{where}.encrypted_content was not produced by this server: its reasoning cannot be "
+                           "rendered (replay the reasoning text in 'content' or 'summary')",
+                           param=f"{where}.encrypted_content")
+    try:
+        return base64.urlsafe_b64decode(blob.removeprefix(ENCRYPTED_PREFIX).encode("ascii")).decode("utf-8")
+    except (ValueError, UnicodeError) as exc:
+        raise RequestError(f"{where}.encrypted_content is damaged ({exc})", param=f"{where}.encrypted_content") from None
+
+
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
     parts = item.get("content") or item.get("summary") or []
+    if not parts and isinstance(item.get("encrypted_content"), str):
+        return decode_reasoning(item["encrypted_content"], where)
     if not isinstance(parts, list):
         raise RequestError(f"{where}.content must be an array", param=f"{where}.content")
     texts = []
@@ -306,8 +339,12 @@ def response_body(chat: dict[str, Any], request: dict[str, Any], response_id: st
     truncated = choice["finish_reason"] == "length"
     output: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
-        output.append({"type": "reasoning", "id": "rs_" + secrets.token_hex(12), "summary": [],
-                       "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+        item = {"type": "reasoning", "id": "rs_" + secrets.token_hex(12), "summary": [],
+                "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]}
+        include = request.get("include")
+        if isinstance(include, list) and "reasoning.encrypted_content" in include:
+            item["encrypted_content"] = encode_reasoning(message["reasoning_content"])
+        output.append(item)
     calls = message.get("tool_calls") or []
     if message.get("content") is not None or not calls:
         logprobs = (choice.get("logprobs") or {}).get("content") or []
