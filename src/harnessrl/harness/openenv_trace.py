@@ -45,7 +45,8 @@ def turn_from_entry(entry: Any, index: int, policy_version: int) -> Turn:
                 policy_version=policy_version, finish_reason=choice.get("finish_reason"), usage=usage,
                 notes=["from the session's fetch_proxy_trace"])
     mask = entry.get("loss_mask")
-    if isinstance(mask, list) and len(mask) == len(prompt) + len(completion) and completion and not any(mask[len(prompt):]):
+    whole = isinstance(mask, list) and len(mask) == len(prompt) + len(completion)
+    if whole and completion and not any(mask[len(prompt):]):
         problems.append("its producer masked the whole completion (loss_mask 0)")
     why = "; ".join(problems) or check_turn_faithful(turn)
     if why:

@@ -183,7 +183,8 @@ def _system(system: object) -> list[dict[str, Any]]:
     texts = []
     for j, part in enumerate(system["parts"]):
         if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-            raise RequestError(f"systemInstruction.parts[{j}] must be a text part", param=f"systemInstruction.parts[{j}]")
+            at = f"systemInstruction.parts[{j}]"
+            raise RequestError(f"{at} must be a text part", param=at)
         texts.append(part["text"])
     return [{"role": "system", "content": "\n".join(texts)}]
 
@@ -281,7 +282,8 @@ def _tools(raw: object, notes: list[str]) -> list[dict[str, Any]]:
         if decls is None:
             continue
         if not isinstance(decls, list):
-            raise RequestError(f"tools[{i}].functionDeclarations must be an array", param=f"tools[{i}].functionDeclarations")
+            at = f"tools[{i}].functionDeclarations"
+            raise RequestError(f"{at} must be an array", param=at)
         for k, decl in enumerate(decls):
             at = f"tools[{i}].functionDeclarations[{k}]"
             if not isinstance(decl, dict) or not isinstance(decl.get("name"), str):
