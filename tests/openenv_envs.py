@@ -194,3 +194,20 @@ class TraceOnlyFactory(ResourceSessionFactory):
         with _LOCK:
             CREATED.append({"task": task, "seed": seed, "episode_id": episode_id})
         return TraceOnlySession(str(episode_id))
+
+
+class TrainableOnlySession(TraceOnlySession):
+    """A `TrainableSession`: its own validated capture as OpenEnv's `TrainingTrace`."""
+
+    def fetch_training_trace(self) -> Any:
+        from openenv.core.harness import TrainingTrace
+
+        entry = {**GOOD_ENTRY, "metadata": {"node_id": "n0"}}
+        return TrainingTrace.from_entries([entry])
+
+
+class TrainableOnlyFactory(ResourceSessionFactory):
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> TrainableOnlySession:
+        with _LOCK:
+            CREATED.append({"task": task, "seed": seed, "episode_id": episode_id})
+        return TrainableOnlySession(str(episode_id))

@@ -201,3 +201,11 @@ def test_ctrl_c_kills_a_loop_owning_sessions_agent(tmp_path: Path) -> None:
     assert took < 15.0
     assert agents() == []
     assert leftover_sandboxes(tmp_path / "sbx") == []
+
+
+def test_trainable_session_training_trace_is_imported(tmp_path: Path) -> None:
+    r = asyncio.run(_one_rollout(_cfg(tmp_path, "openenv_envs:TrainableOnlyFactory")))
+    assert r.status == "ok", r.error
+    (turn,) = r.trace.turns
+    assert turn.status == "ok" and turn.protocol == "openenv"
+    assert (turn.prompt_ids, turn.completion_ids, turn.completion_logprobs) == ([1, 2, 3], [7, 8], [-0.5, -0.25])

@@ -13,8 +13,9 @@ Responsibility: for one rollout of `tasks.kind = "openenv"`, open the session
   * loop-owning session (`wait_for_completion`): its agent was pointed at the rollout's proxy
     endpoint when `create` takes `base_url`/`api_key`/`model`; the proxy records every call, the
     loop waits (`wait_for_completion(timeout)`, a `TimeoutError` is the rollout's timeout). When
-    the proxy saw no call and the session offers `fetch_proxy_trace`, its entries become the
-    rollout's turns, validated like any upstream (`harness/openenv_trace.py`).
+    the proxy saw no call and the session offers `fetch_training_trace` (a `TrainableSession`)
+    or `fetch_proxy_trace`, its entries become the rollout's turns, validated like any upstream
+    (`harness/openenv_trace.py`).
 
 The transcript and final state (`done`, `metrics`, `tool_trace`, `exit_code`) are recorded on
 the live session for the verifier (`rewards/openenv.py`), on every path. A failed `create` is
@@ -78,13 +79,15 @@ def _import_own_trace(harness: WhiteBoxHarness, live: LiveSession, endpoint: End
     from harnessrl.harness.openenv_trace import turn_from_entry
 
     recorder = harness._store.lookup(endpoint.api_key)
+    training = getattr(live.session, "fetch_training_trace", None)  # OpenEnv's TrainableSession
     fetch = getattr(live.session, "fetch_proxy_trace", None)
-    if recorder is None or recorder.trace.turns or not callable(fetch):
+    if recorder is None or recorder.trace.turns or not (callable(training) or callable(fetch)):
         return 0
     try:
-        entries = list(fetch() or [])
+        entries = list(training().to_trace_entries()) if callable(training) else list(fetch() or [])
     except Exception as exc:  # noqa: BLE001 - a failed fetch leaves the trace empty; say why
-        live.final_state["trace_error"] = f"fetch_proxy_trace raised {type(exc).__name__}: {exc}"
+        name = "fetch_training_trace" if callable(training) else "fetch_proxy_trace"
+        live.final_state["trace_error"] = f"{name} raised {type(exc).__name__}: {exc}"
         return 0
     version = harness._deps.engine.policy_version
     imported = 0
