@@ -1,6 +1,8 @@
 """Throughput of the embedded engine against `model.generate`, on SmolLM2-135M, in one run.
 
-For N in (1, 4, 8) concurrent requests with chat prompts of varied lengths, greedy, up to
+Two workloads (`--workload`):
+
+`chat` (default). For N in (1, 4, 8) concurrent requests with chat prompts of varied lengths, greedy, up to
 `--max-tokens` new ids each, it measures completion tokens per second of:
   * engine@N:      N concurrent `EmbeddedEngine.generate` calls (continuous batching, with logprobs);
   * generate-seq:  `model.generate` on the N prompts one after another;
@@ -12,16 +14,39 @@ generating after a row ended is not counted. Also reports how many of the engine
 greedy completions equal `model.generate`'s ids (they may differ after near-ties, because
 batched and unbatched matmuls round differently).
 
-Run: `.venv/bin/python bench/engine.py [--threads 2] [--max-tokens 64] [--repeats 2]`.
-What it does not do: sampling benchmarks, long-context or GPU runs.
+The engine runs with its prefix cache off here (`prefix_cache_tokens=0`): the repeats send
+the same prompts again, which a cache would serve for free.
+
+`agent`. `--rollouts` (4) rollouts x `--turns` (8) turns replayed with growing histories, the
+way an agent calls: turn 1 is the system and task messages of a captured mini-swe-agent call
+(`tests/data/captures/mini-swe-agent/`); turn k+1's prompt is turn k's prompt + its reply +
+a tool-output message (synthetic shell output, `--tool-tokens` ids, different per rollout and
+turn). The rollouts run concurrently, each turn after its own previous one. Methods:
+  * engine+cache:  the engine with its prefix cache (only new ids are prefilled; the 4
+                   rollouts share the task prompt);
+  * engine-nocache: the same engine code with `prefix_cache_tokens=0`;
+  * generate:      `model.generate` on the 4 rollouts' prompts of a turn as one left-padded
+                   batch (turns in lockstep), no cache across calls.
+Reported per method: prefill tokens computed (the engine's counter; for generate, the prompt
+ids it is given), completion tokens/s, turn latency (mean and max of the calls), wall time,
+and `prefill tokens: N.Nx fewer` (nocache / cache). engine+cache and engine-nocache must
+produce the same greedy ids (checked). Best wall time of `--repeats` interleaved runs; a
+fresh cache per run (the engines are rebuilt).
+
+Run: `.venv/bin/python bench/engine.py [--workload agent] [--threads 2] [--max-tokens 64] [--repeats 2]`.
+What it does not do: sampling benchmarks, GPU runs, vLLM (not installed here).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import random
+import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -110,17 +135,130 @@ def bench_generate_static(  # noqa: ANN001
     return dt, [real_tokens(row[width:].tolist(), eos_ids) for row in out]
 
 
+CAPTURE = Path(__file__).resolve().parents[1] / "tests/data/captures/mini-swe-agent/chat-completions-turn2-with-tool-result.json"
+_SHELL_WORDS = ["src/", "tests/", "README.md", "main.py", "utils.py", "config.yaml", "-rw-r--r--", "drwxr-xr-x",
+                "1 root root", "4096", "Dec  1 09:37", "def", "return", "import os", "Traceback (most recent call last):",
+                "File", "line", "AssertionError", "passed", "failed", "OK", "$ ls -la", "$ cat", "$ python -m pytest -q"]
+
+
+def agent_prompt(tokenizer: object) -> list[int]:
+    """Turn 1: the captured mini-swe-agent system + task messages, rendered by the chat template."""
+    messages = json.loads(CAPTURE.read_text())["body"]["messages"][:2]
+    return list(tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def tool_message_ids(tokenizer: object, rollout: int, turn: int, n_tokens: int, ended_with_eos: bool) -> list[int]:
+    """A tool-output user message (synthetic shell output of about `n_tokens` ids) closing the reply."""
+    rng = random.Random(1000 * rollout + turn)
+    text = " ".join(rng.choice(_SHELL_WORDS) for _ in range(n_tokens // 2))
+    ids = tokenizer.encode(text, add_special_tokens=False)[:n_tokens]  # type: ignore[attr-defined]
+    head = "\n" if ended_with_eos else "<|im_end|>\n"
+    pre = tokenizer.encode(f"{head}<|im_start|>user\nObservation:\n", add_special_tokens=False)  # type: ignore[attr-defined]
+    post = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)  # type: ignore[attr-defined]
+    return [*pre, *ids, *post]
+
+
+def run_agent_engine(engine: EmbeddedEngine, tokenizer: object, args: argparse.Namespace) -> dict:
+    sampling = Sampling(temperature=0.0, max_tokens=args.max_tokens)
+    base = agent_prompt(tokenizer)
+    latencies: list[float] = []
+    replies: list[list[list[int]]] = [[] for _ in range(args.rollouts)]
+    before = engine.stats()
+
+    async def rollout(r: int) -> None:
+        prompt = list(base)
+        for turn in range(args.turns):
+            t0 = time.perf_counter()
+            c = await engine.generate(prompt, sampling)
+            latencies.append(time.perf_counter() - t0)
+            replies[r].append(list(c.completion_ids))
+            ended = bool(c.completion_ids) and c.completion_ids[-1] in engine.eos_token_ids
+            prompt = [*prompt, *c.completion_ids, *tool_message_ids(tokenizer, r, turn, args.tool_tokens, ended)]
+
+    async def run() -> None:
+        await asyncio.gather(*(rollout(r) for r in range(args.rollouts)))
+
+    t0 = time.perf_counter()
+    asyncio.run(run())
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    return {"wall": wall, "prefill": after.prefill_tokens - before.prefill_tokens,
+            "completion": sum(len(c) for r in replies for c in r), "latencies": latencies, "replies": replies}
+
+
+def run_agent_generate(model, tokenizer, args, eos_ids, pad_id) -> dict:  # noqa: ANN001
+    prompts = [agent_prompt(tokenizer) for _ in range(args.rollouts)]
+    latencies: list[float] = []
+    prefill = completion = 0
+    t0 = time.perf_counter()
+    for turn in range(args.turns):
+        t1 = time.perf_counter()
+        _, outs = bench_generate_static(model, prompts, args.max_tokens, eos_ids, pad_id)
+        latencies.extend([time.perf_counter() - t1] * len(prompts))
+        prefill += sum(len(p) for p in prompts)
+        completion += sum(len(o) for o in outs)
+        prompts = [
+            [*p, *o, *tool_message_ids(tokenizer, r, turn, args.tool_tokens, bool(o) and o[-1] in eos_ids)]
+            for r, (p, o) in enumerate(zip(prompts, outs, strict=True))
+        ]
+    return {"wall": time.perf_counter() - t0, "prefill": prefill, "completion": completion, "latencies": latencies}
+
+
+def agent_main(args: argparse.Namespace, model_dir: Path, tokenizer: object, model: torch.nn.Module) -> None:
+    probe = EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0)
+    eos_ids = probe.eos_token_ids
+    probe.close()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]  # type: ignore[attr-defined]
+    print(f"workload=agent rollouts={args.rollouts} turns={args.turns} max_tokens={args.max_tokens} "
+          f"tool_tokens={args.tool_tokens} threads={args.threads} repeats={args.repeats} "
+          f"first prompt={len(agent_prompt(tokenizer))} ids; best wall of interleaved repeats (machine shared)")
+    best: dict[str, dict] = {}
+    same_ids = True
+    for _ in range(args.repeats):
+        results = {}
+        for name, cache_tokens in (("engine+cache", args.prefix_cache_tokens), ("engine-nocache", 0)):
+            with EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8,
+                                prefix_cache_tokens=cache_tokens, prefill_chunk_tokens=args.chunk) as eng:
+                eng.generate_blocking(agent_prompt(tokenizer)[:8], Sampling(temperature=0.0, max_tokens=2))  # warm-up
+                results[name] = run_agent_engine(eng, tokenizer, args)
+        results["generate"] = run_agent_generate(model, tokenizer, args, eos_ids, pad_id)
+        same_ids &= results["engine+cache"]["replies"] == results["engine-nocache"]["replies"]
+        for name, res in results.items():
+            if name not in best or res["wall"] < best[name]["wall"]:
+                best[name] = res
+    print(f"{'method':<15} {'prefill':>8} {'completion':>10} {'wall_s':>7} {'tok/s':>7} {'turn_mean_s':>11} {'turn_max_s':>10}")
+    for name, r in best.items():
+        print(f"{name:<15} {r['prefill']:>8} {r['completion']:>10} {r['wall']:>7.2f} {r['completion'] / r['wall']:>7.1f} "
+              f"{statistics.mean(r['latencies']):>11.3f} {max(r['latencies']):>10.3f}")
+    c, n, g = best["engine+cache"], best["engine-nocache"], best["generate"]
+    print(f"prefill tokens: {n['prefill'] / c['prefill']:.1f}x fewer (cache {c['prefill']} vs nocache {n['prefill']})")
+    print(f"wall: cache {n['wall'] / c['wall']:.2f}x faster than nocache, {g['wall'] / c['wall']:.2f}x faster than generate; "
+          f"tokens/s cache/generate = {(c['completion'] / c['wall']) / (g['completion'] / g['wall']):.2f}x")
+    print(f"greedy ids with and without the cache identical in every repeat: {same_ids}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("chat", "agent"), default="chat")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="best wall time of this many interleaved runs")
+    parser.add_argument("--rollouts", type=int, default=4, help="agent: concurrent rollouts")
+    parser.add_argument("--turns", type=int, default=8, help="agent: turns per rollout")
+    parser.add_argument("--tool-tokens", type=int, default=96, help="agent: ids of each tool output")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=32768, help="agent: the cache's bound")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model("smollm2-135m")
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir)
-    engine = EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8)
+    if args.workload == "agent":
+        agent_main(args, model_dir, tokenizer, model)
+        return
+    engine = EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0,
+                            prefill_chunk_tokens=args.chunk)
     eos_ids = engine.eos_token_ids
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     all_prompts = render_prompts(tokenizer, 8)
