@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-AGENTS ?= mini-swe-agent opencode pi codex claude-code
+AGENTS ?= mini-swe-agent opencode pi codex claude-code gemini-cli
 
 agents: setup
 	for a in $(AGENTS); do $(VENV)/bin/harnessrl harness install $$a || exit 1; done
