@@ -5,7 +5,12 @@
   * a loop-owning session's own agent process, pointed at the proxy with the rollout's key,
     runs a rollout: the proxy recorded its call with token ids, `verify` scored it;
   * a raising `verify` is a `verifier_error` rollout;
-  * a cancelled rollout closes its session (the agent process is dead) and the sandbox.
+  * a cancelled rollout closes its session (the agent process is dead) and the sandbox;
+  * a loop-owning factory written here (`SandboxAgentFactory`) starts a real CLI agent
+    (mini-swe-agent, argv/env/config from its harness's `AgentSpec`) inside the rollout's
+    bubblewrapped harnessrl sandbox through `create(..., sandbox=...)`: harnessrl records its
+    calls, `verify` reads its trajectory from the sandbox, and the sandbox's teardown leaves
+    neither the process nor the directory, also when the rollout is cancelled.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from harnessrl.train.run import train  # noqa: E402
 pytestmark = pytest.mark.e2e
 GUESS = "openenv_envs:GuessFactory"
 AGENT = "openenv_envs:AgentFactory"
+SANDBOXED = "test_openenv_e2e:SandboxAgentFactory"
 
 
 def _cfg(tmp_path: Path, factory: str, *extra: str):
@@ -209,3 +215,194 @@ def test_trainable_session_training_trace_is_imported(tmp_path: Path) -> None:
     (turn,) = r.trace.turns
     assert turn.status == "ok" and turn.protocol == "openenv"
     assert (turn.prompt_ids, turn.completion_ids, turn.completion_logprobs) == ([1, 2, 3], [7, 8], [-0.5, -0.25])
+
+
+# --- a loop-owning factory whose agent runs in the rollout's harnessrl sandbox -------------
+
+from openenv.core.env_server.mcp_types import Tool  # noqa: E402
+from openenv.core.harness import ResourceSession, ResourceSessionFactory, ToolResult, VerifyResult  # noqa: E402
+
+from harnessrl.harness.cli_agent import AgentPaths, base_env  # noqa: E402
+from harnessrl.harness.mini_swe_agent import MiniSweAgentConfig, MiniSweAgentHarness, trajectory_info  # noqa: E402
+from harnessrl.sandbox.blocking import BlockingProcess, BlockingSandbox  # noqa: E402
+from harnessrl.sandbox.bwrap import bwrap_path  # noqa: E402
+from harnessrl.tasks.base import Task  # noqa: E402
+from harnessrl.types import Endpoint  # noqa: E402
+
+SPAWNED: list[dict[str, object]] = []
+"""Every `SandboxAgentFactory.create`: episode id, endpoint, agent pid, sandbox paths."""
+HANG = ("import os, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "open('netns.txt', 'w').write(os.readlink('/proc/self/ns/net')); time.sleep(600)  # {marker}")
+
+
+class SandboxAgentSession(ResourceSession):
+    """A loop-owning session whose agent is a process of the rollout's sandbox."""
+
+    def __init__(self, episode_id: str, sandbox: BlockingSandbox, proc: BlockingProcess,
+                 traj_rel: str | None) -> None:
+        self.episode_id, self.sandbox, self.proc, self.traj_rel = episode_id, sandbox, proc, traj_rel
+
+    def initial_messages(self) -> list[dict[str, object]]:
+        return [{"role": "user", "content": "Print the sum 2+3."}]
+
+    def list_tools(self) -> list[Tool]:
+        return []
+
+    def call_tool(self, name: str, arguments: dict[str, object]) -> ToolResult:
+        raise KeyError(f"Unknown tool: {name}")
+
+    def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        code = self.proc.wait(timeout_s)
+        if code is None:
+            raise TimeoutError(f"agent still running after {timeout_s} s")
+        return code
+
+    def verify(self, transcript: list[dict[str, object]], final_state: object = None) -> VerifyResult:
+        # the agent's own record, read back through the seam (the agent is dead by now)
+        raw = self.sandbox.read_file(self.traj_rel, base="home")
+        status = trajectory_info(raw.decode()).get("exit_status")
+        code = dict(final_state or {}).get("exit_code")
+        return VerifyResult(env_reward=1.0 if code == 0 and status else 0.0, done=True,
+                            metrics={"exit_code": float(code if code is not None else -1),
+                                     "alive_at_verify": float(self.proc.returncode is None)})
+
+    def close(self) -> None:
+        # nothing to kill: the agent is the sandbox's process, ended by its teardown
+        with envs._LOCK:
+            envs.CLOSED.append(self.episode_id)
+
+
+class SandboxAgentFactory(ResourceSessionFactory):
+    """`create` spawns the agent inside the harnessrl sandbox it is handed, pointed at the
+    proxy endpoint it is handed: mini-swe-agent (`agent="mini"`), or a hanging python3
+    (`agent="hang"`) that records its network namespace first."""
+
+    def __init__(self, agent: str = "mini", marker: str = "") -> None:
+        self.agent, self.marker = agent, marker
+
+    def create(self, task: object, seed: int | None = None, episode_id: str | None = None, *,
+               base_url: str, api_key: str, model: str, sandbox: BlockingSandbox) -> SandboxAgentSession:
+        endpoint = Endpoint(base_url=base_url, api_key=api_key, model=model)
+        if self.agent == "mini":
+            harness = MiniSweAgentHarness(MiniSweAgentConfig(step_limit=1, model_retry_attempts=1))
+            paths = AgentPaths(sandbox, harness.name)
+            spec = harness.spec(Task("openenv/mini", "openenv", "Print the sum 2+3."), endpoint, paths)
+            for f in spec.files:
+                sandbox.write_file(f.rel_path, f.content, base=f.base, mode=f.mode)
+            proc = sandbox.spawn(spec.argv, env=base_env(paths, spec.env), log_file=paths.log_rel)
+            traj_rel = spec.output[1] if spec.output else None
+        else:
+            paths = AgentPaths(sandbox, "hang")
+            proc = sandbox.spawn(["python3", "-c", HANG.format(marker=self.marker)],
+                                 env=base_env(paths), log_file=paths.log_rel)
+            traj_rel = None
+        with envs._LOCK:
+            SPAWNED.append({"episode_id": episode_id, "base_url": base_url, "pid": proc.pid,
+                            "root": sandbox.workdir.parent, "work": sandbox.workdir})
+        return SandboxAgentSession(str(episode_id), sandbox, proc, traj_rel)
+
+
+def _sandboxed_cfg(tmp_path: Path, *kwargs: str):
+    return _cfg(tmp_path, SANDBOXED, "sandbox.use_bwrap=true", f"tasks.kwargs={{{', '.join(kwargs)}}}")
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.agents
+@pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
+def test_loop_owning_factory_runs_a_cli_agent_in_the_bubblewrapped_sandbox(tmp_path: Path) -> None:
+    from harnessrl.harness.install import agent_executable
+
+    try:
+        agent_executable("mini-swe-agent")
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"mini-swe-agent is not installed (make agents): {exc}")
+    n = len(SPAWNED)
+    r = asyncio.run(_one_rollout(_sandboxed_cfg(tmp_path, 'agent = "mini"')))
+    made = SPAWNED[n]
+    # the endpoint the factory got is the sandbox's route to the proxy
+    assert str(made["base_url"]).startswith("http://127.0.0.1:") and str(made["base_url"]).endswith("/v1")
+    assert r.status == "ok", (r.error, r.reward_parts)
+    # harnessrl recorded the agent's call itself, token-faithful (step_limit=1: one call)
+    assert len(r.trace.turns) == 1
+    turn = r.trace.turns[0]
+    assert turn.status == "ok" and turn.completion_ids
+    assert len(turn.completion_logprobs) == len(turn.completion_ids)
+    assert "Print the sum 2+3." in json.dumps(turn.request["messages"])
+    # verify ran on the dead agent and read its trajectory from the sandbox
+    assert r.reward == 1.0 and r.reward_parts["exit_code"] == 0.0 and r.reward_parts["alive_at_verify"] == 0.0
+    assert made["episode_id"] in envs.CLOSED
+    assert not _alive(int(made["pid"]))
+    assert not Path(str(made["root"])).exists()
+    assert leftover_sandboxes(tmp_path / "sbx") == []
+
+
+@pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
+def test_cancelled_rollout_kills_the_sandboxed_agent(tmp_path: Path) -> None:
+    import os
+    import uuid
+
+    import psutil
+
+    marker = f"openenv-sbx-{uuid.uuid4().hex[:8]}"
+    cfg = _sandboxed_cfg(tmp_path, 'agent = "hang"', f'marker = "{marker}"')
+    n = len(SPAWNED)
+    netns: list[str] = []
+
+    async def main() -> None:
+        work = asyncio.ensure_future(_one_rollout(cfg))
+        while len(SPAWNED) == n or not (Path(str(SPAWNED[n]["work"])) / "netns.txt").exists():
+            assert not work.done(), work.result()
+            await asyncio.sleep(0.05)
+        netns.append((Path(str(SPAWNED[n]["work"])) / "netns.txt").read_text())
+        assert _alive(int(SPAWNED[n]["pid"]))
+        work.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await work
+
+    asyncio.run(main())
+    made = SPAWNED[n]
+    # the agent ran in the sandbox's own network namespace (bubblewrap), not the host's
+    assert netns[0].startswith("net:[") and netns[0] != os.readlink("/proc/self/ns/net")
+    assert not _alive(int(made["pid"]))
+    survivors = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in (p.info["cmdline"] or [])):
+                survivors.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert survivors == []
+    assert made["episode_id"] in envs.CLOSED
+    assert not Path(str(made["root"])).exists()
+    assert leftover_sandboxes(tmp_path / "sbx") == []
+
+
+async def test_blocking_sandbox_spawns_from_a_worker_thread_and_refuses_the_loop_thread(tmp_path: Path) -> None:
+    from harnessrl.errors import SandboxError
+    from harnessrl.sandbox.blocking import BlockingSandbox
+    from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig
+
+    sandbox = await LocalSandboxBackend(SandboxConfig(root_dir=tmp_path / "sbx", use_bwrap=False)).create("b", {})
+    try:
+        view = BlockingSandbox(sandbox, asyncio.get_running_loop())
+
+        def agent() -> tuple[int | None, int | None]:
+            view.write_file("run.py", "open('out.txt', 'w').write('42')\n")
+            proc = view.spawn(["python3", "run.py"])
+            return proc.wait(30), proc.returncode
+
+        assert await asyncio.to_thread(agent) == (0, 0)
+        assert view.read_file("out.txt") == b"42"
+        with pytest.raises(SandboxError, match="event loop's own thread"):
+            view.spawn(["true"])
+    finally:
+        await sandbox.close()
+    assert leftover_sandboxes(tmp_path / "sbx") == []

@@ -11,8 +11,12 @@ Responsibility: for one rollout of `tasks.kind = "openenv"`, open the session
     answers), and stops at a reply without tool calls, a tool result with `done`, or
     `max_turns` model calls;
   * loop-owning session (`wait_for_completion`): its agent was pointed at the rollout's proxy
-    endpoint when `create` takes `base_url`/`api_key`/`model`; the proxy records every call, the
-    loop waits (`wait_for_completion(timeout)`, a `TimeoutError` is the rollout's timeout). When
+    endpoint when `create` takes `base_url`/`api_key`/`model` (the endpoint as the sandbox's
+    agents address it); with a `sandbox` keyword `create` started that agent inside the
+    rollout's sandbox (`BlockingSandbox.spawn`), so the sandbox's teardown kills it on every
+    path (the runner's `kill_processes` before verifying, `close()` at the end). The proxy
+    records every call, the loop waits (`wait_for_completion(timeout)` on a worker thread, a
+    `TimeoutError` is the rollout's timeout). When
     the proxy saw no call and the session offers `fetch_training_trace` (a `TrainableSession`)
     or `fetch_proxy_trace`, its entries become the rollout's turns, validated like any upstream
     (`harness/openenv_trace.py`).

@@ -15,6 +15,11 @@ Who does what (the runner's order stays the rollout's order, DESIGN.md §3.3):
   * any other exit (a harness crash, a cancelled rollout, a kill failure) closes the session
     through `close(sandbox)` in the harness or `close_all()` when the runtime stops.
 
+A factory whose `create` names a `sandbox` keyword starts its agent inside the rollout's
+harnessrl sandbox (a `BlockingSandbox` over it, `sandbox/blocking.py`); those processes are
+the sandbox's, so `kill_processes` ends them before `verify` and the sandbox's `close()` on
+every exit path, whatever the session's own `close` does.
+
 A session is found by the rollout's sandbox (the one object the harness and the verifier both
 receive). The `openenv` package is an optional extra (`pip install harnessrl[openenv]`); this
 module imports it only to check a loop-owning session.
@@ -41,6 +46,8 @@ from harnessrl.tasks.base import Task
 log = logging.getLogger(__name__)
 
 FAMILY = "openenv"
+SANDBOX_KEYWORD = "sandbox"
+"""The `create` keyword that receives the rollout's sandbox (`OpenEnvSessions.open`)."""
 _SOURCES: dict[str, OpenEnvSource] = {}
 _SOURCE_IDS = itertools.count()
 
@@ -69,12 +76,21 @@ class OpenEnvSessions:
         params = inspect.signature(factory.create).parameters
         self._create_takes = {name for name in ("base_url", "api_key", "model") if name in params} | (
             {"base_url", "api_key", "model"} if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set())
+        if SANDBOX_KEYWORD in params:  # named explicitly only: a `**kwargs` factory never gets it
+            self._create_takes.add(SANDBOX_KEYWORD)
 
     async def open(self, task: Task, sandbox: Any, episode_id: str, endpoint: Any = None) -> LiveSession:
         """`factory.create(task, seed=..., episode_id=...)` on a worker thread; the session is
         registered for `sandbox`. When `create` accepts `base_url`, `api_key` or `model`
         keywords they are the rollout's proxy endpoint (a loop-owning session points its agent
-        there, as it would at OpenEnv's capture server with the session id as the key).
+        there, as it would at OpenEnv's capture server with the session id as the key). When
+        it names a `sandbox` keyword it gets the rollout's sandbox as a `BlockingSandbox`
+        (`sandbox/blocking.py`: the seam's `spawn`, `exec`, `write_file`, `agent_path`,
+        `agent_endpoint` as blocking calls for its worker thread); the processes it spawns
+        there are the sandbox's, killed and released by the sandbox's own teardown. The
+        endpoint offered is always the one the sandbox's agents address
+        (`Sandbox.agent_endpoint`, applied by the runner), so an agent spawned in the sandbox
+        reaches the proxy (under bubblewrap through the forwarder in its network namespace).
 
         Raises: whatever `create` raises (the harness reports it as the agent's failure).
         """
@@ -83,6 +99,10 @@ class OpenEnvSessions:
         if endpoint is not None:
             offered = {"base_url": endpoint.base_url, "api_key": endpoint.api_key, "model": endpoint.model}
             kwargs.update({k: v for k, v in offered.items() if k in self._create_takes})
+        if SANDBOX_KEYWORD in self._create_takes:
+            from harnessrl.sandbox.blocking import BlockingSandbox
+
+            kwargs[SANDBOX_KEYWORD] = BlockingSandbox(sandbox, asyncio.get_running_loop())
         session = await asyncio.to_thread(self.factory.create, item, **kwargs)
         live = LiveSession(session=session, episode_id=episode_id)
         with self._lock:
