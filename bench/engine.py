@@ -135,10 +135,12 @@ def bench_generate_static(  # noqa: ANN001
     return dt, [real_tokens(row[width:].tolist(), eos_ids) for row in out]
 
 
-CAPTURE = Path(__file__).resolve().parents[1] / "tests/data/captures/mini-swe-agent/chat-completions-turn2-with-tool-result.json"
+CAPTURE = (Path(__file__).resolve().parents[1]
+           / "tests/data/captures/mini-swe-agent/chat-completions-turn2-with-tool-result.json")
 _SHELL_WORDS = ["src/", "tests/", "README.md", "main.py", "utils.py", "config.yaml", "-rw-r--r--", "drwxr-xr-x",
-                "1 root root", "4096", "Dec  1 09:37", "def", "return", "import os", "Traceback (most recent call last):",
-                "File", "line", "AssertionError", "passed", "failed", "OK", "$ ls -la", "$ cat", "$ python -m pytest -q"]
+                "1 root root", "4096", "Dec  1 09:37", "def", "return", "import os",
+                "Traceback (most recent call last):", "File", "line", "AssertionError", "passed", "failed", "OK",
+                "$ ls -la", "$ cat", "$ python -m pytest -q"]
 
 
 def agent_prompt(tokenizer: object) -> list[int]:
@@ -154,8 +156,9 @@ def tool_message_ids(tokenizer: object, rollout: int, turn: int, n_tokens: int, 
     text = " ".join(rng.choice(_SHELL_WORDS) for _ in range(n_tokens // 2))
     ids = tokenizer.encode(text, add_special_tokens=False)[:n_tokens]  # type: ignore[attr-defined]
     head = "\n" if ended_with_eos else "<|im_end|>\n"
-    pre = tokenizer.encode(f"{head}<|im_start|>user\nObservation:\n", add_special_tokens=False)  # type: ignore[attr-defined]
-    post = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)  # type: ignore[attr-defined]
+    encode = tokenizer.encode  # type: ignore[attr-defined]
+    pre = encode(f"{head}<|im_start|>user\nObservation:\n", add_special_tokens=False)
+    post = encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     return [*pre, *ids, *post]
 
 
@@ -227,13 +230,16 @@ def agent_main(args: argparse.Namespace, model_dir: Path, tokenizer: object, mod
         for name, res in results.items():
             if name not in best or res["wall"] < best[name]["wall"]:
                 best[name] = res
-    print(f"{'method':<15} {'prefill':>8} {'completion':>10} {'wall_s':>7} {'tok/s':>7} {'turn_mean_s':>11} {'turn_max_s':>10}")
+    print(f"{'method':<15} {'prefill':>8} {'completion':>10} {'wall_s':>7} {'tok/s':>7} "
+          f"{'turn_mean_s':>11} {'turn_max_s':>10}")
     for name, r in best.items():
-        print(f"{name:<15} {r['prefill']:>8} {r['completion']:>10} {r['wall']:>7.2f} {r['completion'] / r['wall']:>7.1f} "
+        print(f"{name:<15} {r['prefill']:>8} {r['completion']:>10} {r['wall']:>7.2f} "
+              f"{r['completion'] / r['wall']:>7.1f} "
               f"{statistics.mean(r['latencies']):>11.3f} {max(r['latencies']):>10.3f}")
     c, n, g = best["engine+cache"], best["engine-nocache"], best["generate"]
     print(f"prefill tokens: {n['prefill'] / c['prefill']:.1f}x fewer (cache {c['prefill']} vs nocache {n['prefill']})")
-    print(f"wall: cache {n['wall'] / c['wall']:.2f}x faster than nocache, {g['wall'] / c['wall']:.2f}x faster than generate; "
+    print(f"wall: cache {n['wall'] / c['wall']:.2f}x faster than nocache, "
+          f"{g['wall'] / c['wall']:.2f}x faster than generate; "
           f"tokens/s cache/generate = {(c['completion'] / c['wall']) / (g['completion'] / g['wall']):.2f}x")
     print(f"greedy ids with and without the cache identical in every repeat: {same_ids}")
 
@@ -262,7 +268,8 @@ def main() -> None:
     eos_ids = engine.eos_token_ids
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     all_prompts = render_prompts(tokenizer, 8)
-    print(f"threads={args.threads} max_tokens={args.max_tokens} repeats={args.repeats} prompt lengths={[len(p) for p in all_prompts]}")
+    print(f"threads={args.threads} max_tokens={args.max_tokens} repeats={args.repeats} "
+          f"prompt lengths={[len(p) for p in all_prompts]}")
     bench_engine(engine, all_prompts[:2], 8)  # warm-up
     bench_generate_static(model, all_prompts[:2], 8, eos_ids, pad_id)
 
