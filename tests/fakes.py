@@ -24,7 +24,7 @@ from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import native_protocols
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
-from harnessrl.types import Completion, Endpoint, Sampling
+from harnessrl.types import Completion, Endpoint, Row, Sampling
 
 CAPTURES_DIR = Path(__file__).parent / "data" / "captures"
 """Request bodies captured from real agents (opencode, pi, mini-swe-agent, aider, codex)."""
@@ -231,3 +231,13 @@ class FakeBackend:
         sandbox.calls.clear()
         self.made.append(sandbox)
         return sandbox
+
+
+def opposed_rows() -> list[Row]:
+    """Two 40-token training rows (30 context, 10 trained ids at sampler logprob -2.0, policy
+    version 0) with opposite advantages (+1, -1): a small step that moves the weights."""
+    ids = tuple(range(100, 140))
+    mask = tuple([0] * 30 + [1] * 10)
+    lps = tuple([0.0] * 30 + [-2.0] * 10)
+    vers = tuple([-1] * 30 + [0] * 10)
+    return [Row(ids, mask, lps, vers, "r0", 0, 1.0), Row(ids[::-1], mask, lps, vers, "r1", 0, -1.0)]

@@ -15,20 +15,12 @@ from harnessrl.train.losses import loss_fn_for
 from harnessrl.train.packing import compute_trainer_logprobs, loss_inputs, pack_rows
 from harnessrl.train.policy import load_policy, reference_logprobs
 from harnessrl.train.step import optimizer_step
-from harnessrl.types import Row
-
-
-def _rows() -> list[Row]:
-    ids = tuple(range(100, 140))
-    mask = tuple([0] * 30 + [1] * 10)
-    lps = tuple([0.0] * 30 + [-2.0] * 10)
-    vers = tuple([-1] * 30 + [0] * 10)
-    return [Row(ids, mask, lps, vers, "r0", 0, 1.0), Row(ids[::-1], mask, lps, vers, "r1", 0, -1.0)]
+from fakes import opposed_rows
 
 
 def _grads(policy, kl_coef: float, with_reference: bool) -> list[torch.Tensor]:
     policy.model.zero_grad(set_to_none=True)
-    batches = pack_rows(_rows(), 256)
+    batches = pack_rows(opposed_rows(), 256)
     n = sum(b.num_trained_tokens for b in batches)
     fn = loss_fn_for(PpoClipLoss(kl_coef=kl_coef))
     for batch in batches:
@@ -66,10 +58,10 @@ def test_reference_stays_the_initial_weights_and_kl_is_reported(tiny_model_dir: 
     initial = {k: v.clone() for k, v in policy.model.state_dict().items()}
     ref = partial(reference_logprobs, policy, temperature=1.0)
     fn = loss_fn_for(PpoClipLoss(kl_coef=0.1))
-    first = optimizer_step(policy.model, policy.optimizer, _rows(), fn, temperature=1.0, token_budget=256,
+    first = optimizer_step(policy.model, policy.optimizer, opposed_rows(), fn, temperature=1.0, token_budget=256,
                            max_grad_norm=1.0, reference=ref).metrics
     assert first["kl"] == pytest.approx(0.0, abs=1e-6), "step 1: policy == reference"
-    second = optimizer_step(policy.model, policy.optimizer, _rows(), fn, temperature=1.0, token_budget=256,
+    second = optimizer_step(policy.model, policy.optimizer, opposed_rows(), fn, temperature=1.0, token_budget=256,
                             max_grad_norm=1.0, reference=ref).metrics
     assert second["kl"] > 0, "after one update the policy has left the reference"
     for name, tensor in policy.reference.state_dict().items():
@@ -80,5 +72,5 @@ def test_reference_stays_the_initial_weights_and_kl_is_reported(tiny_model_dir: 
 def test_kl_without_a_reference_fails_at_the_step(tiny_model_dir: Path) -> None:
     policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=0.0, lora_rank=0)
     with pytest.raises(ValueError, match="needs ref_logprobs_T"):
-        optimizer_step(policy.model, policy.optimizer, _rows(), loss_fn_for(PpoClipLoss(kl_coef=0.1)),
+        optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for(PpoClipLoss(kl_coef=0.1)),
                        temperature=1.0, token_budget=256, max_grad_norm=1.0)

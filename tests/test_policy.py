@@ -11,15 +11,7 @@ import torch
 from harnessrl.train.losses import loss_fn_for
 from harnessrl.train.policy import export_weights, latest_checkpoint, load_policy, restore_checkpoint, save_checkpoint
 from harnessrl.train.step import optimizer_step
-from harnessrl.types import Row
-
-
-def _rows() -> list[Row]:
-    ids = tuple(range(100, 140))
-    mask = tuple([0] * 30 + [1] * 10)
-    lps = tuple([0.0] * 30 + [-2.0] * 10)
-    vers = tuple([-1] * 30 + [0] * 10)
-    return [Row(ids, mask, lps, vers, "r0", 0, 1.0), Row(ids[::-1], mask, lps, vers, "r1", 0, -1.0)]
+from fakes import opposed_rows
 
 
 def test_lora_step_exports_merged_base_weights_the_engine_accepts(tiny_model_dir: Path) -> None:
@@ -28,7 +20,7 @@ def test_lora_step_exports_merged_base_weights_the_engine_accepts(tiny_model_dir
 
     policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=0.0, lora_rank=4)
     before = export_weights(policy, copy=True)
-    m = optimizer_step(policy.model, policy.optimizer, _rows(), loss_fn_for("ppo_clip"),
+    m = optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"),
                        temperature=1.0, token_budget=256, max_grad_norm=1.0).metrics
     assert m["tokens_trained"] == 20
     after = export_weights(policy)
@@ -43,7 +35,7 @@ def test_lora_step_exports_merged_base_weights_the_engine_accepts(tiny_model_dir
 
 def test_checkpoint_round_trip(tiny_model_dir: Path, tmp_path: Path, tokenizer: object) -> None:
     policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
-    optimizer_step(policy.model, policy.optimizer, _rows(), loss_fn_for("ppo_clip"),
+    optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"),
                    temperature=1.0, token_budget=256, max_grad_norm=1.0)
     save_checkpoint(policy, tokenizer, tmp_path / "checkpoints" / "step-1", {"step": 1, "policy_version": 1, "next_group_id": 3})
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-1"

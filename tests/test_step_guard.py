@@ -22,21 +22,13 @@ from harnessrl.train.policy import (
     save_checkpoint,
 )
 from harnessrl.train.step import optimizer_step
-from harnessrl.types import Row
+from fakes import opposed_rows
 
 torch.set_num_threads(1)
 
 
-def _rows() -> list[Row]:
-    ids = tuple(range(100, 140))
-    mask = tuple([0] * 30 + [1] * 10)
-    lps = tuple([0.0] * 30 + [-2.0] * 10)
-    vers = tuple([-1] * 30 + [0] * 10)
-    return [Row(ids, mask, lps, vers, "r0", 0, 1.0), Row(ids[::-1], mask, lps, vers, "r1", 0, -1.0)]
-
-
 def _step(policy) -> dict:  # noqa: ANN001
-    return optimizer_step(policy.model, policy.optimizer, _rows(), loss_fn_for("ppo_clip"),
+    return optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"),
                           temperature=1.0, token_budget=256, max_grad_norm=1.0).metrics
 
 

@@ -14,15 +14,7 @@ from harnessrl.errors import ConfigError
 from harnessrl.train.losses import loss_fn_for
 from harnessrl.train.policy import load_policy
 from harnessrl.train.step import optimizer_step, update_l2
-from harnessrl.types import Row
-
-
-def _rows() -> list[Row]:
-    ids = tuple(range(100, 140))
-    mask = tuple([0] * 30 + [1] * 10)
-    lps = tuple([0.0] * 30 + [-2.0] * 10)
-    vers = tuple([-1] * 30 + [0] * 10)
-    return [Row(ids, mask, lps, vers, "r0", 0, 1.0), Row(ids[::-1], mask, lps, vers, "r1", 0, -1.0)]
+from fakes import opposed_rows
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -38,7 +30,7 @@ def test_param_delta_l2_is_the_norm_of_the_update(tiny_model_dir: Path, weight_d
     policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=weight_decay, lora_rank=0)
     for _ in range(2):  # the second step has bias-corrected moments from two gradients
         before = _snapshot(policy.model)
-        m = optimizer_step(policy.model, policy.optimizer, _rows(), loss_fn_for("ppo_clip"),
+        m = optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"),
                            temperature=1.0, token_budget=256, max_grad_norm=1.0).metrics
         want = _distance(policy.model, before)
         assert want > 0
@@ -49,7 +41,7 @@ def test_param_delta_l2_with_lora_is_the_adapters_update(tiny_model_dir: Path) -
     pytest.importorskip("peft")
     policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=0.0, lora_rank=4)
     before = _snapshot(policy.model)
-    m = optimizer_step(policy.model, policy.optimizer, _rows(), loss_fn_for("ppo_clip"),
+    m = optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"),
                        temperature=1.0, token_budget=256, max_grad_norm=1.0).metrics
     want = _distance(policy.model, before)  # only the adapter matrices move
     assert want > 0 and m["param_delta_l2"] == pytest.approx(want, rel=1e-4)
