@@ -108,12 +108,11 @@ def json_response(status_code: int, body: object) -> Response:
     return Response(content=dumps(body), status_code=status_code, media_type="application/json")
 
 
-async def read_json(request: Request, max_body_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
-    """Read and decode a JSON object body.
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request body, read in chunks and refused past `max_body_bytes` (declared or sent).
 
     Raises:
-        RequestError: 413 when the body exceeds `max_body_bytes`, 400 when it is not a JSON
-            object, nests deeper than `max_depth`, or the client went away.
+        RequestError: 413 when the body exceeds `max_body_bytes`, 400 when the client went away.
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
@@ -128,7 +127,17 @@ async def read_json(request: Request, max_body_bytes: int, max_depth: int = MAX_
             chunks.append(chunk)
     except ClientDisconnect as exc:
         raise RequestError("client disconnected while sending the body") from exc
-    return loads(b"".join(chunks), max_depth)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, max_body_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """Read and decode a JSON object body.
+
+    Raises:
+        RequestError: 413 when the body exceeds `max_body_bytes`, 400 when it is not a JSON
+            object, nests deeper than `max_depth`, or the client went away.
+    """
+    return loads(await read_body(request, max_body_bytes), max_depth)
 
 
 def session_key(request: Request) -> str | None:
@@ -230,17 +239,7 @@ def _open_session(agent_root: Callable[[], str], max_body_bytes: int
 
 async def _admin_body(request: Request, max_body_bytes: int) -> dict[str, Any]:
     """The admin request's JSON object body, `{}` when empty; 413 above `max_body_bytes`."""
-    size = 0
-    chunks: list[bytes] = []
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise _too_large(size, max_body_bytes)
-            chunks.append(chunk)
-    except ClientDisconnect as exc:
-        raise RequestError("client disconnected while sending the body") from exc
-    raw = b"".join(chunks)
+    raw = await read_body(request, max_body_bytes)
     return loads(raw) if raw.strip() else {}
 
 
