@@ -46,9 +46,6 @@ class InstantEngine:
         ids = OUT_IDS[: sampling.max_tokens]
         return Completion(tuple(prompt_ids), ids, tuple(-0.25 for _ in ids), "stop", 0)
 
-    def load_weights(self, state_dict: dict, version: int) -> None:
-        return None
-
     def close(self) -> None:
         return None
 

@@ -37,29 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-OUT_IDS = tuple(range(1000, 1015)) + (2,)
+from proxy import InstantEngine  # bench/proxy.py, beside this script
+
 SYSTEM = "You are a coding agent. Use the bash tool to inspect and edit files. " * 4
 TOOL_RESULT = "total 12\n-rw-r--r-- 1 agent agent  220 main.py\n-rw-r--r-- 1 agent agent 1024 test_main.py\n" * 2
-
-
-class InstantEngine:
-    """Deterministic engine with no compute: echoes the prompt, returns `OUT_IDS`."""
-
-    policy_version = 0
-    max_context_tokens = 65536
-    eos_token_ids = (2,)
-
-    async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
-        from harnessrl.types import Completion
-
-        ids = OUT_IDS[: sampling.max_tokens]
-        return Completion(tuple(prompt_ids), ids, tuple(-0.25 for _ in ids), "stop", 0)
-
-    def load_weights(self, state_dict: dict, version: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def rss_mb() -> float:
