@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from harnessrl.engine.config import EmbeddedEngineConfig, EngineConfig
 from harnessrl.errors import ConfigError
 from harnessrl.harness.base import HarnessRequirements
-from harnessrl.sandbox.local import SandboxConfig as LocalSandboxConfig
+from harnessrl.sandbox.config import SandboxConfig as LocalSandboxConfig
 from harnessrl.tasks.config import ProceduralTasks, TasksConfig
 from harnessrl.train.loss_config import LossConfig, PpoClipLoss
 

