@@ -6,7 +6,7 @@ Unknown keys are rejected with the key named (`extra="forbid"` everywhere).
 
 Each `kind` is a discriminated union of typed configs defined beside its code, in modules that
 do not import torch: `engine` (`engine/config.py`), `tasks` (`tasks/config.py`), `sandbox`
-(`sandbox/local.py`), `train.loss` (`train/loss_config.py`), `harness.options`
+(`sandbox/config.py`), `train.loss` (`train/loss_config.py`), `harness.options`
 (`harness/options.py`). A table without `kind` takes the default one; a key of another kind
 fails naming it (`unknown key 'tasks.difficulty' (with tasks.kind = 'stdio')`). The saved
 `config.toml` holds the resolved options of each chosen kind, defaults included.
