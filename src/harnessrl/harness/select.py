@@ -29,6 +29,18 @@ from harnessrl.proxy.sessions import SessionStore
 __all__ = ["HARNESS_KINDS", "make_harness"]
 
 
+_CLI_HARNESSES: dict[str, type[Harness]] = {
+    "mini-swe-agent": MiniSweAgentHarness,
+    "opencode": OpencodeHarness,
+    "command": CommandHarness,
+    "pi": PiHarness,
+    "codex": CodexHarness,
+    "claude-code": ClaudeCodeHarness,
+    "gemini-cli": GeminiCliHarness,
+}
+"""The harnesses built from their validated options alone (every kind but white_box)."""
+
+
 def make_harness(
     kind: str,
     options: dict[str, Any],
@@ -52,18 +64,6 @@ def make_harness(
             if capture is None or store is None:
                 raise ConfigError("harness.kind='white_box' needs the proxy's capture deps and session store")
             return WhiteBoxHarness(capture, store, config)  # type: ignore[arg-type]
-        case "mini-swe-agent":
-            return MiniSweAgentHarness(config)  # type: ignore[arg-type]
-        case "opencode":
-            return OpencodeHarness(config)  # type: ignore[arg-type]
-        case "command":
-            return CommandHarness(config)  # type: ignore[arg-type]
-        case "pi":
-            return PiHarness(config)  # type: ignore[arg-type]
-        case "codex":
-            return CodexHarness(config)  # type: ignore[arg-type]
-        case "claude-code":
-            return ClaudeCodeHarness(config)  # type: ignore[arg-type]
-        case "gemini-cli":
-            return GeminiCliHarness(config)  # type: ignore[arg-type]
+        case _ if kind in _CLI_HARNESSES:
+            return _CLI_HARNESSES[kind](config)  # type: ignore[arg-type]
     raise ConfigError(f"harness.kind={kind!r} has no harness class")  # unreachable: canonical_kind checked it
