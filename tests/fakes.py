@@ -24,6 +24,7 @@ from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import native_protocols
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
+from harnessrl.rewards.base import Reward
 from harnessrl.types import Completion, Endpoint, Row, Sampling
 
 CAPTURES_DIR = Path(__file__).parent / "data" / "captures"
@@ -241,3 +242,17 @@ def opposed_rows() -> list[Row]:
     lps = tuple([0.0] * 30 + [-2.0] * 10)
     vers = tuple([-1] * 30 + [0] * 10)
     return [Row(ids, mask, lps, vers, "r0", 0, 1.0), Row(ids[::-1], mask, lps, vers, "r1", 0, -1.0)]
+
+
+class ScriptedVerifier:
+    """A verifier that counts its calls, raises when `fails`, and otherwise scores 1.0 when the
+    final answer equals `expected` (0.0 when `expected` is None)."""
+
+    def __init__(self, fails: bool, expected: str | None = None) -> None:
+        self.fails, self.expected, self.scored = fails, expected, 0
+
+    async def score(self, task: object, sandbox: object, final_answer: str | None) -> Reward:
+        self.scored += 1
+        if self.fails:
+            raise RuntimeError("verifier bug")
+        return Reward(value=float(self.expected is not None and final_answer == self.expected))

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fakes import FakeBackend, FakeSandbox, ScriptedProcess
+from fakes import FakeBackend, FakeSandbox, ScriptedProcess, ScriptedVerifier
 
 from harnessrl.errors import ConfigError, SandboxError
 from harnessrl.harness.claude_code import ClaudeCodeHarness
@@ -24,7 +24,6 @@ from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.harness.mini_swe_agent import MiniSweAgentHarness
 from harnessrl.harness.opencode import OpencodeHarness
 from harnessrl.harness.pi import PiHarness
-from harnessrl.rewards.base import Reward
 from harnessrl.rollout.runner import RolloutLimits, run_rollout
 from harnessrl.sandbox.base import Sandbox, SandboxProcess
 from harnessrl.tasks.base import Task
@@ -153,17 +152,6 @@ class _Sessions:
         return Trace(session_id=session_id, rollout_id=session_id)
 
 
-class _Verifier:
-    def __init__(self, fails: bool) -> None:
-        self.fails, self.scored = fails, 0
-
-    async def score(self, task: Task, sandbox: FakeSandbox, final_answer: str | None) -> Reward:
-        self.scored += 1
-        if self.fails:
-            raise RuntimeError("verifier bug")
-        return Reward(value=float(final_answer == "hi"))
-
-
 # (agent behaviour, verifier fails) -> (status, verified)
 STATUS_TABLE = [
     (("exit0", False), ("ok", True)),
@@ -185,7 +173,7 @@ def test_status_table_with_the_command_harness(tmp_path: Path, case: tuple, expe
 
     harness = CommandHarness(CommandHarnessConfig(argv=["python3", "a.py"], files={"a.py": "pass"},
                                                   final_answer_file="answer.txt"))
-    backend, sessions, verifier = FakeBackend(tmp_path, agent=agent), _Sessions(), _Verifier(verifier_fails)
+    backend, sessions, verifier = FakeBackend(tmp_path, agent=agent), _Sessions(), ScriptedVerifier(verifier_fails, "hi")
     rollout = asyncio.run(run_rollout(TASK, 0, harness, backend, sessions, verifier,
                                       RolloutLimits(agent_timeout_s=0.1), rollout_id="r"))
     status, verified = expected
@@ -203,7 +191,7 @@ def test_status_table_with_the_command_harness(tmp_path: Path, case: tuple, expe
 
 def test_a_command_file_outside_the_sandbox_stops_the_run_after_release(tmp_path: Path) -> None:
     harness = CommandHarness(CommandHarnessConfig(argv=["true"], files={"../../../escape.txt": "x"}))
-    backend, sessions, verifier = FakeBackend(tmp_path), _Sessions(), _Verifier(False)
+    backend, sessions, verifier = FakeBackend(tmp_path), _Sessions(), ScriptedVerifier(False, "hi")
     with pytest.raises(ConfigError, match="escape.txt"):
         asyncio.run(run_rollout(TASK, 0, harness, backend, sessions, verifier, RolloutLimits(agent_timeout_s=1)))
     assert backend.made[0].calls == ["close"] and sessions.open == set() and verifier.scored == 0
@@ -214,7 +202,7 @@ def test_every_harness_is_given_the_sandbox_route_to_the_proxy(tmp_path: Path, h
     """The runner hands the harness `sandbox.agent_endpoint(...)`: a sandbox that reaches the
     host as `host.sandbox.internal` gets that address in its agent's config, never 127.0.0.1."""
     backend = FakeBackend(tmp_path, agent=_writes_log("done\n"), proxy_host="host.sandbox.internal")
-    rollout = asyncio.run(run_rollout(TASK, 0, harness, backend, _Sessions(), _Verifier(False),
+    rollout = asyncio.run(run_rollout(TASK, 0, harness, backend, _Sessions(), ScriptedVerifier(False, "hi"),
                                       RolloutLimits(agent_timeout_s=5), rollout_id="r"))
     assert rollout.status == "ok", rollout.error
     sandbox = backend.made[0]

@@ -20,7 +20,7 @@ from harnessrl.rollout.runner import RolloutLimits, run_rollout
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint, Trace
 from fakes import FakeBackend as Backend
-from fakes import FakeSandbox
+from fakes import FakeSandbox, ScriptedVerifier
 
 
 class Sessions:
@@ -92,17 +92,6 @@ class ScriptedHarness:
             case "agent_error":
                 return HarnessResult(exit_code=1, timed_out=False, error="agent exited with code 1")
         return HarnessResult(exit_code=0, timed_out=False, final_answer="42")
-
-
-class ScriptedVerifier:
-    def __init__(self, fails: bool) -> None:
-        self.fails, self.scored = fails, 0
-
-    async def score(self, task: Task, sandbox: FakeSandbox, final_answer: str | None) -> Reward:
-        self.scored += 1
-        if self.fails:
-            raise RuntimeError("verifier bug")
-        return Reward(value=0.0)
 
 
 # (harness outcome, kill fails, verifier fails) -> (status, verified)
