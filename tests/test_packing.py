@@ -11,12 +11,14 @@ import torch
 
 from harnessrl.train.losses import PpoClipLoss, ppo_clip_loss
 from harnessrl.train.packing import (
+    MIN_SHARED_TOKENS,
     SEGMENT_ATTENTION,
     compute_trainer_logprobs,
     loss_inputs,
     pack_rows,
     plan_micro_batches,
     segment_bounds,
+    unshare,
 )
 from harnessrl.types import Row
 
@@ -269,3 +271,112 @@ def test_segment_attention_equals_dense_mask_logprobs_and_grads(tiny_model_dir: 
         torch.testing.assert_close(g_seg, g_dense, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="attention='sparse'"):
         compute_trainer_logprobs(model, packed, temperature=1.0, attention="sparse")  # type: ignore[arg-type]
+
+
+def _group_rows(seed: int, vocab: int = 49152) -> list[Row]:
+    """Rows shaped like a group and its forks: 3 rollouts share a 48-id task prompt; rollout 0
+    also forked after its first turn (its second row shares prompt + first reply + more)."""
+    rng = random.Random(seed)
+    task = [rng.randrange(vocab) for _ in range(48)]
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    turn1 = task + ids(10)  # the first turn's prompt tail and reply of rollout 0
+    rows = [
+        _row(turn1 + ids(30), n_prompt=len(turn1) + 5, advantage=1.0),  # rollout 0, first row (longest)
+        _row(turn1 + ids(9) + ids(14), n_prompt=len(turn1) + 9, advantage=1.0),  # rollout 0, fork row
+        _row(task + ids(25), n_prompt=len(task) + 3, advantage=-0.5),  # rollout 1
+        _row(task + ids(30), n_prompt=len(task) + 1, advantage=-0.5),  # rollout 2
+        _row(ids(40), n_prompt=20, advantage=0.25),  # another group: nothing shared
+    ]
+    return rows
+
+
+def test_shared_prefixes_are_stored_once_and_trained_tokens_never_shared() -> None:
+    rows = _group_rows(seed=5)
+    (packed,) = pack_rows(rows, token_budget=10_000)
+    (whole,) = pack_rows(rows, token_budget=10_000, share_prefixes=False)
+    assert whole.shared_tokens == 0 and whole.num_tokens == sum(len(r.input_ids) for r in rows)
+    # rollout 0's first row is the longest with the task prompt: the root; the fork shares
+    # 58 + 0 ids (up to one before its first trained id), rollouts 1 and 2 the 48-id task
+    by_row = {packed.row_indices[k]: seg for k, seg in enumerate(packed.segments)}
+    assert [by_row[i][3] for i in range(5)] == [0, 58, 48, 48, 0]
+    assert packed.shared_tokens == 58 + 48 + 48 >= 3 * MIN_SHARED_TOKENS
+    assert packed.num_tokens == whole.num_tokens - packed.shared_tokens
+    assert packed.num_trained_tokens == whole.num_trained_tokens
+    for i, (start, end, ctx_start, ctx_len) in by_row.items():
+        row = rows[i]
+        assert packed.input_ids_T[start:end].tolist() == list(row.input_ids[ctx_len:])
+        assert packed.position_ids_T[start:end].tolist() == list(range(ctx_len, len(row.input_ids)))
+        assert packed.input_ids_T[ctx_start:ctx_start + ctx_len].tolist() == list(row.input_ids[:ctx_len])
+        assert packed.mask_T[start:end].tolist() == [bool(m) for m in row.completion_mask[ctx_len:]]
+        assert set(packed.seq_ids_T[start:end].tolist()) == {i}
+        assert not packed.mask_T[start]  # a branch's first own id is context
+    # a fork's budget: the unit does not grow past it (the branch becomes its own unit)
+    packs = pack_rows(rows[:2], token_budget=len(rows[0].input_ids) + 10)
+    assert sum(p.shared_tokens for p in packs) == 0
+
+
+def test_unshare_restores_whole_rows() -> None:
+    rows = _group_rows(seed=6)
+    (packed,) = pack_rows(rows, token_budget=10_000)
+    expanded, index = unshare(packed)
+    assert expanded.shared_tokens == 0 and expanded.num_tokens == sum(len(r.input_ids) for r in rows)
+    offset = 0
+    for i in expanded.row_indices:
+        n = len(rows[i].input_ids)
+        assert expanded.input_ids_T[offset:offset + n].tolist() == list(rows[i].input_ids)
+        assert expanded.mask_T[offset:offset + n].tolist() == [bool(m) for m in rows[i].completion_mask]
+        assert set(expanded.seq_ids_T[offset:offset + n].tolist()) == {i}
+        offset += n
+    assert torch.equal(expanded.input_ids_T[index], packed.input_ids_T)
+    assert torch.equal(expanded.mask_T[index], packed.mask_T)
+
+
+@pytest.mark.parametrize("attention", ["segments", "dense"])
+def test_shared_prefix_layout_equals_whole_rows_logprobs_and_grads(tiny_model_dir: Path, attention: str) -> None:
+    """Loss and gradients of the shared layout equal the unshared one's (float32, 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    rows = _with_near_policy_sampler_logprobs(model, _group_rows(seed=7))
+    shared = pack_rows(rows, token_budget=10_000)
+    whole = pack_rows(rows, token_budget=10_000, share_prefixes=False)
+    assert shared[0].shared_tokens > 0
+    n_global = sum(r.num_trained_tokens for r in rows)
+    results = {}
+    for name, packs in (("shared", shared), ("whole", whole)):
+        model.zero_grad(set_to_none=True)
+        lps, total = {}, 0.0
+        for packed in packs:
+            lp = compute_trainer_logprobs(model, packed, temperature=0.9, attention=attention)  # type: ignore[arg-type]
+            out = ppo_clip_loss(loss_inputs(packed, lp, n_global), PpoClipLoss())
+            out.loss.backward()
+            total += out.loss.item()
+            for k, i in enumerate(packed.row_indices):  # each row's trained logprobs, in row order
+                s, e, _, ctx = packed.segments[k]
+                lps[i] = lp.detach()[s:e][packed.mask_T[s:e]]
+        results[name] = (total, lps, [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    (loss_s, lps_s, grads_s), (loss_w, lps_w, grads_w) = results["shared"], results["whole"]
+    assert loss_s == pytest.approx(loss_w, abs=1e-6)
+    for i in range(len(rows)):
+        assert lps_s[i].numel() == rows[i].num_trained_tokens
+        torch.testing.assert_close(lps_s[i], lps_w[i], atol=1e-5, rtol=0)
+    assert max(g.abs().max().item() for g in grads_s) > 1e-4
+    for g_s, g_w in zip(grads_s, grads_w, strict=True):
+        torch.testing.assert_close(g_s, g_w, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prefix_attention_sees_the_prefix(tiny_model_dir: Path) -> None:
+    """The test can fail: a branch run without its shared prefix gives other logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    (packed,) = pack_rows(_group_rows(seed=8), token_budget=10_000)
+    cut = dataclasses.replace(packed, segments=tuple((s, e, cs, 0) for s, e, cs, _ in packed.segments))
+    with torch.no_grad():
+        right = compute_trainer_logprobs(model, packed, temperature=1.0)
+        wrong = compute_trainer_logprobs(model, cut, temperature=1.0)
+    assert (right - wrong).abs().max() > 1e-2

@@ -21,6 +21,22 @@ sdpa. `tests/test_packing.py` checks that a row's logprobs inside a pack equal t
 alone, and that segment and dense-mask logprobs agree (1e-5, float32). `flash_attention_2` on
 GPU takes the same position ids and runs varlen kernels; models not on sdpa keep their own.
 
+Shared prefixes (`pack_rows(..., share_prefixes=True)`, the default). Rows that start with
+the same context (the G rollouts of a group share the task prompt; a FORK row shares its
+rollout's history up to the fork) pay for it once: a row whose first `p >= MIN_SHARED_TOKENS`
+ids equal the first `p` ids of an earlier row of its pack (the unit's root), and whose first
+`p + 1` ids are all context (mask 0), is stored as a *branch*: only `row[p:]`, with position
+ids `p..n-1`, attending to the root's first `p` positions and then causally to itself
+(`PackedBatch.segments` records `(start, end, ctx_start, ctx_len)` per segment). The shared
+positions compute exactly what they compute in the root (same ids, same positions, causal), so
+every row's logprobs equal those of the row alone and the gradient equals the sum of the
+unshared rows' (the root's positions receive the branches' gradient too); tested to 1e-5 in
+float32 (`tests/test_packing.py`). Only the segment attention runs branches natively; a model
+on another attention implementation, or `attention="dense"`, gets the pack expanded back to
+whole rows first (`unshare`: same values, no saving). Trained tokens are never shared (a
+branch's shared part is context in it), so each trained token keeps its row's advantage,
+sampler logprob and sequence id.
+
 Oversized rows: a row longer than the budget gets a micro-batch of its own; rows are never
 dropped or truncated (a too-long row is the trainer's memory problem to report, not a silent
 loss of training signal). `PackPlan.num_oversized` counts them.
@@ -36,6 +52,7 @@ What this module does not do: choose the budget, run the optimizer, or compute l
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -69,10 +86,20 @@ class PackedBatch:
     """int64: engine weight version of each trained token, -1 elsewhere."""
     row_indices: tuple[int, ...]
     """Indices of the packed rows in the input sequence, in pack order."""
+    segments: tuple[tuple[int, int, int, int], ...] = ()
+    """`(start, end, ctx_start, ctx_len)` per segment, in pack order: tokens `[start, end)`
+    attend to pack positions `[ctx_start, ctx_start + ctx_len)` (a shared prefix; ctx_len 0
+    for a whole row) and causally to themselves. Empty: whole rows, found from the position
+    resets (`segment_bounds`)."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids_T.numel())
+
+    @property
+    def shared_tokens(self) -> int:
+        """Context positions not re-forwarded: the sum of the branches' shared prefix lengths."""
+        return sum(seg[3] for seg in self.segments)
 
     @property
     def num_trained_tokens(self) -> int:
@@ -124,15 +151,64 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> PackPlan:
     return PackPlan(tuple(tuple(b) for b in bins), oversized)
 
 
-def pack_rows(rows: Sequence[Row], token_budget: int) -> list[PackedBatch]:
+MIN_SHARED_TOKENS = 32
+"""Shortest shared prefix worth a branch (shorter ones are re-forwarded as whole rows)."""
+
+
+def pack_rows(rows: Sequence[Row], token_budget: int, *, share_prefixes: bool = True) -> list[PackedBatch]:
     """Pack `rows` into padding-free micro-batches of at most `token_budget` tokens each
     (an oversized row alone in its own). Advantages are read from `Row.advantage`.
+
+    `share_prefixes`: a row sharing a context prefix with a longer row is stored as a branch
+    of it (module docstring), so the pack holds the shared ids once; False packs whole rows.
+
+    Raises:
+        ValueError: `token_budget` < 1, an empty row, or a row that trains its first token.
     """
-    plan = plan_micro_batches([len(r.input_ids) for r in rows], token_budget)
-    return [_concat(rows, b) for b in plan.bins]
+    if not share_prefixes:
+        plan = plan_micro_batches([len(r.input_ids) for r in rows], token_budget)
+        return [_concat(rows, [(i, 0) for i in b]) for b in plan.bins]
+    units = _shared_units(rows, token_budget)
+    plan = plan_micro_batches([sum(len(rows[i].input_ids) - p for i, p in u) for u in units], token_budget)
+    return [_concat(rows, [m for u in b for m in units[u]]) for b in plan.bins]
 
 
-def _concat(rows: Sequence[Row], indices: Sequence[int]) -> PackedBatch:
+def _shared_units(rows: Sequence[Row], token_budget: int) -> list[list[tuple[int, int]]]:
+    """Rows grouped into units `[(root, 0), (branch, p), ...]`, longest rows first; a row joins
+    the unit whose root shares the longest usable prefix with it (>= MIN_SHARED_TOKENS, its
+    first p + 1 ids context) when the unit stays within the budget."""
+    from harnessrl.train.samples import common_prefix_len
+
+    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i].input_ids), i))
+    units: list[list[tuple[int, int]]] = []
+    sizes: list[int] = []
+    roots_by_head: dict[tuple[int, ...], list[int]] = {}  # first MIN_SHARED_TOKENS ids -> units
+    for i in order:
+        ids, n = rows[i].input_ids, len(rows[i].input_ids)
+        mask = rows[i].completion_mask
+        first_trained = mask.index(1) if 1 in mask else n
+        head = tuple(ids[:MIN_SHARED_TOKENS])
+        best, best_p = -1, 0
+        if first_trained > MIN_SHARED_TOKENS:
+            for u in roots_by_head.get(head, ()):
+                root_ids = rows[units[u][0][0]].input_ids
+                p = min(common_prefix_len(root_ids, ids), first_trained - 1)
+                if p >= MIN_SHARED_TOKENS and p > best_p and sizes[u] + n - p <= token_budget:
+                    best, best_p = u, p
+        if best >= 0:
+            units[best].append((i, best_p))
+            sizes[best] += n - best_p
+            continue
+        units.append([(i, 0)])
+        sizes.append(n)
+        if len(head) == MIN_SHARED_TOKENS:
+            roots_by_head.setdefault(head, []).append(len(units) - 1)
+    return units
+
+
+def _concat(rows: Sequence[Row], members: Sequence[tuple[int, int]]) -> PackedBatch:
+    """Concatenate `(row index, shared prefix p)` members: p = 0 starts a unit (its root), p > 0
+    is a branch of the last root, stored from id p on."""
     ids: list[int] = []
     pos: list[int] = []
     mask: list[int] = []
@@ -140,18 +216,26 @@ def _concat(rows: Sequence[Row], indices: Sequence[int]) -> PackedBatch:
     advs: list[float] = []
     seq: list[int] = []
     vers: list[int] = []
-    for i in indices:
+    segments: list[tuple[int, int, int, int]] = []
+    root_start = 0
+    for i, p in members:
         row = rows[i]
         n = len(row.input_ids)
+        if n < 1:
+            raise ValueError(f"row {i} has length {n}; rows must hold >= 1 token")
         if row.completion_mask and row.completion_mask[0]:
             raise ValueError(f"row {i} trains its first token, which has no left context")
-        ids.extend(row.input_ids)
-        pos.extend(range(n))
-        mask.extend(row.completion_mask)
-        lps.extend(row.sampler_logprobs)
-        advs.extend([row.advantage] * n)
-        seq.extend([i] * n)
-        vers.extend(row.policy_versions)
+        start = len(ids)
+        if p == 0:
+            root_start = start
+        ids.extend(row.input_ids[p:])
+        pos.extend(range(p, n))
+        mask.extend(row.completion_mask[p:])
+        lps.extend(row.sampler_logprobs[p:])
+        advs.extend([row.advantage] * (n - p))
+        seq.extend([i] * (n - p))
+        vers.extend(row.policy_versions[p:])
+        segments.append((start, len(ids), root_start, p))
     return PackedBatch(
         input_ids_T=torch.tensor(ids, dtype=torch.long),
         position_ids_T=torch.tensor(pos, dtype=torch.long),
@@ -160,8 +244,49 @@ def _concat(rows: Sequence[Row], indices: Sequence[int]) -> PackedBatch:
         advantages_T=torch.tensor(advs, dtype=torch.float32),
         seq_ids_T=torch.tensor(seq, dtype=torch.long),
         policy_versions_T=torch.tensor(vers, dtype=torch.long),
-        row_indices=tuple(indices),
+        row_indices=tuple(i for i, _ in members),
+        segments=tuple(segments),
     )
+
+
+def unshare(packed: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:
+    """`packed` with every branch expanded back to its whole row (its shared prefix copied in
+    front), and the index `[T]` of each of `packed`'s positions in the expanded pack, so that
+    `expanded_values[index]` are `packed`'s values. Returns `packed` itself when it has no branch."""
+    if not packed.shared_tokens:
+        return packed, torch.arange(packed.num_tokens)
+    parts: list[torch.Tensor] = []
+    owners: list[torch.Tensor] = []
+    index: list[torch.Tensor] = []
+    new_segments: list[tuple[int, int, int, int]] = []
+    length = 0
+    for start, end, ctx_start, ctx_len in packed.segments:
+        own = torch.arange(start, end)
+        parts.append(torch.cat([torch.arange(ctx_start, ctx_start + ctx_len), own]))
+        owners.append(torch.cat([torch.full((ctx_len,), start), own]))  # the copied prefix is the branch's
+        n = ctx_len + end - start
+        index.append(torch.arange(length + ctx_len, length + n))
+        new_segments.append((length, length + n, length, 0))
+        length += n
+    src_T, owner_T = torch.cat(parts), torch.cat(owners)
+    context_only = torch.ones(length, dtype=torch.bool)
+    context_only[torch.cat(index)] = False  # copied prefixes: context in the branch's row
+
+    def take(t: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+        return t[src_T].masked_fill(context_only, fill)
+
+    expanded = PackedBatch(
+        input_ids_T=packed.input_ids_T[src_T],
+        position_ids_T=packed.position_ids_T[src_T],
+        mask_T=take(packed.mask_T, False),
+        sampler_logprobs_T=take(packed.sampler_logprobs_T, 0.0),
+        advantages_T=packed.advantages_T[owner_T],
+        seq_ids_T=packed.seq_ids_T[owner_T],
+        policy_versions_T=take(packed.policy_versions_T, -1),
+        row_indices=packed.row_indices,
+        segments=tuple(new_segments),
+    )
+    return expanded, torch.cat(index)
 
 
 SEGMENT_ATTENTION = "harnessrl_segments"
@@ -177,6 +302,12 @@ def segment_bounds(position_ids_T: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
+_PACK_SEGMENTS: contextvars.ContextVar[tuple[tuple[int, int, int, int], ...]] = contextvars.ContextVar(
+    "harnessrl_pack_segments", default=()
+)
+"""The segments of the pack being forwarded (`PackedBatch.segments`), set by `segment_attention`."""
+
+
 def _segment_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -185,7 +316,8 @@ def _segment_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal SDPA per row segment of a packed `[1, H, T, D]` sequence; output `[1, T, H, D]`."""
+    """Causal SDPA per segment of a packed `[1, H, T, D]` sequence; output `[1, T, H, D]`.
+    A branch segment attends to its shared prefix (all of it) and then causally to itself."""
     position_ids = kwargs.get("position_ids")
     if (
         attention_mask is not None
@@ -195,12 +327,22 @@ def _segment_attention_forward(
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
-    outs = [
-        sdpa_attention_forward(
-            module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, is_causal=True, **kwargs
-        )[0]
-        for s, e in segment_bounds(position_ids.reshape(-1))
-    ]
+    segments = _PACK_SEGMENTS.get()
+    if not segments or segments[-1][1] != query.shape[2]:
+        segments = tuple((s, e, s, 0) for s, e in segment_bounds(position_ids.reshape(-1)))
+    outs = []
+    for s, e, cs, cl in segments:
+        if cl == 0:
+            out = sdpa_attention_forward(
+                module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, is_causal=True, **kwargs
+            )[0]
+        else:
+            n = e - s
+            k = torch.cat([key[:, :, cs:cs + cl], key[:, :, s:e]], dim=2)
+            v = torch.cat([value[:, :, cs:cs + cl], value[:, :, s:e]], dim=2)
+            allowed = torch.ones((n, cl + n), dtype=torch.bool, device=query.device).tril(diagonal=cl)
+            out = sdpa_attention_forward(module, query[:, :, s:e], k, v, allowed, is_causal=False, **kwargs)[0]
+        outs.append(out)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
@@ -218,21 +360,31 @@ AttentionInterface.register(SEGMENT_ATTENTION, _segment_attention_forward)
 AttentionMaskInterface.register(SEGMENT_ATTENTION, _segment_mask)
 
 
+def runs_segments(model: torch.nn.Module) -> bool:
+    """Whether `segment_attention` applies to `model` (a transformers model on `sdpa`)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
+
+
 @contextlib.contextmanager
-def segment_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run `model` (a transformers model on `sdpa`) with the segment attention inside the block.
+def segment_attention(
+    model: torch.nn.Module, segments: tuple[tuple[int, int, int, int], ...] = ()
+) -> Iterator[None]:
+    """Run `model` (a transformers model on `sdpa`) with the segment attention inside the block,
+    over `segments` (`PackedBatch.segments`; empty: rows from the position resets).
 
     Models on another implementation (eager, flash_attention_2, ...) are left as they are.
     Not thread-safe for one model used from two threads at once (it switches the config).
     """
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+    if not runs_segments(model):
         yield
         return
+    config = model.config
     config._attn_implementation = SEGMENT_ATTENTION
+    token = _PACK_SEGMENTS.set(segments)
     try:
         yield
     finally:
+        _PACK_SEGMENTS.reset(token)
         config._attn_implementation = "sdpa"
 
 
@@ -257,6 +409,10 @@ def compute_trainer_logprobs(
     """
     if attention not in ("segments", "dense"):
         raise ValueError(f"attention={attention!r} is not 'segments' or 'dense'")
+    if packed.shared_tokens and (attention == "dense" or not runs_segments(model)):
+        expanded, index_T = unshare(packed)  # only the segment attention runs branches
+        lp_T = compute_trainer_logprobs(model, expanded, temperature, attention)
+        return lp_T[index_T.to(lp_T.device)]
     device = next(model.parameters()).device
     mask = packed.mask_T.to(device)
     target_idx = torch.nonzero(mask, as_tuple=False).squeeze(-1)
@@ -264,7 +420,7 @@ def compute_trainer_logprobs(
     if target_idx.numel() == 0:
         return out
     scale = temperature if temperature > 0 else 1.0
-    with segment_attention(model) if attention == "segments" else contextlib.nullcontext():
+    with segment_attention(model, packed.segments) if attention == "segments" else contextlib.nullcontext():
         result = model(
             input_ids=packed.input_ids_T.to(device)[None],
             position_ids=packed.position_ids_T.to(device)[None],
