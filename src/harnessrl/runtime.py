@@ -42,7 +42,15 @@ class Runtime:
     verifier_for: Callable[[Task], Verifier]
 
 
-def make_engine(cfg: EngineConfig, model_dir: Path, seed: int) -> Engine:
+def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | None = None) -> Engine:
+    """The engine `cfg` names. `engine.kind = "vllm"` without `url`/`urls` launches its servers
+    (logs in `run_dir`, or the cache's `engines/vllm/logs/` without one); the engine owns them
+    and its `close()` stops them.
+
+    Raises:
+        EngineError: an engine that cannot serve (vLLM not installed, a server that does not
+            come up or is not in processed-logprobs mode).
+    """
     match cfg.kind:
         case "embedded":
             from harnessrl.engine.embedded import EmbeddedEngine
@@ -57,6 +65,10 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int) -> Engine:
                 prefix_cache_tokens=cfg.prefix_cache_tokens,
                 prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             )
+        case "vllm":
+            from harnessrl.engine.vllm import make_vllm_engine
+
+            return make_vllm_engine(cfg, model_dir, run_dir)
 
 
 def make_task_source(cfg: TasksConfig) -> TaskSource:
@@ -121,11 +133,12 @@ def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:
 
 
 @asynccontextmanager
-async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_effort"] = "best_effort"
-                        ) -> AsyncIterator[Runtime]:
+async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_effort"] = "best_effort",
+                        run_dir: Path | None = None) -> AsyncIterator[Runtime]:
     """Start every rollout-side component; stop them all on exit, whatever happened.
 
-    `isolation` is the command's default for `sandbox.isolation` (which overrides it). Before
+    `run_dir` receives the logs of launched engine servers. `isolation` is the command's
+    default for `sandbox.isolation` (which overrides it). Before
     anything loads, the sandbox backend's gaps are logged as a warning, and under "required"
     a machine where bubblewrap cannot run stops the run (SandboxError naming the gaps).
     """
@@ -141,7 +154,7 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
     verifier_for(tasks.get(0))  # a task family without a verifier stops the run here (TaskError)
     LocalSandboxBackend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
     model_dir = resolve_model(cfg.engine.model)
-    engine = make_engine(cfg.engine, model_dir, cfg.seed)
+    engine = make_engine(cfg.engine, model_dir, cfg.seed, run_dir)
     try:
         chat = ChatLayer(load_tokenizer(model_dir))
         async with ProxyServer(engine, chat, proxy_config_for(cfg, "harnessrl-policy")) as proxy:

