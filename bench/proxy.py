@@ -40,7 +40,7 @@ class InstantEngine:
     max_context_tokens = 65536
     eos_token_ids = (2,)
 
-    async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
+    async def generate(self, prompt_ids: list[int], sampling: Any, *, affinity: str | None = None) -> Any:
         from harnessrl.types import Completion
 
         ids = OUT_IDS[: sampling.max_tokens]

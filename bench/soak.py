@@ -103,7 +103,7 @@ class SoakEngine:
         self.tokenizer = tokenizer
         self.calls = 0
 
-    async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
+    async def generate(self, prompt_ids: list[int], sampling: Any, *, affinity: str | None = None) -> Any:
         from harnessrl.errors import EngineError
         from harnessrl.types import Completion
 

@@ -49,7 +49,7 @@ class FakeEngine:
     """Seconds each call takes (asyncio.sleep), to hold calls in flight."""
     calls: list[tuple[list[int], Sampling]] = field(default_factory=list)
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, affinity: str | None = None) -> Completion:
         self.calls.append((list(prompt_ids), sampling))
         if self.delay_s > 0:
             await asyncio.sleep(self.delay_s)

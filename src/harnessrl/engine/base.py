@@ -5,7 +5,8 @@ Invariant: `Completion.prompt_ids` is exactly the input it was given and
 `completion_logprobs[i]` is the log-probability of `completion_ids[i]` under the
 distribution it was actually drawn from (temperature, top-p, top-k applied), so a trainer
 computing `log_softmax(logits / T)` on the same ids reproduces it when nothing was truncated.
-`policy_version` is the weight version when the request was admitted.
+`policy_version` is the weight version when the request was admitted (a server engine: when it
+was sent), and `straddled` says the version changed while it was in flight.
 """
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ class Engine(Protocol):
         """Largest `len(prompt_ids) + max_tokens` the engine accepts."""
         ...
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *,
+                       affinity: str | None = None) -> Completion:
         """Generate one completion.
+
+        `affinity` groups requests that should be served by the same replica (the proxy passes
+        the rollout's session id, so a multi-replica engine reuses that replica's prefix cache
+        turn after turn); an engine with one replica ignores it.
 
         Raises:
             ContextLengthError: the prompt leaves no room for a completion.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EmbeddedEngineConfig(BaseModel):
@@ -35,5 +35,77 @@ class EmbeddedEngineConfig(BaseModel):
     """Most prompt tokens prefilled between two decode steps (chunked prefill)."""
 
 
-EngineConfig = Annotated[EmbeddedEngineConfig, Field(discriminator="kind")]
+class VllmEngineConfig(BaseModel):
+    """vLLM server(s) over HTTP (`engine/vllm.py`): attached (`url` / `urls`) or launched and
+    owned by harnessrl (`engine/vllm_server.py`; `harnessrl engine install vllm` first).
+
+    The chat layer renders with the tokenizer of `model`, which must be the model the servers
+    serve (an attached server's model is checked against it by name only when it is a path).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["vllm"] = "vllm"
+    model: str = "smollm2-135m"
+    """`smollm2-135m`, `tiny-random`, a local HF directory, or a hub id in the offline cache:
+    the tokenizer of the chat layer and, when launching, the weights the servers load."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """`--dtype` of launched servers; token-faithful checks need float32 on CPU."""
+    url: str | None = None
+    """Base URL of one running server (`http://127.0.0.1:8000`); attach, launch nothing."""
+    urls: list[str] = Field(default_factory=list)
+    """Base URLs of several running servers (replicas); attach to all."""
+    replicas: int = Field(default=1, ge=1)
+    """Servers to launch when no `url`/`urls` is given."""
+    max_context_tokens: int = Field(default=4096, ge=64)
+    """Largest prompt + completion length (`--max-model-len` of launched servers; an attached
+    server's own limit must be at least this)."""
+    weight_sync: Literal["directory", "lora", "nccl"] = "directory"
+    """How new weights reach the servers (`engine/vllm_sync.py`)."""
+    sync_dir: str | None = None
+    """Shared directory of the `directory` sync; None: `<run dir>/weights`."""
+    max_lora_rank: int = Field(default=16, ge=1)
+    """`--max-lora-rank` of launched servers when `weight_sync = "lora"`."""
+    threads: str | None = None
+    """`VLLM_CPU_OMP_THREADS_BIND` of a launched CPU server (`0-1`); None: every core of the
+    machine, split evenly across replicas."""
+    kv_cache_gib: float = Field(default=2.0, gt=0)
+    """`VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) of a launched CPU server."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """`--gpu-memory-utilization` of a launched GPU server."""
+    enforce_eager: bool = True
+    """`--enforce-eager` (always on CPU: torch.compile costs minutes per start and gains nothing)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More command-line flags for launched servers, passed as given."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for a launched server's `/health` (a CPU start takes 30-50 s)."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for one completion; past it the turn is an error turn."""
+    max_connections: int = Field(default=256, ge=1)
+    """Keep-alive connections per replica of the client session."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VllmEngineConfig:
+        if self.url is not None and self.urls:
+            raise ValueError("engine.url and engine.urls are exclusive: give one server as url, several as urls")
+        for name, value in [("url", self.url)] + [(f"urls[{i}]", u) for i, u in enumerate(self.urls)]:
+            if value is not None and not value.startswith(("http://", "https://")):
+                raise ValueError(f"engine.{name}={value!r} must start with http:// or https://")
+        if self.attached and self.replicas != 1:
+            raise ValueError("engine.replicas launches servers; with engine.url/urls give the servers instead")
+        return self
+
+    @property
+    def attached(self) -> bool:
+        """True when the servers are given (`url`/`urls`), False when harnessrl launches them."""
+        return self.url is not None or bool(self.urls)
+
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """The attached servers' base URLs without a trailing `/` (empty when launching)."""
+        given = [self.url] if self.url is not None else self.urls
+        return tuple(u.rstrip("/") for u in given)
+
+
+EngineConfig = Annotated[EmbeddedEngineConfig | VllmEngineConfig, Field(discriminator="kind")]
 """`[engine]`: the engine named by `kind` (default `embedded`) with its own keys."""

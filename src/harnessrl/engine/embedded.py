@@ -119,6 +119,24 @@ class EngineStats:
     """Token positions held in the prefix cache now."""
     prefix_cache_evictions: int = 0
 
+    def step_metrics(self, previous: EngineStats | None = None, prefix: str = "engine/") -> dict[str, float]:
+        """Flat metrics of the work done since `previous` (a snapshot taken earlier; None: since
+        start): each counter's increase as `engine/<name>`, the gauge `engine/prefix_cache_tokens`
+        as it is now, `engine/prefix_hit_frac` = reused / (reused + computed) prompt tokens and
+        `engine/mean_batch_size` = generated tokens per decode step (0 when none)."""
+        out: dict[str, float] = {}
+        for name in EngineStats.__slots__:  # type: ignore[attr-defined]
+            value = getattr(self, name)
+            if name not in ("prefix_cache_tokens", "max_batch_size_seen") and previous is not None:
+                value -= getattr(previous, name)
+            out[prefix + name] = float(value)
+        prompt = out[prefix + "prefill_tokens"] + out[prefix + "prefix_hit_tokens"]
+        out[prefix + "prefix_hit_frac"] = out[prefix + "prefix_hit_tokens"] / prompt if prompt else 0.0
+        steps = out[prefix + "decode_steps"]
+        decoded = out[prefix + "generated_tokens"] - out[prefix + "prefills"]  # one id per prefill is not a step's
+        out[prefix + "mean_batch_size"] = max(decoded, 0.0) / steps if steps else 0.0
+        return out
+
 
 @dataclass(slots=True)
 class _Request:
@@ -256,8 +274,10 @@ class EmbeddedEngine:
             }
         )
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
-        """Generate one completion; concurrent calls are decoded in one batch.
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *,
+                       affinity: str | None = None) -> Completion:
+        """Generate one completion; concurrent calls are decoded in one batch (`affinity` is
+        ignored: one replica).
 
         Raises:
             ContextLengthError: `len(prompt_ids) >= max_context_tokens`.

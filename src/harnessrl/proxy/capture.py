@@ -213,7 +213,7 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
                            p.started_perf_s, p.origin, p.final_stop)
     try:
-        completion = await deps.engine.generate(p.prompt_ids, p.sampling)
+        completion = await deps.engine.generate(p.prompt_ids, p.sampling, affinity=p.session.session_id)
     except ContextLengthError as exc:
         if deps.config.max_model_calls:
             return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
@@ -237,6 +237,8 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         msg = f"internal proxy error: {type(exc).__name__}: {exc}"
         return _failed(p, 500, error_body(msg, type_="server_error", code="internal_error"), msg)
     notes = [] if p.bridged_from is None else [f"bridged_from={p.bridged_from}"]
+    if completion.straddled:
+        notes.append(f"straddled_update: sent under policy_version={completion.policy_version}")
     turn = Turn.model_construct(
         turn_index=p.turn_index, protocol="chat.completions" if origin is None else origin.protocol,
         request=p.body, reply=reply_of(parsed),

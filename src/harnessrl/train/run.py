@@ -154,7 +154,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     repair_torn_tail(run_dir / "rollouts.jsonl")  # a torn line never fuses with the next record
     rollouts_fh = (run_dir / "rollouts.jsonl").open("a", encoding="utf-8")
     try:
-        async with start_runtime(cfg, isolation="required") as rt:
+        async with start_runtime(cfg, isolation="required", run_dir=run_dir) as rt:
             # 0) the policy (same weights the engine serves), optimizer, hooks, resume point
             policy = await loop.run_in_executor(trainer, lambda: load_policy(
                 rt.model_dir, learning_rate=cfg.train.learning_rate,
@@ -221,6 +221,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 # `step` is 1-based: the k-th training step; checkpoints/step-k holds the state after it
                 for step in range(start_step + 1, cfg.train.steps + 1):
                     t_step = time.monotonic()
+                    engine_before = _engine_stats(rt.engine)
                     # 1) pull the groups of this step (rollouts for later steps keep running)
                     groups = await _pull_groups(orch, groups_per_step, console, step, cfg.train.steps)
                     t_pulled = time.monotonic()
@@ -276,6 +277,9 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         "time/step_s": t_synced - t_step,
                         "rollouts_in_flight_groups": orch.groups_in_flight,
                     })
+                    engine_now = _engine_stats(rt.engine)  # prefix cache and batching, this step
+                    if engine_now is not None:
+                        metrics.update(engine_now.step_metrics(engine_before))
                     for g in groups:
                         for r in g.rollouts:
                             # the verifier's reward and the training reward (when shaped), both
@@ -318,6 +322,14 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
         # stopped by a signal: do not wait for a step still running on the trainer thread (its
         # result is discarded; `harnessrl train` exits without joining it)
         trainer.shutdown(wait=completed, cancel_futures=True)
+
+
+def _engine_stats(engine: object) -> Any:
+    """The engine's counters snapshot when it keeps them (`EmbeddedEngine.stats()`, which has
+    `step_metrics`), else None."""
+    stats = getattr(engine, "stats", None)
+    snapshot = stats() if callable(stats) else None
+    return snapshot if callable(getattr(snapshot, "step_metrics", None)) else None
 
 
 async def _finish_even_if_stopped(work: asyncio.Future[Any]) -> Any:

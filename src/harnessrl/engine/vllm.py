@@ -1,0 +1,500 @@
+"""`VllmEngine`: the `Engine` seam over one or more vLLM servers' `/v1/completions`.
+
+Responsibility: send token-id prompts to vLLM, validate everything the server returns, and hand
+back a `Completion` whose ids are the ids sampled and whose logprobs are those of the sampling
+distribution, labelled with the policy version the request was sent under.
+
+* Requests: `POST /v1/completions` with `prompt` = the ids, `logprobs: 0`,
+  `return_token_ids: true`, the `Sampling` values (top_k/top_p/seed/stop only when set), and
+  `cache_salt = "v<policy version>"` so KV computed under older weights is never reused.
+  One aiohttp session (keep-alive) per event loop; non-streaming only (DESIGN.md §4).
+* Processed logprobs: at construction a probe (greedy-by-top_k=1, 4 tokens at T=1) must come
+  back with logprob exactly 0.0 for every token, which only `--logprobs-mode processed_logprobs`
+  gives (raw logprobs ignore top_k and are < 0). A server in another mode is refused with
+  `EngineError` saying so; nothing is recomputed client-side.
+* Policy versions (`set_policy`, thread-safe, called by the weight sync from the trainer
+  thread): a request reports the version current when it was SENT and uses the model current
+  then (a LoRA adapter name, or the base model). If the version changed while it was in
+  flight, `Completion.straddled` is set (its later ids may come from newer weights; staleness
+  counts the older version, which is conservative).
+* Replicas: the requests of one rollout (`affinity`, the proxy's session id) go to one replica,
+  so its prefix cache is reused turn after turn; a new affinity key goes to the replica with
+  the fewest live keys (ties: fewest requests in flight); no key: fewest in flight.
+
+Validation (`parse_completion`): every fault is either an `EngineError` (the proxy records an
+error turn and answers the agent 503 with the reason; never trained) or, for logprob VALUES
+only, passed through so that `types.check_turn_faithful` marks the turn unfaithful (the agent
+still gets its reply; the tokens never train):
+  * error: HTTP status != 200 (a 400 about the context length is `ContextLengthError`), a body
+    that is not JSON or was cut short, a timeout, no/empty `choices`, missing `token_ids`, an id
+    that is not a non-negative int or a `"token_id:N"` string (`"token_id:0"` is id 0), a
+    count of logprobs != count of ids, `usage` that disagrees with the ids, `prompt_token_ids`
+    that differ from the prompt sent, more ids than `max_tokens`, a `finish_reason` other than
+    `stop`/`length`.
+  * unfaithful: a logprob that is `null` (read as NaN), `NaN`, `±inf`, positive or a sentinel
+    below `types.MIN_SAMPLED_LOGPROB` (vLLM's `-9999.0`).
+
+What it does not do: launch servers (`engine/vllm_server.py`) or move weights
+(`engine/vllm_sync.py`), or pause a server around an update (the sync does that itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import threading
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harnessrl.errors import ContextLengthError, EngineError
+from harnessrl.types import Completion, Sampling
+
+if TYPE_CHECKING:
+    from harnessrl.engine.config import VllmEngineConfig
+    from harnessrl.engine.vllm_server import VllmServer
+
+log = logging.getLogger(__name__)
+
+AFFINITY_KEYS_KEPT = 100_000
+"""Affinity keys remembered (LRU); an older key that comes back is placed again."""
+PROBE_PROMPT = (1, 504, 3458, 314, 253, 1789, 28, 1041, 2365, 30)
+"""Ids of the processed-logprobs probe (any ids below the vocabulary size do)."""
+_TOKEN_ID_STR = re.compile(r"token_id:(\d+)\Z")
+_CONTEXT_WORDS = ("maximum context length", "max_model_len", "context length", "too long")
+
+
+class VllmEngine:
+    """`Engine` over vLLM servers at `urls` (base URLs, no `/v1`). See the module docstring.
+
+    Args:
+        urls: one base URL per replica, e.g. `("http://127.0.0.1:8123",)`.
+        served_model: the base model's name on the servers (`/v1/models`); None: the first
+            model the first server lists.
+        max_context_tokens: largest prompt + completion; every server must serve at least this.
+        model_dir: the model's directory, for `eos_token_ids` (its generation config).
+        request_timeout_s: longest wait for one completion.
+        check_processed_logprobs: run the probe (module docstring); off only in unit tests of
+            servers that cannot sample.
+        servers: launched servers this engine owns: `close()` stops them (also when this
+            constructor raises).
+
+    Raises:
+        EngineError: a server is unreachable, does not serve `served_model`, serves fewer than
+            `max_context_tokens`, or is not in processed-logprobs mode.
+    """
+
+    def __init__(self, urls: Sequence[str], *, served_model: str | None = None, max_context_tokens: int = 4096,
+                 model_dir: Path | None = None, request_timeout_s: float = 600.0, max_connections: int = 256,
+                 check_processed_logprobs: bool = True, servers: Sequence[VllmServer] = ()) -> None:
+        self._servers = list(servers)
+        try:
+            self._init(urls, served_model, max_context_tokens, model_dir, request_timeout_s, max_connections,
+                       check_processed_logprobs)
+        except BaseException:
+            self._stop_servers()
+            raise
+
+    def _init(self, urls: Sequence[str], served_model: str | None, max_context_tokens: int, model_dir: Path | None,
+              request_timeout_s: float, max_connections: int, check_processed_logprobs: bool) -> None:
+        if not urls:
+            raise EngineError("VllmEngine needs at least one server URL")
+        self.replica_urls: tuple[str, ...] = tuple(u.rstrip("/") for u in urls)
+        self._max_context_tokens = max_context_tokens
+        self._timeout_s = request_timeout_s
+        self._max_connections = max_connections
+        self._lock = threading.Lock()
+        self._version = 0
+        self._model: str | None = None
+        self._closed = False
+        self._sessions: dict[int, Any] = {}  # id(loop) -> (loop, aiohttp.ClientSession)
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._busy = [0] * len(self.replica_urls)
+        self._keys_per_replica = [0] * len(self.replica_urls)
+        self._affinity: OrderedDict[str, int] = OrderedDict()
+        self._eos = _eos_ids(model_dir) if model_dir is not None else ()
+        self.served_model: str = served_model or ""
+        """The base model's name on the servers."""
+        for url in self.replica_urls:
+            self._check_server(url)
+        if check_processed_logprobs:
+            for url in self.replica_urls:
+                self._probe_processed_logprobs(url)
+
+    # -- Engine protocol --------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        with self._lock:
+            return self._version
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self._max_context_tokens
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids of the model's generation config (what vLLM stops on); () without `model_dir`."""
+        return self._eos
+
+    def set_policy(self, version: int, *, model: str | None = None) -> None:
+        """Requests sent from now on use `model` (a LoRA adapter name; None: the base model)
+        and report `policy_version == version`. Thread-safe."""
+        with self._lock:
+            self._version, self._model = version, model
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, affinity: str | None = None) -> Completion:
+        """One completion from a replica (`affinity` picks it; module docstring).
+
+        Raises:
+            ContextLengthError: `len(prompt_ids) >= max_context_tokens` (or the server says so).
+            EngineError: the engine is closed, or the server failed or answered something that
+                cannot be trusted (module docstring); the message says which and names the URL.
+        """
+        if self._closed:
+            raise EngineError("the vLLM engine is closed")
+        if not prompt_ids:
+            raise EngineError("prompt_ids is empty")
+        if len(prompt_ids) >= self._max_context_tokens:
+            raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for a completion "
+                                     f"(max_context_tokens={self._max_context_tokens})")
+        max_tokens = min(sampling.max_tokens, self._max_context_tokens - len(prompt_ids))
+        with self._lock:
+            version, model = self._version, self._model
+        replica = self._pick(affinity)
+        url = self.replica_urls[replica]
+        body = request_body(model or self.served_model, prompt_ids, sampling, max_tokens, version)
+        task = asyncio.get_running_loop().create_task(self._post(url, body))
+        self._inflight.add(task)
+        self._busy[replica] += 1
+        try:
+            status, raw = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._closed and not (current is not None and current.cancelling()):
+                raise EngineError("the vLLM engine was closed while the request was in flight") from None
+            raise
+        finally:
+            self._inflight.discard(task)
+            self._busy[replica] -= 1
+        if status != 200:
+            raise _status_error(url, status, raw)
+        ids, logprobs, finish = parse_completion(_loads(url, raw), prompt_ids, max_tokens, where=url)
+        with self._lock:
+            straddled = self._version != version
+        return Completion(prompt_ids=tuple(prompt_ids), completion_ids=tuple(ids),
+                          completion_logprobs=tuple(logprobs), finish_reason=finish, policy_version=version,
+                          straddled=straddled)
+
+    @property
+    def servers(self) -> tuple[VllmServer, ...]:
+        """The launched servers this engine owns (empty when attached)."""
+        return tuple(self._servers)
+
+    def _stop_servers(self) -> None:
+        for server in self._servers:
+            server.stop()
+
+    def close(self) -> None:
+        """Fail requests in flight (`EngineError`), close the HTTP sessions and stop the owned
+        servers; idempotent."""
+        self._closed = True
+        self._stop_servers()
+        for task in list(self._inflight):
+            loop = task.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
+        sessions, self._sessions = self._sessions, {}
+        for loop, session in sessions.values():
+            if loop.is_closed():
+                continue
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                loop.create_task(session.close())
+            elif not loop.is_running():
+                loop.run_until_complete(session.close())
+            else:
+                asyncio.run_coroutine_threadsafe(session.close(), loop)
+
+    # -- routing ----------------------------------------------------------------------------------
+
+    def _pick(self, affinity: str | None) -> int:
+        n = len(self.replica_urls)
+        if n == 1:
+            return 0
+        if affinity is None:
+            return min(range(n), key=lambda i: self._busy[i])
+        with self._lock:
+            replica = self._affinity.get(affinity)
+            if replica is not None:
+                self._affinity.move_to_end(affinity)
+                return replica
+            replica = min(range(n), key=lambda i: (self._keys_per_replica[i], self._busy[i]))
+            self._affinity[affinity] = replica
+            self._keys_per_replica[replica] += 1
+            if len(self._affinity) > AFFINITY_KEYS_KEPT:
+                _, old = self._affinity.popitem(last=False)
+                self._keys_per_replica[old] -= 1
+            return replica
+
+    def forget(self, affinity: str) -> None:
+        """Drop an affinity key whose rollout ended (its replica takes new keys again)."""
+        with self._lock:
+            replica = self._affinity.pop(affinity, None)
+            if replica is not None:
+                self._keys_per_replica[replica] -= 1
+
+    def replica_of(self, affinity: str) -> int | None:
+        """The replica index `affinity` is routed to, or None when it has not been seen."""
+        with self._lock:
+            return self._affinity.get(affinity)
+
+    # -- HTTP -------------------------------------------------------------------------------------
+
+    def _session(self) -> Any:
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        entry = self._sessions.get(id(loop))
+        if entry is None or entry[0] is not loop or entry[1].closed:
+            connector = aiohttp.TCPConnector(limit=self._max_connections * len(self.replica_urls),
+                                             limit_per_host=self._max_connections, keepalive_timeout=30)
+            session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+                                            headers={"content-type": "application/json"})
+            self._sessions[id(loop)] = entry = (loop, session)
+        return entry[1]
+
+    async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        import aiohttp
+
+        payload = json.dumps(body).encode()
+        try:
+            async with self._session().post(url + "/v1/completions", data=payload) as resp:
+                return resp.status, await resp.read()
+        except asyncio.TimeoutError:
+            raise EngineError(f"vLLM server {url} did not answer within {self._timeout_s:g} s "
+                              f"(engine.request_timeout_s)") from None
+        except aiohttp.ClientPayloadError as exc:
+            raise EngineError(f"vLLM server {url} cut its response short: {exc}") from None
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"vLLM server {url} failed: {type(exc).__name__}: {exc}") from None
+
+    # -- start-up checks (blocking; run once at construction) -------------------------------------
+
+    def _check_server(self, url: str) -> None:
+        status, raw = _get(url + "/v1/models")
+        if status != 200:
+            raise EngineError(f"vLLM server {url}: GET /v1/models answered {status}: {raw[:300]!r}")
+        try:
+            models = [m for m in json.loads(raw)["data"] if isinstance(m, dict)]
+        except (ValueError, KeyError, TypeError):
+            raise EngineError(f"vLLM server {url}: GET /v1/models is not a model list: {raw[:300]!r}") from None
+        bases = [m for m in models if m.get("parent") in (None, "")]
+        if not self.served_model:
+            if not bases:
+                raise EngineError(f"vLLM server {url} lists no base model")
+            self.served_model = str(bases[0]["id"])
+        match = next((m for m in models if m.get("id") == self.served_model), None)
+        if match is None:
+            raise EngineError(f"vLLM server {url} does not serve model {self.served_model!r}; it serves "
+                              f"{[m.get('id') for m in models]}")
+        served_len = match.get("max_model_len")
+        if isinstance(served_len, int) and served_len < self._max_context_tokens:
+            raise EngineError(f"vLLM server {url} serves {served_len} tokens of context (max_model_len), below "
+                              f"engine.max_context_tokens={self._max_context_tokens}")
+
+    def _probe_processed_logprobs(self, url: str) -> None:
+        body = request_body(self.served_model, list(PROBE_PROMPT), Sampling(temperature=1.0, top_k=1, max_tokens=4,
+                                                                            seed=0), 4, 0)
+        status, raw = _post_blocking(url + "/v1/completions", body, self._timeout_s)
+        if status != 200:
+            raise _status_error(url, status, raw)
+        ids, lps, _ = parse_completion(_loads(url, raw), list(PROBE_PROMPT), 4, where=url)
+        if not ids or any(lp != 0.0 for lp in lps):
+            raise EngineError(
+                f"vLLM server {url} is not in processed-logprobs mode: a top_k=1 sample came back with logprobs "
+                f"{lps} (processed logprobs are exactly 0.0 there). Its logprobs would be raw log_softmax values, "
+                f"not those of the sampling distribution, and could not be trained on; restart it with "
+                f"--logprobs-mode processed_logprobs")
+
+
+SERVED_MODEL = "harnessrl-base"
+"""`--served-model-name` of launched servers."""
+
+
+def make_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Path | None = None) -> VllmEngine:
+    """The engine of `engine.kind = "vllm"`: attached to `cfg.url`/`cfg.urls`, or launching
+    `cfg.replicas` servers of `model_dir` that it owns (logs in `run_dir`, else in
+    `$HARNESSRL_CACHE/engines/vllm/logs/<time>-<pid>/`).
+
+    Raises:
+        EngineError: see `VllmEngine` and `vllm_server.launch_servers`.
+    """
+    kwargs: dict[str, Any] = dict(max_context_tokens=cfg.max_context_tokens, model_dir=model_dir,
+                                  request_timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections)
+    if cfg.attached:
+        return VllmEngine(cfg.server_urls, **kwargs)
+    import os
+    import time
+
+    from harnessrl.engine.vllm_install import vllm_dir
+    from harnessrl.engine.vllm_server import launch_servers
+
+    log_dir = run_dir if run_dir is not None else vllm_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    servers = launch_servers(cfg, model_dir, log_dir, served_model=SERVED_MODEL)
+    return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers, **kwargs)
+
+
+def request_body(model: str, prompt_ids: Sequence[int], sampling: Sampling, max_tokens: int,
+                 version: int) -> dict[str, Any]:
+    """The `/v1/completions` body for one generation (module docstring)."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": sampling.temperature,
+        "logprobs": 0, "return_token_ids": True, "stream": False, "skip_special_tokens": False,
+        "cache_salt": f"v{version}",
+    }
+    if sampling.top_p < 1.0:
+        body["top_p"] = sampling.top_p
+    if sampling.top_k > 0:
+        body["top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if sampling.stop:
+        body["stop"] = list(sampling.stop)
+        body["include_stop_str_in_output"] = True
+    return body
+
+
+def parse_token_id(value: Any, where: str) -> int:
+    """An id as vLLM may send it: a non-negative int or `"token_id:N"` (id 0 is valid).
+
+    Raises:
+        EngineError: anything else (bools, floats, negative numbers, other strings).
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and (m := _TOKEN_ID_STR.match(value)):
+        return int(m.group(1))
+    raise EngineError(f"{where}: {value!r} is not a token id (a non-negative int or 'token_id:N')")
+
+
+def _logprob(value: Any, where: str) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and value in ("NaN", "nan", "Infinity", "-Infinity", "inf", "-inf"):
+        return float(value)
+    raise EngineError(f"{where}: logprob {value!r} is not a number")
+
+
+def parse_completion(body: Any, prompt_ids: Sequence[int], max_tokens: int, *,
+                     where: str = "vLLM") -> tuple[list[int], list[float], str]:
+    """Validate a `/v1/completions` response; returns (completion ids, logprobs, finish reason).
+
+    Logprob values are returned as given (null as NaN) for `check_turn_faithful` to judge; every
+    other fault raises (module docstring).
+
+    Raises:
+        EngineError: the body cannot be trusted; the message names the field.
+    """
+    if not isinstance(body, dict):
+        raise EngineError(f"{where}: response is not a JSON object")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise EngineError(f"{where}: response has no choices ({'missing' if choices is None else repr(choices)[:80]})")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise EngineError(f"{where}: choices[0] is {type(choice).__name__}, not an object")
+    raw_ids = choice.get("token_ids")
+    if not isinstance(raw_ids, list):
+        raise EngineError(f"{where}: choices[0].token_ids is missing (the server must support return_token_ids)")
+    ids = [parse_token_id(v, f"{where}: choices[0].token_ids[{i}]") for i, v in enumerate(raw_ids)]
+    echoed = choice.get("prompt_token_ids")
+    if echoed is not None:
+        if not isinstance(echoed, list) or [parse_token_id(v, f"{where}: prompt_token_ids[{i}]")
+                                            for i, v in enumerate(echoed)] != list(prompt_ids):
+            raise EngineError(f"{where}: choices[0].prompt_token_ids differ from the prompt sent "
+                              f"({len(echoed) if isinstance(echoed, list) else echoed!r} vs {len(prompt_ids)} ids)")
+    lp_block = choice.get("logprobs")
+    if not isinstance(lp_block, dict) or not isinstance(lp_block.get("token_logprobs"), list):
+        raise EngineError(f"{where}: choices[0].logprobs.token_logprobs is missing")
+    raw_lps = lp_block["token_logprobs"]
+    if len(raw_lps) != len(ids):
+        raise EngineError(f"{where}: {len(raw_lps)} logprobs for {len(ids)} token ids")
+    logprobs = [_logprob(v, f"{where}: choices[0].logprobs.token_logprobs[{i}]") for i, v in enumerate(raw_lps)]
+    tokens = lp_block.get("tokens")
+    if isinstance(tokens, list) and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        as_ids = [parse_token_id(t, f"{where}: choices[0].logprobs.tokens[{i}]") for i, t in enumerate(tokens)]
+        if as_ids != ids:
+            raise EngineError(f"{where}: choices[0].logprobs.tokens disagree with token_ids")
+    usage = body.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            raise EngineError(f"{where}: usage is not an object")
+        for key, expected in (("completion_tokens", len(ids)), ("prompt_tokens", len(prompt_ids))):
+            got = usage.get(key)
+            if got is not None and got != expected:
+                raise EngineError(f"{where}: usage.{key}={got!r} but the response has {expected} such ids")
+    if len(ids) > max_tokens:
+        raise EngineError(f"{where}: {len(ids)} completion ids for max_tokens={max_tokens}")
+    finish = choice.get("finish_reason")
+    if finish not in ("stop", "length"):
+        raise EngineError(f"{where}: choices[0].finish_reason={finish!r} (expected 'stop' or 'length')")
+    return ids, logprobs, finish
+
+
+def _loads(where: str, raw: bytes) -> Any:
+    try:
+        return json.loads(raw)  # the stdlib reads NaN / Infinity, which vLLM may write
+    except ValueError:
+        raise EngineError(f"vLLM server {where} answered a body that is not JSON: {raw[:200]!r}") from None
+
+
+def _status_error(url: str, status: int, raw: bytes) -> EngineError:
+    text = raw[:600].decode("utf-8", "replace")
+    if status == 400 and any(w in text.lower() for w in _CONTEXT_WORDS):
+        return ContextLengthError(f"vLLM server {url}: {text}")
+    return EngineError(f"vLLM server {url} answered HTTP {status}: {text}")
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise EngineError(f"vLLM server unreachable at {url}: {exc}") from None
+
+
+def _post_blocking(url: str, body: dict[str, Any], timeout_s: float) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise EngineError(f"vLLM server unreachable at {url}: {exc}") from None
+
+
+def _eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """EOS ids from `generation_config.json`, else `config.json` (what vLLM stops on)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((model_dir / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ()
