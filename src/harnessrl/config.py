@@ -133,7 +133,17 @@ class TrainConfig(BaseModel):
     train_auxiliary: bool = False
     """Also train auxiliary calls (titles, summaries); off by default."""
     num_threads: int = Field(default=1, ge=1)
-    """torch intra-op threads of the training thread."""
+    """torch intra-op threads of the training thread (on every rank: N ranks use N x this)."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """Under `torchrun` / `accelerate launch` with several processes: `ddp` (full weights and
+    optimizer state on every rank) or `fsdp2` (`fully_shard`: weights, gradients and optimizer
+    state sharded); `train/distributed.py`. Ignored by one process."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer's weights live: `cuda` uses `cuda:LOCAL_RANK` and NCCL between ranks,
+    `cpu` uses gloo."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The trainer's weight (and optimizer state) dtype; float32 keeps the sampler/trainer
+    parity check within 1e-3 on CPU."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every N steps (0: only at the end)."""
     lora_rank: int = Field(default=0, ge=0)

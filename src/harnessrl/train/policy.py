@@ -22,10 +22,14 @@ from typing import Any
 import torch
 
 from harnessrl.errors import ConfigError, HarnessRLError
+from harnessrl.train.distributed import SINGLE, Ranks, full_optimizer_state, full_state_dict, load_full_state, wrap_model
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""`train.dtype` names and their torch dtypes."""
 
 
 @dataclass
@@ -39,6 +43,16 @@ class Policy:
     gradient). None otherwise (with LoRA the reference is the base with adapters disabled)."""
     has_reference: bool = False
     """Whether `reference_logprobs` may be called (`load_policy(reference=True)`)."""
+    wrapped: torch.nn.Module | None = None
+    """The module training forwards run on (`optimizer_step`): a `DistributedDataParallel`
+    around `model` (ddp), `model` itself sharded in place (fsdp2), None on one process."""
+    ranks: Ranks = SINGLE
+    """The trainer's processes (`train/distributed.py`); one process by default."""
+
+    @property
+    def trained(self) -> torch.nn.Module:
+        """The module to pass to `optimizer_step`: `wrapped` when distributed, else `model`."""
+        return self.wrapped if self.wrapped is not None else self.model
 
 
 def reference_logprobs(policy: Policy, packed: Any, temperature: float) -> torch.Tensor:
@@ -62,19 +76,29 @@ def reference_logprobs(policy: Policy, packed: Any, temperature: float) -> torch
 
 
 def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, lora_rank: int,
-                reference: bool = False) -> Policy:
-    """Load the policy in fp32 on CPU (train mode) with AdamW (Loshchilov & Hutter 2019).
+                reference: bool = False, dtype: str = "float32", ranks: Ranks = SINGLE) -> Policy:
+    """Load the policy (train mode) in `dtype` (`DTYPES`) on `ranks.device` with AdamW
+    (Loshchilov & Hutter 2019); with several ranks, wrapped per `ranks.strategy`
+    (`distributed.wrap_model`; the optimizer is built on the wrapped, possibly sharded,
+    parameters).
 
     `reference`: keep the initial weights as the KL reference (`reference_logprobs`). Free with
-    LoRA (the frozen base is the reference); with full fine-tuning one more fp32 copy of the
-    model (4 bytes per parameter: 0.54 GB for 135M) kept frozen for the whole run.
+    LoRA (the frozen base is the reference); with full fine-tuning one more copy of the
+    model (4 bytes per parameter in float32: 0.54 GB for 135M) kept frozen for the whole run,
+    whole on every rank (not sharded).
 
     Raises:
-        ConfigError: `lora_rank > 0` but peft is not installed.
+        ConfigError: `lora_rank > 0` but peft is not installed; LoRA with `fsdp2`; an unknown
+            `dtype`.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if dtype not in DTYPES:
+        raise ConfigError(f"train.dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    if lora_rank > 0 and ranks.sharded:
+        raise ConfigError("train.lora_rank > 0 with train.strategy='fsdp2' is not supported: use "
+                          "train.strategy='ddp' (adapters are small; nothing to shard)")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).to(ranks.device)
     lora = lora_rank > 0
     if lora:
         try:
@@ -89,10 +113,12 @@ def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, l
 
         frozen = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()
+    wrapped = wrap_model(model, ranks) if ranks.distributed else None
     params = [p for p in model.parameters() if p.requires_grad]
     # fused: one kernel over all parameters (on CPU ~3x faster than the per-tensor loop)
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=True)
-    return Policy(model=model, optimizer=optimizer, lora=lora, reference=frozen, has_reference=reference)
+    return Policy(model=model, optimizer=optimizer, lora=lora, reference=frozen, has_reference=reference,
+                  wrapped=wrapped, ranks=ranks)
 
 
 class NonFiniteWeightsError(HarnessRLError):
@@ -115,9 +141,17 @@ def export_weights(policy: Policy, copy: bool = False) -> dict[str, torch.Tensor
     a consumer that copies them before the next optimizer step (the in-process `WeightSync`,
     `EmbeddedEngine.load_weights`, does, synchronously). LoRA exports are always fresh tensors (merged, then unmerged).
 
+    Sharded (fsdp2): the full weights are gathered to CPU on rank 0; every rank must call it
+    (collective) and the others get `{}`.
+
     Raises:
         NonFiniteWeightsError: a weight is NaN or inf (never handed to the engine).
     """
+    if policy.ranks.sharded:
+        out = full_state_dict(policy.model, policy.ranks)
+        if policy.ranks.is_main:
+            check_finite(out)
+        return out
     if not policy.lora:
         out = {k: (v.detach().clone() if copy else v.detach()) for k, v in policy.model.state_dict().items()}
         check_finite(out)
@@ -139,10 +173,19 @@ def export_weights(policy: Policy, copy: bool = False) -> dict[str, torch.Tensor
 def save_checkpoint(policy: Policy, tokenizer: Any, directory: Path, state: dict[str, Any]) -> None:
     """Write `directory` (HF `save_pretrained` model + tokenizer, `trainer_state.pt`) atomically.
 
+    Several ranks: rank 0 writes. Sharded (fsdp2): every rank must call it (the full weights
+    and optimizer state are gathered on rank 0, collective); the optimizer state is then saved
+    keyed by parameter names (`"optimizer_format": "full_state_dict"`). Other ranks return.
+
     Raises:
         NonFiniteWeightsError: a weight is NaN or inf (nothing is written).
     """
-    check_finite(dict(policy.model.state_dict()))
+    ranks = policy.ranks
+    full = full_state_dict(policy.model, ranks) if ranks.sharded else None
+    optimizer_state = full_optimizer_state(policy.model, policy.optimizer, ranks) if ranks.sharded else None
+    if not ranks.is_main:
+        return
+    check_finite(full if full is not None else dict(policy.model.state_dict()))
     import shutil
 
     tmp = directory.with_name(directory.name + ".tmp")
@@ -156,9 +199,12 @@ def save_checkpoint(policy: Policy, tokenizer: Any, directory: Path, state: dict
         base = model.get_base_model()
         base.save_pretrained(str(tmp), state_dict=merged, safe_serialization=True)
     else:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        model.save_pretrained(str(tmp), state_dict=full, safe_serialization=True)
     tokenizer.save_pretrained(str(tmp))
-    torch.save({"optimizer": policy.optimizer.state_dict(), **state}, tmp / STATE_FILE)
+    if optimizer_state is not None:
+        torch.save({"optimizer": optimizer_state, "optimizer_format": "full_state_dict", **state}, tmp / STATE_FILE)
+    else:
+        torch.save({"optimizer": policy.optimizer.state_dict(), **state}, tmp / STATE_FILE)
     (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
     if directory.exists():
         shutil.rmtree(directory)
@@ -177,11 +223,26 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def restore_checkpoint(policy: Policy, directory: Path) -> dict[str, Any]:
     """Load weights and optimizer state from `directory`; returns the saved state dict
-    (step, policy_version, next_group_id, ...)."""
+    (step, policy_version, next_group_id, ...). Several ranks: every rank calls it and reads
+    the same files.
+
+    Raises:
+        ConfigError: the checkpoint's weights do not match the model, or its optimizer state
+            was saved by a sharded (fsdp2) run and this one is not, or the reverse.
+    """
     from safetensors.torch import load_file
 
     weights = load_file(str(directory / "model.safetensors"))
     model: Any = policy.model
+    saved = torch.load(directory / STATE_FILE, weights_only=False)
+    full_format = saved.pop("optimizer_format", None) == "full_state_dict"
+    if full_format != policy.ranks.sharded:
+        raise ConfigError(f"checkpoint {directory}: its optimizer state was saved "
+                          f"{'sharded (train.strategy=fsdp2)' if full_format else 'unsharded'}; resume "
+                          f"it with {'train.strategy=fsdp2 on several ranks' if full_format else 'ddp or one process'}")
+    if policy.ranks.sharded:
+        load_full_state(model, policy.optimizer, weights, saved.pop("optimizer"), policy.ranks)
+        return saved
     if policy.lora:
         from peft import set_peft_model_state_dict
         from peft.utils import load_peft_weights
@@ -195,6 +256,5 @@ def restore_checkpoint(policy: Policy, directory: Path) -> dict[str, Any]:
                               f"unexpected {unexpected[:3]}")
         if getattr(model.config, "tie_word_embeddings", False):
             model.tie_weights()
-    saved = torch.load(directory / STATE_FILE, weights_only=False)
     policy.optimizer.load_state_dict(saved.pop("optimizer"))
     return saved

@@ -5,6 +5,12 @@ Responsibility: the algorithm-blind training step. The loss variant is a functio
 `sum(loss_t) / num_trained_tokens_of_the_whole_batch`, so gradient accumulation over
 micro-batches equals one big batch.
 
+Several processes (`train/distributed.py`): every rank gets the same rows and trains its share
+(whole rows, balanced by tokens); the normaliser is the global trained-token count (all-reduced)
+and each rank's loss is scaled by the world size against DDP's / FSDP2's gradient averaging, so
+the update equals one process's on the same rows (`tests/test_distributed.py`). Ranks with fewer
+micro-batches run zero-contribution passes so every rank joins the same collectives.
+
 Guard: a non-finite gradient norm (NaN or inf, from a NaN loss or an overflow) skips the
 optimizer update instead of writing NaN into every weight (`skipped_nonfinite`).
 
@@ -17,15 +23,20 @@ weights, so this is the sampler/trainer parity check, DESIGN.md §3.2).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
+from harnessrl.train.distributed import (SINGLE, Ranks, all_reduce, gather_objects, inner_module, local_tensor,
+                                         split_by_tokens, zero_contribution)
 from harnessrl.train.losses import LossFn
-from harnessrl.train.packing import PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows
+from harnessrl.train.packing import (PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows,
+                                     segment_attention)
 from harnessrl.types import Row
 
 
@@ -45,11 +56,17 @@ def optimizer_step(
     token_budget: int,
     max_grad_norm: float,
     reference: Callable[[PackedBatch], torch.Tensor] | None = None,
+    ranks: Ranks = SINGLE,
 ) -> StepResult:
     """Train on `rows` (advantages already stamped) with one optimizer update.
 
     `reference(batch)` gives the reference policy's logprobs of a micro-batch (float32 [T], no
     gradient) for the loss's KL penalty (`kl_coef > 0` needs it; `policy.reference_logprobs`).
+
+    Several processes (`ranks.distributed`): every rank passes the same `rows` and its wrapped
+    `model` (`distributed.wrap_model`); each trains its share (`split_by_tokens`), the loss
+    normaliser is the global trained-token count, and the update equals one process's on the
+    same rows. The metrics are the whole step's, the same on every rank.
 
     Rows with no trained token must not be passed (the samples builder drops them).
     Returns metrics; `skipped=1` when no update happened: nothing to train, or a NaN / inf
@@ -57,65 +74,133 @@ def optimizer_step(
     dropped and neither the weights nor the optimizer state change).
     """
     t0 = time.perf_counter()
-    # 1) pack rows padding-free into micro-batches under the token budget
-    batches = pack_rows(rows, token_budget)
-    num_trained = sum(b.num_trained_tokens for b in batches)
-    if num_trained == 0:
-        return StepResult({"skipped": 1.0, "tokens_trained": 0.0})
     optimizer.zero_grad(set_to_none=True)
+    acc = accumulate_gradients(model, rows, loss_fn, temperature=temperature, token_budget=token_budget,
+                               reference=reference, ranks=ranks)
+    if acc is None:
+        return StepResult({"skipped": 1.0, "tokens_trained": 0.0})
+    # 4) clip and update; a NaN or inf gradient norm skips the update (weights and optimizer
+    # state untouched), counted as `skipped_nonfinite`
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
+    finite = math.isfinite(grad_norm)
+    delta_l2 = None
+    if finite:
+        optimizer.step()
+        squares = update_l2(optimizer) ** 2
+        delta_l2 = math.sqrt(all_reduce([squares], ranks)[0]) if ranks.sharded else math.sqrt(squares)
+    optimizer.zero_grad(set_to_none=True)
+    metrics: dict[str, float | str] = dict(acc.metrics)
+    if not finite:
+        metrics.update(skipped=1.0, skipped_nonfinite=1.0,
+                       skip_reason=f"non-finite gradient norm ({grad_norm}): update skipped")
+    metrics.update(grad_norm=grad_norm, train_s=time.perf_counter() - t0)
+    if delta_l2 is not None:
+        metrics["param_delta_l2"] = delta_l2
+    return StepResult(metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulated:
+    """The gradient of one step, accumulated into the parameters' `.grad`."""
+
+    num_trained: int
+    """Trained tokens of the whole step (all ranks)."""
+    metrics: dict[str, float]
+    """loss, ratio_abs_dev, tokens_trained, tokens_packed, micro_batches and the loss's own
+    metrics, for the whole step (all ranks)."""
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    rows: Sequence[Row],
+    loss_fn: LossFn,
+    *,
+    temperature: float,
+    token_budget: int,
+    reference: Callable[[PackedBatch], torch.Tensor] | None = None,
+    ranks: Ranks = SINGLE,
+) -> Accumulated | None:
+    """Pack this rank's share of `rows`, run forward and backward on each micro-batch with the
+    loss normalised by the whole step's trained tokens, leaving the step's gradient in `.grad`
+    (summed over ranks when distributed). None, with no gradient touched, when the step has no
+    trained token. Does not zero gradients first."""
+    # 1) this rank's rows, packed padding-free into micro-batches under the token budget
+    mine = split_by_tokens([len(r.input_ids) for r in rows], ranks.world_size)[ranks.rank]
+    batches = pack_rows([rows[i] for i in mine], token_budget)
+    local_trained = sum(b.num_trained_tokens for b in batches)
+    num_trained, num_micro = (int(v) for v in (
+        all_reduce([local_trained], ranks)[0], all_reduce([len(batches)], ranks, op="max")[0]))
+    if num_trained == 0:
+        return None
+    # DDP and FSDP2 average gradients over ranks; the loss is a share of the global token
+    # mean, so each rank's loss is scaled by the world size to sum them instead
+    scale = float(ranks.world_size)
     sums: dict[str, float] = {}
     mins: dict[str, float] = {}
     maxs: dict[str, float] = {}
     abs_dev_sum = 0.0
     loss_total = 0.0
-    for batch in batches:
-        # 2) trainer logprobs of the sampled tokens (same temperature as the sampler)
-        trainer_lp_T = compute_trainer_logprobs(model, batch, temperature)
-        with torch.no_grad():
-            mask = batch.mask_T
-            ratio = torch.exp(trainer_lp_T.detach()[mask] - batch.sampler_logprobs_T[mask])
-            abs_dev_sum += float(torch.nan_to_num((ratio - 1).abs(), nan=0.0, posinf=0.0).sum())
-        # 3) loss, normalised by the whole batch's trained tokens, and backward
-        ref_lp_T = reference(batch) if reference is not None else None
-        out = loss_fn(loss_inputs(batch, trainer_lp_T, num_trained, ref_lp_T))
-        out.loss.backward()
-        loss_total += float(out.loss.detach())
-        weight = batch.num_trained_tokens / num_trained
-        for key, value in out.metrics.items():
-            if key.endswith("_min"):
-                mins[key] = min(mins.get(key, value), value)
-            elif key.endswith("_max"):
-                maxs[key] = max(maxs.get(key, value), value)
-            elif key.endswith("_count") or key.startswith("num_"):
-                sums[key] = sums.get(key, 0.0) + value
-            else:
-                sums[key] = sums.get(key, 0.0) + weight * value
-    # 4) clip and update; a NaN or inf gradient norm skips the update (weights and optimizer
-    # state untouched), counted as `skipped_nonfinite`
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    finite = math.isfinite(grad_norm)
-    delta_l2 = None
-    if finite:
-        optimizer.step()
-        delta_l2 = update_l2(optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    metrics = {**sums, **mins, **maxs}
-    if not finite:
-        metrics.update(skipped=1.0, skipped_nonfinite=1.0,
-                       skip_reason=f"non-finite gradient norm ({grad_norm}): update skipped")
-    metrics.update(
-        loss=loss_total,
-        grad_norm=grad_norm,
-        ratio_abs_dev=abs_dev_sum / num_trained,
-        tokens_trained=float(num_trained),
-        tokens_packed=float(sum(b.num_tokens for b in batches)),
-        micro_batches=float(len(batches)),
-        train_s=time.perf_counter() - t0,
-    )
-    if delta_l2 is not None:
-        metrics["param_delta_l2"] = delta_l2
-    return StepResult(metrics)
+    inner = inner_module(model)
+    with segment_attention(inner):  # also under a DDP wrapper, which hides the model's config
+        for k in range(num_micro):
+            sync = k == num_micro - 1 or not isinstance(model, DistributedDataParallel)
+            with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
+                if k >= len(batches):  # no micro-batch left here: join the collectives, add nothing
+                    zero_contribution(model, ranks.device).backward()
+                    continue
+                batch = batches[k]
+                # 2) trainer logprobs of the sampled tokens (same temperature as the sampler)
+                trainer_lp_T = compute_trainer_logprobs(model, batch, temperature)
+                with torch.no_grad():
+                    mask = batch.mask_T.to(trainer_lp_T.device)
+                    ratio = torch.exp(trainer_lp_T.detach()[mask] - batch.sampler_logprobs_T.to(mask.device)[mask])
+                    abs_dev_sum += float(torch.nan_to_num((ratio - 1).abs(), nan=0.0, posinf=0.0).sum())
+                # 3) loss, normalised by the whole batch's trained tokens, and backward
+                ref_lp_T = reference(batch) if reference is not None else None
+                out = loss_fn(loss_inputs(batch, trainer_lp_T, num_trained, ref_lp_T))
+                (out.loss * scale if ranks.distributed else out.loss).backward()
+            loss_total += float(out.loss.detach())
+            weight = batch.num_trained_tokens / num_trained
+            for key, value in out.metrics.items():
+                if key.endswith("_min"):
+                    mins[key] = min(mins.get(key, value), value)
+                elif key.endswith("_max"):
+                    maxs[key] = max(maxs.get(key, value), value)
+                elif key.endswith("_count") or key.startswith("num_"):
+                    sums[key] = sums.get(key, 0.0) + value
+                else:
+                    sums[key] = sums.get(key, 0.0) + weight * value
+    sums.update(loss=loss_total, ratio_abs_dev=abs_dev_sum / num_trained,
+                tokens_trained=float(local_trained), tokens_packed=float(sum(b.num_tokens for b in batches)),
+                micro_batches=float(len(batches)))
+    if ranks.distributed:
+        sums, mins, maxs = _merge_over_ranks(sums, mins, maxs, ranks)
+    return Accumulated(num_trained, {**sums, **mins, **maxs})
+
+
+def _merge_over_ranks(sums: dict[str, float], mins: dict[str, float], maxs: dict[str, float],
+                      ranks: Ranks) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """The step's metrics from every rank's part: sums added (token-weighted means are sums of
+    weighted parts), minima and maxima over ranks; a rank without rows has no loss metrics."""
+    total_s: dict[str, float] = {}
+    total_min: dict[str, float] = {}
+    total_max: dict[str, float] = {}
+    for s, lo, hi in gather_objects((sums, mins, maxs), ranks):
+        for key, value in s.items():
+            total_s[key] = total_s.get(key, 0.0) + value
+        for key, value in lo.items():
+            total_min[key] = min(total_min.get(key, value), value)
+        for key, value in hi.items():
+            total_max[key] = max(total_max.get(key, value), value)
+    return total_s, total_min, total_max
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (the gradient norm under FSDP2), the tensor itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def update_l2(optimizer: torch.optim.Optimizer) -> float:
@@ -127,7 +212,8 @@ def update_l2(optimizer: torch.optim.Optimizer) -> float:
     `p' = p (1 - lr wd) - u` with `u = lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)`
     (Loshchilov & Hutter 2019, torch's formulation), so `p' - p = -(u + lr wd p') / (1 - lr wd)`
     is recomputed from the optimizer state one parameter at a time (temporaries of one
-    parameter's size). With LoRA the parameters are the adapter matrices.
+    parameter's size). With LoRA the parameters are the adapter matrices. Under FSDP2 the
+    norm is of this rank's shards (the caller sums the squares over ranks).
 
     Raises:
         TypeError: another optimizer, or AdamW with amsgrad / maximize.
@@ -145,11 +231,11 @@ def update_l2(optimizer: torch.optim.Optimizer) -> float:
                 state = optimizer.state.get(p)
                 if p.grad is None or not state:
                     continue
-                t = float(state["step"])
-                u = (state["exp_avg_sq"].float() / (1.0 - beta2 ** t)).sqrt_().add_(eps)
-                u = torch.div(state["exp_avg"].float(), u, out=u).mul_(lr / (1.0 - beta1 ** t))
+                t = float(local_tensor(state["step"]))
+                u = (local_tensor(state["exp_avg_sq"]).float() / (1.0 - beta2 ** t)).sqrt_().add_(eps)
+                u = torch.div(local_tensor(state["exp_avg"]).float(), u, out=u).mul_(lr / (1.0 - beta1 ** t))
                 if wd:
-                    u.add_(p.detach().float(), alpha=lr * wd).div_(1.0 - lr * wd)
+                    u.add_(local_tensor(p.detach()).float(), alpha=lr * wd).div_(1.0 - lr * wd)
                 total += float(torch.linalg.vector_norm(u)) ** 2
     return math.sqrt(total)
 

@@ -1,0 +1,159 @@
+"""The trainer on several processes (`train/distributed.py`, `train/step.py`): 2 gloo ranks on CPU
+against one process on the same rows, for ddp and fsdp2.
+
+Same loss (rel 1e-5), same gradient (max abs difference <= 1e-5 x the largest gradient entry)
+and same weights after one AdamW step (max abs difference <= 1e-6, at lr 1e-3): the global
+token normaliser and the world-size loss scale make 2 ranks sum exactly the gradient of one
+process, up to float summation order. Also with one row for 2 ranks (rank 1 trains nothing and
+joins the collectives with a zero-contribution pass).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from harnessrl.train.distributed import launched_ranks, split_by_tokens
+from harnessrl.types import Row
+
+LR = 1e-3
+BUDGET = 96
+
+
+def _rows(n: int = 5) -> list[Row]:
+    """`n` rows of 24..72 tokens (a third of each trained), advantages alternating in sign."""
+    rows = []
+    for i in range(n):
+        length = 24 + 12 * i
+        ctx = length - length // 3
+        ids = tuple(100 + (7 * i + 3 * t) % 900 for t in range(length))
+        mask = tuple([0] * ctx + [1] * (length - ctx))
+        lps = tuple([0.0] * ctx + [-3.0 - 0.1 * i] * (length - ctx))
+        vers = tuple([-1] * ctx + [0] * (length - ctx))
+        rows.append(Row(ids, mask, lps, vers, f"r{i}", 0, 1.0 if i % 2 == 0 else -0.5 - 0.1 * i))
+    return rows
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _run_case(model_dir: Path, rows: list[Row], ranks) -> dict:
+    """Gradient and loss of `rows`, then one optimizer step from the same weights."""
+    from harnessrl.train.distributed import full_state_dict, inner_module
+    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.train.policy import load_policy
+    from harnessrl.train.step import accumulate_gradients, optimizer_step
+
+    torch.manual_seed(0)
+    policy = load_policy(model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=0, ranks=ranks)
+    fn = loss_fn_for("ppo_clip")
+    acc = accumulate_gradients(policy.trained, rows, fn, temperature=1.0, token_budget=BUDGET, ranks=ranks)
+    grads = {n: _full(p.grad) for n, p in inner_module(policy.trained).named_parameters()}
+    result = optimizer_step(policy.trained, policy.optimizer, rows, fn, temperature=1.0, token_budget=BUDGET,
+                            max_grad_norm=1e9, ranks=ranks)
+    weights = {k: v.clone() for k, v in full_state_dict(policy.trained, ranks).items()}
+    return {"loss": acc.metrics["loss"], "tokens": acc.num_trained, "grads": grads, "weights": weights,
+            "metrics": dict(result.metrics)}
+
+
+def _worker(rank: int, world: int, port: int, strategy: str, model_dir: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from harnessrl.train.distributed import close_ranks, init_ranks
+
+    ranks = init_ranks("cpu", strategy)
+    try:
+        many = _run_case(Path(model_dir), _rows(), ranks)
+        one = _run_case(Path(model_dir), _rows(1), ranks)
+        torch.save({"many": many, "one": one}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        close_ranks(ranks)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir: Path) -> dict:
+    return {"many": _run_case(tiny_model_dir, _rows(), _single()), "one": _run_case(tiny_model_dir, _rows(1), _single())}
+
+
+def _single():
+    from harnessrl.train.distributed import SINGLE
+
+    return SINGLE
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_equal_one_process(strategy: str, single: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(2, _free_port(), strategy, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    for case in ("many", "one"):
+        ref = single[case]
+        for rank in (0, 1):
+            got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)[case]
+            # every rank reports the whole step
+            assert got["tokens"] == ref["tokens"]
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+            assert got["metrics"]["tokens_trained"] == ref["metrics"]["tokens_trained"]
+            assert got["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+            assert got["metrics"]["param_delta_l2"] == pytest.approx(ref["metrics"]["param_delta_l2"], rel=1e-4)
+            assert got["metrics"]["ratio_abs_dev"] == pytest.approx(ref["metrics"]["ratio_abs_dev"], rel=1e-5)
+            assert set(got["grads"]) == set(ref["grads"])
+            scale = max(float(g.abs().max()) for g in ref["grads"].values())
+            assert scale > 0
+            for name, g in ref["grads"].items():
+                diff = float((got["grads"][name] - g).abs().max())
+                assert diff <= 1e-5 * scale, (case, rank, name, diff, scale)
+        # full weights are gathered on rank 0 (fsdp2: the other rank holds none)
+        weights = torch.load(tmp_path / "rank0.pt", weights_only=False)[case]["weights"]
+        assert set(weights) == set(ref["weights"])
+        for name, w in ref["weights"].items():
+            assert float((weights[name] - w).abs().max()) <= 1e-6, (case, name)
+        if strategy == "fsdp2":
+            assert torch.load(tmp_path / "rank1.pt", weights_only=False)[case]["weights"] == {}
+
+
+def test_the_step_moves_the_weights(single: dict, tiny_model_dir: Path) -> None:
+    """The reference case is not trivial: the step changes every trained tensor by about lr."""
+    from safetensors.torch import load_file
+
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    after = single["many"]["weights"]
+    changed = [k for k in start if float((after[k] - start[k]).abs().max()) > 0.5 * LR]
+    assert len(changed) >= len(start) - 1  # every tensor (the tied lm_head is the embedding)
+
+
+def test_split_by_tokens_balances_whole_rows() -> None:
+    assert split_by_tokens([10, 50, 30, 30, 20], 2) == [[1, 4], [0, 2, 3]]  # 70 vs 70
+    assert split_by_tokens([5], 2) == [[0], []]
+    assert split_by_tokens([], 3) == [[], [], []]
+    parts = split_by_tokens(list(range(1, 40)), 3)
+    assert sorted(i for p in parts for i in p) == list(range(39))
+    loads = [sum(i + 1 for i in p) for p in parts]
+    assert max(loads) <= sum(range(1, 40)) / 3 + 1  # 261 of 780
+    with pytest.raises(ValueError, match="world_size=0"):
+        split_by_tokens([1], 0)
+
+
+def test_launched_ranks_reads_the_launcher_environment() -> None:
+    from harnessrl.errors import ConfigError
+
+    assert launched_ranks({}) == (0, 1, 0)
+    assert launched_ranks({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == (1, 2, 1)
+    with pytest.raises(ConfigError, match="RANK=2, WORLD_SIZE=2"):
+        launched_ranks({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"})
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two'"):
+        launched_ranks({"WORLD_SIZE": "two"})
