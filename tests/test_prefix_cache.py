@@ -131,6 +131,15 @@ async def test_group_shares_the_task_prompt(engines) -> None:  # noqa: ANN001
     assert after.prefix_hits - before.prefix_hits == 3
     assert after.prefill_tokens - before.prefill_tokens == len(prompt) + 3  # rollouts 2-4 compute the last id
     assert len({c.completion_ids for c in outs}) > 1, "seeded rollouts should differ"
+    # the step metrics a training run logs: this group's work only
+    m = after.step_metrics(before)
+    assert m["engine/prefix_hits"] == 3 and m["engine/prefills"] == 4
+    assert m["engine/prefill_tokens"] == len(prompt) + 3
+    assert m["engine/prefix_hit_tokens"] == 3 * (len(prompt) - 1)
+    assert m["engine/prefix_hit_frac"] == pytest.approx(3 * 89 / (3 * 89 + 93))
+    assert m["engine/generated_tokens"] == sum(len(c.completion_ids) for c in outs)
+    assert 1.0 <= m["engine/mean_batch_size"] <= 4.0
+    assert m["engine/prefix_cache_tokens"] == after.prefix_cache_tokens > 0
 
 
 def test_no_cache_hit_after_a_weight_swap(tiny_model_dir: Path) -> None:
