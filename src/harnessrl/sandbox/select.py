@@ -1,0 +1,31 @@
+"""Choosing the sandbox backend of a run from `[sandbox]` (`sandbox.kind`).
+
+Responsibility: one place that maps a validated sandbox config to its backend class, so the
+runtime never names a backend. `local` is the default; `podman` is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harnessrl.sandbox.config import PodmanSandboxConfig, SandboxConfig
+
+if TYPE_CHECKING:
+    from harnessrl.sandbox.local import LocalSandboxBackend
+    from harnessrl.sandbox.podman import PodmanSandboxBackend
+
+
+def make_backend(config: SandboxConfig | PodmanSandboxConfig, ro_binds: Sequence[Path] = (),
+                 proxy_port: int | None = None, proxy_socket: Path | None = None
+                 ) -> LocalSandboxBackend | PodmanSandboxBackend:
+    """The backend of `config.kind`, given the agents' read-only install trees and the proxy's
+    agent port and socket (both or neither). Raises `SandboxError` as the backend does."""
+    if isinstance(config, PodmanSandboxConfig):
+        from harnessrl.sandbox.podman import PodmanSandboxBackend
+
+        return PodmanSandboxBackend(config, ro_binds=ro_binds, proxy_port=proxy_port, proxy_socket=proxy_socket)
+    from harnessrl.sandbox.local import LocalSandboxBackend
+
+    return LocalSandboxBackend(config, ro_binds=ro_binds, proxy_port=proxy_port, proxy_socket=proxy_socket)
