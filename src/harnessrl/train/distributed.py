@@ -213,8 +213,13 @@ def wrap_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     if ranks.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        import inspect
+
         ids = [ranks.device.index] if ranks.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        # torch >= 2.13 names it forward_sync_buffers (broadcast_buffers is deprecated there)
+        no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                   else "broadcast_buffers")
+        return DistributedDataParallel(model, device_ids=ids, **{no_sync: False})
     from torch.distributed.fsdp import fully_shard
 
     names = set(getattr(model, "_no_split_modules", None) or [])

@@ -16,6 +16,13 @@ Steps are 1-based everywhere (console, final table, `metrics.jsonl` `step`, `che
 step k is the k-th training step and `checkpoints/step-k` the state after it; `policy_version`
 counts the optimizer updates applied (a step that trains nothing, and says why, adds none).
 Weights reach the engine through its `WeightSync` (`engine/weight_sync.py`), never directly.
+
+Several processes (`torchrun` / `accelerate launch`, `train/distributed.py`): rank 0 runs this
+loop and owns the runtime (proxy, engine, orchestrator, files, console); every trainer
+operation (load, step, parity check, weight export, checkpoint, restore) goes through a
+`TrainerGroup`, which runs it on every rank; the other ranks only train (`_follow`) and leave
+when rank 0 stops them. They keep the default action of SIGINT / SIGTERM (they hold nothing to
+release), so a launcher forwarding Ctrl-C ends them at once while rank 0 stops cleanly.
 `rollouts.jsonl` and `metrics.jsonl` get a step's rollouts and metrics when the step completes.
 
 Shutdown (completion, Ctrl-C, SIGTERM, error): stop dispatch, cancel in-flight rollouts (each
@@ -36,7 +43,6 @@ import signal
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +69,17 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
     from harnessrl.config import check_run
     from harnessrl.log import setup_logging
     from harnessrl.signals import RunStopped, run_until_signal
+    from harnessrl.train.distributed import close_ranks, init_ranks
     from harnessrl.train.policy import latest_checkpoint
 
     check_run(cfg)
     check_training(cfg)
+    ranks = init_ranks(cfg.train.device, cfg.train.strategy)
+    if not ranks.is_main:
+        try:
+            return _follow(cfg, ranks)
+        finally:
+            close_ranks(ranks)
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     setup_logging(cfg.log.level, run_dir / "run.log", console=console)
@@ -74,8 +87,12 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
         (run_dir / "config.toml").write_text(dump_config(cfg), encoding="utf-8")
     log.info("harnessrl train -> %s (model %s, harness %s, tasks %s, G=%d, %d steps)", run_dir,
              cfg.engine.model, cfg.harness.kind, cfg.tasks.kind, cfg.rollout.group_size, cfg.train.steps)
+    if ranks.distributed:
+        log.info("trainer on %d ranks (%s, %s, %s); this is rank 0", ranks.world_size, ranks.strategy,
+                 ranks.device, cfg.train.dtype)
     try:
-        asyncio.run(run_until_signal(train(cfg, run_dir, resume=resume, console=console)))
+        asyncio.run(run_until_signal(train(cfg, run_dir, resume=resume, console=console, ranks=ranks)))
+        close_ranks(ranks)
     except RunStopped as stop:
         last = latest_checkpoint(run_dir)
         log.warning("stopped by %s: rollouts cancelled, sandboxes closed, files flushed; the step in "
@@ -84,6 +101,25 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
         return stop.exit_code
     except KeyboardInterrupt:  # before the run's handler was installed
         return 130
+    return 0
+
+
+def _follow(cfg: RunConfig, ranks: Any) -> int:
+    """A rank other than 0: load the policy and run rank 0's trainer operations until it says
+    stop (`TrainerGroup.follow`). Returns 0, or 1 when rank 0 went away without stopping it."""
+    import torch
+
+    from harnessrl.train.trainer_group import TrainerGroup
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)  # nothing to release here: end at once
+    logging.basicConfig(level=logging.WARNING, format=f"rank {ranks.rank}: %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.train.num_threads)
+    try:
+        TrainerGroup(cfg, ranks).follow()
+    except RuntimeError as exc:  # gloo / NCCL: rank 0's connection closed
+        log.warning("rank 0 ended without stopping this rank: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        return 1
     return 0
 
 
@@ -107,9 +143,13 @@ def check_training(cfg: RunConfig) -> None:
             f"sampling.temperature instead")
 
 
-async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None) -> list[dict[str, Any]]:
+async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
+                ranks: Any = None) -> list[dict[str, Any]]:
     """The training loop; returns the per-step metrics it logged (with `train.eval_every`, a
     first entry with `step` 0 holds the held-out evaluation before any update).
+
+    `ranks` (`distributed.Ranks`, rank 0 of several): the trainer operations run on every rank
+    (`TrainerGroup`); None is one process.
 
     Raises:
         ConfigError: truncated sampling (`check_training`), or a task source too small for
@@ -125,19 +165,19 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.runtime import start_runtime
     from harnessrl.train.advantages import advantage_fn_for
     from harnessrl.train.console import final_table, print_conversation, skip_reason, step_line
-    from harnessrl.train.losses import loss_fn_for
     from harnessrl.engine.weight_sync import make_weight_sync
-    from harnessrl.train.policy import (latest_checkpoint, load_policy, reference_logprobs, restore_checkpoint,
-                                        save_checkpoint)
+    from harnessrl.train.distributed import SINGLE
+    from harnessrl.train.policy import latest_checkpoint
     from harnessrl.train.hooks import load_hooks, reshape_reward
     from harnessrl.train.evaluation import evaluate_held_out, held_out_split
-    from harnessrl.train.step import optimizer_step, sampler_parity
+    from harnessrl.train.trainer_group import TrainerGroup
 
     check_training(cfg)
     console = console or Console(stderr=True)
     loop = asyncio.get_running_loop()
     trainer = ThreadPoolExecutor(1, thread_name_prefix="trainer",
                                  initializer=torch.set_num_threads, initargs=(cfg.train.num_threads,))
+    group = TrainerGroup(cfg, ranks or SINGLE)
     history: list[dict[str, Any]] = []
     completed = False
     start_step, version, next_group_id, replay = 0, 0, 0, []
@@ -156,26 +196,19 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     try:
         async with start_runtime(cfg, isolation="required", run_dir=run_dir) as rt:
             # 0) the policy (same weights the engine serves), optimizer, hooks, resume point
-            policy = await loop.run_in_executor(trainer, lambda: load_policy(
-                rt.model_dir, learning_rate=cfg.train.learning_rate,
-                weight_decay=cfg.train.weight_decay, lora_rank=cfg.train.lora_rank,
-                reference=cfg.train.loss.kl_coef > 0))
+            # (KL penalty: the reference is the initial weights, frozen, kept by the group)
+            await loop.run_in_executor(trainer, group.load, rt.model_dir)
             tokenizer = load_tokenizer(rt.model_dir)
             from harnessrl.doctor import quick_line
 
             log.info(quick_line(tokenizer, cfg.engine.model, getattr(rt.engine, "eos_token_ids", None)))
-            loss_fn = loss_fn_for(cfg.train.loss)
             advantage_fn = advantage_fn_for(cfg.train.advantage)
             hooks = load_hooks(cfg.hooks)
             sync = make_weight_sync(cfg.engine.kind, rt.engine)
-            # KL penalty: the reference is the initial weights, frozen (before any checkpoint
-            # is restored); its logprobs are computed per micro-batch on the trainer thread
-            reference = (partial(reference_logprobs, policy, temperature=cfg.sampling.temperature)
-                         if cfg.train.loss.kl_coef > 0 else None)
             if checkpoint is not None:
-                state = await loop.run_in_executor(trainer, restore_checkpoint, policy, checkpoint)
+                state = await loop.run_in_executor(trainer, group.restore, checkpoint)
                 version = state["policy_version"]
-                await loop.run_in_executor(trainer, sync.publish, policy, version)
+                await loop.run_in_executor(trainer, group.publish, sync, version)
                 log.info("resumed from %s after step %d, policy version %d", checkpoint, start_step, version)
                 if replay:
                     log.info("replaying groups %s: they were in flight, not yet trained on, when the "
@@ -231,9 +264,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     rows, row_metrics, candidates = _rows_for_step(groups, cfg, hooks, advantage_fn, version)
                     if step == start_step + 1 and checkpoint is None:
                         # step-0 check: trainer and sampler hold the same weights now
-                        parity = await loop.run_in_executor(trainer, lambda: sampler_parity(
-                            policy.model, candidates, temperature=cfg.sampling.temperature,
-                            token_budget=cfg.train.token_budget))
+                        parity = await loop.run_in_executor(trainer, group.parity, candidates)
                         if parity is not None:
                             row_metrics["step0/ratio_abs_dev"] = parity
                             mark = "ok" if parity <= 1e-3 else "ABOVE 1e-3"
@@ -243,11 +274,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     # 4) one optimizer step on the trainer thread, while rollouts continue
                     metrics: dict[str, Any] = {"step": step, **row_metrics}
                     if rows:
-                        result = await loop.run_in_executor(trainer, lambda: optimizer_step(
-                            policy.model, policy.optimizer, rows, loss_fn,
-                            temperature=cfg.sampling.temperature, token_budget=cfg.train.token_budget,
-                            max_grad_norm=cfg.train.max_grad_norm,
-                            reference=reference))
+                        result = await loop.run_in_executor(trainer, group.step, rows)
                         metrics.update(result.metrics)
                     else:
                         metrics["skipped"] = 1.0
@@ -261,7 +288,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     if rows and not metrics.get("skipped"):
                         version += 1
                         # blocks (on the trainer thread) until the engine serves them (WeightSync)
-                        report = await loop.run_in_executor(trainer, sync.publish, policy, version)
+                        report = await loop.run_in_executor(trainer, group.publish, sync, version)
                         metrics.update(report.as_metrics())
                     orch.allow(groups_per_step)
                     t_synced = time.monotonic()
@@ -300,8 +327,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                                  "next_group_id": orch.next_group_id,
                                  "replay_group_ids": orch.undelivered_group_ids()}
                         await _finish_even_if_stopped(loop.run_in_executor(
-                            trainer, save_checkpoint, policy, tokenizer,
-                            run_dir / "checkpoints" / f"step-{step}", state))
+                            trainer, group.save, tokenizer, run_dir / "checkpoints" / f"step-{step}", state))
                         log.info("checkpoint %s", run_dir / "checkpoints" / f"step-{step}")
             finally:
                 await orch.close()
@@ -319,6 +345,13 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
         rollouts_fh.close()
         for sink in sinks:
             sink.close()
+        if group.ranks.distributed:
+            # release the other ranks; after a signal or an error the trainer thread may be
+            # stuck in a collective with ranks already gone: do not wait long for it
+            stopped = trainer.submit(group.stop)
+            from concurrent.futures import wait as wait_futures
+
+            wait_futures([stopped], timeout=None if completed else 10.0)
         # stopped by a signal: do not wait for a step still running on the trainer thread (its
         # result is discarded; `harnessrl train` exits without joining it)
         trainer.shutdown(wait=completed, cancel_futures=True)

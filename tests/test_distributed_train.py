@@ -1,0 +1,150 @@
+"""`harnessrl train` on 2 gloo ranks under the real `torchrun` (tiny model, white-box harness in
+bubblewrap sandboxes): 2 steps end cleanly with rank 0's files only; Ctrl-C (SIGINT to torchrun's
+process group, as a terminal sends it) leaves no process and no sandbox behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harnessrl.sandbox.local import leftover_sandboxes
+from harnessrl.sandbox.procs import leftover_processes
+
+pytestmark = pytest.mark.e2e
+
+PARITY_REWARD = "harnessrl.recipes.shaping:alternating_smoke_reward"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tmp_path: Path, strategy: str, steps: int) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
+    sets = [
+        "engine.model=tiny-random",
+        "harness.kind=white_box",
+        "rollout.group_size=4",
+        "rollout.agent_timeout_s=120",
+        "sampling.max_tokens=16",
+        f"train.steps={steps}",
+        "train.learning_rate=1e-3",
+        f"train.strategy={strategy}",
+        "train.max_staleness=0",
+        f'hooks.rollout_reward_fn="{PARITY_REWARD}"',
+        f'sandbox.root_dir="{tmp_path / "sandboxes"}"',
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), "-m", "harnessrl.cli", "train", "--out", str(run_dir),
+            *[a for s in sets for a in ("--set", s)]]
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, run_dir, log
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _assert_nothing_left(seen: list[psutil.Process], sandboxes: Path) -> None:
+    deadline = time.monotonic() + 5.0
+    alive = [p for p in seen if _alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in seen if _alive(p)]
+    assert alive == [], f"processes left: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
+    assert leftover_processes(sandboxes) == []
+    assert leftover_sandboxes(sandboxes) == []
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_rank_train_ends_cleanly(strategy: str, tmp_path: Path) -> None:
+    proc, run_dir, log = _start(tmp_path, strategy, steps=2)
+    seen: dict[int, psutil.Process] = {}
+    commands: dict[int, str] = {}
+    deadline = time.monotonic() + 420
+    while proc.poll() is None and time.monotonic() < deadline:
+        for p in _descendants(proc.pid):
+            seen[p.pid] = p
+            commands.setdefault(p.pid, " ".join(_cmdline(p)))
+        time.sleep(0.5)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    assert sum("harnessrl.cli train" in c for c in commands.values()) == 2, "torchrun did not start 2 ranks"
+    rows = _metrics(run_dir)
+    assert [m["step"] for m in rows] == [1, 2]
+    assert rows[-1]["policy_version"] == 2
+    for m in rows:
+        assert m["tokens_trained"] > 0 and m["param_delta_l2"] > 0
+        assert m["invariant/untraceable_trained_tokens"] == 0
+    assert rows[0]["step0/ratio_abs_dev"] < 1e-3, "trainer ranks and engine disagree at step 0"
+    assert (run_dir / "checkpoints" / "step-2" / "model.safetensors").exists()
+    state = json.loads((run_dir / "checkpoints" / "step-2" / "state.json").read_text())
+    assert state["policy_version"] == 2
+    assert "trainer on 2 ranks" in (run_dir / "run.log").read_text()
+    assert len((run_dir / "rollouts.jsonl").read_text().splitlines()) == 8
+    _assert_nothing_left(list(seen.values()), tmp_path / "sandboxes")
+
+
+def test_sigint_to_torchrun_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc, run_dir, log = _start(tmp_path, "ddp", steps=50)
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + 300
+    while not _metrics(run_dir) and time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+        seen.update({p.pid: p for p in _descendants(proc.pid)})
+        time.sleep(0.3)
+    assert _metrics(run_dir), "no step completed:\n" + log.read_text(errors="replace")[-4000:]
+    seen.update({p.pid: p for p in _descendants(proc.pid)})
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: torchrun forwards it to each rank
+    try:
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    exit_s = time.monotonic() - t0
+    text = (run_dir / "run.log").read_text()
+    assert "stopped by SIGINT" in text, text[-3000:]
+    assert exit_s < 40, f"{exit_s:.1f} s to exit"
+    _assert_nothing_left(list(seen.values()), tmp_path / "sandboxes")
+    steps = [m["step"] for m in _metrics(run_dir)]
+    assert steps == list(range(1, len(steps) + 1))
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
