@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from harnessrl.engine.config import EmbeddedEngineConfig, EngineConfig
 from harnessrl.errors import ConfigError
 from harnessrl.harness.base import HarnessRequirements
+from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.config import SandboxConfig as LocalSandboxConfig
 from harnessrl.tasks.config import ProceduralTasks, TasksConfig
 from harnessrl.train.loss_config import LossConfig, PpoClipLoss
@@ -43,7 +44,7 @@ __all__ = ["EngineConfig", "HarnessConfig", "HooksConfig", "LogConfig", "Rollout
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
-SandboxConfig = Annotated[LocalSandboxConfig, Field(discriminator="kind")]
+SandboxConfig = Annotated[LocalSandboxConfig | PodmanSandboxConfig, Field(discriminator="kind")]
 """`[sandbox]`: the backend named by `kind` (default `local`) with its own keys."""
 
 

@@ -146,13 +146,13 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
     from harnessrl.harness.install import installed_agent_dirs
     from harnessrl.harness.select import make_harness
     from harnessrl.rewards.select import make_verifier_for
-    from harnessrl.sandbox.local import LocalSandboxBackend
+    from harnessrl.sandbox.select import make_backend
 
     # user code (task source, verifier) is built before the model loads: its errors come first
     tasks = make_task_source(cfg.tasks)
     verifier_for = make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))
     verifier_for(tasks.get(0))  # a task family without a verifier stops the run here (TaskError)
-    LocalSandboxBackend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
+    make_backend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
     model_dir = resolve_model(cfg.engine.model)
     engine = make_engine(cfg.engine, model_dir, cfg.seed, run_dir)
     try:
@@ -162,8 +162,8 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
                                    capture=proxy.deps.capture, store=proxy.store)
             # agents installed in the per-machine cache are bound read-only into sandboxes; a
             # bubblewrapped agent reaches the proxy only through its agent Unix socket
-            backend = LocalSandboxBackend(cfg.sandbox, ro_binds=installed_agent_dirs(), proxy_port=proxy.port,
-                                          proxy_socket=proxy.agent_socket_path)
+            backend = make_backend(cfg.sandbox, ro_binds=installed_agent_dirs(), proxy_port=proxy.port,
+                                   proxy_socket=proxy.agent_socket_path)
             try:
                 yield Runtime(
                     model_dir=model_dir,

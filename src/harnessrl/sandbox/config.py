@@ -105,7 +105,8 @@ class PodmanSandboxConfig(BaseModel):
     runtime: str = "runc"
     """OCI runtime (`podman --runtime`). crun 1.8 refuses hybrid cgroup v1/v2 hosts; runc runs."""
     storage_dir: Path = Field(default_factory=default_podman_storage)
-    """Podman image and container store (`--root`; `--runroot` is `<storage_dir>/run`)."""
+    """harnessrl's own podman store: images and containers in `<storage_dir>/storage`
+    (`podman --root`), run state in `<storage_dir>/run` (`--runroot`)."""
     root_dir: Path = Field(default_factory=default_root_dir)
     """Host directory holding one subdirectory per sandbox (bound into its containers)."""
     isolation: Literal["required", "best_effort"] | None = None
