@@ -204,7 +204,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             log.info(quick_line(tokenizer, cfg.engine.model, getattr(rt.engine, "eos_token_ids", None)))
             advantage_fn = advantage_fn_for(cfg.train.advantage)
             hooks = load_hooks(cfg.hooks)
-            sync = make_weight_sync(cfg.engine.kind, rt.engine)
+            sync = make_weight_sync(cfg.engine.kind, rt.engine, config=cfg, run_dir=run_dir, model_dir=rt.model_dir)
             if checkpoint is not None:
                 state = await loop.run_in_executor(trainer, group.restore, checkpoint)
                 version = state["policy_version"]
