@@ -334,7 +334,8 @@ SERVED_MODEL = "harnessrl-base"
 def make_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Path | None = None) -> VllmEngine:
     """The engine of `engine.kind = "vllm"`: attached to `cfg.url`/`cfg.urls`, or launching
     `cfg.replicas` servers of `model_dir` that it owns (logs in `run_dir`, else in
-    `$HARNESSRL_CACHE/engines/vllm/logs/<time>-<pid>/`).
+    `$HARNESSRL_CACHE/engines/vllm/logs/<time>-<pid>/`). With `weight_sync = "directory"`
+    they start from `vllm_sync.serving_dir(model_dir)` (the same weights, embeddings untied).
 
     Raises:
         EngineError: see `VllmEngine` and `vllm_server.launch_servers`.
@@ -350,7 +351,13 @@ def make_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Path | Non
     from harnessrl.engine.vllm_server import launch_servers
 
     log_dir = run_dir if run_dir is not None else vllm_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    servers = launch_servers(cfg, model_dir, log_dir, served_model=SERVED_MODEL)
+    if cfg.weight_sync == "directory":  # tied embeddings untied, or reloads miss the LM head (vllm_sync)
+        from harnessrl.engine.vllm_sync import serving_dir
+
+        served_dir = serving_dir(model_dir)
+    else:
+        served_dir = model_dir
+    servers = launch_servers(cfg, served_dir, log_dir, served_model=SERVED_MODEL)
     return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers, **kwargs)
 
 
