@@ -39,8 +39,8 @@ from harnessrl.sandbox.config import SandboxConfig as LocalSandboxConfig
 from harnessrl.tasks.config import ProceduralTasks, TasksConfig
 from harnessrl.train.loss_config import LossConfig, PpoClipLoss
 
-__all__ = ["EngineConfig", "HarnessConfig", "HooksConfig", "LogConfig", "RolloutConfig", "RunConfig",
-           "SamplingConfig", "TasksConfig", "TrainConfig", "check_run", "dump_config", "load_config"]
+__all__ = ["EngineConfig", "HarnessConfig", "HooksConfig", "LogConfig", "RayRolloutConfig", "RolloutConfig",
+           "RunConfig", "SamplingConfig", "TasksConfig", "TrainConfig", "check_run", "dump_config", "load_config"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -94,8 +94,40 @@ class HarnessConfig(BaseModel):
         return requirements_for(self.kind, validate_options(self.kind, dict(self.options)))
 
 
+class RayRolloutConfig(BaseModel):
+    """`[rollout.ray]`: where rollouts run with `rollout.executor = "ray"` (`rollout/ray_executor.py`)."""
+
+    model_config = _FROZEN
+
+    address: str = "auto"
+    """Ray cluster to join: "auto" (the running cluster, or `RAY_ADDRESS`), `HOST:PORT` of its
+    head, or "local" (a private one-node Ray started for this run and stopped after it)."""
+    proxy_host: str = "127.0.0.1"
+    """Interface the proxy's agents listener binds, so that sandboxes on every node can reach
+    it: 127.0.0.1 for a cluster on this machine, this host's cluster address (or 0.0.0.0)
+    for one spanning machines. The admin listener stays on 127.0.0.1 whatever this says."""
+    advertise_host: str | None = None
+    """Address the nodes dial to reach the agents listener; unset: `proxy_host`, or this
+    node's Ray address when `proxy_host` is 0.0.0.0 / ::."""
+    max_sandboxes_per_node: int = Field(default=4, ge=1)
+    """Most sandboxes alive at once on one node (a rollout waits for a free node)."""
+    sandbox_starts_per_s: float = Field(default=0.0, ge=0.0)
+    """Most sandbox creations per second on one node (0: unlimited)."""
+    call_grace_s: float = Field(default=60.0, gt=0.0)
+    """A node that has not answered this long after the work it was given should have ended
+    (agent timeout, verify timeout, a sandbox call) is given up on: the rollout is
+    `infra_error`."""
+    local_num_cpus: int = Field(default=1, ge=1)
+    """CPUs the "local" Ray advertises (a scheduling figure; rollout workers ask for none)."""
+
+
 class RolloutConfig(BaseModel):
     model_config = _FROZEN
+
+    executor: Literal["local", "ray"] = "local"
+    """Where sandboxes, CLI agents and verifiers run: this process's machine ("local"), or
+    worker actors on the nodes of a Ray cluster ("ray", configured by `rollout.ray`)."""
+    ray: RayRolloutConfig = RayRolloutConfig()
 
     group_size: int = Field(default=4, ge=1)
     """G: rollouts per task (group)."""

@@ -30,6 +30,11 @@ class SandboxError(HarnessRLError):
     """The sandbox backend itself failed (not a command inside it)."""
 
 
+class SandboxLostError(SandboxError):
+    """The machine a sandbox lives on went away (a Ray node died or stopped answering): the
+    rollout is `infra_error`, whatever phase it was in."""
+
+
 class HarnessInstallError(HarnessRLError):
     """An agent program could not be installed or found."""
 

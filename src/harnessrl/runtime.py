@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -118,9 +118,11 @@ class LimitedSource:
 
 
 def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:
-    """The proxy enforces the run's sampling; it listens on a free loopback port."""
+    """The proxy enforces the run's sampling; its agents listener takes a free port on loopback,
+    or on `rollout.ray.proxy_host` for rollouts on a Ray cluster (the admin listener always
+    stays on loopback)."""
     return ProxyConfig(
-        host="127.0.0.1",
+        host=cfg.rollout.ray.proxy_host if cfg.rollout.executor == "ray" else "127.0.0.1",
         port=0,
         model_name=model_name,
         temperature=cfg.sampling.temperature,
@@ -162,19 +164,27 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
                                    capture=proxy.deps.capture, store=proxy.store)
             # agents installed in the per-machine cache are bound read-only into sandboxes; a
             # bubblewrapped agent reaches the proxy only through its agent Unix socket
-            backend = make_backend(cfg.sandbox, ro_binds=installed_agent_dirs(), proxy_port=proxy.port,
-                                   proxy_socket=proxy.agent_socket_path)
+            backend: SandboxBackend = make_backend(cfg.sandbox, ro_binds=installed_agent_dirs(),
+                                                   proxy_port=proxy.port, proxy_socket=proxy.agent_socket_path)
             try:
-                yield Runtime(
-                    model_dir=model_dir,
-                    engine=engine,
-                    chat=chat,
-                    proxy=proxy,
-                    tasks=tasks,
-                    harness=harness,
-                    backend=backend,
-                    verifier_for=verifier_for,
-                )
+                async with AsyncExitStack() as stack:
+                    run_verifier_for = verifier_for
+                    if cfg.rollout.executor == "ray":  # sandboxes, CLI agents, verifiers on the nodes
+                        from harnessrl.rollout.ray_executor import start_ray_rollouts
+
+                        ray_side = await stack.enter_async_context(start_ray_rollouts(
+                            cfg, proxy.port, harness, verifier_for, cfg.sandbox.isolation or isolation))
+                        harness, backend, run_verifier_for = ray_side.harness, ray_side.backend, ray_side.verifier_for
+                    yield Runtime(
+                        model_dir=model_dir,
+                        engine=engine,
+                        chat=chat,
+                        proxy=proxy,
+                        tasks=tasks,
+                        harness=harness,
+                        backend=backend,
+                        verifier_for=run_verifier_for,
+                    )
             finally:
                 # fail generations still pending (their agents are gone) so that the proxy
                 # answers them at once and shuts down without waiting on them

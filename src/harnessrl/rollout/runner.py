@@ -13,7 +13,10 @@ Invariants (DESIGN.md §3.3, §3.5):
     enter the sandbox only inside the verifier;
   * status precedence: infra_error > verifier_error > timeout > agent_error > ok. Timed-out and
     failed agents are still verified, so their reward is known (usually 0). A sandbox whose
-    processes survive the kill (`kill_processes` raises) is `infra_error` and is not verified.
+    processes survive the kill (`kill_processes` raises) is `infra_error` and is not verified;
+    so is one whose machine went away (`SandboxLostError`, a dead Ray node), even mid-verify.
+  * a sandbox that names its machine (`node_id`, Ray sandboxes) has it recorded in
+    `Rollout.metadata["node_id"]`.
 
 What it does not do: choose tasks, group rollouts or bound staleness (`orchestrator.py`).
 """
@@ -28,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from harnessrl.errors import ConfigError, HarnessInstallError
+from harnessrl.errors import ConfigError, HarnessInstallError, SandboxLostError
 from harnessrl.harness.base import Harness, HarnessResult
 from harnessrl.rewards.base import Reward, Verifier
 from harnessrl.rollout.cause import explain_agent_error
@@ -131,11 +134,15 @@ async def run_rollout(
         # 6) verify (also after a timeout or an agent error: the workspace is still scored)
         if status != "infra_error":
             t_verify = time.monotonic()
-            reward = await _verify(verifier, task, sandbox, result, limits.verify_timeout_s)
+            try:
+                reward = await _verify(verifier, task, sandbox, result, limits.verify_timeout_s)
+            except SandboxLostError as exc:  # the sandbox's machine went away: not the verifier's fault
+                status, error = "infra_error", f"sandbox lost during verification: {exc}"
             timings["verify_s"] = time.monotonic() - t_verify
-            if reward.error is not None:
+            if reward is not None and reward.error is not None:
                 status, error = "verifier_error", reward.error
-        return _finish(task, group_id, harness, rollout_id, status, error, trace, result, reward, timings, t0)
+        return _finish(task, group_id, harness, rollout_id, status, error, trace, result, reward, timings, t0,
+                       node_id=getattr(sandbox, "node_id", None))
     finally:
         # 7) release everything, even under cancellation: a cancel arriving meanwhile waits
         # for the release to finish before it propagates
@@ -153,6 +160,8 @@ async def _verify(
     answer = result.final_answer if result is not None else None
     try:
         return await asyncio.wait_for(verifier.score(task, sandbox, answer), timeout_s)
+    except SandboxLostError:
+        raise
     except asyncio.TimeoutError:
         return Reward(value=None, error=f"verifier exceeded {timeout_s:.0f} s")
     except Exception as exc:  # noqa: BLE001 - a verifier crash is this rollout's data
@@ -184,6 +193,7 @@ def _finish(
     reward: Reward | None,
     timings: dict[str, float],
     t0: float,
+    node_id: str | None = None,
 ) -> Rollout:
     timings["total_s"] = time.monotonic() - t0
     scored = reward is not None and reward.error is None and status != "infra_error"
@@ -202,6 +212,7 @@ def _finish(
         metadata={
             "exit_code": result.exit_code if result is not None else None,
             "log_tail": (result.log_tail[-2000:] if result is not None else ""),
+            **({"node_id": node_id} if node_id is not None else {}),
         },
     )
 

@@ -1,0 +1,206 @@
+"""Rollouts on a Ray cluster: a real 3-node cluster on this machine (`ray.cluster_utils.Cluster`,
+at this machine's own address, one CPU and a 100 MB object store per node, no dashboard; the
+proxy's agents listener stays on loopback, which every node of this machine reaches).
+
+`harnessrl rollout` and `harnessrl train` run as real processes joined to it: a command agent
+(a Python program in a bubblewrap sandbox on its node, reaching the proxy through the node's
+relay) and the white-box loop (sampling in the driver, tools and verifier on the node). Asserted
+from the run's `rollouts.jsonl` / `metrics.jsonl`: rollouts spread over the nodes (node id per
+rollout), every agent's call reached the proxy, a node whose raylet is killed mid-run ends its
+rollouts as `infra_error` while the run finishes on the others, and no sandbox process, sandbox
+directory (except those of the dead node, whose worker could not remove them), raylet or GCS
+process is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra (pip install 'harnessrl[ray]') is not installed")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from harnessrl.config import load_config  # noqa: E402
+from harnessrl.sandbox.local import leftover_sandboxes  # noqa: E402
+from harnessrl.sandbox.procs import leftover_processes  # noqa: E402
+
+HARNESSRL = str(Path(sys.executable).with_name("harnessrl"))
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 100 << 20}
+HEAD_ARGS = {**NODE_ARGS, "include_dashboard": False,
+             # a dead node is noticed within ~2 s (the default is ~30 s)
+             "_system_config": {"health_check_initial_delay_ms": 500, "health_check_period_ms": 500,
+                                "health_check_failure_threshold": 4}}
+
+# One chat call through the proxy, its reply written as the answer, then SLEEP seconds.
+# (No `{name}` braces: the command harness templates file contents.)
+AGENT = """
+import json, sys, time, urllib.request
+base, key, model, sleep_s = sys.argv[1:5]
+body = json.dumps(dict(model=model, max_tokens=4, messages=[dict(role="user", content="Say hi.")]))
+req = urllib.request.Request(base + "/chat/completions", data=body.encode(),
+                             headers=dict(Authorization="Bearer " + key))
+req.add_header("Content-Type", "application/json")
+with urllib.request.urlopen(req, timeout=60) as resp:
+    reply = json.load(resp)
+open("answer.txt", "w").write(reply["choices"][0]["message"]["content"] or "")
+time.sleep(float(sleep_s))
+"""
+
+
+def _ray_processes(session_dir: str) -> list[int]:
+    """Pids of raylet / GCS / worker processes of the cluster whose session is `session_dir`."""
+    name = Path(session_dir).name
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if name in cmd and ("raylet" in cmd or "gcs_server" in cmd or "default_worker" in cmd):
+            found.append(proc.pid)
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    c = Cluster(initialize_head=True, head_node_args=dict(HEAD_ARGS))
+    for _ in range(2):
+        c.add_node(**NODE_ARGS)
+    c.wait_for_nodes()
+    session_dir = c.head_node.get_session_dir_path()
+    try:
+        yield c
+    finally:
+        c.shutdown()
+        deadline = time.monotonic() + 15
+        while _ray_processes(session_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _ray_processes(session_dir) == [], "a raylet, GCS or worker process outlived the cluster"
+
+
+def _node_ids(c: Cluster) -> set[str]:
+    return {n.node_id for n in c.list_all_nodes()}
+
+
+def _write_config(tmp_path: Path, c: Cluster, sleep_s: float, **rollout: object) -> Path:
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in rollout.items())
+    text = f"""
+[engine]
+model = "tiny-random"
+[sampling]
+max_tokens = 8
+[harness]
+kind = "command"
+[harness.options]
+argv = ["python3", "{{state_dir}}/agent.py", "{{base_url}}", "{{api_key}}", "{{model}}", "{sleep_s}"]
+final_answer_file = "answer.txt"
+files = {{ "agent.py" = {json.dumps(AGENT)} }}
+[rollout]
+executor = "ray"
+agent_timeout_s = 120
+{extra}[rollout.ray]
+address = "{c.address}"
+max_sandboxes_per_node = 1
+call_grace_s = 30
+[sandbox]
+root_dir = "{tmp_path / 'sandboxes'}"
+isolation = "required"
+"""
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    load_config(path, [])  # the test's own config is valid
+    return path
+
+
+def _run(args: list[str], timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run([HARNESSRL, *args], capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+def _rollouts(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rollout_spreads_over_the_nodes_and_agents_reach_the_proxy(cluster: Cluster, tmp_path: Path) -> None:
+    cfg = _write_config(tmp_path, cluster, 0.5, group_size=3, max_concurrent_rollouts=3)
+    out = tmp_path / "out"
+    done = _run(["rollout", "--config", str(cfg), "--out", str(out), "--limit", "2"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rollouts = _rollouts(out / "rollouts.jsonl")
+    assert len(rollouts) == 6
+    assert [r["status"] for r in rollouts] == ["ok"] * 6, [r["error"] for r in rollouts]
+    # one sandbox per node at a time, 3 at once: every node ran rollouts
+    assert {r["metadata"]["node_id"] for r in rollouts} == _node_ids(cluster)
+    for r in rollouts:  # the agent's one call crossed its node's relay and was recorded
+        assert len(r["trace"]["turns"]) == 1
+        assert len(r["trace"]["turns"][0]["completion_ids"]) >= 1
+        assert r["final_answer"] is not None
+    assert leftover_sandboxes(tmp_path / "sandboxes") == []
+    assert leftover_processes(tmp_path / "sandboxes") == []
+
+
+def test_train_on_the_cluster_with_the_white_box_loop(cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = _run(["train", "--out", str(out), "--set", "engine.model=tiny-random", "--set", "harness.kind=white_box",
+                 "--set", "rollout.group_size=3", "--set", "rollout.max_concurrent_rollouts=3",
+                 "--set", "sampling.max_tokens=16", "--set", "train.steps=2", "--set", "train.max_staleness=0",
+                 "--set", "train.learning_rate=1e-3",
+                 "--set", 'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
+                 "--set", "rollout.executor=ray", "--set", f'rollout.ray.address="{cluster.address}"',
+                 "--set", "rollout.ray.max_sandboxes_per_node=1",
+                 "--set", f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy_version"] for m in metrics] == [1, 2]
+    assert all(m["tokens_trained"] > 0 for m in metrics)
+    assert metrics[0]["step0/ratio_abs_dev"] < 1e-3
+    rollouts = _rollouts(out / "rollouts.jsonl")
+    assert len(rollouts) >= 6 and all(r["status"] == "ok" for r in rollouts), [r["error"] for r in rollouts]
+    assert {r["metadata"]["node_id"] for r in rollouts} == _node_ids(cluster)
+    assert leftover_sandboxes(tmp_path / "sandboxes") == []
+    assert leftover_processes(tmp_path / "sandboxes") == []
+
+
+def test_a_node_killed_mid_run_ends_its_rollouts_as_infra_error(cluster: Cluster, tmp_path: Path) -> None:
+    victim = next(n for n in cluster.worker_nodes)
+    victim_id = victim.node_id
+    cfg = _write_config(tmp_path, cluster, 15, group_size=3, max_concurrent_rollouts=3)
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([HARNESSRL, "rollout", "--config", str(cfg), "--out", str(out), "--limit", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        # wait until the agents of the first 3 rollouts (one per node) are running
+        deadline = time.monotonic() + 180
+        while len(leftover_processes(tmp_path / "sandboxes")) < 3:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the first rollouts never started"
+            time.sleep(0.2)
+        cluster.remove_node(victim, allow_graceful=False)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cluster.add_node(**NODE_ARGS)  # the module's later tests get 3 nodes again
+        cluster.wait_for_nodes()
+    rollouts = _rollouts(out / "rollouts.jsonl")
+    assert len(rollouts) == 6, stderr[-3000:]
+    lost = [r for r in rollouts if r["metadata"].get("node_id") == victim_id]
+    assert len(lost) == 1, "the victim ran exactly one rollout (its slot never freed)"
+    assert lost[0]["status"] == "infra_error" and "died" in lost[0]["error"]
+    # it ended when its node died, not when its agent would have (15 s after its call)
+    assert lost[0]["timings_s"]["agent_s"] < 14
+    rest = [r for r in rollouts if r is not lost[0]]
+    assert [r["status"] for r in rest] == ["ok"] * 5, [r["error"] for r in rest]
+    rest_nodes = {r["metadata"]["node_id"] for r in rest}
+    assert victim_id not in rest_nodes and len(rest_nodes) == 2, "the run went on on the 2 live nodes"
+    assert leftover_processes(tmp_path / "sandboxes") == [], "the dead node's agent outlived its worker"
+    # the dead node's worker died before it could remove its sandbox directory; nothing else is left
+    left = leftover_sandboxes(tmp_path / "sandboxes")
+    assert len(left) == 1 and left[0].name.startswith(lost[0]["rollout_id"])
