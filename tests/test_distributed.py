@@ -63,6 +63,33 @@ def _run_case(model_dir: Path, rows: list[Row], ranks) -> dict:
             "metrics": dict(result.metrics)}
 
 
+def _resume_case(model_dir: Path, out_dir: Path, ranks) -> dict:
+    """Step, checkpoint, step again; then a fresh policy restored from the checkpoint takes the
+    same second step: the weights after it (rank 0) of both."""
+    from harnessrl.engine.model_store import load_tokenizer
+    from harnessrl.train.distributed import full_state_dict
+    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.train.policy import load_policy, restore_checkpoint, save_checkpoint
+    from harnessrl.train.step import optimizer_step
+
+    fn, rows = loss_fn_for("ppo_clip"), _rows()
+    tokenizer = load_tokenizer(model_dir) if ranks.is_main else None
+
+    def step(policy) -> None:
+        optimizer_step(policy.trained, policy.optimizer, rows, fn, temperature=1.0, token_budget=BUDGET,
+                       max_grad_norm=1e9, ranks=ranks)
+
+    first = load_policy(model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=0, ranks=ranks)
+    step(first)
+    save_checkpoint(first, tokenizer, out_dir / "ckpt", {"step": 1, "policy_version": 1})
+    step(first)
+    resumed = load_policy(model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=0, ranks=ranks)
+    state = restore_checkpoint(resumed, out_dir / "ckpt")
+    step(resumed)
+    return {"state": state, "continued": full_state_dict(first.trained, ranks),
+            "resumed": full_state_dict(resumed.trained, ranks)}
+
+
 def _worker(rank: int, world: int, port: int, strategy: str, model_dir: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -73,7 +100,8 @@ def _worker(rank: int, world: int, port: int, strategy: str, model_dir: str, out
     try:
         many = _run_case(Path(model_dir), _rows(), ranks)
         one = _run_case(Path(model_dir), _rows(1), ranks)
-        torch.save({"many": many, "one": one}, Path(out_dir) / f"rank{rank}.pt")
+        resume = _resume_case(Path(model_dir), Path(out_dir), ranks)
+        torch.save({"many": many, "one": one, "resume": resume}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         close_ranks(ranks)
 
@@ -124,6 +152,12 @@ def test_two_ranks_equal_one_process(strategy: str, single: dict, tiny_model_dir
             assert float((weights[name] - w).abs().max()) <= 1e-6, (case, name)
         if strategy == "fsdp2":
             assert torch.load(tmp_path / "rank1.pt", weights_only=False)[case]["weights"] == {}
+    # a checkpoint of 2 ranks resumes to the same next step as the run that wrote it
+    resume = torch.load(tmp_path / "rank0.pt", weights_only=False)["resume"]
+    assert resume["state"] == {"step": 1, "policy_version": 1}
+    assert (tmp_path / "ckpt" / "model.safetensors").exists()
+    for name, w in resume["continued"].items():
+        assert float((resume["resumed"][name] - w).abs().max()) <= 1e-6, name
 
 
 def test_the_step_moves_the_weights(single: dict, tiny_model_dir: Path) -> None:
