@@ -71,6 +71,16 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | N
             return make_vllm_engine(cfg, model_dir, run_dir)
 
 
+async def start_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | None = None) -> Engine:
+    """`make_engine` for the runtime: launched vLLM servers are awaited while they start, so a
+    stop signal during their start-up stops them at once."""
+    if cfg.kind == "vllm" and not cfg.attached:
+        from harnessrl.engine.vllm import start_vllm_engine
+
+        return await start_vllm_engine(cfg, model_dir, run_dir)
+    return make_engine(cfg, model_dir, seed, run_dir)
+
+
 def make_task_source(cfg: TasksConfig) -> TaskSource:
     from harnessrl.tasks.config import HumanEvalTasks, OpenEnvTasks, ProceduralTasks, PythonTasks, StdioTasks
 
@@ -156,7 +166,7 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
     verifier_for(tasks.get(0))  # a task family without a verifier stops the run here (TaskError)
     make_backend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
     model_dir = resolve_model(cfg.engine.model)
-    engine = make_engine(cfg.engine, model_dir, cfg.seed, run_dir)
+    engine = await start_engine(cfg.engine, model_dir, cfg.seed, run_dir)
     try:
         chat = ChatLayer(load_tokenizer(model_dir))
         async with ProxyServer(engine, chat, proxy_config_for(cfg, "harnessrl-policy")) as proxy:

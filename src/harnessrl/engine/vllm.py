@@ -336,29 +336,52 @@ def make_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Path | Non
     `cfg.replicas` servers of `model_dir` that it owns (logs in `run_dir`, else in
     `$HARNESSRL_CACHE/engines/vllm/logs/<time>-<pid>/`). With `weight_sync = "directory"`
     they start from `vllm_sync.serving_dir(model_dir)` (the same weights, embeddings untied).
+    Blocking; `start_vllm_engine` is the same for an event loop.
 
     Raises:
         EngineError: see `VllmEngine` and `vllm_server.launch_servers`.
     """
-    kwargs: dict[str, Any] = dict(max_context_tokens=cfg.max_context_tokens, model_dir=model_dir,
-                                  request_timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections)
     if cfg.attached:
-        return VllmEngine(cfg.server_urls, **kwargs)
+        return VllmEngine(cfg.server_urls, **_engine_kwargs(cfg, model_dir))
+    from harnessrl.engine.vllm_server import launch_servers
+
+    servers = launch_servers(cfg, _served_dir(cfg, model_dir), _log_dir(run_dir), served_model=SERVED_MODEL)
+    return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers,
+                      **_engine_kwargs(cfg, model_dir))
+
+
+async def start_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Path | None = None) -> VllmEngine:
+    """`make_vllm_engine` whose server start-up is awaited: cancelling the caller (a stop
+    signal) stops the servers at once. Raises like `make_vllm_engine`."""
+    if cfg.attached:
+        return VllmEngine(cfg.server_urls, **_engine_kwargs(cfg, model_dir))
+    from harnessrl.engine.vllm_server import launch_servers_async
+
+    servers = await launch_servers_async(cfg, _served_dir(cfg, model_dir), _log_dir(run_dir), served_model=SERVED_MODEL)
+    return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers,
+                      **_engine_kwargs(cfg, model_dir))
+
+
+def _engine_kwargs(cfg: VllmEngineConfig, model_dir: Path) -> dict[str, Any]:
+    return dict(max_context_tokens=cfg.max_context_tokens, model_dir=model_dir,
+                request_timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections)
+
+
+def _log_dir(run_dir: Path | None) -> Path:
     import os
     import time
 
     from harnessrl.engine.vllm_install import vllm_dir
-    from harnessrl.engine.vllm_server import launch_servers
 
-    log_dir = run_dir if run_dir is not None else vllm_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return run_dir if run_dir is not None else vllm_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def _served_dir(cfg: VllmEngineConfig, model_dir: Path) -> Path:
     if cfg.weight_sync == "directory":  # tied embeddings untied, or reloads miss the LM head (vllm_sync)
         from harnessrl.engine.vllm_sync import serving_dir
 
-        served_dir = serving_dir(model_dir)
-    else:
-        served_dir = model_dir
-    servers = launch_servers(cfg, served_dir, log_dir, served_model=SERVED_MODEL)
-    return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers, **kwargs)
+        return serving_dir(model_dir)
+    return model_dir
 
 
 def request_body(model: str, prompt_ids: Sequence[int], sampling: Sampling, max_tokens: int,

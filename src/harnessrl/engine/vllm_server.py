@@ -19,8 +19,9 @@ Invariants:
     `stop()` (SIGTERM to the group, then SIGKILL after `STOP_GRACE_S`) ends the API server and
     its engine-core workers, and a harnessrl process that dies without running `stop()` still
     takes the server down with it.
-  * `launch_servers` either returns servers that all answered `/health`, or stops every server
-    it started and raises; `stop()` is idempotent and also registered with `atexit`.
+  * `launch_servers` (blocking) and `launch_servers_async` (the runtime's: a stop signal
+    cancels it at once) either return servers that all answered `/health`, or stop every
+    server they started and raise; `stop()` is idempotent and also registered with `atexit`.
   * stdout and stderr of each server go to `<log_dir>/vllm-<i>.log`; a server that dies while
     starting raises `EngineError` with the tail of that log.
 
@@ -148,6 +149,21 @@ class VllmServer:
         except OSError:
             return ""
 
+    def _healthy_once(self, t0: float, timeout_s: float) -> bool:
+        if self._proc.poll() is not None:
+            raise EngineError(f"vLLM server on port {self.port} exited with code {self._proc.returncode} while "
+                              f"starting; log {self.log_path}:\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            raise EngineError(f"vLLM server on port {self.port} not healthy after {timeout_s:.0f} s "
+                              f"(engine.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}")
+        return False
+
     def wait_healthy(self, timeout_s: float) -> float:
         """Block until `GET /health` answers 200; returns the seconds waited.
 
@@ -155,20 +171,18 @@ class VllmServer:
             EngineError: the process exited, or `timeout_s` passed (the log tail is in the message).
         """
         t0 = time.monotonic()
-        while True:
-            if self._proc.poll() is not None:
-                raise EngineError(f"vLLM server on port {self.port} exited with code {self._proc.returncode} while "
-                                  f"starting; log {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise EngineError(f"vLLM server on port {self.port} not healthy after {timeout_s:.0f} s "
-                                  f"(engine.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}")
+        while not self._healthy_once(t0, timeout_s):
             time.sleep(0.5)
+        return time.monotonic() - t0
+
+    async def wait_healthy_async(self, timeout_s: float) -> float:
+        """`wait_healthy` for an event loop (each probe in a worker thread)."""
+        import asyncio
+
+        t0 = time.monotonic()
+        while not await asyncio.to_thread(self._healthy_once, t0, timeout_s):
+            await asyncio.sleep(0.5)
+        return time.monotonic() - t0
 
     def stop(self) -> None:
         """SIGTERM to the process group, SIGKILL after `STOP_GRACE_S`; idempotent."""
@@ -197,19 +211,10 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def launch_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, python: Path | None = None,
-                   served_model: str = "harnessrl-base") -> list[VllmServer]:
-    """Start `cfg.replicas` servers of `model_dir` and wait until all are healthy.
-
-    Args:
-        log_dir: each server logs to `log_dir/vllm-<i>.log`.
-        python: the interpreter with vLLM (default: the installed engine's, `vllm_install`).
-        served_model: `--served-model-name` (the base model's name in requests).
-
-    Raises:
-        EngineError: vLLM is not installed (the message gives the install command), or a
-            server did not come up (every server started is stopped first).
-    """
+def start_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, python: Path | None = None,
+                  served_model: str = "harnessrl-base") -> list[VllmServer]:
+    """Start the processes of `cfg.replicas` servers of `model_dir` without waiting for them
+    (`launch_servers` / `launch_servers_async` wait). Stops those it started if one fails."""
     from harnessrl.engine.vllm_install import vllm_python
 
     python = python or vllm_python()
@@ -220,8 +225,46 @@ def launch_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, pyt
             port = free_port()
             servers.append(VllmServer(server_command(cfg, python, model_dir, port, gpu=gpu, served_model=served_model),
                                       server_env(cfg, i, gpu=gpu), port, log_dir / f"vllm-{i}.log"))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def launch_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, python: Path | None = None,
+                   served_model: str = "harnessrl-base") -> list[VllmServer]:
+    """Start `cfg.replicas` servers of `model_dir` and wait until all are healthy (blocking).
+
+    Args:
+        log_dir: each server logs to `log_dir/vllm-<i>.log`.
+        python: the interpreter with vLLM (default: the installed engine's, `vllm_install`).
+        served_model: `--served-model-name` (the base model's name in requests).
+
+    Raises:
+        EngineError: vLLM is not installed (the message gives the install command), or a
+            server did not come up (every server started is stopped first, also on Ctrl-C).
+    """
+    servers = start_servers(cfg, model_dir, log_dir, python=python, served_model=served_model)
+    try:
         for server in servers:
             waited = server.wait_healthy(cfg.startup_timeout_s)
+            log.info("vLLM server %s healthy after %.1f s", server.url, waited)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+async def launch_servers_async(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *,
+                               python: Path | None = None, served_model: str = "harnessrl-base") -> list[VllmServer]:
+    """`launch_servers` that awaits the health checks, so the event loop stays free and a stop
+    signal that cancels the caller stops the servers at once instead of after their start."""
+    servers = start_servers(cfg, model_dir, log_dir, python=python, served_model=served_model)
+    try:
+        for server in servers:
+            waited = await server.wait_healthy_async(cfg.startup_timeout_s)
             log.info("vLLM server %s healthy after %.1f s", server.url, waited)
     except BaseException:
         for server in servers:
