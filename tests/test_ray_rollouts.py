@@ -175,9 +175,9 @@ def test_a_node_killed_mid_run_ends_its_rollouts_as_infra_error(cluster: Cluster
     proc = subprocess.Popen([HARNESSRL, "rollout", "--config", str(cfg), "--out", str(out), "--limit", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        # wait until the agents of the first 3 rollouts (one per node) are running
+        # wait until the agents of the first 3 rollouts (one per node) made their call and sleep
         deadline = time.monotonic() + 180
-        while len(leftover_processes(tmp_path / "sandboxes")) < 3:
+        while len(list((tmp_path / "sandboxes").glob("*/work/answer.txt"))) < 3:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the first rollouts never started"
             time.sleep(0.2)

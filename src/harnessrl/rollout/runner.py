@@ -120,6 +120,9 @@ async def run_rollout(
         # live agent): this rollout's infra_error, the run goes on
         try:
             await sandbox.kill_processes()
+        except SandboxLostError as exc:  # its processes went with its machine
+            if status != "infra_error":
+                status, error = "infra_error", f"sandbox lost: {exc}"
         except Exception as exc:  # noqa: BLE001 - a failed kill is this rollout's data
             status, error = "infra_error", f"agent processes survived the kill: {_describe(exc)}"
         trace = sessions.close_session(session_id)
