@@ -427,3 +427,27 @@ async def test_a_rollout_runs_the_command_harness_in_a_container(proxy: ProxySer
     assert rollout.reward == 1.0
     assert rollout.trace is not None and [t.status for t in rollout.trace.turns] == ["ok"]
     assert proxy.store.live_sessions == 0
+
+
+@pytest.mark.e2e
+@pytest.mark.agents
+def test_harnessrl_rollout_runs_mini_swe_agent_in_containers(tmp_path: Path, sandbox_root: Path) -> None:
+    """`harnessrl rollout` with `sandbox.kind = "podman"`: mini-swe-agent (its install tree
+    bound read-only) runs in a container and reaches the proxy through the forwarder."""
+    from harnessrl.config import load_config
+    from harnessrl.harness.install import agent_executable
+    from harnessrl.rollout.evaluate import run_evaluation
+
+    try:
+        agent_executable("mini-swe-agent")
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"mini-swe-agent not installed ({exc}); run `harnessrl harness install mini-swe-agent`")
+    cfg = load_config(None, ["engine.model=tiny-random", "harness.kind=mini-swe-agent", "rollout.group_size=1",
+                             "harness.options={step_limit = 2, max_format_errors = 2}", "sandbox.kind=podman",
+                             f'sandbox.root_dir="{sandbox_root}"'])
+    out = tmp_path / "eval"
+    assert run_evaluation(cfg, out, limit=1) == 0
+    [rollout] = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert rollout["status"] == "ok", (rollout["error"], rollout["metadata"])
+    assert len(rollout["trace"]["turns"]) >= 1 and all(t["status"] == "ok" for t in rollout["trace"]["turns"])
+    assert rollout["metadata"]["exit_code"] == 0, rollout["metadata"]
