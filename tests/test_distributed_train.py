@@ -1,6 +1,7 @@
-"""`harnessrl train` on 2 gloo ranks under the real `torchrun` (tiny model, white-box harness in
-bubblewrap sandboxes): 2 steps end cleanly with rank 0's files only; Ctrl-C (SIGINT to torchrun's
-process group, as a terminal sends it) leaves no process and no sandbox behind."""
+"""`harnessrl train` on 2 gloo ranks under the real launchers (tiny model, white-box harness in
+bubblewrap sandboxes): 2 steps end cleanly with rank 0's files only, under `torchrun` (fsdp2) and
+`accelerate launch` (ddp); Ctrl-C (SIGINT to torchrun's process group, as a terminal sends it)
+leaves no process and no sandbox behind."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(tmp_path: Path, strategy: str, steps: int) -> tuple[subprocess.Popen[bytes], Path, Path]:
+def _start(tmp_path: Path, strategy: str, steps: int,
+           launcher: str = "torchrun") -> tuple[subprocess.Popen[bytes], Path, Path]:
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
     sets = [
         "engine.model=tiny-random",
@@ -46,9 +48,14 @@ def _start(tmp_path: Path, strategy: str, steps: int) -> tuple[subprocess.Popen[
         f'sandbox.root_dir="{tmp_path / "sandboxes"}"',
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), "-m", "harnessrl.cli", "train", "--out", str(run_dir),
-            *[a for s in sets for a in ("--set", s)]]
+    if launcher == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                  "127.0.0.1", "--master-port", str(_free_port())]
+    else:  # accelerate's multi-process launcher (it sets the same environment; gloo on CPU)
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                  "--main_process_port", str(_free_port())]
+    argv = [*launch, "-m", "harnessrl.cli", "train", "--out", str(run_dir), *[a for s in sets for a in ("--set", s)]]
     with log.open("wb") as fh:
         proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, run_dir, log
@@ -84,9 +91,9 @@ def _assert_nothing_left(seen: list[psutil.Process], sandboxes: Path) -> None:
     assert leftover_sandboxes(sandboxes) == []
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_rank_train_ends_cleanly(strategy: str, tmp_path: Path) -> None:
-    proc, run_dir, log = _start(tmp_path, strategy, steps=2)
+@pytest.mark.parametrize(("launcher", "strategy"), [("torchrun", "fsdp2"), ("accelerate", "ddp")])
+def test_two_rank_train_ends_cleanly(launcher: str, strategy: str, tmp_path: Path) -> None:
+    proc, run_dir, log = _start(tmp_path, strategy, steps=2, launcher=launcher)
     seen: dict[int, psutil.Process] = {}
     commands: dict[int, str] = {}
     deadline = time.monotonic() + 420
@@ -111,7 +118,7 @@ def test_two_rank_train_ends_cleanly(strategy: str, tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "step-2" / "model.safetensors").exists()
     state = json.loads((run_dir / "checkpoints" / "step-2" / "state.json").read_text())
     assert state["policy_version"] == 2
-    assert "trainer on 2 ranks" in (run_dir / "run.log").read_text()
+    assert f"trainer on 2 ranks ({strategy}, cpu, float32)" in (run_dir / "run.log").read_text()
     assert len((run_dir / "rollouts.jsonl").read_text().splitlines()) == 8
     _assert_nothing_left(list(seen.values()), tmp_path / "sandboxes")
 
