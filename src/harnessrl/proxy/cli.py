@@ -60,11 +60,11 @@ async def _serve(cfg: RunConfig, config: ProxyConfig, admin_port: int, open_sess
     from harnessrl.engine.chat import ChatLayer
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.proxy.server import ProxyServer
-    from harnessrl.runtime import make_engine
+    from harnessrl.runtime import start_engine
 
     model = cfg.engine.model
     model_dir = resolve_model(model)
-    engine = make_engine(cfg.engine, model_dir, cfg.seed)
+    engine = await start_engine(cfg.engine, model_dir, cfg.seed)  # launched vLLM servers: awaited, Ctrl-C stops them
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
