@@ -210,3 +210,29 @@ def test_bad_engine_knobs_raise(tiny_model_dir: Path) -> None:
         EmbeddedEngine(tiny_model_dir, prefix_cache_tokens=-1)
     with pytest.raises(EngineError, match="prefill_chunk_tokens=0"):
         EmbeddedEngine(tiny_model_dir, prefill_chunk_tokens=0)
+
+
+async def test_waiting_prompts_prefill_together_with_and_without_cached_prefixes(engines) -> None:  # noqa: ANN001
+    """Requests waiting together are prefilled in one forward (rows with a cached prefix and
+    rows without it mixed); ids and logprobs equal the engine without the cache, whose
+    batch of fresh prompts is prefilled together too, within 1e-5."""
+    cached, plain = engines
+    base = list(range(4000, 4070))
+    cached.generate_blocking(base, GREEDY)  # cached now: base (+ its completion)
+    prompts = [
+        [*base, 11, 12, 13],  # extends a cached prompt: only its tail is new
+        list(range(5000, 5033)),  # fresh
+        [*base[:40], 21, 22, 23, 24, 25],  # shares 40 ids (2+ blocks) with the cached entry
+        list(range(6000, 6005)),  # fresh and short
+    ]
+    before_c, before_p = cached.stats(), plain.stats()
+    got = await asyncio.gather(*(cached.generate(p, GREEDY) for p in prompts))
+    want = await asyncio.gather(*(plain.generate(p, GREEDY) for p in prompts))
+    after_c, after_p = cached.stats(), plain.stats()
+    assert after_c.prefill_batches - before_c.prefill_batches >= 1
+    assert after_p.prefill_batches - before_p.prefill_batches >= 1
+    assert after_c.prefix_hits - before_c.prefix_hits >= 2
+    assert after_c.prefill_tokens - before_c.prefill_tokens < after_p.prefill_tokens - before_p.prefill_tokens
+    for g, w in zip(got, want, strict=True):
+        assert g.completion_ids == w.completion_ids
+        assert g.completion_logprobs == pytest.approx(w.completion_logprobs, abs=1e-5)

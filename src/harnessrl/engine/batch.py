@@ -93,29 +93,48 @@ class KVBatch:
         Its next input is `first_id` (the id sampled from the prefill logits) at position
         `prompt_len`. Costs one copy of the whole cache (only at admission).
         """
+        kv = []
+        for layer in prefilled.layers:
+            assert layer.keys is not None and layer.values is not None, "prefill cache has an empty layer"
+            kv.append((layer.keys, layer.values))
+        self.add_rows([(kv, prompt_len, first_id)])
+
+    def add_rows(self, rows: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]]) -> None:
+        """Append prefilled sequences as new last rows, in order, with one copy of the cache.
+
+        Each row is `(kv, prompt_len, first_id)`: per layer (keys, values) `[1, H, prompt_len, D]`
+        (views are fine: they are copied), and the id its next step feeds at position `prompt_len`.
+        """
+        if not rows:
+            return
         B, L = self.size, self.length
-        new_L = max(L, prompt_len)
+        new_L = max(L, *(n for _, n, _ in rows))
         cols = new_L + _MIN_SPARE_COLS
+        R = len(rows)
         layers: list[BufferedLayer] = []
-        for i, new_layer in enumerate(prefilled.layers):
-            k_new, v_new = new_layer.keys, new_layer.values
-            assert k_new is not None and v_new is not None and k_new.shape[0] == 1, "prefill cache must be batch 1"
-            k_buf = _with_room(k_new, cols, batch=B + 1)
-            v_buf = _with_room(v_new, cols, batch=B + 1)
+        for i in range(len(rows[0][0])):
+            k0, v0 = rows[0][0][i]
+            assert k0.shape[0] == 1, "prefill cache must be batch 1"
+            k_buf = _with_room(k0, cols, batch=B + R)
+            v_buf = _with_room(v0, cols, batch=B + R)
             if self.cache is not None and B > 0:
                 old = self.cache.layers[i]
                 k_buf[:B, :, new_L - L : new_L] = old.keys
                 v_buf[:B, :, new_L - L : new_L] = old.values
-            k_buf[B, :, new_L - prompt_len : new_L] = k_new[0]
-            v_buf[B, :, new_L - prompt_len : new_L] = v_new[0]
+            for r, (kv, n, _) in enumerate(rows):
+                k_new, v_new = kv[i]
+                assert k_new.shape[-2] == n and v_new.shape[-2] == n, "row KV length differs from its prompt_len"
+                k_buf[B + r, :, new_L - n : new_L] = k_new[0]
+                v_buf[B + r, :, new_L - n : new_L] = v_new[0]
             layers.append(BufferedLayer(k_buf, v_buf, new_L))
         self.cache = Cache(layers=layers)
-        mask = torch.zeros((B + 1, new_L), dtype=torch.long)
+        mask = torch.zeros((B + R, new_L), dtype=torch.long)
         mask[:B, new_L - L :] = self.mask_B_L
-        mask[B, new_L - prompt_len :] = 1
+        for r, (_, n, _) in enumerate(rows):
+            mask[B + r, new_L - n :] = 1
         self.mask_B_L = mask
-        self.positions_B = torch.cat([self.positions_B, torch.tensor([prompt_len])])
-        self.last_ids_B = torch.cat([self.last_ids_B, torch.tensor([first_id])])
+        self.positions_B = torch.cat([self.positions_B, torch.tensor([n for _, n, _ in rows])])
+        self.last_ids_B = torch.cat([self.last_ids_B, torch.tensor([t for _, _, t in rows])])
 
     def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of row `row`'s real columns per layer: (keys, values), each `[1, H, n, D]`

@@ -76,8 +76,9 @@ from typing import Literal
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
-from harnessrl.engine.batch import KVBatch
+from harnessrl.engine.batch import BufferedLayer, KVBatch
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
 from harnessrl.engine.prefix_cache import PrefixCache
 from harnessrl.engine.sampler import RowSampling, effective_temperature, sample_next
@@ -118,6 +119,8 @@ class EngineStats:
     prefix_cache_tokens: int = 0
     """Token positions held in the prefix cache now."""
     prefix_cache_evictions: int = 0
+    prefill_batches: int = 0
+    """Prefill forwards that ran several prompts together (counted in `prefill_chunks` too)."""
 
     def step_metrics(self, previous: EngineStats | None = None, prefix: str = "engine/") -> dict[str, float]:
         """Flat metrics of the work done since `previous` (a snapshot taken earlier; None: since
@@ -460,13 +463,19 @@ class EmbeddedEngine:
             self._active = [r for r in self._active if not r.cancelled.is_set()]
 
     def _prefill_some(self) -> None:
-        """Prefill up to `prefill_chunk_tokens` prompt tokens, admitting waiting requests in turn."""
+        """Prefill up to `prefill_chunk_tokens` prompt tokens, admitting waiting requests in turn:
+        several whose new tokens fit in the budget together in one forward, a longer one in chunks."""
         budget = self._chunk_tokens
         while budget > 0:
             if self._prefilling is None:
                 if not self._waiting or len(self._active) >= self._max_batch_size:
                     return
-                self._prefilling = self._start_prefill(self._waiting.popleft())
+                group, overflow = self._admit_group(budget)
+                if len(group) > 1 or (group and overflow is not None):
+                    budget -= self._prefill_together(group)
+                    self._prefilling = overflow
+                    continue
+                self._prefilling = group[0] if group else overflow  # alone: in chunks, below
                 if self._prefilling is None:
                     continue
             p = self._prefilling
@@ -491,6 +500,92 @@ class EmbeddedEngine:
             if p.done == len(p.req.prompt_ids):
                 self._prefilling = None
                 self._finish_prefill(p, out.logits[:, -1, :])
+
+    def _admit_group(self, budget: int) -> tuple[list[_Prefill], _Prefill | None]:
+        """Admit waiting requests, in order, whose new tokens fit in `budget` together (the
+        group prefilled in one forward), and the first one that does not fit (prefilled in
+        chunks next), within `max_batch_size` rows. A request that shares more than a block of
+        a group member's new tokens waits, so that it finds them in the prefix cache instead."""
+        group: list[_Prefill] = []
+        tokens = 0
+        block = self._prefix_cache.block_tokens if self._prefix_cache.enabled else 0
+        while self._waiting and len(self._active) + len(group) < self._max_batch_size:
+            prompt = self._waiting[0].prompt_ids
+            if block and any(_shares_beyond(prompt, g.req.prompt_ids, g.done + block) for g in group):
+                break
+            p = self._start_prefill(self._waiting.popleft())
+            if p is None:
+                continue
+            new = len(p.req.prompt_ids) - p.done
+            if tokens + new > budget:
+                return group, p
+            group.append(p)
+            tokens += new
+        return group, None
+
+    def _prefill_together(self, group: list[_Prefill]) -> int:
+        """Prefill the rest of every prompt of `group` in one forward; returns the tokens computed.
+
+        Layout `[B, Lc + m]`: row i's cached prefix (c_i ids, from the prefix cache) right-aligned
+        in the first Lc columns, its n_i new ids from column Lc on, then padding (masked; the
+        padding queries come after the row's real ids, so every query sees at least one key).
+        Row i's KV is then the contiguous columns `[Lc - c_i, Lc + n_i)`.
+        """
+        reqs = [p.req for p in group]
+        c = [p.done for p in group]
+        n = [len(r.prompt_ids) - d for r, d in zip(reqs, c, strict=True)]
+        B, Lc, m = len(group), max(c), max(n)
+        if Lc == 0:
+            cache: Cache = DynamicCache(config=self._model.config)
+        else:
+            layers = []
+            some = next(p for p in group if p.done)
+            for layer, ly in enumerate(some.cache.layers):
+                k_buf = ly.keys.new_zeros((B, ly.keys.shape[1], Lc + m, ly.keys.shape[3]))
+                v_buf = ly.values.new_zeros((B, ly.values.shape[1], Lc + m, ly.values.shape[3]))
+                for i, p in enumerate(group):
+                    if c[i]:
+                        k_buf[i, :, Lc - c[i] : Lc] = p.cache.layers[layer].keys[0]
+                        v_buf[i, :, Lc - c[i] : Lc] = p.cache.layers[layer].values[0]
+                layers.append(BufferedLayer(k_buf, v_buf, Lc))
+            cache = Cache(layers=layers)
+        ids = torch.zeros((B, m), dtype=torch.long)
+        mask = torch.zeros((B, Lc + m), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, : n[i]] = torch.tensor(r.prompt_ids[c[i] :], dtype=torch.long)
+            mask[i, Lc - c[i] : Lc + n[i]] = 1
+        positions = torch.tensor(c, dtype=torch.long).unsqueeze(1) + torch.arange(m).unsqueeze(0)
+        keep = sorted(set(k - 1 for k in n))
+        try:
+            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                              use_cache=True, logits_to_keep=torch.tensor(keep))
+        except Exception as exc:  # noqa: BLE001 - these requests' prefill failed; the others go on
+            log.warning("prefill of %d requests failed", B, exc_info=True)
+            for r in reqs:
+                r.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
+            return sum(n)
+        logits_B_V = out.logits[torch.arange(B), torch.tensor([keep.index(k - 1) for k in n])]
+        self._stats["prefill_tokens"] += sum(n)
+        self._stats["prefill_chunks"] += 1
+        self._stats["prefill_batches"] += 1
+        self._stats["prefills"] += B
+        row_kv = [
+            [(ly.keys[i : i + 1, :, Lc - c[i] : Lc + n[i]], ly.values[i : i + 1, :, Lc - c[i] : Lc + n[i]])
+             for ly in cache.layers]
+            for i in range(B)
+        ]
+        if self._prefix_cache.enabled:
+            for r, kv in zip(reqs, row_kv, strict=True):  # copies: a view would keep the whole batch alive
+                self._prefix_cache.insert(r.prompt_ids, self._version, [(k.clone(), v.clone()) for k, v in kv])
+        toks, lps, failed = self._sample(logits_B_V, reqs)
+        joined = []
+        for i, r in enumerate(reqs):
+            if i in failed or self._append(r, toks[i], lps[i]):
+                continue
+            joined.append((row_kv[i], len(r.prompt_ids), toks[i]))
+            self._active.append(r)
+        self._batch.add_rows(joined)
+        return sum(n)
 
     def _start_prefill(self, req: _Request) -> _Prefill | None:
         """Admit `req`: its version, generator, and a cache seeded from the prefix cache."""
@@ -621,6 +716,11 @@ class EmbeddedEngine:
                 item.deliver(error)
             elif isinstance(item, _WeightLoad):
                 item.done.set_exception(error)
+
+
+def _shares_beyond(a: tuple[int, ...], b: tuple[int, ...], k: int) -> bool:
+    """Whether `a` and `b` have the same first `k` ids (both at least that long)."""
+    return len(a) >= k and len(b) >= k and a[:k] == b[:k]
 
 
 def _resolve_async(fut: asyncio.Future[Completion], result: Completion | BaseException) -> None:
