@@ -9,12 +9,16 @@ cache (`engine/prefix_cache.py`) and all per-request state. Requests and weight 
 through a queue. Each loop iteration:
   1) drain the queue (new requests wait; a weight load is applied now, between steps);
   2) prefill, at most `prefill_chunk_tokens` prompt tokens per iteration (chunked prefill):
-     waiting requests are admitted one at a time, up to `max_batch_size` rows; the first
-     chunk of a request starts from the longest prefix of its prompt found in the prefix
-     cache (only its new tokens are computed), each chunk extends the request's own batch-1
-     cache, and when the last chunk is done the prompt's KV is stored in the prefix cache, its
-     first id is sampled and its cache merged into the left-padded batch. A long prompt thus
-     takes several iterations, and the rows already decoding take a step between its chunks;
+     waiting requests are admitted in order, up to `max_batch_size` rows; each starts from
+     the longest prefix of its prompt found in the prefix cache (only its new tokens are
+     computed). Requests whose new tokens fit in the budget together are prefilled in one
+     batched forward (one pass over the weights instead of one per prompt: on CPU a forward
+     costs about as much for 8 short prompts as for one); a request that would recompute more
+     than a block of a group member's new tokens waits for the next group, where it finds them
+     in the prefix cache (the G rollouts of a group share the task prompt that way). A prompt
+     that does not fit is prefilled in chunks in its own batch-1 cache, and the rows already
+     decoding take a step between its chunks. When a prompt is done its KV is stored in the
+     prefix cache, its first id is sampled and its KV merged into the left-padded batch;
   3) one decode step: a single forward over `[B, 1]` ids (per-row position ids and padding
      mask), sample every row (`engine/sampler.py`), finish rows that hit max_tokens, an EOS id
      or a stop string, store a finished row's KV (prompt + completion) in the prefix cache, and
@@ -53,7 +57,7 @@ decode work uses exactly `num_threads`; a trainer running in another thread shou
 `torch.set_num_threads` itself (before or after the engine starts) to keep its own count.
 
 What it deliberately does not do: paged KV memory (the batch and each cache entry hold their
-own copies), speculative decoding, GPU streams. Prefill of a prompt runs alone (batch 1).
+own copies), speculative decoding, GPU streams. A prompt prefilled in chunks runs alone (batch 1).
 Invariants: `Completion.prompt_ids` is the input exactly; `len(completion_ids) ==
 len(completion_logprobs)`; every logprob finite and <= 0 for finite weights; `finish_reason`
 is `stop` when the last id is an EOS id or completes a stop string (even as the last id the
