@@ -103,8 +103,11 @@ async def test_files_exec_spawn_and_close(sandbox_root: Path) -> None:
         slow = await sb.exec("trap '' TERM; sleep 60", 1.0)
         assert slow.timed_out and slow.duration_s < 20, slow
         # a spawned agent with its log; kill_tree stops its container, children included
-        agent = await sb.spawn(["bash", "-c", "echo started; sleep 60 & sleep 60"], log_file=".harnessrl/a.log")
+        secret = "s3cret value=1 # not a comment"
+        agent = await sb.spawn(["bash", "-c", 'echo "started $SECRET_X"; sleep 60 & sleep 60'],
+                               env={"SECRET_X": secret}, log_file=".harnessrl/a.log")
         assert isinstance(agent, SandboxProcess)
+        assert not any(secret in arg for arg in psutil.Process(agent.pid).cmdline())  # env not in argv
         for _ in range(200):
             if len(sb.list_processes()) >= 3:
                 break
@@ -112,7 +115,7 @@ async def test_files_exec_spawn_and_close(sandbox_root: Path) -> None:
         assert await agent.wait(0.1) is None
         assert await agent.kill_tree() >= 3
         assert agent.returncode is not None and sb.list_processes() == []
-        assert sb.read_file(".harnessrl/a.log", base="home") == b"started\n"
+        assert sb.read_file(".harnessrl/a.log", base="home") == f"started {secret}\n".encode()
         done = await sb.spawn(["bash", "-c", "exit 7"])
         assert await done.wait(60) == 7
     finally:

@@ -23,7 +23,9 @@ image's filesystem does not change. Each container runs:
   * with `memory_bytes` (memory and swap), `cpus`, `max_processes` (pids.max), RLIMIT_CPU and
     RLIMIT_FSIZE, under the cgroup parent `/harnessrl-podman/<sandbox_id>`;
   * labelled `harnessrl.sandbox=<sandbox_id>` and `harnessrl.owner=<backend id>`, so that
-    `remove_containers` removes only harnessrl's own containers (orphans of a killed run).
+    `remove_containers` removes only harnessrl's own containers (orphans of a killed run);
+  * with its environment from a file in a host-private directory (`--env-file`), never in the
+    `podman run` argv that every host user can read.
 
 The command is its container's PID 1: when it exits, the kernel kills everything left in the
 container, whatever session it moved to. `SandboxProcess.kill_tree` and `close()` stop the
@@ -38,7 +40,8 @@ Host requirements (checked by `podman_problem`): root, podman with the runc runt
 overlay storage driver and the cgroupfs cgroup manager, and the image in `storage_dir`.
 
 What this does not do: pull images (no registry is assumed), share a pids or memory budget
-across the containers of one sandbox (limits are per container), or run without root.
+across the containers of one sandbox (limits are per container), or run without root. Tested
+on cgroup v1 (hybrid layout) only; the v2 paths (`_pids_hierarchy`) are unexercised.
 """
 
 from __future__ import annotations
@@ -333,8 +336,18 @@ class PodmanSandbox:
         if proxy is not None:
             args += ["-v", f"{FORWARDER_SCRIPT}:{INNER_FORWARDER}:ro", "-v", f"{proxy[1]}:{INNER_SOCKET}"]
             prefix = [cfg.python, "-I", "-S", INNER_FORWARDER, str(proxy[0]), INNER_SOCKET, "--"]
+        # the environment goes through a file in the host-private state directory, not argv
+        # (a process's argv is readable by every host user); a value with a newline, which
+        # the file format cannot hold, falls back to `-e`
+        lines = [f"{k}={v}\n" for k, v in env.items() if "\n" not in v]
+        env_file = self._state / f"{name}.env"
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.writelines(lines)
+        args += ["--env-file", str(env_file)]
         for key, value in env.items():
-            args += ["-e", f"{key}={value}"]
+            if "\n" in value:
+                args += ["-e", f"{key}={value}"]
         return [*args, cfg.image, *prefix, *argv]
 
     async def _start(self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
