@@ -40,7 +40,8 @@ def test_without_a_record_the_launcher_names_the_install_command(cache: Path) ->
 
 
 @pytest.mark.vllm
-def test_a_prebuilt_venv_gets_its_record_without_pip_installing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prebuilt_venv_gets_its_record_without_pip_installing(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     real_python = require_vllm()
     cache = tmp_path
     monkeypatch.setenv("HARNESSRL_CACHE", str(cache))
