@@ -109,6 +109,9 @@ class RayRolloutConfig(BaseModel):
     advertise_host: str | None = None
     """Address the nodes dial to reach the agents listener; unset: `proxy_host`, or this
     node's Ray address when `proxy_host` is 0.0.0.0 / ::."""
+    node_resource: str | None = None
+    """Only nodes advertising this Ray custom resource (`ray start --resources='{"NAME": 1}'`)
+    run rollouts; unset: every live node."""
     max_sandboxes_per_node: int = Field(default=4, ge=1)
     """Most sandboxes alive at once on one node (a rollout waits for a free node)."""
     sandbox_starts_per_s: float = Field(default=0.0, ge=0.0)

@@ -8,8 +8,9 @@ CLI agent's whole `Harness.run` on that node (`NodeHarness`), and a verifier tha
 one-status-per-rollout rule are unchanged: the session is opened, revoked and its trace read
 here, between the node's agent phase and its verification.
 
-One worker actor per live node (`NodeWorker`, pinned with a hard node-affinity strategy, asking
-for no CPU) owns that node's sandboxes: a `LocalSandboxBackend` whose bubblewrap sandboxes reach
+One worker actor per live node (per node offering `rollout.ray.node_resource` when it is set;
+`NodeWorker`, pinned with a hard node-affinity strategy, asking for no CPU) owns that node's
+sandboxes: a `LocalSandboxBackend` whose bubblewrap sandboxes reach
 the proxy through a node-local Unix socket (`sandbox/tcp_relay.py`) relayed over TCP to the
 proxy's agents listener at `advertise_host:port`; the admin listener is never reachable from a
 node. Without bubblewrap an agent dials `advertise_host:port` itself. The white-box harness
@@ -478,9 +479,11 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
     workers: list[Any] = []
     try:
         host = advertise_host(rcfg.proxy_host, rcfg.advertise_host)
-        live = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        live = [n["NodeID"] for n in ray.nodes() if n.get("Alive")
+                and (rcfg.node_resource is None or n.get("Resources", {}).get(rcfg.node_resource, 0) > 0)]
         if not live:
-            raise ConfigError(f"rollout.ray.address = {rcfg.address!r}: the cluster has no live node")
+            raise ConfigError(f"rollout.ray.address = {rcfg.address!r}: the cluster has no live node"
+                              + (f" with resource {rcfg.node_resource!r}" if rcfg.node_resource else ""))
         actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=1000)(NodeWorker)
         args = (cfg.sandbox.model_dump(mode="json"), cfg.harness.kind, dict(cfg.harness.options), host,
                 proxy_port, rcfg.sandbox_starts_per_s)
