@@ -34,12 +34,14 @@ from harnessrl.sandbox.base import Sandbox, SandboxProcess
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.podman import (
     CGROUP_PARENT,
+    OWNER_LABEL,
     SANDBOX_LABEL,
     PodmanSandbox,
     PodmanSandboxBackend,
     podman_argv,
     podman_problem,
     remove_containers,
+    remove_orphans,
 )
 from harnessrl.tasks.base import Task
 
@@ -158,20 +160,32 @@ async def test_memory_and_cpu_limits(sandbox_root: Path) -> None:
         await sb.close()
 
 
-async def test_remove_containers_touches_only_labelled_ones(sandbox_root: Path) -> None:
+async def test_orphan_cleanup_touches_only_our_dead_runs_containers(sandbox_root: Path) -> None:
     cfg = PodmanSandboxConfig(root_dir=sandbox_root)
     base = podman_argv(cfg)
-    name = f"not-harnessrl-{secrets.token_hex(4)}"
     run = ["run", "-d", "--rm", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
-    subprocess.run([*base, *run, "--name", name, cfg.image, "sleep", "60"], check=True, capture_output=True)
-    subprocess.run([*base, *run, "--label", f"{SANDBOX_LABEL}=orphan", cfg.image, "sleep", "60"],
-                   check=True, capture_output=True)
+    tag = secrets.token_hex(4)
+
+    def start(*labels: str) -> str:
+        args = [a for label in labels for a in ("--label", label)]
+        return subprocess.run([*base, *run, *args, cfg.image, "sleep", "60"], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    foreign = start(f"other.tool={tag}")  # not harnessrl's
+    dead = start(f"{SANDBOX_LABEL}=orphan-{tag}", f"{OWNER_LABEL}=999999999-{tag}")  # its run is gone
+    live = start(f"{SANDBOX_LABEL}=live-{tag}", f"{OWNER_LABEL}={os.getpid()}-{tag}")  # this run's
     try:
-        assert remove_containers(cfg) == 1
-        alive = subprocess.run([*base, "ps", "-q", "--filter", f"name={name}"], capture_output=True, text=True)
-        assert alive.stdout.strip(), "a container without the harnessrl label was removed"
+        assert remove_orphans(cfg) == 1
+
+        def running(cid: str) -> bool:
+            return bool(subprocess.run([*base, "ps", "-q", "--filter", f"id={cid}"], capture_output=True,
+                                       text=True).stdout.strip())
+
+        assert not running(dead) and running(live) and running(foreign)
+        assert remove_containers(cfg, f"{SANDBOX_LABEL}=live-{tag}") == 1  # by exact label
+        assert not running(live) and running(foreign)
     finally:
-        subprocess.run([*base, "rm", "-f", "-t", "0", name], capture_output=True)
+        subprocess.run([*base, "rm", "-f", "-t", "0", "--ignore", foreign, dead, live], capture_output=True)
 
 
 # ---- attacks from inside (the cases of test_sandbox_attacks.py) ----------------------------------

@@ -23,7 +23,7 @@ image's filesystem does not change. Each container runs:
   * with `memory_bytes` (memory and swap), `cpus`, `max_processes` (pids.max), RLIMIT_CPU and
     RLIMIT_FSIZE, under the cgroup parent `/harnessrl-podman/<sandbox_id>`;
   * labelled `harnessrl.sandbox=<sandbox_id>` and `harnessrl.owner=<backend id>`, so that
-    `remove_containers` removes only harnessrl's own containers (orphans of a killed run);
+    `remove_orphans` removes only harnessrl's own containers whose run is gone;
   * with its environment from a file in a host-private directory (`--env-file`), never in the
     `podman run` argv that every host user can read.
 
@@ -79,7 +79,7 @@ from harnessrl.sandbox.procs import DIR_VAR, MARKER_VAR, SPAWN_VAR
 from harnessrl.types import Endpoint
 
 __all__ = ["PodmanProcess", "PodmanSandbox", "PodmanSandboxBackend", "podman_argv", "podman_problem",
-           "remove_containers"]
+           "remove_containers", "remove_orphans"]
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,25 @@ def remove_containers(config: PodmanSandboxConfig, label: str = SANDBOX_LABEL) -
     if ids:
         subprocess.run([*base, "rm", "-f", "-t", "0", "--ignore", *ids], capture_output=True, timeout=120)
     return len(ids)
+
+
+def remove_orphans(config: PodmanSandboxConfig) -> int:
+    """Remove the harnessrl containers of the store whose owner process (the pid in their
+    `harnessrl.owner` label) is gone: what a run killed by SIGKILL left behind. Containers of
+    live runs and containers without the label are never touched. Returns how many."""
+    base = podman_argv(config)
+    listed = subprocess.run([*base, "ps", "-a", "--filter", f"label={OWNER_LABEL}", "--format",
+                             f'{{{{.ID}}}} {{{{index .Labels "{OWNER_LABEL}"}}}}'],
+                            capture_output=True, text=True, timeout=60, check=True)
+    orphans = []
+    for line in listed.stdout.splitlines():
+        cid, _, owner = line.partition(" ")
+        pid = owner.split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            orphans.append(cid)
+    if orphans:
+        subprocess.run([*base, "rm", "-f", "-t", "0", "--ignore", *orphans], capture_output=True, timeout=120)
+    return len(orphans)
 
 
 class PodmanProcess:
