@@ -44,7 +44,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _run_case(model_dir: Path, rows: list[Row], ranks) -> dict:
+def _run_case(model_dir: Path, rows: list[Row], ranks, lora_rank: int = 0) -> dict:
     """Gradient and loss of `rows`, then one optimizer step from the same weights."""
     from harnessrl.train.distributed import full_state_dict, inner_module
     from harnessrl.train.losses import loss_fn_for
@@ -52,10 +52,10 @@ def _run_case(model_dir: Path, rows: list[Row], ranks) -> dict:
     from harnessrl.train.step import accumulate_gradients, optimizer_step
 
     torch.manual_seed(0)
-    policy = load_policy(model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=0, ranks=ranks)
+    policy = load_policy(model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=lora_rank, ranks=ranks)
     fn = loss_fn_for("ppo_clip")
     acc = accumulate_gradients(policy.trained, rows, fn, temperature=1.0, token_budget=BUDGET, ranks=ranks)
-    grads = {n: _full(p.grad) for n, p in inner_module(policy.trained).named_parameters()}
+    grads = {n: _full(p.grad) for n, p in inner_module(policy.trained).named_parameters() if p.requires_grad}
     result = optimizer_step(policy.trained, policy.optimizer, rows, fn, temperature=1.0, token_budget=BUDGET,
                             max_grad_norm=1e9, ranks=ranks)
     weights = {k: v.clone() for k, v in full_state_dict(policy.trained, ranks).items()}
@@ -90,7 +90,7 @@ def _resume_case(model_dir: Path, out_dir: Path, ranks) -> dict:
             "resumed": full_state_dict(resumed.trained, ranks)}
 
 
-def _worker(rank: int, world: int, port: int, strategy: str, model_dir: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, strategy: str, lora_rank: int, model_dir: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -98,7 +98,10 @@ def _worker(rank: int, world: int, port: int, strategy: str, model_dir: str, out
 
     ranks = init_ranks("cpu", strategy)
     try:
-        many = _run_case(Path(model_dir), _rows(), ranks)
+        many = _run_case(Path(model_dir), _rows(), ranks, lora_rank)
+        if lora_rank:
+            torch.save({"many": many}, Path(out_dir) / f"rank{rank}.pt")
+            return
         one = _run_case(Path(model_dir), _rows(1), ranks)
         resume = _resume_case(Path(model_dir), Path(out_dir), ranks)
         torch.save({"many": many, "one": one, "resume": resume}, Path(out_dir) / f"rank{rank}.pt")
@@ -125,10 +128,29 @@ def _single():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_equal_one_process(strategy: str, single: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
+    _check_two_ranks(strategy, 0, single, ("many", "one"), tiny_model_dir, tmp_path)
+    # a checkpoint of 2 ranks resumes to the same next step as the run that wrote it
+    resume = torch.load(tmp_path / "rank0.pt", weights_only=False)["resume"]
+    assert resume["state"] == {"step": 1, "policy_version": 1}
+    assert (tmp_path / "ckpt" / "model.safetensors").exists()
+    for name, w in resume["continued"].items():
+        assert float((resume["resumed"][name] - w).abs().max()) <= 1e-6, name
+
+
+def test_lora_on_two_ddp_ranks_equals_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """LoRA adapters under DDP: the same adapter gradients and the same merged weights."""
+    single = {"many": _run_case(tiny_model_dir, _rows(), _single(), lora_rank=4)}
+    assert all("lora_" in n for n in single["many"]["grads"])
+    _check_two_ranks("ddp", 4, single, ("many",), tiny_model_dir, tmp_path)
+
+
+def _check_two_ranks(strategy: str, lora_rank: int, single: dict, cases: tuple[str, ...], tiny_model_dir: Path,
+                     tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(2, _free_port(), strategy, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
-    for case in ("many", "one"):
+    mp.spawn(_worker, args=(2, _free_port(), strategy, lora_rank, str(tiny_model_dir), str(tmp_path)), nprocs=2,
+             join=True)
+    for case in cases:
         ref = single[case]
         for rank in (0, 1):
             got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)[case]
@@ -152,12 +174,6 @@ def test_two_ranks_equal_one_process(strategy: str, single: dict, tiny_model_dir
             assert float((weights[name] - w).abs().max()) <= 1e-6, (case, name)
         if strategy == "fsdp2":
             assert torch.load(tmp_path / "rank1.pt", weights_only=False)[case]["weights"] == {}
-    # a checkpoint of 2 ranks resumes to the same next step as the run that wrote it
-    resume = torch.load(tmp_path / "rank0.pt", weights_only=False)["resume"]
-    assert resume["state"] == {"step": 1, "policy_version": 1}
-    assert (tmp_path / "ckpt" / "model.safetensors").exists()
-    for name, w in resume["continued"].items():
-        assert float((resume["resumed"][name] - w).abs().max()) <= 1e-6, name
 
 
 def test_the_step_moves_the_weights(single: dict, tiny_model_dir: Path) -> None:

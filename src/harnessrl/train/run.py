@@ -117,8 +117,9 @@ def _follow(cfg: RunConfig, ranks: Any) -> int:
     torch.set_num_threads(cfg.train.num_threads)
     try:
         TrainerGroup(cfg, ranks).follow()
-    except RuntimeError as exc:  # gloo / NCCL: rank 0's connection closed
-        log.warning("rank 0 ended without stopping this rank: %s", str(exc).splitlines()[0] if str(exc) else exc)
+    except RuntimeError as exc:  # gloo / NCCL: rank 0's connection closed (or this rank failed)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.error("trainer rank %d stopped before rank 0 released it (rank 0 gone?): %s", ranks.rank, first)
         return 1
     return 0
 

@@ -73,7 +73,11 @@ class TrainerGroup:
 
     def publish(self, sync: WeightSync, version: int) -> SyncReport:
         """Publish the full weights through `sync` from rank 0 (under fsdp2 gathered from every
-        rank; with LoRA every rank merges and unmerges alike, keeping their base weights equal)."""
+        rank; with LoRA every rank merges and unmerges alike, keeping their base weights equal).
+
+        The other ranks call `policy.export_weights` once; under fsdp2 that is a collective, so
+        `sync.publish` must call `export_weights` exactly once too (every `WeightSync` here does).
+        """
         self._send("export")
         return sync.publish(self._policy(), version)
 
