@@ -175,7 +175,8 @@ async def test_orphan_cleanup_touches_only_our_dead_runs_containers(sandbox_root
     dead = start(f"{SANDBOX_LABEL}=orphan-{tag}", f"{OWNER_LABEL}=999999999-{tag}")  # its run is gone
     live = start(f"{SANDBOX_LABEL}=live-{tag}", f"{OWNER_LABEL}={os.getpid()}-{tag}")  # this run's
     try:
-        assert remove_orphans(cfg) == 1
+        assert PodmanSandboxBackend(cfg).check_isolation("required") == []  # a run's start sweeps
+        assert remove_orphans(cfg) == 0
 
         def running(cid: str) -> bool:
             return bool(subprocess.run([*base, "ps", "-q", "--filter", f"id={cid}"], capture_output=True,

@@ -602,10 +602,14 @@ class PodmanSandboxBackend:
 
     def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
         """Raises SandboxError naming the problem when podman sandboxes cannot run here, in
-        either mode (there is no unisolated fallback); returns [] otherwise."""
+        either mode (there is no unisolated fallback); otherwise removes the containers of
+        dead runs (`remove_orphans`) and returns []. A run calls it once, at start."""
         problem = podman_problem(self.config)
         if problem is not None:
             raise SandboxError(f"sandbox.kind = 'podman' cannot run here: {problem}")
+        removed = remove_orphans(self.config)
+        if removed:
+            log.warning("removed %d podman sandbox containers left by runs that are gone", removed)
         return []
 
     async def create(self, rollout_id: str, workspace: dict[str, str]) -> PodmanSandbox:
