@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
 
@@ -276,7 +278,7 @@ class VllmEngine:
     async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
         import aiohttp
 
-        payload = json.dumps(body).encode()
+        payload = orjson.dumps(body)
         try:
             async with self._session().post(url + "/v1/completions", data=payload) as resp:
                 return resp.status, await resp.read()
@@ -450,7 +452,7 @@ def parse_completion(body: Any, prompt_ids: Sequence[int], max_tokens: int, *,
         raise EngineError(f"{where}: choices[0].token_ids is missing (the server must support return_token_ids)")
     ids = [parse_token_id(v, f"{where}: choices[0].token_ids[{i}]") for i, v in enumerate(raw_ids)]
     echoed = choice.get("prompt_token_ids")
-    if echoed is not None:
+    if echoed is not None and echoed != list(prompt_ids):  # fast path: the ints sent, echoed as ints
         if not isinstance(echoed, list) or [parse_token_id(v, f"{where}: prompt_token_ids[{i}]")
                                             for i, v in enumerate(echoed)] != list(prompt_ids):
             raise EngineError(f"{where}: choices[0].prompt_token_ids differ from the prompt sent "
@@ -485,7 +487,11 @@ def parse_completion(body: Any, prompt_ids: Sequence[int], max_tokens: int, *,
 
 def _loads(where: str, raw: bytes) -> Any:
     try:
-        return json.loads(raw)  # the stdlib reads NaN / Infinity, which vLLM may write
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(raw)  # the stdlib also reads NaN / Infinity, which vLLM may write
     except ValueError:
         raise EngineError(f"vLLM server {where} answered a body that is not JSON: {raw[:200]!r}") from None
 
