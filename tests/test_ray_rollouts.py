@@ -14,6 +14,7 @@ process is left.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -204,3 +205,73 @@ def test_a_node_killed_mid_run_ends_its_rollouts_as_infra_error(cluster: Cluster
     # the dead node's worker died before it could remove its sandbox directory; nothing else is left
     left = leftover_sandboxes(tmp_path / "sandboxes")
     assert len(left) == 1 and left[0].name.startswith(lost[0]["rollout_id"])
+
+
+async def test_cancelling_the_run_closes_every_node_sandbox(cluster: Cluster, tmp_path: Path) -> None:
+    from harnessrl.rollout.orchestrator import Orchestrator
+    from harnessrl.rollout.runner import RolloutLimits
+    from harnessrl.runtime import start_runtime
+
+    cfg = load_config(_write_config(tmp_path, cluster, 60, group_size=3, max_concurrent_rollouts=3), [])
+    sandboxes = tmp_path / "sandboxes"
+    async with start_runtime(cfg) as rt:
+        orch = Orchestrator(rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for, group_size=3,
+                            max_concurrent_rollouts=3, limits=RolloutLimits(120, 30))
+        orch.allow(1)
+        orch.start()
+        deadline = time.monotonic() + 120
+        while len(list(sandboxes.glob("*/work/answer.txt"))) < 3:  # every node's agent sleeps
+            assert time.monotonic() < deadline, "the rollouts never started"
+            await asyncio.sleep(0.2)
+        assert rt.proxy.store.live_sessions == 3
+        t0 = time.monotonic()
+        await orch.close()
+        closed_s = time.monotonic() - t0
+        assert rt.proxy.store.live_sessions == 0
+        assert leftover_sandboxes(sandboxes) == [], "a node kept a cancelled rollout's sandbox"
+        assert leftover_processes(sandboxes) == [], "a cancelled agent outlived its rollout"
+        assert {n.running for n in rt.backend.nodes.nodes} == {0}
+    assert closed_s < 20, f"cancelling took {closed_s:.1f} s (the agents sleep 60 s)"
+    assert not ray.is_initialized(), "the run left Ray joined"
+
+
+async def test_the_node_relay_carries_bytes_both_ways_to_its_tcp_upstream(tmp_path: Path) -> None:
+    from harnessrl.sandbox.tcp_relay import TcpRelay
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.read()  # until the client's EOF crosses the relay
+        writer.write(b"echo:" + data)
+        await writer.drain()
+        writer.close()
+
+    upstream = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = upstream.sockets[0].getsockname()[1]
+    relay = await TcpRelay.start("127.0.0.1", port)
+    try:
+        assert relay.socket_path.stat().st_mode & 0o777 == 0o600
+        assert relay.socket_path.parent.stat().st_mode & 0o777 == 0o700
+        payload = os.urandom(300_000)
+        reader, writer = await asyncio.open_unix_connection(str(relay.socket_path))
+        writer.write(payload)
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 10) == b"echo:" + payload
+        writer.close()
+    finally:
+        await relay.aclose()
+        upstream.close()
+    assert not relay.socket_path.parent.exists()
+    with pytest.raises(ValueError, match="port 0"):
+        await TcpRelay.start("127.0.0.1", 0)
+
+
+def test_ray_config_errors_name_the_key() -> None:
+    from harnessrl.errors import ConfigError
+
+    cfg = load_config(None, ["rollout.executor=ray", "rollout.ray.max_sandboxes_per_node=2"])
+    assert cfg.rollout.executor == "ray" and cfg.rollout.ray.max_sandboxes_per_node == 2
+    with pytest.raises(ConfigError, match="executor"):
+        load_config(None, ["rollout.executor=kubernetes"])
+    with pytest.raises(ConfigError, match="max_sandboxes_per_node"):
+        load_config(None, ["rollout.ray.max_sandboxes_per_node=0"])
+    with pytest.raises(ConfigError, match="adress"):
+        load_config(None, ["rollout.ray.adress=1"])
