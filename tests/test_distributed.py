@@ -207,3 +207,34 @@ def test_launched_ranks_reads_the_launcher_environment() -> None:
         launched_ranks({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"})
     with pytest.raises(ConfigError, match="WORLD_SIZE='two'"):
         launched_ranks({"WORLD_SIZE": "two"})
+
+
+def test_trainer_dtype_and_refused_combinations(tiny_model_dir: Path) -> None:
+    from harnessrl.config import load_config
+    from harnessrl.errors import ConfigError
+    from harnessrl.train.distributed import Ranks, init_ranks
+    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.train.policy import load_policy
+    from harnessrl.train.step import optimizer_step
+
+    policy = load_policy(tiny_model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=0, dtype="bfloat16")
+    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
+    before = policy.model.model.embed_tokens.weight.detach().clone()
+    m = optimizer_step(policy.trained, policy.optimizer, _rows(), loss_fn_for("ppo_clip"), temperature=1.0,
+                       token_budget=BUDGET, max_grad_norm=1.0).metrics
+    assert m["tokens_trained"] > 0 and "skipped" not in m
+    assert not torch.equal(before, policy.model.model.embed_tokens.weight)
+    with pytest.raises(ConfigError, match="train.dtype='float16'"):
+        load_policy(tiny_model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=0, dtype="float16")
+    with pytest.raises(ConfigError, match="lora_rank > 0 with train.strategy='fsdp2'"):
+        load_policy(tiny_model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=4,
+                    ranks=Ranks(rank=0, world_size=2, strategy="fsdp2"))
+    with pytest.raises(ConfigError, match="train.strategy='zero3'"):
+        init_ranks("cpu", "zero3", environ={})
+    with pytest.raises(ConfigError, match="train.device='tpu'"):
+        init_ranks("tpu", "ddp", environ={})
+    assert init_ranks("cpu", "fsdp2", environ={}).distributed is False  # one process: no group
+    cfg = load_config(None, ["train.strategy=fsdp2", "train.dtype=bfloat16"])
+    assert (cfg.train.strategy, cfg.train.device, cfg.train.dtype) == ("fsdp2", "cpu", "bfloat16")
+    with pytest.raises(Exception, match="strategy"):
+        load_config(None, ["train.strategy=deepspeed"])
