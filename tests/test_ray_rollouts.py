@@ -275,3 +275,39 @@ def test_ray_config_errors_name_the_key() -> None:
         load_config(None, ["rollout.ray.max_sandboxes_per_node=0"])
     with pytest.raises(ConfigError, match="adress"):
         load_config(None, ["rollout.ray.adress=1"])
+
+
+def test_train_goes_on_when_a_node_dies_mid_step(cluster: Cluster, tmp_path: Path) -> None:
+    victim = next(iter(cluster.worker_nodes))
+    victim_id = victim.node_id
+    cfg = _write_config(tmp_path, cluster, 8, group_size=3, max_concurrent_rollouts=3)
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(
+        [HARNESSRL, "train", "--config", str(cfg), "--out", str(out), "--set", "train.steps=2",
+         "--set", "train.max_staleness=0", "--set", "train.learning_rate=1e-3",
+         "--set", 'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"'],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while len(list((tmp_path / "sandboxes").glob("*/work/answer.txt"))) < 3:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the first rollouts never started"
+            time.sleep(0.2)
+        cluster.remove_node(victim, allow_graceful=False)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cluster.add_node(**NODE_ARGS)
+        cluster.wait_for_nodes()
+    assert proc.returncode == 0, stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy_version"] for m in metrics] == [1, 2], "both steps ran"
+    rollouts = _rollouts(out / "rollouts.jsonl")
+    lost = [r for r in rollouts if r["metadata"].get("node_id") == victim_id]
+    assert [r["status"] for r in lost] == ["infra_error"] and "died" in lost[0]["error"]
+    rest = [r for r in rollouts if r["metadata"].get("node_id") != victim_id]
+    assert len(rest) >= 5 and all(r["status"] == "ok" for r in rest), [r["error"] for r in rest]
+    assert leftover_processes(tmp_path / "sandboxes") == []
