@@ -152,6 +152,7 @@ async def test_memory_and_cpu_limits(sandbox_root: Path) -> None:
         assert small.returncode == 0 and small.stdout.strip() == str(32 << 20), small
         big = await sb.exec(["python3", "-c", "b = bytearray(256 << 20); print('allocated')"], 60)
         assert big.returncode == 137 and "allocated" not in big.stdout, big  # OOM-killed
+        assert not Path("oom").exists()  # conmon's OOM marker stays in the sandbox's private state
         quota = await sb.exec("cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us "
                               "2>/dev/null || cat /sys/fs/cgroup/cpu.max", 30)
         numbers = [int(x) for x in quota.stdout.split()]

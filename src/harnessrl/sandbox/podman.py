@@ -381,7 +381,8 @@ class PodmanSandbox:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self._run_argv(name, argv, run_dir, self._env(env)), stdin=asyncio.subprocess.DEVNULL,
-                stdout=stdout, stderr=stderr, start_new_session=True)
+                stdout=stdout, stderr=stderr, start_new_session=True,
+                cwd=self._state)  # conmon inherits it and writes an `oom` file there on an OOM kill
         except OSError as e:
             raise SandboxError(f"sandbox {self.sandbox_id} cannot start podman for {argv[0]!r}: {e}") from e
         self._clients[name] = proc
