@@ -133,7 +133,8 @@ class PodmanSandboxConfig(BaseModel):
     output_cap_bytes: int = Field(default=1 << 20, ge=1)
     """Captured bytes kept of each of stdout and stderr of `exec`."""
     kill_grace_s: float = Field(default=0.5, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL when a container is stopped."""
+    """Seconds between SIGTERM and SIGKILL when a container is stopped (podman counts whole
+    seconds: rounded up, so 0.5 waits 1 s)."""
     path: str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     """PATH of sandboxed commands unless the caller's env sets one."""
     python: str = "/usr/bin/python3"
