@@ -9,7 +9,8 @@ timed. `tokens_per_s` counts the rows' tokens (all ranks together) per second of
 steps on rank 0, the same count at every N, so runs at different N compare directly.
 
 Printed: one JSON line `{"ranks": N, "tokens_per_s": ..., "seconds": ..., "steps": S, "tokens": T,
-"strategy": ...}` (rank 0). With `--ranks N > 1` the script starts N processes itself
+"strategy": ..., "rank_cpu_s": [...]}` (rank 0); `rank_cpu_s` is each rank's CPU seconds over the
+timed steps (all its threads), which shows the work spreading even when other jobs load the cores. With `--ranks N > 1` the script starts N processes itself
 (`torch.multiprocessing`, gloo on loopback); under `torchrun` it uses the launcher's ranks.
 
 Run: `.venv/bin/python bench/scale_trainer.py --ranks 2 --steps 3` (about a minute at 2 ranks on
@@ -49,7 +50,7 @@ def make_rows(n: int, min_len: int, max_len: int, seed: int = 0) -> list[Row]:
 def run(args: argparse.Namespace) -> dict | None:
     """Train on this rank; rank 0 returns the result line, other ranks None."""
     from harnessrl.engine.model_store import TINY_MODEL, resolve_model
-    from harnessrl.train.distributed import all_reduce, close_ranks, init_ranks
+    from harnessrl.train.distributed import all_reduce, close_ranks, gather_objects, init_ranks
     from harnessrl.train.losses import loss_fn_for
     from harnessrl.train.policy import load_policy
     from harnessrl.train.step import optimizer_step
@@ -68,16 +69,18 @@ def run(args: argparse.Namespace) -> dict | None:
 
         step()  # warm-up
         all_reduce([0.0], ranks)  # every rank starts the timed steps together
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             step()
+        cpu_s = time.process_time() - cpu0
         all_reduce([0.0], ranks)
         seconds = time.perf_counter() - t0
+        rank_cpu_s = gather_objects(round(cpu_s, 2), ranks)
         tokens = args.steps * sum(len(r.input_ids) for r in rows)
         if not ranks.is_main:
             return None
         return {"ranks": ranks.world_size, "tokens_per_s": tokens / seconds, "seconds": seconds,
-                "steps": args.steps, "tokens": tokens, "strategy": args.strategy}
+                "steps": args.steps, "tokens": tokens, "strategy": args.strategy, "rank_cpu_s": rank_cpu_s}
     finally:
         close_ranks(ranks)
 
