@@ -163,7 +163,7 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, needed: dict[int, int], kept:
             log.info("rollouts %d/%d finished, %d running", orch.rollouts_finished, total,
                      orch.rollouts_running)
 
-    async with start_runtime(cfg) as rt:
+    async with start_runtime(cfg, run_dir=out_dir) as rt:
         orch = Orchestrator(
             rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
             group_size=cfg.rollout.group_size,
