@@ -19,7 +19,8 @@ distribution, labelled with the policy version the request was sent under.
   counts the older version, which is conservative).
 * Replicas: the requests of one rollout (`affinity`, the proxy's session id) go to one replica,
   so its prefix cache is reused turn after turn; a new affinity key goes to the replica with
-  the fewest live keys (ties: fewest requests in flight); no key: fewest in flight.
+  the fewest keys (of the last `AFFINITY_KEYS_KEPT` seen, or fewer after `forget`; ties: fewest
+  requests in flight); no key: fewest in flight.
 
 Validation (`parse_completion`): every fault is either an `EngineError` (the proxy records an
 error turn and answers the agent 503 with the reason; never trained) or, for logprob VALUES
