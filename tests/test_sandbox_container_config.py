@@ -47,3 +47,14 @@ def test_a_missing_image_stops_the_run_naming_it(tmp_path: Path) -> None:
     cfg = PodmanSandboxConfig(root_dir=tmp_path, image="localhost/harnessrl-no-such-image:0")
     with pytest.raises(SandboxError, match="cannot run here: .*(no-such-image|root|podman)"):
         PodmanSandboxBackend(cfg).check_isolation("best_effort")
+
+
+def test_a_podman_sandbox_table_round_trips_through_the_saved_config(tmp_path: Path) -> None:
+    from harnessrl.config import dump_config, load_config
+
+    cfg = load_config(None, ['sandbox.kind="podman"', "sandbox.cpus=0.5", "sandbox.max_processes=64"])
+    saved = tmp_path / "config.toml"
+    saved.write_text(dump_config(cfg))
+    again = load_config(saved)
+    assert again.sandbox == cfg.sandbox and isinstance(again.sandbox, PodmanSandboxConfig)
+    assert (again.sandbox.cpus, again.sandbox.max_processes) == (0.5, 64)
