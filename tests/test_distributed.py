@@ -238,3 +238,65 @@ def test_trainer_dtype_and_refused_combinations(tiny_model_dir: Path) -> None:
     assert (cfg.train.strategy, cfg.train.device, cfg.train.dtype) == ("fsdp2", "cpu", "bfloat16")
     with pytest.raises(Exception, match="strategy"):
         load_config(None, ["train.strategy=deepspeed"])
+
+
+class _RecordingSync:
+    """A `WeightSync` that keeps the bytes it was handed (rank 0)."""
+
+    def __init__(self) -> None:
+        self.published: list[int] = []
+
+    def publish(self, policy, version: int):
+        from harnessrl.engine.weight_sync import SyncReport
+        from harnessrl.train.policy import export_weights
+
+        weights = export_weights(policy)
+        self.published.append(version)
+        return SyncReport(version=version, seconds=0.0, bytes=sum(t.numel() * t.element_size() for t in weights.values()))
+
+
+def _group_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from harnessrl.config import load_config
+    from harnessrl.engine.model_store import load_tokenizer
+    from harnessrl.train.distributed import close_ranks, init_ranks, inner_module
+    from harnessrl.train.trainer_group import TrainerGroup
+
+    cfg = load_config(None, ["train.lora_rank=4", f"train.learning_rate={LR}", f"train.token_budget={BUDGET}"])
+    ranks = init_ranks("cpu", "ddp")
+    group = TrainerGroup(cfg, ranks)
+    try:
+        if ranks.is_main:
+            group.load(Path(model_dir))
+            metrics = group.step(_rows()).metrics
+            report = group.publish(_RecordingSync(), 1)
+            group.save(load_tokenizer(Path(model_dir)), Path(out_dir) / "ckpt", {"step": 1, "policy_version": 1})
+            group.step(_rows())
+            group.stop()
+            extra = {"metrics": metrics, "sync_bytes": report.bytes}
+        else:
+            group.follow()
+            extra = {}
+        state = {k: v.clone() for k, v in inner_module(group.policy.trained).state_dict().items()}
+        torch.save({"state": state, **extra}, Path(out_dir) / f"group{rank}.pt")
+    finally:
+        close_ranks(ranks)
+
+
+def test_trainer_group_keeps_lora_ranks_bit_identical(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank 0 drives load, step, publish, checkpoint, step, stop; rank 1 follows. Adapters and
+    the frozen base (merged and unmerged for the export and the checkpoint on every rank) end
+    bit-identical on both ranks."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_group_worker, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    zero, one = (torch.load(tmp_path / f"group{r}.pt", weights_only=False) for r in (0, 1))
+    assert zero["metrics"]["tokens_trained"] == sum(r.num_trained_tokens for r in _rows())
+    assert zero["sync_bytes"] > 0
+    assert (tmp_path / "ckpt" / "adapter").is_dir() and (tmp_path / "ckpt" / "model.safetensors").exists()
+    assert set(zero["state"]) == set(one["state"])
+    assert any("lora_" in k for k in zero["state"])
+    for name, value in zero["state"].items():
+        assert torch.equal(value, one["state"][name]), name

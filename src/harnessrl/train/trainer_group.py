@@ -8,7 +8,9 @@ all-reduce, FSDP2 gathers, full-weight gathers) meet. A step's rows travel in it
 (`broadcast_object_list`); every rank then takes its share (`distributed.split_by_tokens`).
 
 Operations that need no other rank are not broadcast: the sampler-parity check and the
-checkpoint of unsharded (ddp) weights run on rank 0 alone; under fsdp2 they are collective.
+checkpoint of unsharded (ddp) full weights run on rank 0 alone; under fsdp2 they are collective.
+With LoRA every rank merges and unmerges the adapters whenever rank 0 does (weight export,
+checkpoint), so the frozen base weights stay bit-identical across ranks.
 
 What the other ranks hold: the config (they were launched with the same command line), the
 model directory (sent by rank 0 in `load`: one path every rank can read), the policy, its
@@ -82,8 +84,9 @@ class TrainerGroup:
         return sync.publish(self._policy(), version)
 
     def save(self, tokenizer: Any, directory: Path, state: dict[str, Any]) -> None:
-        """Write a checkpoint from rank 0 (`policy.save_checkpoint`; collective under fsdp2)."""
-        if self.ranks.sharded:
+        """Write a checkpoint from rank 0 (`policy.save_checkpoint`; collective under fsdp2;
+        with LoRA the other ranks merge and unmerge as rank 0 does, as in `publish`)."""
+        if self.ranks.sharded or self._policy().lora:
             self._send("save", str(directory), state)
         self._save(tokenizer, str(directory), state)
 
@@ -123,6 +126,10 @@ class TrainerGroup:
                     from harnessrl.train.policy import export_weights
 
                     export_weights(self._policy())
+                case "save" if self._policy().lora and not self.ranks.sharded:
+                    from harnessrl.train.policy import export_weights
+
+                    export_weights(self._policy())  # rank 0's save merges and unmerges once
                 case "save":
                     self._save(None, *args)
                 case "restore":
