@@ -28,6 +28,7 @@ def test_compact_templates_are_the_default() -> None:
     assert cfg["agent"]["instance_template"] == COMPACT_INSTANCE and "{{task}}" in COMPACT_INSTANCE
     assert cfg["model"]["action_regex"] == COMPACT_ACTION_REGEX
     assert len(COMPACT_SYSTEM + COMPACT_INSTANCE) < 600  # mini's bundled pair is ~5k characters
+    assert cfg["agent"]["step_limit"] == 1  # one command answers a default task
 
 
 def test_bundled_keeps_minis_own_prompts_and_explicit_templates_win() -> None:
@@ -51,3 +52,24 @@ def test_bundled_keeps_minis_own_prompts_and_explicit_templates_win() -> None:
 def test_compact_action_block(reply: str, actions: list[str]) -> None:
     # mini's text parser: re.findall(action_regex, content, re.DOTALL), each stripped
     assert [a.strip() for a in re.findall(COMPACT_ACTION_REGEX, reply, re.DOTALL)] == actions
+
+
+def test_compact_examples_are_actions_that_answer_in_the_procedural_form(tmp_path) -> None:
+    """Each worked example is a task line in the procedural tasks' own form followed by one
+    action block; run with bash, the action writes an answer.txt the verifier parses."""
+    import subprocess
+
+    from harnessrl.rewards.exact_match import parse_answer
+    from harnessrl.tasks.procedural import ProceduralSource
+
+    examples = re.findall(r"Task: (.*?)\n(```bash\n.*?\n```)", COMPACT_INSTANCE, re.DOTALL)
+    assert [q for q, _ in examples] == ["What is 2 + 3? Write the answer to answer.txt.",
+                                        "Which of the two numbers 14 and 9 is larger? Write the answer to answer.txt."]
+    for (_, block), expected in zip(examples, ["5", "14"]):
+        [action] = re.findall(COMPACT_ACTION_REGEX, block, re.DOTALL)
+        subprocess.run(["bash", "-c", action], cwd=tmp_path, check=True, timeout=10)
+        assert parse_answer((tmp_path / "answer.txt").read_text(), "int") == expected
+    task = ProceduralSource(kinds=["compare"]).get(0)
+    assert re.fullmatch(r"Which of the two numbers \d+ and \d+ is larger\? Write the answer to answer\.txt\.",
+                        task.instruction)
+    assert COMPACT_INSTANCE.rstrip().endswith("Task: {{task}}")

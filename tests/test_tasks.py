@@ -139,6 +139,7 @@ def _check_answer(kind: str, question: str, answer: str) -> None:
         "compare": lambda: str(max(numbers)),
         "reverse": lambda: quoted[0][::-1],
         "count": lambda: str(quoted[1].count(quoted[0])),
+        "repeat": lambda: str(numbers[0]),
     }[kind]()
     assert answer == expected, (kind, question, answer)
 

@@ -21,10 +21,11 @@ checked from the workspace (e.g. `answer.txt`) is scored after one step.
 
 Prompts (`templates`): `bundled` keeps mini's own system and instance templates (~1.2k tokens
 of workflow advice for capable models); `compact` (the default) is a short, example-led prompt
-for a small model: one worked example of a task and its one-command reply (`COMPACT_SYSTEM`,
-`COMPACT_INSTANCE`; the example is not any built-in task), and with the text protocol an
-action block whose fence may be tagged `mswea_bash_command`, `bash`, `sh` or nothing
-(`COMPACT_ACTION_REGEX`). `system_template` / `instance_template` / `action_regex` replace
+for a small model: a one-line system message and two worked examples, each a one-line task
+and its one-command reply, followed by the task in the same form (`COMPACT_SYSTEM`,
+`COMPACT_INSTANCE`; a 135M model continues a pattern it has just seen, where it ignores a
+paragraph of rules), and with the text protocol an action block whose fence may be tagged
+`mswea_bash_command`, `bash`, `shell`, `sh` or nothing (`COMPACT_ACTION_REGEX`). `system_template` / `instance_template` / `action_regex` replace
 either (mini's Jinja templates: `{{task}}` is the task's instruction).
 `HarnessResult.final_answer` is that submission exactly as mini recorded it (trailing newline
 kept; None when empty); mini exits 0 at its limits, so only crashes set `error`.
@@ -53,25 +54,23 @@ from harnessrl.types import Endpoint
 AGENT = "mini-swe-agent"
 
 COMPACT_SYSTEM = """\
-You are a shell agent. Every reply is exactly one bash command in a code block, like this:
-
-```mswea_bash_command
-echo hello > greeting.txt
-```
-"""
+You are a shell agent. You reply with exactly one bash command in a ```bash code block."""
 COMPACT_INSTANCE = """\
-Example task: Write the word hello to the file greeting.txt.
-Example reply:
-```mswea_bash_command
-echo hello > greeting.txt
+Task: What is 2 + 3? Write the answer to answer.txt.
+```bash
+echo 5 > answer.txt
+```
+
+Task: Which of the two numbers 14 and 9 is larger? Write the answer to answer.txt.
+```bash
+echo 14 > answer.txt
 ```
 
 Task: {{task}}
-When the task is done, reply with the command `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`.
 """
-COMPACT_ACTION_REGEX = r"```(?:mswea_bash_command|bash|sh)?[ \t]*\n(.*?)\n```"
-"""The compact prompt's action block: a fence tagged `mswea_bash_command`, `bash`, `sh` or
-untagged (mini's own only accepts `mswea_bash_command`)."""
+COMPACT_ACTION_REGEX = r"```(?:mswea_bash_command|bash|shell|sh)?[ \t]*\n(.*?)\n```"
+"""The compact prompt's action block: a fence tagged `mswea_bash_command`, `bash`, `shell`,
+`sh` or untagged (mini's own only accepts `mswea_bash_command`)."""
 TRAJECTORY_BYTES = 64 << 20
 """Largest trajectory file read back (a larger one reads as missing: truncated JSON)."""
 
@@ -84,9 +83,11 @@ class MiniSweAgentConfig(BaseModel):
     tool_calls: bool = False
     """Use the tool-call protocol (`mini.yaml`); False uses the text protocol
     (`mini_textbased.yaml`, ```` ```mswea_bash_command ```` blocks) for models without tool calls."""
-    step_limit: int = Field(default=4, ge=1)
-    """Most model calls per rollout (mini's `agent.step_limit`). Kept small by default: every
-    call's tokens are generated and then trained on; raise it for capable models."""
+    step_limit: int = Field(default=1, ge=1)
+    """Most model calls per rollout (mini's `agent.step_limit`). 1 by default: the default
+    procedural tasks are answered by one command writing `answer.txt` (mini runs the last
+    step's action, then stops), every call's tokens are generated and then trained on, and a
+    135M model's later replies are noise; raise it for tasks that need several commands."""
     cost_limit: float = Field(default=0.0, ge=0.0)
     """mini's dollar cost limit; 0 disables it (a local model has no price)."""
     max_format_errors: int = Field(default=3, ge=0)

@@ -38,8 +38,12 @@ class ProceduralTasks(_TasksBase):
     """Generated tasks with exact answers (arithmetic, comparisons, strings)."""
 
     kind: Literal["procedural"] = "procedural"
-    kinds: list[str] | None = None
-    """Procedural task kinds (default: the generator's own set)."""
+    kinds: list[str] | None = Field(default_factory=lambda: ["repeat", "compare"])
+    """Procedural task kinds (None: the generator's own set). The default, `repeat` and
+    `compare`, is a family SmolLM2-135M can start to solve through mini-swe-agent: with the
+    compact prompt at temperature 0.4 it answered 8 of 16 `repeat` tasks before any training
+    (3 of 4 groups with reward variance), where `compare` alone gave 0 of 16 at 0.7; once the
+    action is learnt, the larger of two numbers is a choice it can learn."""
     difficulty: int = Field(default=1, ge=1)
     """Difficulty knob of the generator."""
     seed_offset: int = 0

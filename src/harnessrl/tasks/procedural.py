@@ -9,14 +9,17 @@ Kinds (numbers scale with `difficulty` d >= 1; n_max = 10**(d+1) - 1, so 99 at d
   * `mul`: a * b, a, b in [2, 10**d - 1 (at least 9)];
   * `compare`: the larger of two distinct numbers in [1, n_max];
   * `reverse`: a string of 2 + 2d lowercase letters, reversed;
-  * `count`: occurrences of a letter in a string of 4 + 4d letters from a 4-letter alphabet.
+  * `count`: occurrences of a letter in a string of 4 + 4d letters from a 4-letter alphabet;
+  * `repeat`: a number in [1, n_max], given back (the answer is in the question: what is
+    learnt is the agent's action format, the first thing a small model must get right).
 The answer must be the whole text the agent gives (an integer, or one word for string
 answers; rules in `rewards/exact_match.py`), not a number found somewhere in it.
 
 Determinism: task `get(seed)` uses index i = seed % size and draws everything from
 `random.Random(f"procedural:{seed_offset + i}:{difficulty}")` (string seeds hash with SHA-512,
 stable across processes and Python versions), so the same (seed, constructor args) always
-gives the same task. The agent is asked to write its answer to `answer.txt`.
+gives the same task. The agent is asked to write its answer to `answer.txt`
+(`INSTRUCTION`: `Which of the two numbers 71 and 27 is larger? Write the answer to answer.txt.`).
 """
 
 from __future__ import annotations
@@ -29,12 +32,10 @@ from harnessrl.errors import TaskError
 from harnessrl.tasks.base import Task
 
 ANSWER_FILE = "answer.txt"
-INSTRUCTION = """\
-{question}
-
-Write only the final answer ({what}) to the file `{answer_file}` in the current directory, \
-for example with `echo ANSWER > {answer_file}`.
-"""
+INSTRUCTION = "{question} Write the answer to {answer_file}."
+"""Instruction when `answer_via="file"` (the default): one short line, the form the compact
+mini-swe-agent prompt's worked examples use (a 135M model follows a pattern it has just seen
+far better than a paragraph of rules)."""
 
 REPLY_INSTRUCTION = "{question} Reply with only the {what}."
 """Instruction when `answer_via="reply"`: the answer is the assistant's reply itself (the
@@ -81,9 +82,14 @@ def _count(rng: random.Random, d: int) -> tuple[str, str, str]:
     return f"How many times does the letter '{letter}' appear in '{word}'?", str(word.count(letter)), "int"
 
 
+def _repeat(rng: random.Random, d: int) -> tuple[str, str, str]:
+    n = rng.randint(1, _n_max(d))
+    return f"Repeat the number {n}.", str(n), "int"
+
+
 KINDS: dict[str, Generator] = {
     "add": _add, "sub": _sub, "mul": _mul, "compare": _compare, "reverse": _reverse,
-    "count": _count,
+    "count": _count, "repeat": _repeat,
 }
 """Every kind a `ProceduralSource` can draw from."""
 
@@ -133,8 +139,7 @@ class ProceduralSource:
             what = "number" if answer_kind == "int" else "resulting text"
             instruction = REPLY_INSTRUCTION.format(question=question, what=what)
         else:
-            what = "a single integer" if answer_kind == "int" else "just the resulting text"
-            instruction = INSTRUCTION.format(question=question, what=what, answer_file=ANSWER_FILE)
+            instruction = INSTRUCTION.format(question=question, answer_file=ANSWER_FILE)
         return Task(
             task_id=f"procedural/{kind}/i={index}/d={self.difficulty}",
             family="procedural",
