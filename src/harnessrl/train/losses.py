@@ -182,8 +182,9 @@ def _sequence_log_ratio(r: _Ratios, seq_ids_T: torch.Tensor) -> torch.Tensor:
     _, inverse = torch.unique(seq_ids_T, return_inverse=True)
     num_seq = int(inverse.max().item()) + 1 if inverse.numel() else 0
     weights = r.valid_T.float()
-    sums = torch.zeros(num_seq, dtype=r.log_ratio_T.dtype).index_add(0, inverse, r.log_ratio_T * weights)
-    counts = torch.zeros(num_seq, dtype=weights.dtype).index_add(0, inverse, weights)
+    sums = torch.zeros(num_seq, dtype=r.log_ratio_T.dtype, device=r.log_ratio_T.device).index_add(
+        0, inverse, r.log_ratio_T * weights)
+    counts = torch.zeros(num_seq, dtype=weights.dtype, device=weights.device).index_add(0, inverse, weights)
     return (sums / counts.clamp(min=1.0))[inverse]
 
 

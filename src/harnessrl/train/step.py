@@ -254,8 +254,8 @@ def sampler_parity(
     with torch.no_grad():
         for batch in pack_rows(list(rows)[:max_rows], token_budget):
             lp_T = compute_trainer_logprobs(model, batch, temperature)
-            mask = batch.mask_T
-            dev = (torch.exp(lp_T[mask] - batch.sampler_logprobs_T[mask]) - 1).abs()
+            mask = batch.mask_T.to(lp_T.device)
+            dev = (torch.exp(lp_T[mask] - batch.sampler_logprobs_T.to(lp_T.device)[mask]) - 1).abs()
             total += float(dev.sum())
             count += int(mask.sum())
     return total / count if count else None
