@@ -3,7 +3,8 @@ slices of replicas; and real processes of a stub server (started the way vLLM is
 vllm.entrypoints... --port P`): two replicas health-waited and served through one `VllmEngine`
 with session-affine routing, logs in the log directory, the whole process group (a grandchild
 included) gone after `close()`; a server that exits while starting raises with its log tail and
-leaves nothing; a health-wait past its timeout stops the server."""
+leaves nothing; a health-wait past its timeout stops the server; a server whose port was taken
+between `free_port` and its bind starts again on another."""
 
 from __future__ import annotations
 
@@ -103,10 +104,23 @@ def test_two_launched_replicas_serve_route_and_stop(stub_python: Path, tmp_path:
             return [engine.replica_of(k) for k in ("a", "b", "c", "d")]
 
         assert sorted(asyncio.run(rollouts())) == [0, 0, 1, 1]
+        freed = [engine.replica_of("a"), engine.replica_of("c")]
+        assert freed[0] == freed[1]  # a and c share a replica, b and d the other
+        engine.forget("a")
+        engine.forget("c")
+        assert engine.replica_of("a") is None
+        # the next two rollouts fill the replica freed by the ended ones
+        assert asyncio.run(_two(engine)) == freed
     finally:
         engine.close()
     for s in servers:
         assert not s.running and group_pids(s.pid) == []
+
+
+async def _two(engine: VllmEngine) -> list[int | None]:
+    for key in ("e", "f"):
+        await engine.generate([1, 2, 3], Sampling(max_tokens=8), affinity=key)
+    return [engine.replica_of(k) for k in ("e", "f")]
 
 
 def test_a_server_that_exits_while_starting_raises_with_its_log(stub_python: Path, tmp_path: Path) -> None:
@@ -132,6 +146,28 @@ def test_a_health_wait_past_its_timeout_stops_the_server(tmp_path: Path) -> None
     with pytest.raises(EngineError, match="not healthy"):
         launch_servers(cfg, Path("/m"), tmp_path, python=sleeper)
     assert [p for p in os.listdir("/proc") if p.isdigit() and _cmd_has(p, str(sleeper))] == []
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(stub_python: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from harnessrl.engine import vllm_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        offered = iter([busy])
+        real_free_port = vllm_server.free_port
+        monkeypatch.setattr(vllm_server, "free_port", lambda: next(offered, None) or real_free_port())
+        (server,) = launch_servers(VllmEngineConfig(startup_timeout_s=60), Path("/m"), tmp_path,
+                                   python=stub_python, served_model="base")
+    try:
+        assert server.port != busy and server.running
+        assert "address already in use" in server.log_path.read_text().lower()  # the first start, logged
+    finally:
+        server.stop()
 
 
 def _cmd_has(pid: str, needle: str) -> bool:

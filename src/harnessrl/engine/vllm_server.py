@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+PORT_ATTEMPTS = 3
+"""Starts of one server on a fresh port when the port it was given was taken meanwhile."""
 STOP_GRACE_S = 10.0
 """Seconds between SIGTERM and SIGKILL of a server's process group."""
 _PR_SET_PDEATHSIG = 1
@@ -126,6 +128,7 @@ class VllmServer:
     """One launched server: its process group, port and log file. Use `.url`, `.stop()`."""
 
     def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path) -> None:
+        self._argv, self._env = argv, env
         self.port = port
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{port}"
@@ -138,6 +141,19 @@ class VllmServer:
         self.pid = self._proc.pid
         atexit.register(self.stop)
         log.info("vLLM server pid %d starting on %s (log %s)", self.pid, self.url, log_path)
+
+    def lost_its_port(self) -> bool:
+        """True when the process exited because its port was taken meanwhile (the race
+        `free_port` leaves open)."""
+        return self._proc.poll() is not None and "address already in use" in self.log_tail(20_000).lower()
+
+    def relaunch(self) -> VllmServer:
+        """Stop this server and start the same command on a new free port."""
+        self.stop()
+        port = free_port()
+        argv = list(self._argv)
+        argv[argv.index("--port") + 1] = str(port)
+        return VllmServer(argv, self._env, port, self.log_path)
 
     @property
     def running(self) -> bool:
@@ -247,9 +263,16 @@ def launch_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, pyt
     """
     servers = start_servers(cfg, model_dir, log_dir, python=python, served_model=served_model)
     try:
-        for server in servers:
-            waited = server.wait_healthy(cfg.startup_timeout_s)
-            log.info("vLLM server %s healthy after %.1f s", server.url, waited)
+        for i in range(len(servers)):
+            for attempt in range(PORT_ATTEMPTS):
+                try:
+                    waited = servers[i].wait_healthy(cfg.startup_timeout_s)
+                    break
+                except EngineError:
+                    if attempt + 1 == PORT_ATTEMPTS or not servers[i].lost_its_port():
+                        raise
+                    servers[i] = servers[i].relaunch()
+            log.info("vLLM server %s healthy after %.1f s", servers[i].url, waited)
     except BaseException:
         for server in servers:
             server.stop()
@@ -263,9 +286,16 @@ async def launch_servers_async(cfg: VllmEngineConfig, model_dir: Path, log_dir: 
     signal that cancels the caller stops the servers at once instead of after their start."""
     servers = start_servers(cfg, model_dir, log_dir, python=python, served_model=served_model)
     try:
-        for server in servers:
-            waited = await server.wait_healthy_async(cfg.startup_timeout_s)
-            log.info("vLLM server %s healthy after %.1f s", server.url, waited)
+        for i in range(len(servers)):
+            for attempt in range(PORT_ATTEMPTS):
+                try:
+                    waited = await servers[i].wait_healthy_async(cfg.startup_timeout_s)
+                    break
+                except EngineError:
+                    if attempt + 1 == PORT_ATTEMPTS or not servers[i].lost_its_port():
+                        raise
+                    servers[i] = servers[i].relaunch()
+            log.info("vLLM server %s healthy after %.1f s", servers[i].url, waited)
     except BaseException:
         for server in servers:
             server.stop()

@@ -42,7 +42,7 @@ from harnessrl.engine.base import Engine
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.errors import ConfigError
 from harnessrl.proxy import anthropic, google, responses
-from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app
+from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app, serve_post
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.httpguard import guarded_httptools
@@ -131,8 +131,10 @@ class ProxyServer:
     async def _route(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """ASGI entry: connections on the admin socket get the admin app, all others the agents'."""
         server = scope.get("server")
-        app = self.admin_app if server is not None and tuple(server) == self._admin_name else self.app
-        await app(scope, receive, send)
+        if server is not None and tuple(server) == self._admin_name:
+            await self.admin_app(scope, receive, send)
+        elif not await serve_post(self.app, scope, receive, send):  # the agents' calls: the hot path
+            await self.app(scope, receive, send)
 
     @property
     def base_url(self) -> str:
@@ -190,8 +192,13 @@ class ProxyServer:
                         keyed_base_url=f"{root}/r/{key}/v1")
 
     def close_session(self, session_id: str) -> Trace:
-        """Revoke the session's key and return its final trace (written if a path is set)."""
-        return self.store.close(session_id)
+        """Revoke the session's key and return its final trace (written if a path is set); an
+        engine that routes by affinity (`VllmEngine.forget`) drops the session's key."""
+        trace = self.store.close(session_id)
+        forget = getattr(self.deps.capture.engine, "forget", None)
+        if callable(forget):
+            forget(session_id)
+        return trace
 
     async def aclose(self) -> None:
         """Close live sessions and stop uvicorn; idempotent, shielded from cancellation."""
