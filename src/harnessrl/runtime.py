@@ -164,7 +164,8 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
     tasks = make_task_source(cfg.tasks)
     verifier_for = make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))
     verifier_for(tasks.get(0))  # a task family without a verifier stops the run here (TaskError)
-    make_backend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
+    if cfg.rollout.executor == "local":  # with "ray" each node checks its own (ray_executor.py)
+        make_backend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
     model_dir = resolve_model(cfg.engine.model)
     engine = await start_engine(cfg.engine, model_dir, cfg.seed, run_dir)
     try:

@@ -16,7 +16,8 @@ class ProxyConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     host: str = "127.0.0.1"
-    """Interface the server binds."""
+    """Interface the agents listener binds (a run on a Ray cluster binds `rollout.ray.proxy_host`);
+    the admin listener always binds 127.0.0.1."""
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port; 0 lets the OS pick one (read it back from `ProxyServer.base_url`)."""
     model_name: str = "harnessrl-policy"

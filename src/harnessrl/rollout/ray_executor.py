@@ -10,7 +10,7 @@ here, between the node's agent phase and its verification.
 
 One worker actor per live node (per node offering `rollout.ray.node_resource` when it is set;
 `NodeWorker`, pinned with a hard node-affinity strategy, asking for no CPU) owns that node's
-sandboxes: a `LocalSandboxBackend` whose bubblewrap sandboxes reach
+sandboxes: the run's sandbox backend (`sandbox.kind`), whose sandboxes reach
 the proxy through a node-local Unix socket (`sandbox/tcp_relay.py`) relayed over TCP to the
 proxy's agents listener at `advertise_host:port`; the admin listener is never reachable from a
 node. Without bubblewrap an agent dials `advertise_host:port` itself. The white-box harness
@@ -63,7 +63,8 @@ class NodeWorker:
     """The rollout worker on one node (a Ray actor, see the module docstring).
 
     Args:
-        sandbox_config: `SandboxConfig` as a dict (the node's sandboxes use it as is).
+        sandbox_config: the run's `[sandbox]` as a dict (any `sandbox.kind`; the node's
+            sandboxes use it as is).
         harness_kind, harness_options: the run's harness; a CLI harness is built and run on the
             node, the white-box one never is.
         proxy_host, proxy_port: the agents listener as this node reaches it.
@@ -72,9 +73,11 @@ class NodeWorker:
 
     def __init__(self, sandbox_config: dict[str, Any], harness_kind: str, harness_options: dict[str, Any],
                  proxy_host: str, proxy_port: int, sandbox_starts_per_s: float) -> None:
-        from harnessrl.sandbox.config import SandboxConfig
+        from pydantic import TypeAdapter
 
-        self._config = SandboxConfig.model_validate(sandbox_config)
+        from harnessrl.config import SandboxConfig
+
+        self._config = TypeAdapter(SandboxConfig).validate_python(sandbox_config)
         self._harness_kind = harness_kind
         self._harness_options = harness_options
         self._proxy = (proxy_host, proxy_port)
@@ -86,25 +89,27 @@ class NodeWorker:
         self._harness: Harness | None = None
         self._relay: Any = None
 
-    async def ready(self) -> dict[str, Any]:
-        """Start the relay and the sandbox backend; returns `{"node_id", "pid", "bwrap", "gaps"}`."""
+    async def ready(self, isolation: Literal["required", "best_effort"]) -> dict[str, Any]:
+        """Start the relay and the sandbox backend and apply the isolation policy; returns
+        `{"node_id", "pid", "gaps"}`. Raises SandboxError (the backend's) under "required"
+        when this node's sandboxes would not isolate."""
         if self._backend is None:
             import ray
 
             from harnessrl.harness.install import installed_agent_dirs
             from harnessrl.harness.options import canonical_kind
             from harnessrl.harness.select import make_harness
-            from harnessrl.sandbox.local import LocalSandboxBackend
+            from harnessrl.sandbox.select import make_backend
             from harnessrl.sandbox.tcp_relay import TcpRelay
 
             self._relay = await TcpRelay.start(*self._proxy)
-            self._backend = LocalSandboxBackend(self._config, ro_binds=installed_agent_dirs(),
-                                                proxy_port=self._proxy[1], proxy_socket=self._relay.socket_path)
+            self._backend = make_backend(self._config, ro_binds=installed_agent_dirs(),
+                                         proxy_port=self._proxy[1], proxy_socket=self._relay.socket_path)
             if canonical_kind(self._harness_kind) != "white_box":
                 self._harness = make_harness(self._harness_kind, dict(self._harness_options))
             self._node_id = ray.get_runtime_context().get_node_id()
-        return {"node_id": self._node_id, "pid": os.getpid(), "bwrap": self._backend.bwrap is not None,
-                "gaps": self._backend.unisolated()}
+        gaps = self._backend.check_isolation(isolation)
+        return {"node_id": self._node_id, "pid": os.getpid(), "gaps": gaps}
 
     async def create(self, rollout_id: str, workspace: dict[str, str]) -> dict[str, str]:
         """A new sandbox (after the start-rate wait); returns `{"sandbox_id", "workdir", "home"}`."""
@@ -464,9 +469,11 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
 
     Raises:
         ConfigError: OpenEnv tasks (their sessions live in this process), or no live node.
-        SandboxError: a node without bubblewrap under "required" isolation (naming the node).
+        SandboxError: a node whose backend refuses to start, e.g. without bubblewrap under
+            "required" isolation (the backend's message).
     """
     import ray
+    from ray.exceptions import RayTaskError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from harnessrl.harness.options import canonical_kind
@@ -489,12 +496,12 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
                 proxy_port, rcfg.sandbox_starts_per_s)
         workers = [actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(*args)
                    for node_id in live]
-        infos = await asyncio.gather(*(asyncio.wrap_future(w.ready.remote().future()) for w in workers))
         mode = cfg.sandbox.isolation or isolation
+        try:
+            infos = await asyncio.gather(*(asyncio.wrap_future(w.ready.remote(mode).future()) for w in workers))
+        except RayTaskError as exc:  # the node's backend refused (isolation, no runtime, ...)
+            raise SandboxError(f"a Ray node cannot run the run's sandboxes: {exc.cause}") from None
         for info in infos:
-            if not info["bwrap"] and mode == "required":
-                raise SandboxError(f"Ray node {info['node_id']}: sandbox.isolation = 'required' but bubblewrap "
-                                   "does not work there: " + "; ".join(info["gaps"]))
             if info["gaps"]:
                 log.warning("SANDBOXES ON RAY NODE %s ARE NOT ISOLATED: %s", info["node_id"], "; ".join(info["gaps"]))
         nodes = RayNodes([_Node(info["node_id"], w) for info, w in zip(infos, workers, strict=True)],
