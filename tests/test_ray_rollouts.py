@@ -311,3 +311,15 @@ def test_train_goes_on_when_a_node_dies_mid_step(cluster: Cluster, tmp_path: Pat
     rest = [r for r in rollouts if r["metadata"].get("node_id") != victim_id]
     assert len(rest) >= 5 and all(r["status"] == "ok" for r in rest), [r["error"] for r in rest]
     assert leftover_processes(tmp_path / "sandboxes") == []
+
+
+async def test_a_node_that_cannot_isolate_stops_a_required_run(cluster: Cluster, tmp_path: Path) -> None:
+    from harnessrl.errors import SandboxError
+    from harnessrl.runtime import start_runtime
+
+    cfg = load_config(_write_config(tmp_path, cluster, 0), ["sandbox.use_bwrap=false"])  # isolation = "required"
+    with pytest.raises(SandboxError, match=r"Ray node [0-9a-f]+ cannot run the run's sandboxes: "
+                                           r"sandbox.isolation = 'required' but bubblewrap is not used"):
+        async with start_runtime(cfg):
+            pass
+    assert not ray.is_initialized(), "the failed start left Ray joined"

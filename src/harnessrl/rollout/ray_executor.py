@@ -48,7 +48,7 @@ from urllib.parse import urlsplit, urlunsplit
 from harnessrl.errors import ConfigError, SandboxError, SandboxLostError
 from harnessrl.harness.base import Harness, HarnessResult
 from harnessrl.rewards.base import Reward, Verifier
-from harnessrl.sandbox.base import Base, ExecResult, SandboxProcess
+from harnessrl.sandbox.base import READ_MAX_BYTES, Base, ExecResult, SandboxProcess
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -331,7 +331,8 @@ class RaySandbox:
         raise SandboxError(f"sandbox {self.sandbox_id} lives on Ray node {self.node_id}: processes are "
                            "spawned there by the node's harness, not from the driver")
 
-    def read_file(self, rel_path: str, *, base: Base = "work", max_bytes: int = 64 << 20, tail: bool = False) -> bytes:
+    def read_file(self, rel_path: str, *, base: Base = "work", max_bytes: int = READ_MAX_BYTES,
+                  tail: bool = False) -> bytes:
         return self._sync("read_file", rel_path, base=base, max_bytes=max_bytes, tail=tail)
 
     def write_file(self, rel_path: str, data: str | bytes, *, base: Base = "work", mode: int = 0o644) -> None:
@@ -497,10 +498,14 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
         workers = [actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(*args)
                    for node_id in live]
         mode = cfg.sandbox.isolation or isolation
-        try:
-            infos = await asyncio.gather(*(asyncio.wrap_future(w.ready.remote(mode).future()) for w in workers))
-        except RayTaskError as exc:  # the node's backend refused (isolation, no runtime, ...)
-            raise SandboxError(f"a Ray node cannot run the run's sandboxes: {exc.cause}") from None
+
+        async def ready(node_id: str, worker: Any) -> dict[str, Any]:
+            try:
+                return await asyncio.wrap_future(worker.ready.remote(mode).future())
+            except RayTaskError as exc:  # the node's backend refused (isolation, no runtime, ...)
+                raise SandboxError(f"Ray node {node_id} cannot run the run's sandboxes: {exc.cause}") from None
+
+        infos = await asyncio.gather(*(ready(n, w) for n, w in zip(live, workers, strict=True)))
         for info in infos:
             if info["gaps"]:
                 log.warning("SANDBOXES ON RAY NODE %s ARE NOT ISOLATED: %s", info["node_id"], "; ".join(info["gaps"]))
