@@ -77,12 +77,31 @@ def make_app(deps: ProxyDeps, protocols: Mapping[str, ProtocolHandler] | None = 
     handlers: list[tuple[str, ProtocolHandler, str]] = [("chat/completions", chat_completions, "POST"),
                                                         ("models", list_models, "GET")]
     handlers += [(sub, h, "POST") for sub, h in (protocols or {}).items()]
+    post_endpoints: dict[str, Callable[[Request], Awaitable[Response]]] = {}
     for sub, handler, method in handlers:
         endpoint = _keyed(deps, handler)
         path = sub if sub.startswith("/") else f"/v1/{sub}"  # a leading "/": a path of its own (Google's /v1beta)
         routes.append(Route(path, endpoint, methods=[method]))
         routes.append(Route(f"/r/{{key}}{path}", endpoint, methods=[method]))
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+        if method == "POST" and "{" not in path:
+            post_endpoints[path] = endpoint
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.state.post_endpoints = post_endpoints
+    """Exact POST paths -> their endpoint, for a server's hot path (`serve_post`)."""
+    return app
+
+
+async def serve_post(app: Starlette, scope: dict[str, Any], receive: Any, send: Any) -> bool:
+    """Serve an agents' POST to one of `app`'s exact paths without Starlette's middleware and
+    router (the endpoint answers every error as JSON itself); False when `scope` is not one."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return False
+    endpoint = app.state.post_endpoints.get(scope["path"])
+    if endpoint is None:
+        return False
+    response = await endpoint(Request(scope, receive))
+    await response(scope, receive, send)
+    return True
 
 
 def make_admin_app(deps: ProxyDeps, token: str, agent_root: Callable[[], str],

@@ -42,7 +42,7 @@ from harnessrl.engine.base import Engine
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.errors import ConfigError
 from harnessrl.proxy import anthropic, google, responses
-from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app
+from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app, serve_post
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.httpguard import guarded_httptools
@@ -131,8 +131,10 @@ class ProxyServer:
     async def _route(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """ASGI entry: connections on the admin socket get the admin app, all others the agents'."""
         server = scope.get("server")
-        app = self.admin_app if server is not None and tuple(server) == self._admin_name else self.app
-        await app(scope, receive, send)
+        if server is not None and tuple(server) == self._admin_name:
+            await self.admin_app(scope, receive, send)
+        elif not await serve_post(self.app, scope, receive, send):  # the agents' calls: the hot path
+            await self.app(scope, receive, send)
 
     @property
     def base_url(self) -> str:
