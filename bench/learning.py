@@ -114,24 +114,26 @@ def trl_arm(args: argparse.Namespace, model_dir: Path, out: Path) -> tuple[Path,
 
 
 def agent_curve(args: argparse.Namespace, run_dir: Path) -> None:
-    """`--harness NAME`: the default procedural compare task through a real agent, with a
-    held-out evaluation every `--eval-every` steps (the curve is the run's own)."""
+    """`--harness NAME`: the main job's default tasks (procedural `repeat` / `compare`) through
+    a real agent, with a held-out evaluation of 16 tasks every `--eval-every` steps (the curve
+    is the run's own); the run's other defaults are the main job's (temperature 0.4, for
+    mini-swe-agent its compact prompt and one step)."""
     from harnessrl.config import load_config
     from harnessrl.train.run import train
 
     cfg = load_config(None, [
         f"engine.model={json.dumps(args.model)}", f"harness.kind={json.dumps(args.harness)}",
-        "tasks.kinds=[\"compare\"]", f"rollout.group_size={args.completions}",
+        f"rollout.group_size={args.completions}",
         f"rollout.max_concurrent_rollouts={args.completions * args.prompts_per_step}",
         f"train.steps={args.steps}", f"train.groups_per_step={args.prompts_per_step}",
         f"train.learning_rate={args.lr}", f"train.eval_every={args.eval_every}", "train.eval_size=16",
         "train.eval_samples=1", f"train.num_threads={args.train_threads}", *args.set,
     ])
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
     history = asyncio.run(train(cfg, run_dir))
     evals = [(m["step"], m["eval/pass_rate"]) for m in history if "eval/pass_rate" in m]
     print(f"{args.harness}: {args.steps} steps in {time.monotonic() - t0:.0f} s; held-out pass by step: {evals}; "
-          f"curve {run_dir / 'curve.png'}")
+          f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; curve {run_dir / 'curve.png'}")
 
 
 def main() -> None:
@@ -170,30 +172,37 @@ def main() -> None:
     results: dict[str, dict] = {"base": asyncio.run(held_out(model_dir, args.eval_prompts, threads=2))}
     times: dict[str, float] = {}
     clip: dict[str, float] = {}
+    load: dict[str, float] = {}  # 1-minute load average, mean of each arm's start and end values
     if args.arms in ("both", "harnessrl"):
+        load["harnessrl"] = os.getloadavg()[0]
         checkpoint, times["harnessrl"], history = harnessrl_arm(args, out / "harnessrl")
+        load["harnessrl"] = (load["harnessrl"] + os.getloadavg()[0]) / 2
         results["harnessrl"] = asyncio.run(held_out(checkpoint, args.eval_prompts, threads=2))
         fracs = [m.get("clip_high_frac", 0.0) + m.get("clip_low_frac", 0.0) for m in history if "loss" in m]
         clip["harnessrl"] = sum(fracs) / max(len(fracs), 1)
     if args.arms in ("both", "trl"):
+        load["trl"] = os.getloadavg()[0]
         model, times["trl"], log = trl_arm(args, model_dir, out / "trl")
+        load["trl"] = (load["trl"] + os.getloadavg()[0]) / 2
         results["trl"] = asyncio.run(held_out(model, args.eval_prompts, threads=2))
         fracs = [float(m.get("clip_ratio/region_mean", 0.0)) for m in log]
         clip["trl"] = sum(fracs) / max(len(fracs), 1)
     print(f"\nlarger-number task, {args.steps} steps, lr {args.lr}, {args.prompts_per_step} prompts x "
           f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
           f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy")
-    print(f"{'arm':10} {'pass':>6} {'strict':>7} {'len':>6} {'at cap':>7} {'train s':>8} {'clip':>7}")
+    print(f"{'arm':10} {'pass':>6} {'strict':>7} {'len':>6} {'at cap':>7} {'train s':>8} {'clip':>7} {'load':>5}")
     for arm, r in results.items():
         t = f"{times[arm]:.0f}" if arm in times else "-"
         c = f"{clip[arm]:.4f}" if arm in clip else "-"
+        ld = f"{load[arm]:.1f}" if arm in load else "-"
         print(f"{arm:10} {r['pass']:6.1%} {r['strict_pass']:7.1%} {r['mean_completion_tokens']:6.1f} "
-              f"{r['cap_frac']:7.1%} {t:>8} {c:>7}")
+              f"{r['cap_frac']:7.1%} {t:>8} {c:>7} {ld:>5}")
     if "harnessrl" in times and "trl" in times:
         print(f"wall time ratio harnessrl / TRL: {times['harnessrl'] / times['trl']:.2f} "
               f"(goal <= 0.60 with harnessrl >= 90% held-out)")
     (out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                   "held_out": results, "train_s": times, "clip": clip}, indent=1))
+                                                   "held_out": results, "train_s": times, "clip": clip,
+                                                   "load_avg": load}, indent=1))
     print(f"results: {out / 'learning.json'}")
 
 
