@@ -55,6 +55,9 @@ from harnessrl.types import Endpoint
 log = logging.getLogger(__name__)
 
 _SANDBOX_CALLS = frozenset({"exec", "agent_path", "agent_endpoint", "read_file", "write_file", "kill_processes"})
+SYNC_CALL_TIMEOUT_S = 10.0
+"""Longest wait of a blocking sandbox call (`agent_endpoint`, `read_file`, `write_file`) on a
+silent node: it holds the event loop meanwhile (a dead node's calls fail at once)."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long the end of a run waits for a node to close its sandboxes."""
 
@@ -189,6 +192,7 @@ class RayNodes:
         self.nodes = nodes
         self.max_sandboxes_per_node = max_sandboxes_per_node
         self.call_grace_s = call_grace_s
+        self._sync_timeout_s = min(call_grace_s, SYNC_CALL_TIMEOUT_S)
         self._changed = asyncio.Condition()
 
     async def acquire(self) -> _Node:
@@ -250,17 +254,19 @@ class RayNodes:
             raise
 
     def call_sync(self, node: _Node, ref: Any) -> Any:
-        """`call` for the sandbox's synchronous methods (a file read or write on the node;
-        blocks this thread for its round trip, at most `call_grace_s`)."""
+        """`call` for the sandbox's synchronous methods (`agent_endpoint`, a file read or write
+        on the node). It blocks this thread (the event loop) for its round trip, so it waits at
+        most `SYNC_CALL_TIMEOUT_S` (or `call_grace_s` if shorter) before giving the node up."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
-            return ray.get(ref, timeout=self.call_grace_s)
+            return ray.get(ref, timeout=self._sync_timeout_s)
         except GetTimeoutError:
             ray.cancel(ref)
             node.alive = False
-            raise SandboxLostError(f"Ray node {node.node_id} did not answer within {self.call_grace_s:.0f} s") from None
+            raise SandboxLostError(f"Ray node {node.node_id} did not answer within "
+                                   f"{self._sync_timeout_s:.0f} s") from None
         except RayActorError as exc:
             node.alive = False
             raise SandboxLostError(f"Ray node {node.node_id} died: {type(exc).__name__}") from None
