@@ -92,7 +92,9 @@ async def _serve(kind: str, queue: Any) -> None:
     engine = InstantEngine()
     if kind == "proxy":
         chat = ChatLayer(load_tokenizer(resolve_model(TINY_MODEL)))
-        async with ProxyServer(engine, chat, ProxyConfig(port=0, max_tokens_cap=64)) as proxy:
+        # one session takes every call of the run: no per-session turn cap (wrk sends tens of thousands)
+        config = ProxyConfig(port=0, max_tokens_cap=64, max_turns_per_session=10**9)
+        async with ProxyServer(engine, chat, config) as proxy:
             _, key = proxy.open_session("bench")
             queue.put((proxy.port, key))
             await asyncio.Event().wait()
