@@ -16,8 +16,8 @@ servers on loopback ports, one `VllmServer` per replica, and make sure none outl
 
 Invariants:
   * A server runs in its own process group (session) with `PR_SET_PDEATHSIG` = SIGTERM, so
-    `stop()` (SIGTERM to the group, then SIGKILL after `STOP_GRACE_S`) ends the API server and
-    its engine-core workers, and a harnessrl process that dies without running `stop()` still
+    `stop()` (SIGTERM to the group, then SIGKILL after `STOP_GRACE_S`, then waiting until no
+    member of the group is alive) ends the API server and its engine-core workers, and a harnessrl process that dies without running `stop()` still
     takes the server down with it.
   * `launch_servers` (blocking) and `launch_servers_async` (the runtime's: a stop signal
     cancels it at once) either return servers that all answered `/health`, or stop every
@@ -215,9 +215,35 @@ class VllmServer:
                 log.error("vLLM server pid %d survived SIGKILL", self.pid)
         else:
             _signal_group(self.pid, signal.SIGKILL)  # workers that outlived their parent
+        deadline = time.monotonic() + STOP_GRACE_S
+        while (left := _group_members(self.pid)) and time.monotonic() < deadline:
+            _signal_group(self.pid, signal.SIGKILL)  # a worker still dying, or forked meanwhile
+            time.sleep(0.05)
+        if left:
+            log.error("vLLM server group %d: processes %s survived SIGKILL", self.pid, left)
         if not self._log_fh.closed:
             self._log_fh.close()
         atexit.unregister(self.stop)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, from /proc (empty elsewhere)."""
+    members = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
 
 
 def _signal_group(pgid: int, sig: int) -> None:
