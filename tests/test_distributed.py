@@ -287,8 +287,8 @@ def _group_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str
 
 def test_trainer_group_keeps_lora_ranks_bit_identical(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Rank 0 drives load, step, publish, checkpoint, step, stop; rank 1 follows. Adapters and
-    the frozen base (merged and unmerged for the export and the checkpoint on every rank) end
-    bit-identical on both ranks."""
+    the frozen base end bit-identical on both ranks (rank 0's exports for the sync and the
+    checkpoint merge the adapters out of place, leaving its base weights as they were)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_group_worker, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)

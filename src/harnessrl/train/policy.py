@@ -139,7 +139,8 @@ def export_weights(policy: Policy, copy: bool = False) -> dict[str, torch.Tensor
 
     Without `copy` the tensors of full fine-tuning are the live parameters: hand them only to
     a consumer that copies them before the next optimizer step (the in-process `WeightSync`,
-    `EmbeddedEngine.load_weights`, does, synchronously). LoRA exports are always fresh tensors (merged, then unmerged).
+    `EmbeddedEngine.load_weights`, does, synchronously). LoRA exports are always fresh tensors
+    (adapters merged out of place: the live base weights are not touched).
 
     Sharded (fsdp2): the full weights are gathered to CPU on rank 0; every rank must call it
     (collective) and the others get `{}`.
@@ -156,17 +157,42 @@ def export_weights(policy: Policy, copy: bool = False) -> dict[str, torch.Tensor
         out = {k: (v.detach().clone() if copy else v.detach()) for k, v in policy.model.state_dict().items()}
         check_finite(out)
         return out
-    peft_model: Any = policy.model
-    peft_model.merge_adapter()
-    try:
-        out = {}
-        for key, value in peft_model.get_base_model().state_dict().items():
-            if "lora_" in key:
-                continue
-            out[key.replace(".base_layer", "")] = value.detach().clone()
-    finally:
-        peft_model.unmerge_adapter()
+    out = _merged_lora_weights(policy.model)
     check_finite(out)
+    return out
+
+
+def _merged_lora_weights(peft_model: Any) -> dict[str, torch.Tensor]:
+    """Base weights with the active LoRA deltas added, as fresh tensors under the base names.
+
+    Plain LoRA linear layers (what `load_policy` makes) are merged out of place,
+    `W + get_delta_weight()`, the value peft's in-place merge gives, so the live base weights
+    are never touched (merging then unmerging in place leaves them off by rounding, and ranks
+    that did not export would drift apart). Other adapter kinds go through peft's
+    `merge_adapter` / `unmerge_adapter`.
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    plain = all(type(m) is LoraLinear and not m.lora_variant and not any(m.lora_bias.values())
+                for m in layers.values())
+    if not plain:
+        peft_model.merge_adapter()
+        try:
+            return {key.replace(".base_layer", ""): value.detach().clone()
+                    for key, value in base.state_dict().items() if "lora_" not in key}
+        finally:
+            peft_model.unmerge_adapter()
+    out = {key.replace(".base_layer", ""): value.detach().clone()
+           for key, value in base.state_dict().items() if "lora_" not in key}
+    with torch.no_grad():
+        for name, layer in layers.items():
+            weight = out[f"{name}.weight"]
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A and not layer.merged:
+                    weight += layer.get_delta_weight(adapter)
     return out
 
 

@@ -7,10 +7,10 @@ other ranks, waiting in `follow()`, run the same operation, so their collectives
 all-reduce, FSDP2 gathers, full-weight gathers) meet. A step's rows travel in its command
 (`broadcast_object_list`); every rank then takes its share (`distributed.split_by_tokens`).
 
-Operations that need no other rank are not broadcast: the sampler-parity check and the
-checkpoint of unsharded (ddp) full weights run on rank 0 alone; under fsdp2 they are collective.
-With LoRA every rank merges and unmerges the adapters whenever rank 0 does (weight export,
-checkpoint), so the frozen base weights stay bit-identical across ranks.
+Operations that need no other rank are not broadcast: the sampler-parity check, the weight
+export and the checkpoint of unsharded (ddp) weights run on rank 0 alone; under fsdp2 they are
+collective. Nothing rank 0 does alone changes its weights (LoRA exports merge out of place), so
+the ranks' weights stay bit-identical.
 
 What the other ranks hold: the config (they were launched with the same command line), the
 model directory (sent by rank 0 in `load`: one path every rank can read), the policy, its
@@ -75,18 +75,15 @@ class TrainerGroup:
 
     def publish(self, sync: WeightSync, version: int) -> SyncReport:
         """Publish the full weights through `sync` from rank 0 (under fsdp2 gathered from every
-        rank; with LoRA every rank merges and unmerges alike, keeping their base weights equal).
-
-        The other ranks call `policy.export_weights` once; under fsdp2 that is a collective, so
-        `sync.publish` must call `export_weights` exactly once too (every `WeightSync` here does).
-        """
-        self._send("export")
+        rank: the other ranks call `policy.export_weights` once, a collective, so `sync.publish`
+        must call it exactly once too; every `WeightSync` here does)."""
+        if self.ranks.sharded:
+            self._send("export")
         return sync.publish(self._policy(), version)
 
     def save(self, tokenizer: Any, directory: Path, state: dict[str, Any]) -> None:
-        """Write a checkpoint from rank 0 (`policy.save_checkpoint`; collective under fsdp2;
-        with LoRA the other ranks merge and unmerge as rank 0 does, as in `publish`)."""
-        if self.ranks.sharded or self._policy().lora:
+        """Write a checkpoint from rank 0 (`policy.save_checkpoint`; collective under fsdp2)."""
+        if self.ranks.sharded:
             self._send("save", str(directory), state)
         self._save(tokenizer, str(directory), state)
 
@@ -126,10 +123,6 @@ class TrainerGroup:
                     from harnessrl.train.policy import export_weights
 
                     export_weights(self._policy())
-                case "save" if self._policy().lora and not self.ranks.sharded:
-                    from harnessrl.train.policy import export_weights
-
-                    export_weights(self._policy())  # rank 0's save merges and unmerges once
                 case "save":
                     self._save(None, *args)
                 case "restore":
