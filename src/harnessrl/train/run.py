@@ -20,8 +20,8 @@ Weights reach the engine through its `WeightSync` (`engine/weight_sync.py`), nev
 Several processes (`torchrun` / `accelerate launch`, `train/distributed.py`): rank 0 runs this
 loop and owns the runtime (proxy, engine, orchestrator, files, console); every trainer
 operation (load, step, parity check, weight export, checkpoint, restore) goes through a
-`TrainerGroup`, which runs it on every rank; the other ranks only train (`_follow`) and leave
-when rank 0 stops them. They keep the default action of SIGINT / SIGTERM (they hold nothing to
+`TrainerGroup`, which runs it on every rank that must take part; the other ranks only train
+(`_follow`) and leave when rank 0 stops them. They keep the default action of SIGINT / SIGTERM (they hold nothing to
 release), so a launcher forwarding Ctrl-C ends them at once while rank 0 stops cleanly.
 `rollouts.jsonl` and `metrics.jsonl` get a step's rollouts and metrics when the step completes.
 
