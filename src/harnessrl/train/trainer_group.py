@@ -2,9 +2,9 @@
 
 Responsibility: keep the trainer's processes in step. `harnessrl train` on rank 0 owns the
 runtime and calls `TrainerGroup` methods (load, step, parity, publish, save, restore, stop) on
-its trainer thread; a method that needs every rank first broadcasts a command `(name, args)` from rank 0, and the
-other ranks, waiting in `follow()`, run the same operation, so their collectives (gradient
-all-reduce, FSDP2 gathers, full-weight gathers) meet. A step's rows travel in its command
+its trainer thread; a method that needs every rank first broadcasts a command `(name, args)`
+from rank 0, and the other ranks, waiting in `follow()`, run the same operation, so their
+collectives (gradient all-reduce, FSDP2 gathers, full-weight gathers) meet. A step's rows travel in its command
 (`broadcast_object_list`); every rank then takes its share (`distributed.split_by_tokens`).
 
 Operations that need no other rank are not broadcast: the sampler-parity check, the weight
