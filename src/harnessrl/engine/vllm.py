@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 AFFINITY_KEYS_KEPT = 100_000
+KEEPALIVE_S = 3.0
+"""Idle seconds a client connection is kept: under vLLM's (and uvicorn's) 5 s keep-alive."""
 """Affinity keys remembered (LRU); an older key that comes back is placed again."""
 PROBE_PROMPT = (1, 504, 3458, 314, 253, 1789, 28, 1041, 2365, 30)
 """Ids of the processed-logprobs probe (any ids below the vocabulary size do)."""
@@ -270,7 +272,11 @@ class VllmEngine:
         entry = self._sessions.get(id(loop))
         if entry is None or entry[0] is not loop or entry[1].closed:
             connector = aiohttp.TCPConnector(limit=self._max_connections * len(self.replica_urls),
-                                             limit_per_host=self._max_connections, keepalive_timeout=30)
+                                             limit_per_host=self._max_connections,
+                                             # below the server's 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a
+                                             # connection it already closed is never reused (the write
+                                             # would fail: "Can not write request body")
+                                             keepalive_timeout=KEEPALIVE_S)
             session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self._timeout_s),
                                             headers={"content-type": "application/json"})
             self._sessions[id(loop)] = entry = (loop, session)
