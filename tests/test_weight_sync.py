@@ -81,5 +81,5 @@ def test_in_process_sync_serves_the_published_version(tiny_model_dir: Path) -> N
 
 
 def test_unknown_engine_kind_has_no_sync() -> None:
-    with pytest.raises(ConfigError, match="engine.kind='vllm'"):
-        make_weight_sync("vllm", object())
+    with pytest.raises(ConfigError, match="engine.kind='sglang'"):
+        make_weight_sync("sglang", object())
