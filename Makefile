@@ -4,9 +4,9 @@ PY := $(VENV)/bin/python
 # CPU build of torch (already on disk on CPU machines); another build: make TORCH_SPEC=... setup
 TORCH_SPEC ?= torch==2.13.0
 STEPS ?= 8
-# the main job's recipe: 2 groups of 4 rollouts a step, lr 5e-5 (the defaults do the rest:
-# repeat / compare tasks, mini-swe-agent's compact prompt, one step, temperature 0.4)
-RECIPE ?= --set train.groups_per_step=2 --set train.learning_rate=5e-5
+# the main job's recipe: 2 groups of 4 rollouts a step, lr 2e-5 (the defaults do the rest:
+# procedural repeat tasks, mini-swe-agent's compact prompt, one step, temperature 0.4)
+RECIPE ?= --set train.groups_per_step=2 --set train.learning_rate=2e-5
 # held-out evaluation before the first update and after the last (16 tasks, one rollout each)
 EVAL ?= --set train.eval_every=$(STEPS) --set train.eval_size=16 --set train.eval_samples=1
 

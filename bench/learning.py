@@ -114,7 +114,7 @@ def trl_arm(args: argparse.Namespace, model_dir: Path, out: Path) -> tuple[Path,
 
 
 def agent_curve(args: argparse.Namespace, run_dir: Path) -> None:
-    """`--harness NAME`: the main job's default tasks (procedural `repeat` / `compare`) through
+    """`--harness NAME`: the main job's default tasks (procedural `repeat`) through
     a real agent, with a held-out evaluation of 16 tasks every `--eval-every` steps (the curve
     is the run's own); the run's other defaults are the main job's (temperature 0.4, for
     mini-swe-agent its compact prompt and one step)."""

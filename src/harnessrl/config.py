@@ -12,8 +12,8 @@ fails naming it (`unknown key 'tasks.difficulty' (with tasks.kind = 'stdio')`). 
 `config.toml` holds the resolved options of each chosen kind, defaults included.
 
 With no file at all the defaults train SmolLM2-135M-Instruct on the embedded CPU engine with
-mini-swe-agent (one step, compact prompt) on procedural `repeat` / `compare` tasks at
-temperature 0.4, G=4.
+mini-swe-agent (one step, compact prompt) on procedural `repeat` tasks at temperature 0.4,
+G=4.
 
 Harness checks happen here, before any model loads: `harness.options` is validated by the
 harness's typed options model (`harness/options.py`), and the engine context and reply cap are
