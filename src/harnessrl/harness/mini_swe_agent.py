@@ -25,7 +25,9 @@ for a small model: a one-line system message and two worked examples, each a one
 and its one-command reply, followed by the task in the same form (`COMPACT_SYSTEM`,
 `COMPACT_INSTANCE`; a 135M model continues a pattern it has just seen, where it ignores a
 paragraph of rules), and with the text protocol an action block whose fence may be tagged
-`mswea_bash_command`, `bash`, `shell`, `sh` or nothing (`COMPACT_ACTION_REGEX`). `system_template` / `instance_template` / `action_regex` replace
+`mswea_bash_command`, `bash`, `shell`, `sh` or nothing (`COMPACT_ACTION_REGEX`). The compact
+prompt does not teach mini's submit command: with `step_limit` > 1 a run on it ends at the limit
+(a task is scored from the workspace either way). `system_template` / `instance_template` / `action_regex` replace
 either (mini's Jinja templates: `{{task}}` is the task's instruction).
 `HarnessResult.final_answer` is that submission exactly as mini recorded it (trailing newline
 kept; None when empty); mini exits 0 at its limits, so only crashes set `error`.
