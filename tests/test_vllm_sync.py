@@ -166,6 +166,10 @@ def test_lora_sync_config_errors_name_both_fields(tmp_path: Path) -> None:
                                                "url": "http://127.0.0.1:9"}, "train": {"lora_rank": 8}})
     with pytest.raises(ConfigError, match=r"train.lora_rank = 8 exceeds engine.max_lora_rank = 4"):
         make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
+    cfg = RunConfig.model_validate({"engine": {"kind": "vllm", "weight_sync": "lora", "max_loras": 2},
+                                    "train": {"lora_rank": 8, "max_staleness": 2}})
+    with pytest.raises(ConfigError, match=r"engine.max_loras = 2 is below train.max_staleness \+ 1 = 3"):
+        make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
     with pytest.raises(ValueError, match="needs config="):
         make_weight_sync("vllm", _FakeEngine(()))
 
@@ -222,7 +226,7 @@ def vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     from harnessrl.engine.vllm_sync import serving_dir
 
     python = _vllm_python()
-    cfg = VllmEngineConfig(weight_sync="lora", max_lora_rank=8, dtype="float32", kv_cache_gib=1.0,
+    cfg = VllmEngineConfig(weight_sync="lora", max_lora_rank=8, dtype="float32", kv_cache_gib=1,
                            max_context_tokens=1024, extra_args=["--max-loras", str(KEEP)])
     servers = launch_servers(cfg, serving_dir(model_dir), tmp_path_factory.mktemp("vllm-logs"), python=python,
                              served_model=SERVED_MODEL)

@@ -66,11 +66,16 @@ class VllmEngineConfig(BaseModel):
     """Shared directory of the `directory` sync; None: `<run dir>/weights`."""
     max_lora_rank: int = Field(default=16, ge=1)
     """`--max-lora-rank` of launched servers when `weight_sync = "lora"`."""
+    max_loras: int = Field(default=2, ge=1)
+    """`--max-loras` and `--max-cpu-loras` of launched servers when `weight_sync = "lora"`:
+    adapters batched together. At least `train.max_staleness + 1` (the versions a sync keeps
+    loaded), or requests under different adapters would not share a batch."""
     threads: str | None = None
     """`VLLM_CPU_OMP_THREADS_BIND` of a launched CPU server (`0-1`); None: every core of the
     machine, split evenly across replicas."""
-    kv_cache_gib: float = Field(default=2.0, gt=0)
-    """`VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) of a launched CPU server."""
+    kv_cache_gib: int = Field(default=2, ge=1)
+    """`VLLM_CPU_KVCACHE_SPACE` (whole GiB of KV cache; vLLM refuses a fraction at start) of a
+    launched CPU server."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """`--gpu-memory-utilization` of a launched GPU server."""
     enforce_eager: bool = True

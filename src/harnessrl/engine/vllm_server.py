@@ -94,7 +94,8 @@ def server_command(cfg: VllmEngineConfig, python: Path, model_dir: Path, port: i
     if gpu:
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     if cfg.weight_sync == "lora":
-        argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank)]
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
+                 "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.max_loras)]
     return argv + list(cfg.extra_args)
 
 
@@ -109,7 +110,7 @@ def server_env(cfg: VllmEngineConfig, replica: int, *, gpu: bool, base: dict[str
     if gpu:
         env.setdefault("CUDA_VISIBLE_DEVICES", str(replica))
     else:
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.kv_cache_gib:g}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.threads or cpu_slice(replica, cfg.replicas)
     return env
 

@@ -145,7 +145,8 @@ def check_vllm_sync(config: RunConfig) -> None:
 
     Raises:
         ConfigError: `engine.weight_sync = "lora"` with `train.lora_rank = 0`, or with
-            `train.lora_rank > engine.max_lora_rank`.
+            `train.lora_rank > engine.max_lora_rank`, or with `engine.max_loras` below
+            `train.max_staleness + 1` on launched servers.
     """
     eng, train = config.engine, config.train
     if getattr(eng, "weight_sync", None) != "lora":
@@ -156,6 +157,10 @@ def check_vllm_sync(config: RunConfig) -> None:
     if train.lora_rank > eng.max_lora_rank:
         raise ConfigError(f"train.lora_rank = {train.lora_rank} exceeds engine.max_lora_rank = "
                           f"{eng.max_lora_rank}: the servers would refuse the adapter")
+    launched = eng.url is None and not eng.urls
+    if launched and train.max_staleness + 1 > eng.max_loras:
+        raise ConfigError(f"engine.max_loras = {eng.max_loras} is below train.max_staleness + 1 = "
+                          f"{train.max_staleness + 1} (the adapter versions kept loaded): raise engine.max_loras")
 
 
 def _vllm_sync(engine: Any, config: RunConfig, run_dir: Path, model_dir: Path) -> WeightSync:
