@@ -55,7 +55,6 @@ then escapes `close()` without bubblewrap (with it, the PID namespace ends it).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import re
@@ -63,23 +62,28 @@ import resource
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from typing import Literal
 
 from harnessrl.errors import SandboxError
-from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
+from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.config import SandboxConfig
 from harnessrl.types import Endpoint
 from harnessrl.sandbox import cgroup
-from harnessrl.sandbox.fsread import UnsafePathError, open_file_beneath, read_beneath, write_beneath
+from harnessrl.sandbox.fsread import UnsafePathError, write_beneath
+from harnessrl.sandbox.hostdir import (
+    TRUNCATION_MARKER,
+    HostDirSandbox,
+    HostProcess,
+    complete_shielded,
+    disk_usage,
+    loopback_endpoint,
+)
 from harnessrl.sandbox.bwrap import ProxyRoute, bwrap_argv, bwrap_path, forwarder_python
 from harnessrl.sandbox.cgroup import PidsGroup
 from harnessrl.sandbox.procs import (
-    DIR_VAR,
-    MARKER_VAR,
     SPAWN_VAR,
     find_processes,
     kill_sandbox_processes,
@@ -88,24 +92,16 @@ from harnessrl.sandbox.procs import (
 )
 
 __all__ = [
+    "TRUNCATION_MARKER",
     "LocalSandbox",
     "LocalSandboxBackend",
     "SandboxConfig",
+    "disk_usage",
     "leftover_processes",
     "leftover_sandboxes",
 ]
 
 log = logging.getLogger(__name__)
-
-TRUNCATION_MARKER = "\n[harnessrl: output truncated, {dropped} more bytes]\n"
-"""Appended to captured output that hit the cap."""
-_XDG = {
-    "XDG_CONFIG_HOME": "home/.config",
-    "XDG_CACHE_HOME": "home/.cache",
-    "XDG_DATA_HOME": "home/.local/share",
-    "XDG_STATE_HOME": "home/.local/state",
-    "XDG_RUNTIME_DIR": "tmp",
-}
 
 
 def _child_setup(limits: dict[int, int], group: PidsGroup | None) -> Callable[[], None]:
@@ -119,59 +115,7 @@ def _child_setup(limits: dict[int, int], group: PidsGroup | None) -> Callable[[]
     return apply
 
 
-def _loopback_url(url: str) -> str:
-    """`url` with its host replaced by 127.0.0.1 (scheme, port and path kept)."""
-    parts = urlsplit(url)
-    netloc = f"127.0.0.1:{parts.port}" if parts.port is not None else "127.0.0.1"
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def disk_usage(root: Path) -> int:
-    """Allocated bytes (st_blocks * 512) of every file and directory under `root`, symlinks not
-    followed; entries vanishing mid-walk are skipped."""
-    total = 0
-    stack = [str(root)]
-    while stack:
-        try:
-            entries = os.scandir(stack.pop())
-        except OSError:
-            continue
-        with entries:
-            for entry in entries:
-                try:
-                    total += entry.stat(follow_symlinks=False).st_blocks * 512
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                except OSError:
-                    continue
-    return total
-
-
-def _resolve_inside(base: Path, rel_path: str | Path) -> Path:
-    """`base / rel_path` with symlinks resolved; raises SandboxError when it leaves `base`."""
-    candidate = (base / rel_path).resolve()
-    if not candidate.is_relative_to(base):
-        raise SandboxError(f"path {str(rel_path)!r} escapes the sandbox directory {base}")
-    return candidate
-
-
-async def _drain(stream: asyncio.StreamReader, cap_bytes: int) -> tuple[bytearray, int]:
-    """Read `stream` to EOF, keeping the first `cap_bytes`; returns (kept, dropped count)."""
-    kept = bytearray()
-    dropped = 0
-    while chunk := await stream.read(1 << 16):
-        room = cap_bytes - len(kept)
-        kept += chunk[:room]
-        dropped += max(0, len(chunk) - room)
-    return kept, dropped
-
-
-def _decode(kept: bytearray, dropped: int) -> str:
-    text = kept.decode("utf-8", errors="replace")
-    return text + TRUNCATION_MARKER.format(dropped=dropped) if dropped else text
-
-
-class LocalProcess:
+class LocalProcess(HostProcess):
     """A process started by `LocalSandbox.spawn` (the `SandboxProcess` seam).
 
     Its tree is what `procs.find_tree` finds: its process group, its descendants, and every
@@ -179,26 +123,9 @@ class LocalProcess:
     """
 
     def __init__(self, proc: asyncio.subprocess.Process, spawn_id: str, grace_s: float) -> None:
-        self._proc = proc
+        super().__init__(proc)
         self._spawn_id = spawn_id
         self._grace_s = grace_s
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode
-
-    async def wait(self, timeout_s: float | None = None) -> int | None:
-        """Exit status, or None when still running after `timeout_s` seconds."""
-        if self._proc.returncode is not None:
-            return self._proc.returncode
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
-        except asyncio.TimeoutError:
-            return None
 
     async def kill_tree(self) -> int:
         """SIGTERM the tree, `kill_grace_s`, SIGKILL, reap (see `SandboxProcess.kill_tree`)."""
@@ -208,71 +135,31 @@ class LocalProcess:
                 await self._proc.wait()
             return found, survivors
 
-        task = asyncio.ensure_future(kill())
-        try:
-            found, survivors = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            await task
-            raise
+        found, survivors = await complete_shielded(kill)
         if survivors:
             raise SandboxError(f"pids {survivors} of spawned {self._proc.pid} survived SIGKILL")
         return found
 
 
-class LocalSandbox:
+class LocalSandbox(HostDirSandbox):
     """One rollout's directory and processes on this machine. Create via `LocalSandboxBackend`."""
 
     def __init__(
         self, sandbox_id: str, root: Path, config: SandboxConfig, bwrap: str | None,
         ro_binds: Sequence[Path], proxy: ProxyRoute | None = None, group: PidsGroup | None = None,
     ) -> None:
-        self.sandbox_id = sandbox_id
-        self._root = root
-        self._config = config
+        super().__init__(sandbox_id, root, config)
+        self.config: SandboxConfig = config
         self._bwrap = bwrap
         self._ro_binds = tuple(ro_binds)
         self._proxy = proxy
         self._group = group
-        self._watchdog: asyncio.Task[None] | None = None
-        self.disk_exceeded = False
-        """True once the sandbox directory outgrew `disk_bytes` (its processes were killed)."""
         self._pgids: set[int] = set()
         self._spawned: list[asyncio.subprocess.Process] = []
-        self._close_task: asyncio.Task[None] | None = None
-        self.closed = False
-        """True once `close()` started; no command can start after that."""
-
-    @property
-    def root(self) -> Path:
-        """The sandbox directory (parent of workdir, home, tmp)."""
-        return self._root
-
-    @property
-    def workdir(self) -> Path:
-        return self._root / "work"
-
-    @property
-    def home(self) -> Path:
-        return self._root / "home"
 
     @property
     def uses_bwrap(self) -> bool:
         return self._bwrap is not None
-
-    def _rel(self, base: Base, rel_path: str) -> str:
-        """`rel_path` under `base` relative to the sandbox root; SandboxError when unsafe."""
-        if base not in BASES:
-            raise SandboxError(f"sandbox {self.sandbox_id}: base={base!r} must be one of {', '.join(BASES)}")
-        parts = Path(rel_path).parts
-        if Path(rel_path).is_absolute() or ".." in parts:
-            raise SandboxError(f"sandbox {self.sandbox_id}: path {rel_path!r} escapes the {base} dir "
-                               "(must be relative, without '..' components)")
-        return "/".join([base, *parts])
-
-    def agent_path(self, base: Base, rel_path: str = "") -> str:
-        """`rel_path` under `base` as processes in this sandbox see it: the host path, since the
-        sandbox directory is bound at its own path under bubblewrap."""
-        return str(self._root / self._rel(base, rel_path))
 
     def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
         """The endpoint as the agent must address it from inside this sandbox.
@@ -283,35 +170,13 @@ class LocalSandbox:
         """
         if self._bwrap is None:
             return endpoint
-        keyed = _loopback_url(endpoint.keyed_base_url) if endpoint.keyed_base_url else ""
-        return dataclasses.replace(endpoint, base_url=_loopback_url(endpoint.base_url), keyed_base_url=keyed)
-
-    def base_env(self) -> dict[str, str]:
-        """The environment every command starts from (before the caller's additions)."""
-        env = {
-            "PATH": self._config.path,
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "HOME": str(self.home),
-            "TMPDIR": str(self._root / "tmp"),
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
-        env.update({k: str(self._root / v) for k, v in _XDG.items()})
-        return env
-
-    def _env(self, extra: dict[str, str] | None) -> dict[str, str]:
-        env = self.base_env()
-        env.update(extra or {})
-        # The markers are set last: a caller cannot remove them (leak detection relies on them).
-        env[MARKER_VAR] = self.sandbox_id
-        env[DIR_VAR] = str(self._root)
-        return env
+        return loopback_endpoint(endpoint)
 
     def _argv(self, argv: Sequence[str], cwd: Path) -> list[str]:
         if self._bwrap is None:
             return list(argv)
         ro = list(self._ro_binds)
-        if self._config.bind_python:
+        if self.config.bind_python:
             import sys
 
             ro += [Path(p) for p in {sys.prefix, sys.base_prefix}]
@@ -319,18 +184,18 @@ class LocalSandbox:
             ro += self._proxy_binds
         return bwrap_argv(
             self._bwrap, argv, sandbox_dir=self._root, sandbox_root=self._root.parent,
-            cwd=cwd, ro_binds=ro, system_paths=self._config.system_paths,
-            tmp_bytes=self._config.tmp_bytes, proxy=self._proxy,
+            cwd=cwd, ro_binds=ro, system_paths=self.config.system_paths,
+            tmp_bytes=self.config.tmp_bytes, proxy=self._proxy,
         )
 
     @property
     def _proxy_binds(self) -> list[Path]:
         """Paths the forwarder's interpreter needs bound (none for a system python3)."""
         assert self._proxy is not None, "only called with a proxy route"
-        return forwarder_python(self._config.system_paths)[1]
+        return forwarder_python(self.config.system_paths)[1]
 
     def _limits(self, address_space_bytes: int | None) -> dict[int, int]:
-        cfg = self._config
+        cfg = self.config
         limits = {
             resource.RLIMIT_CPU: cfg.cpu_s,
             resource.RLIMIT_AS: address_space_bytes,
@@ -340,16 +205,13 @@ class LocalSandbox:
         }
         return {k: v for k, v in limits.items() if v is not None}
 
+
     async def _start(
         self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
         address_space_bytes: int | None, stdout: int, stderr: int,
     ) -> asyncio.subprocess.Process:
-        if self.closed:
-            raise SandboxError(f"sandbox {self.sandbox_id} is closed; cannot run {argv[0]!r}")
-        if self.disk_exceeded:
-            raise SandboxError(f"sandbox {self.sandbox_id} exceeded disk_bytes="
-                               f"{self._config.disk_bytes}; cannot run {argv[0]!r}")
-        run_dir = _resolve_inside(self._root, cwd) if cwd is not None else self.workdir
+        self._check_startable(argv[0])
+        run_dir = self._run_dir(cwd)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self._argv(argv, run_dir), cwd=run_dir, env=self._env(env),
@@ -362,81 +224,40 @@ class LocalSandbox:
         except OSError as e:
             raise SandboxError(f"sandbox {self.sandbox_id} cannot start {argv[0]!r}: {e}") from e
         self._pgids.add(proc.pid)
-        if self._config.disk_bytes is not None and self._watchdog is None:
-            self._watchdog = asyncio.ensure_future(self._watch_disk(self._config.disk_bytes))
+        self._started()
         return proc
 
-    async def _watch_disk(self, limit: int) -> None:
-        """Every `disk_poll_s`, sum the sandbox directory's allocated bytes; past `limit`, kill
-        every process of the sandbox and refuse further commands."""
-        while not self.closed:
-            await asyncio.sleep(self._config.disk_poll_s)
-            used = await asyncio.to_thread(disk_usage, self._root)
-            if used > limit:
-                self.disk_exceeded = True
-                log.warning("sandbox %s holds %d bytes > disk_bytes=%d: killing its processes",
-                            self.sandbox_id, used, limit)
-                await self.kill_processes()
-                return
+    async def _start_exec(self, argv: list[str], env: dict[str, str] | None,
+                          cwd: Path | None) -> tuple[int, asyncio.subprocess.Process]:
+        """The command in its own process group (its pgid is the handle)."""
+        proc = await self._start(argv, env, cwd, self.config.address_space_bytes,
+                                 asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
+        return proc.pid, proc
 
-    async def exec(
-        self, cmd: str | list[str], timeout_s: float, env: dict[str, str] | None = None,
-        cwd: Path | None = None,
-    ) -> ExecResult:
-        """Run `cmd` (a string runs under `bash -c`) for at most `timeout_s` wall seconds.
+    @property
+    def _pipe_grace_s(self) -> float:
+        return self.config.pipe_grace_s
 
-        At the timeout (or when the awaiting task is cancelled) the command's whole process
-        group gets SIGKILL. stdout and stderr keep `output_cap_bytes` each, then a marker.
-        A missing executable comes back as returncode 127, like a shell's.
-        """
-        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else cmd
-        started = time.monotonic()
-        try:
-            proc = await self._start(
-                argv, env, cwd, self._config.address_space_bytes, asyncio.subprocess.PIPE,
-                asyncio.subprocess.PIPE,
-            )
-        except FileNotFoundError as e:
-            return ExecResult(127, "", f"{argv[0]}: {e}", False, time.monotonic() - started)
-        assert proc.stdout is not None and proc.stderr is not None, "exec pipes were requested"
-        cap = self._config.output_cap_bytes
-        readers = [asyncio.ensure_future(_drain(s, cap)) for s in (proc.stdout, proc.stderr)]
-        timed_out = False
-        try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-            if self.uses_bwrap:
-                # the pid namespace's init takes every process down with the command; wait
-                # for that teardown so nothing of this command is alive when exec returns
-                await self._wait_quiet(max(self._config.kill_grace_s, 1.0))
-            # Background children may keep the pipes open; give them a moment, not forever.
-            await asyncio.wait(readers, timeout=self._config.pipe_grace_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-            _kill_group(proc.pid)
-            await proc.wait()
-            # members of the group (e.g. inside a bubblewrap pid namespace) can outlive the
-            # leader by a moment: return only once the group is gone, or the grace ran out
-            await _wait_group_gone(proc.pid, max(self._config.kill_grace_s, 1.0))
-            if self.uses_bwrap:
-                await self._wait_quiet(max(self._config.kill_grace_s, 1.0))
-            await asyncio.wait(readers, timeout=self._config.pipe_grace_s)
-        except BaseException:
-            # Cancelled: kill the group now; close() reaps and scans for stragglers.
-            _kill_group(proc.pid)
-            for reader in readers:
-                reader.cancel()
-            raise
-        outputs = []
-        for reader in readers:
-            if reader.done():
-                outputs.append(_decode(*reader.result()))
-            else:
-                reader.cancel()
-                outputs.append("")
-        assert proc.returncode is not None, "the command was waited for"
-        return ExecResult(
-            proc.returncode, outputs[0], outputs[1], timed_out, time.monotonic() - started
-        )
+    async def _exec_exited(self, handle: int) -> None:
+        if self.uses_bwrap:
+            # the pid namespace's init takes every process down with the command; wait
+            # for that teardown so nothing of this command is alive when exec returns
+            await self._wait_quiet(max(self.config.kill_grace_s, 1.0))
+
+    async def _exec_timed_out(self, handle: int, proc: asyncio.subprocess.Process) -> None:
+        """SIGKILL the command's process group."""
+        _kill_group(handle)
+        await proc.wait()
+        # members of the group (e.g. inside a bubblewrap pid namespace) can outlive the
+        # leader by a moment: return only once the group is gone, or the grace ran out
+        await _wait_group_gone(handle, max(self.config.kill_grace_s, 1.0))
+        if self.uses_bwrap:
+            await self._wait_quiet(max(self.config.kill_grace_s, 1.0))
+
+    def _exec_cancelled(self, handle: int) -> Awaitable[None] | None:
+        # Cancelled: kill the group now; close() reaps and scans for stragglers.
+        _kill_group(handle)
+        return None
 
     async def spawn(
         self, argv: list[str], env: dict[str, str] | None = None, log_file: str | None = None,
@@ -450,34 +271,17 @@ class LocalSandbox:
         bubblewrap).
         """
         spawn_id = secrets.token_hex(8)
-        out: int = asyncio.subprocess.DEVNULL
-        if log_file is not None:
-            try:
-                out = open_file_beneath(self._root, self._rel("home", log_file), append=True)
-            except UnsafePathError as e:
-                raise SandboxError(f"sandbox {self.sandbox_id}: log {log_file!r} not opened: {e.strerror}") from None
+        out = self._open_log(log_file)
         try:
             proc = await self._start(
-                argv, {**(env or {}), SPAWN_VAR: spawn_id}, None, self._config.spawn_address_space_bytes,
+                argv, {**(env or {}), SPAWN_VAR: spawn_id}, None, self.config.spawn_address_space_bytes,
                 out, asyncio.subprocess.STDOUT,
             )
         finally:
             if log_file is not None:
                 os.close(out)
         self._spawned.append(proc)
-        return LocalProcess(proc, spawn_id, self._config.kill_grace_s)
-
-    def read_file(
-        self, rel_path: str, *, base: Base = "work", max_bytes: int = READ_MAX_BYTES, tail: bool = False
-    ) -> bytes:
-        """At most `max_bytes` of `rel_path` under `base` (its first bytes, or its last with
-        `tail`), no symlink followed at any component (`sandbox/fsread.py`). Raises
-        FileNotFoundError, or SandboxError for a symlink, a special file or a `..` component."""
-        try:
-            return read_beneath(self._root, self._rel(base, rel_path), max_bytes, tail=tail)
-        except UnsafePathError as e:
-            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not read (escapes the {base} dir or "
-                               f"crosses a link): {e.strerror}") from None
+        return LocalProcess(proc, spawn_id, self.config.kill_grace_s)
 
     def write_file(self, rel_path: str, data: str | bytes, *, base: Base = "work", mode: int = 0o644) -> None:
         """Write `rel_path` under `base` (file mode `mode`), creating parents, no symlink
@@ -505,14 +309,6 @@ class LocalSandbox:
     def _members(self) -> Callable[[], list[int]] | None:
         return self._group.pids if self._group is not None else None
 
-    async def close(self) -> None:
-        """Kill every process, remove the directory; idempotent and shielded from cancellation
-        (a cancelled caller gets CancelledError while the teardown still completes)."""
-        self.closed = True
-        if self._close_task is None:
-            self._close_task = asyncio.ensure_future(self._teardown())
-        await asyncio.shield(self._close_task)
-
     async def kill_processes(self) -> int:
         """Kill every process of the sandbox (its groups and stragglers), keep the directory.
 
@@ -523,10 +319,10 @@ class LocalSandbox:
             return 0
         found, survivors = await asyncio.to_thread(
             kill_sandbox_processes, self.sandbox_id, self._root, self._pgids,
-            self._config.kill_grace_s, self._members,
+            self.config.kill_grace_s, self._members,
         )
         if self._group is not None and survivors:
-            survivors = await asyncio.to_thread(self._group.kill, self._config.kill_grace_s)
+            survivors = await asyncio.to_thread(self._group.kill, self.config.kill_grace_s)
         for proc in self._spawned:
             if proc.pid not in survivors:
                 await proc.wait()
@@ -546,7 +342,7 @@ class LocalSandbox:
 
     def _remove_group(self) -> None:
         assert self._group is not None, "only called with a group"
-        deadline = time.monotonic() + max(self._config.kill_grace_s, 1.0)
+        deadline = time.monotonic() + max(self.config.kill_grace_s, 1.0)
         while self._group.pids() and time.monotonic() < deadline:
             time.sleep(0.01)
         self._group.remove()

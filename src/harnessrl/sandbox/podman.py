@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -59,23 +58,18 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Literal
 
 from harnessrl.errors import SandboxError
-from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
+from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, INNER_SOCKET, SANDBOX_UID
 from harnessrl.sandbox.config import PodmanSandboxConfig
-from harnessrl.sandbox.fsread import (
-    UnsafePathError,
-    open_dir_beneath,
-    open_file_beneath,
-    open_root,
-    read_beneath,
-)
-from harnessrl.sandbox.local import _UNSAFE, _XDG, _decode, _drain, _loopback_url, _resolve_inside, disk_usage
-from harnessrl.sandbox.procs import DIR_VAR, MARKER_VAR, SPAWN_VAR
+from harnessrl.sandbox.fsread import UnsafePathError, open_dir_beneath, open_file_beneath, open_root
+from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint
+from harnessrl.sandbox.local import _UNSAFE
+from harnessrl.sandbox.procs import SPAWN_VAR
 from harnessrl.types import Endpoint
 
 __all__ = ["PodmanProcess", "PodmanSandbox", "PodmanSandboxBackend", "podman_argv", "podman_problem",
@@ -221,112 +215,50 @@ def remove_orphans(config: PodmanSandboxConfig) -> int:
     return len(orphans)
 
 
-class PodmanProcess:
+class PodmanProcess(HostProcess):
     """A process started by `PodmanSandbox.spawn`: one container (the `SandboxProcess` seam).
 
     `pid` is the host pid of the `podman run` client that waits on the container; its tree is
-    the container (every process in it).
+    the container (every process in it). Its exit status shows a signal N as 128+N (podman's
+    convention).
     """
 
     def __init__(self, proc: asyncio.subprocess.Process, name: str, sandbox: PodmanSandbox) -> None:
-        self._proc = proc
+        super().__init__(proc)
         self.name = name
         self._sandbox = sandbox
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode
-
-    async def wait(self, timeout_s: float | None = None) -> int | None:
-        """Exit status (a signal N shows as 128+N, podman's convention), or None when still
-        running after `timeout_s` seconds."""
-        if self._proc.returncode is not None:
-            return self._proc.returncode
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
-        except asyncio.TimeoutError:
-            return None
 
     async def kill_tree(self) -> int:
         """Stop the container (SIGTERM, `kill_grace_s`, SIGKILL) and reap its client; returns
         how many of its processes were alive. Completes when the awaiting task is cancelled."""
-        task = asyncio.ensure_future(self._sandbox._stop([self.name], self._sandbox.config.kill_grace_s))
-        try:
-            found, survivors = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            await task
-            raise
+        found, survivors = await complete_shielded(
+            lambda: self._sandbox._stop([self.name], self._sandbox.config.kill_grace_s))
         if survivors:
             raise SandboxError(f"pids {survivors} of container {self.name} survived SIGKILL")
         return found
 
 
-class PodmanSandbox:
-    """One rollout's directory on the host and its containers. Create via `PodmanSandboxBackend`."""
+class PodmanSandbox(HostDirSandbox):
+    """One rollout's directory on the host and its containers. Create via `PodmanSandboxBackend`.
+
+    `exec` runs each command in a new container; a command killed by signal N exits 128+N
+    (podman's convention)."""
+
+    _disk_action = "stopping its containers"
 
     def __init__(self, sandbox_id: str, root: Path, state: Path, backend: PodmanSandboxBackend) -> None:
-        self.sandbox_id = sandbox_id
-        self._root = root
+        super().__init__(sandbox_id, root, backend.config)
+        self.config: PodmanSandboxConfig = backend.config
         self._state = state
         """Host-private directory (container id files), outside everything a container binds."""
         self._backend = backend
-        self.config = backend.config
         self._clients: dict[str, asyncio.subprocess.Process] = {}
         """Container name -> its `podman run` client, for every command started."""
-        self._watchdog: asyncio.Task[None] | None = None
-        self._close_task: asyncio.Task[None] | None = None
-        self.disk_exceeded = False
-        """True once the sandbox directory outgrew `disk_bytes` (its containers were stopped)."""
-        self.closed = False
-
-    @property
-    def root(self) -> Path:
-        """The sandbox directory (parent of workdir, home, tmp)."""
-        return self._root
-
-    @property
-    def workdir(self) -> Path:
-        return self._root / "work"
-
-    @property
-    def home(self) -> Path:
-        return self._root / "home"
-
-    def _rel(self, base: Base, rel_path: str) -> str:
-        if base not in BASES:
-            raise SandboxError(f"sandbox {self.sandbox_id}: base={base!r} must be one of {', '.join(BASES)}")
-        parts = Path(rel_path).parts
-        if Path(rel_path).is_absolute() or ".." in parts:
-            raise SandboxError(f"sandbox {self.sandbox_id}: path {rel_path!r} escapes the {base} dir "
-                               "(must be relative, without '..' components)")
-        return "/".join([base, *parts])
-
-    def agent_path(self, base: Base, rel_path: str = "") -> str:
-        """The host path: the sandbox directory is bound at its own path in every container."""
-        return str(self._root / self._rel(base, rel_path))
 
     def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
         """`endpoint` on `127.0.0.1` (port and path kept): the forwarder inside the container."""
-        keyed = _loopback_url(endpoint.keyed_base_url) if endpoint.keyed_base_url else ""
-        return dataclasses.replace(endpoint, base_url=_loopback_url(endpoint.base_url), keyed_base_url=keyed)
+        return loopback_endpoint(endpoint)
 
-    def base_env(self) -> dict[str, str]:
-        """The environment every command starts from (before the caller's additions)."""
-        env = {"PATH": self.config.path, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(self.home),
-               "TMPDIR": str(self._root / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
-        env.update({k: str(self._root / v) for k, v in _XDG.items()})
-        return env
-
-    def _env(self, extra: dict[str, str] | None) -> dict[str, str]:
-        env = self.base_env()
-        env.update(extra or {})
-        env[MARKER_VAR] = self.sandbox_id  # set last: leak checks rely on them
-        env[DIR_VAR] = str(self._root)
-        return env
 
     def _run_argv(self, name: str, argv: Sequence[str], cwd: Path, env: dict[str, str]) -> list[str]:
         cfg = self.config
@@ -369,14 +301,11 @@ class PodmanSandbox:
                 args += ["-e", f"{key}={value}"]
         return [*args, cfg.image, *prefix, *argv]
 
+
     async def _start(self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
                      stdout: int, stderr: int) -> tuple[str, asyncio.subprocess.Process]:
-        if self.closed:
-            raise SandboxError(f"sandbox {self.sandbox_id} is closed; cannot run {argv[0]!r}")
-        if self.disk_exceeded:
-            raise SandboxError(f"sandbox {self.sandbox_id} exceeded disk_bytes={self.config.disk_bytes}; "
-                               f"cannot run {argv[0]!r}")
-        run_dir = _resolve_inside(self._root, cwd) if cwd is not None else self.workdir
+        self._check_startable(argv[0])
+        run_dir = self._run_dir(cwd)
         name = f"hrl-{self.sandbox_id}-{len(self._clients)}"
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -386,20 +315,9 @@ class PodmanSandbox:
         except OSError as e:
             raise SandboxError(f"sandbox {self.sandbox_id} cannot start podman for {argv[0]!r}: {e}") from e
         self._clients[name] = proc
-        if self.config.disk_bytes is not None and self._watchdog is None:
-            self._watchdog = asyncio.ensure_future(self._watch_disk(self.config.disk_bytes))
+        self._started()
         return name, proc
 
-    async def _watch_disk(self, limit: int) -> None:
-        while not self.closed:
-            await asyncio.sleep(self.config.disk_poll_s)
-            used = await asyncio.to_thread(disk_usage, self._root)
-            if used > limit:
-                self.disk_exceeded = True
-                log.warning("sandbox %s holds %d bytes > disk_bytes=%d: stopping its containers",
-                            self.sandbox_id, used, limit)
-                await self.kill_processes()
-                return
 
     def _container_pids(self, name: str) -> list[int]:
         try:
@@ -435,43 +353,23 @@ class PodmanSandbox:
             live = [n for n in live if self._clients[n].returncode is None or self._container_pids(n)]
         return found, [p for n in names for p in self._container_pids(n)]
 
-    async def exec(self, cmd: str | list[str], timeout_s: float, env: dict[str, str] | None = None,
-                   cwd: Path | None = None) -> ExecResult:
-        """Run `cmd` (a string runs under `bash -c`) in a new container for at most
-        `timeout_s` wall seconds; at the timeout (or on cancellation) the container is killed.
-        stdout and stderr keep `output_cap_bytes` each. A missing executable exits 127; a
-        command killed by signal N exits 128+N (podman's convention)."""
-        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else cmd
-        started = time.monotonic()
-        name, proc = await self._start(argv, env, cwd, asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
-        assert proc.stdout is not None and proc.stderr is not None, "exec pipes were requested"
-        cap = self.config.output_cap_bytes
-        readers = [asyncio.ensure_future(_drain(s, cap)) for s in (proc.stdout, proc.stderr)]
-        timed_out = False
-        try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-            await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
-        except asyncio.TimeoutError:
-            timed_out = True
-            await self._stop([name], 0.0)
-            await proc.wait()
-            await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
-        except BaseException:
-            # cancelled: kill the container now (shielded); close() scans for the rest
-            stopping = asyncio.ensure_future(self._stop([name], 0.0))
-            for reader in readers:
-                reader.cancel()
-            await asyncio.shield(stopping)
-            raise
-        outputs = []
-        for reader in readers:
-            if reader.done():
-                outputs.append(_decode(*reader.result()))
-            else:
-                reader.cancel()
-                outputs.append("")
-        assert proc.returncode is not None, "the command was waited for"
-        return ExecResult(proc.returncode, outputs[0], outputs[1], timed_out, time.monotonic() - started)
+    async def _start_exec(self, argv: list[str], env: dict[str, str] | None,
+                          cwd: Path | None) -> tuple[str, asyncio.subprocess.Process]:
+        """The command in a new container (its name is the handle)."""
+        return await self._start(argv, env, cwd, asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
+
+    @property
+    def _pipe_grace_s(self) -> float:
+        return _PIPE_GRACE_S
+
+    async def _exec_timed_out(self, handle: str, proc: asyncio.subprocess.Process) -> None:
+        """Kill the container (no grace) and reap its client."""
+        await self._stop([handle], 0.0)
+        await proc.wait()
+
+    def _exec_cancelled(self, handle: str) -> Awaitable[tuple[int, list[int]]]:
+        # cancelled: kill the container now (shielded); close() scans for the rest
+        return asyncio.ensure_future(self._stop([handle], 0.0))
 
     async def spawn(self, argv: list[str], env: dict[str, str] | None = None,
                     log_file: str | None = None) -> PodmanProcess:
@@ -479,12 +377,7 @@ class PodmanSandbox:
         closed, stdout and stderr appended to `log_file` (relative to home, opened by the host
         without following links; discarded when None). Raises `SandboxError` when the sandbox
         is closed or the log path is unsafe."""
-        out: int = asyncio.subprocess.DEVNULL
-        if log_file is not None:
-            try:
-                out = open_file_beneath(self._root, self._rel("home", log_file), append=True)
-            except UnsafePathError as e:
-                raise SandboxError(f"sandbox {self.sandbox_id}: log {log_file!r} not opened: {e.strerror}") from None
+        out = self._open_log(log_file)
         try:
             name, proc = await self._start(argv, {**(env or {}), SPAWN_VAR: secrets.token_hex(8)}, None,
                                            out, asyncio.subprocess.STDOUT)
@@ -492,15 +385,6 @@ class PodmanSandbox:
             if log_file is not None:
                 os.close(out)
         return PodmanProcess(proc, name, self)
-
-    def read_file(self, rel_path: str, *, base: Base = "work", max_bytes: int = READ_MAX_BYTES,
-                  tail: bool = False) -> bytes:
-        """At most `max_bytes` of `rel_path` under `base`, no symlink followed (as `local`)."""
-        try:
-            return read_beneath(self._root, self._rel(base, rel_path), max_bytes, tail=tail)
-        except UnsafePathError as e:
-            raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not read (escapes the {base} dir or "
-                               f"crosses a link): {e.strerror}") from None
 
     def write_file(self, rel_path: str, data: str | bytes, *, base: Base = "work", mode: int = 0o644) -> None:
         """Write `rel_path` under `base`, creating parents, no symlink followed; the file and
@@ -546,14 +430,6 @@ class PodmanSandbox:
         if survivors:
             raise SandboxError(f"sandbox {self.sandbox_id}: pids {survivors} survived SIGKILL")
         return found
-
-    async def close(self) -> None:
-        """Stop every container, remove the directory and the cgroups; idempotent, and completes
-        when the awaiting task is cancelled (which then gets CancelledError)."""
-        self.closed = True
-        if self._close_task is None:
-            self._close_task = asyncio.ensure_future(self._teardown())
-        await asyncio.shield(self._close_task)
 
     async def _teardown(self) -> None:
         if self._watchdog is not None:
