@@ -22,12 +22,20 @@ with `attention="dense"` (transformers' block-diagonal [T, T] mask) and `"segmen
 per row, no mask), each in a fresh subprocess, reporting tokens/s of forward + backward and
 the step's peak memory (peak RSS during the step minus RSS before it, `ru_maxrss`). The
 methods alternate per repeat and the best time is kept; the machine may be loaded.
+
+Shared prefixes (`--group-size G --prefix-len P`): rows come in groups of G whose first P ids
+are the same (a group's task prompt; each row keeps at least its trained tail and one context
+id of its own), and the sweep adds the arm `shared`: `pack_rows` with `share_prefixes=True`
+(each group's prompt forwarded once per pack) against `segments` (whole rows, the layout
+before). Tokens/s counts the rows' tokens (what the step trains on), so the shared arm's
+saving shows as tokens/s; the packed tokens forwarded are printed too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import subprocess
@@ -58,15 +66,23 @@ def make_model(hidden: int, layers: int) -> torch.nn.Module:
     return model
 
 
-def make_rows(n: int, min_len: int, max_len: int, trained_frac: float, seed: int) -> list[Row]:
+def make_rows(
+    n: int, min_len: int, max_len: int, trained_frac: float, seed: int, group_size: int = 1, prefix_len: int = 0
+) -> list[Row]:
+    """`n` rows; rows `k*group_size .. (k+1)*group_size-1` share their first `prefix_len` ids
+    (capped so that each row keeps its trained tail and one context id of its own)."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
+    prefix: list[int] = []
+    for k in range(n):
         length = rng.randint(min_len, max_len)
         n_trained = max(1, int(length * trained_frac))
         mask = (0,) * (length - n_trained) + (1,) * n_trained
+        if k % max(1, group_size) == 0:
+            prefix = [rng.randrange(VOCAB) for _ in range(prefix_len)]
+        shared = prefix[: max(0, length - n_trained - 1)]
         rows.append(Row(
-            input_ids=tuple(rng.randrange(VOCAB) for _ in range(length)),
+            input_ids=tuple(shared) + tuple(rng.randrange(VOCAB) for _ in range(length - len(shared))),
             completion_mask=mask,
             sampler_logprobs=tuple(-10.8 if m else 0.0 for m in mask),
             policy_versions=tuple(0 if m else -1 for m in mask),
@@ -135,29 +151,35 @@ def one_budget(args: argparse.Namespace) -> None:
     """Child process: one (budget, attention) pair; prints a JSON line."""
     torch.set_num_threads(args.threads)
     model = make_model(args.hidden, args.layers)
-    rows = make_rows(args.rows, args.min_len, args.max_len, args.trained_frac, seed=0)
+    rows = make_rows(args.rows, args.min_len, args.max_len, args.trained_frac, seed=0,
+                     group_size=args.group_size, prefix_len=args.prefix_len)
     n_global = sum(r.num_trained_tokens for r in rows)
-    packs = pack_rows(rows, token_budget=args.one_budget)
+    shared = args.attention == "shared"
+    attention = "segments" if shared else args.attention
+    packs = pack_rows(rows, token_budget=args.one_budget, share_prefixes=shared)
     # Warm-up on the smallest pack (allocator, kernels), then measure the whole step.
-    packed_step(model, packs[-1:], n_global, False, args.attention)
+    packed_step(model, packs[-1:], n_global, False, attention)
     model.zero_grad(set_to_none=False)
     before = _rss_mib()
     t0 = time.perf_counter()
-    packed_step(model, packs, n_global, False, args.attention)
+    packed_step(model, packs, n_global, False, attention)
     dt = time.perf_counter() - t0
     print(json.dumps({"seconds": dt, "peak_mib": _rss_mib() - before, "packs": len(packs),
                       "longest_pack": max(p.num_tokens for p in packs),
-                      "tokens": sum(p.num_tokens for p in packs)}))
+                      "packed": sum(p.num_tokens for p in packs),
+                      "tokens": sum(len(r.input_ids) for r in rows)}))
 
 
 def sweep(args: argparse.Namespace) -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
+    arms = ("dense", "segments", "shared") if args.group_size > 1 and args.prefix_len > 0 else ("dense", "segments")
     best: dict[tuple[int, str], dict] = {}
     for _ in range(args.repeats):
         for budget in budgets:
-            for attention in ("dense", "segments"):
+            for attention in arms:
                 cmd = [sys.executable, __file__, "--one-budget", str(budget), "--attention", attention]
-                for key in ("rows", "min_len", "max_len", "trained_frac", "hidden", "layers", "threads"):
+                for key in ("rows", "min_len", "max_len", "trained_frac", "hidden", "layers", "threads",
+                            "group_size", "prefix_len"):
                     cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 res = json.loads(out.strip().splitlines()[-1])
@@ -166,15 +188,20 @@ def sweep(args: argparse.Namespace) -> None:
                     peak = max(res["peak_mib"], best.get(key, {}).get("peak_mib", 0.0))
                     best[key] = {**res, "peak_mib": peak}
     print(f"rows={args.rows} lengths {args.min_len}..{args.max_len} hidden={args.hidden} layers={args.layers} "
-          f"threads={args.threads} repeats={args.repeats} (best time, max peak)")
-    print(f"{'budget':>6} {'attention':>9} {'packs':>5} {'longest':>7} {'tokens/s':>9} {'peak MiB':>9}")
+          f"threads={args.threads} repeats={args.repeats} group_size={args.group_size} prefix_len={args.prefix_len} "
+          f"(best time, max peak) load {os.getloadavg()[0]:.1f}")
+    print(f"{'budget':>6} {'attention':>9} {'packs':>5} {'longest':>7} {'forwarded':>9} {'tokens/s':>9} {'peak MiB':>9}")
     for (budget, attention), r in best.items():
-        print(f"{budget:>6} {attention:>9} {r['packs']:>5} {r['longest_pack']:>7} "
+        print(f"{budget:>6} {attention:>9} {r['packs']:>5} {r['longest_pack']:>7} {r['packed']:>9} "
               f"{r['tokens'] / r['seconds']:>9.0f} {r['peak_mib']:>9.0f}")
     for budget in budgets:
         d, g = best[(budget, "dense")], best[(budget, "segments")]
         print(f"budget {budget}: segments {d['seconds'] / g['seconds']:.2f}x the tokens/s of dense, "
               f"peak memory {g['peak_mib']:.0f} vs {d['peak_mib']:.0f} MiB")
+        if "shared" in arms:
+            h = best[(budget, "shared")]
+            print(f"budget {budget}: shared {g['seconds'] / h['seconds']:.2f}x the tokens/s of segments "
+                  f"({h['packed']} vs {g['packed']} tokens forwarded), peak memory {h['peak_mib']:.0f} MiB")
 
 
 def main() -> None:
@@ -188,6 +215,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group-size", type=int, default=1, help="rows per group sharing --prefix-len ids")
+    parser.add_argument("--prefix-len", type=int, default=0, help="ids shared by the rows of a group")
     parser.add_argument("--budgets", default="", help="comma-separated token budgets: run the budget sweep")
     parser.add_argument("--one-budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="segments", help=argparse.SUPPRESS)
