@@ -1,16 +1,20 @@
-"""Attacks from inside real bubblewrap sandboxes, as a hostile agent would run them.
+"""Attacks from inside real sandboxes, as a hostile agent would run them, against every backend.
 
-Each test runs the attack as a command in a real `LocalSandbox` (bubblewrap, the real proxy
-behind its agent socket, a FakeEngine) and asserts it fails, with the harm checked from the
-host side where there is any: no capability (CapEff 0), `open_by_handle_at` refused, a
-read-only bind cannot be remounted or written, another sandbox's files, processes and key
-unreachable, the admin API and every other host loopback port unreachable, no DNS, a fork
-bomb bounded by the sandbox's pids cgroup, a disk fill stopped by the watchdog and `/tmp`
-bounded, a `setsid` daemon that cleared its environment gone after `close()` (also without
-bubblewrap), and the proxy reachable through the endpoint the sandbox gives the agent.
+Each case runs the attack as a command in a real sandbox of each kit of `sandbox_kits.py`:
+`bwrap` (a `LocalSandbox` under bubblewrap) and `podman` (a `PodmanSandbox`, one container per
+command), with the real proxy behind its agent socket and a FakeEngine, and asserts it fails,
+with the harm checked from the host side where there is any: no capability (CapEff 0),
+`open_by_handle_at` refused, a read-only bind cannot be remounted or written, another
+sandbox's files, processes and key unreachable, the admin API and every other host loopback
+port unreachable, no DNS, a fork bomb bounded by the pids cgroup, a disk fill stopped by the
+watchdog and `/tmp` bounded, a `setsid` daemon that cleared its environment gone after
+`close()` (also for a local sandbox without bubblewrap, `plain`), and the proxy reachable
+through the endpoint the sandbox gives the agent. Expectations that truly differ (uid, how
+many pids an agent sees, which system mount is read-only) are the kit's.
 
-Skipped only where bubblewrap is absent (CI installs it); the cgroup-bound tests skip where no
-pids cgroup is writable.
+The bwrap cases skip only where bubblewrap is absent (CI installs it); the podman cases skip
+where podman cannot run, and fail instead under `HARNESSRL_REQUIRE_PODMAN=1` (`.ci/run`).
+Cases bounded by a pids cgroup skip where the local kits have no writable one.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import json
 import secrets
 import socket
 import textwrap
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import psutil
@@ -30,12 +34,9 @@ from fakes import FakeEngine
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
-from harnessrl.sandbox import cgroup
-from harnessrl.sandbox.bwrap import bwrap_path
-from harnessrl.sandbox.local import LocalSandbox, LocalSandboxBackend, SandboxConfig
-
-pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap (bwrap) is not installed or cannot run")
-needs_cgroup = pytest.mark.skipif(cgroup.available() is None, reason="no writable pids cgroup on this machine")
+from harnessrl.sandbox.base import Sandbox
+from harnessrl.sandbox.hostdir import disk_usage
+from sandbox_kits import KITS, Kit, assert_no_podman_leftovers, kit_available
 
 
 @pytest.fixture
@@ -44,36 +45,40 @@ async def proxy(tokenizer) -> AsyncIterator[ProxyServer]:
         yield server
 
 
-def _backend(root: Path, proxy: ProxyServer | None = None, **config: object) -> LocalSandboxBackend:
-    cfg = SandboxConfig(root_dir=root, use_bwrap=True, **config)  # type: ignore[arg-type]
-    if proxy is None:
-        return LocalSandboxBackend(cfg)
-    return LocalSandboxBackend(cfg, proxy_port=proxy.port, proxy_socket=proxy.agent_socket_path)
+@pytest.fixture(params=["bwrap", "podman"])
+def kit(request: pytest.FixtureRequest) -> Iterator[Kit]:
+    """The backend under attack; a podman case also checks no container outlived it."""
+    kit_available(request.param)
+    yield KITS[request.param]
+    if request.param == "podman":
+        assert_no_podman_leftovers()
 
 
-async def _py(sandbox: LocalSandbox, code: str, timeout_s: float = 30.0) -> dict:
+async def _py(sandbox: Sandbox, code: str, timeout_s: float = 60.0) -> dict:
     """Run `code` with the sandbox's python3; it prints one JSON object, returned here."""
     result = await sandbox.exec(["python3", "-c", textwrap.dedent(code)], timeout_s)
     assert result.returncode == 0, result
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-async def test_no_capability_and_unprivileged_user(sandbox_root: Path) -> None:
-    sb = await _backend(sandbox_root).create("caps", {})
+async def test_no_capability_and_unprivileged_user(kit: Kit, sandbox_root: Path) -> None:
+    sb = await kit.backend(sandbox_root).create("caps", {})
     try:
         out = await _py(sb, """
             import json, os
             caps = dict(l.split(":\\t") for l in open("/proc/self/status").read().splitlines() if l.startswith("Cap"))
-            print(json.dumps({"caps": {k: int(v, 16) for k, v in caps.items()}, "uid": os.getuid()}))
+            nnp = [l for l in open("/proc/self/status").read().splitlines() if l.startswith("NoNewPrivs")]
+            print(json.dumps({"caps": {k: int(v, 16) for k, v in caps.items()}, "uid": os.getuid(), "nnp": nnp}))
         """)
         assert out["caps"] == {"CapInh": 0, "CapPrm": 0, "CapEff": 0, "CapBnd": 0, "CapAmb": 0}
-        assert out["uid"] != 0
+        assert out["uid"] != 0 and (kit.uid is None or out["uid"] == kit.uid), out
+        assert out["nnp"] == ["NoNewPrivs:\t1"], out
     finally:
         await sb.close()
 
 
-async def test_open_by_handle_at_is_refused(sandbox_root: Path) -> None:
-    sb = await _backend(sandbox_root).create("handle", {})
+async def test_open_by_handle_at_is_refused(kit: Kit, sandbox_root: Path) -> None:
+    sb = await kit.backend(sandbox_root).create("handle", {})
     try:
         out = await _py(sb, """
             import ctypes, json, os
@@ -82,47 +87,55 @@ async def test_open_by_handle_at_is_refused(sandbox_root: Path) -> None:
                 _fields_ = [("bytes", ctypes.c_uint), ("type", ctypes.c_int), ("f", ctypes.c_ubyte * 128)]
             h, mount_id = Handle(), ctypes.c_int()
             h.bytes = 128
-            named = libc.name_to_handle_at(-100, b"/", ctypes.byref(h), ctypes.byref(mount_id), 0)
+            libc.name_to_handle_at(-100, b"/", ctypes.byref(h), ctypes.byref(mount_id), 0)
             mount_fd = os.open("/", os.O_RDONLY)
             fd = libc.open_by_handle_at(mount_fd, ctypes.byref(h), os.O_RDONLY)
-            print(json.dumps({"named": named, "fd": fd, "errno": ctypes.get_errno()}))
+            print(json.dumps({"fd": fd, "errno": ctypes.get_errno()}))
         """)
         assert out["fd"] == -1 and out["errno"] == 1, out  # EPERM: no CAP_DAC_READ_SEARCH
     finally:
         await sb.close()
 
 
-async def test_read_only_binds_stay_read_only(sandbox_root: Path, tmp_path: Path) -> None:
+async def test_read_only_binds_stay_read_only(kit: Kit, sandbox_root: Path, tmp_path: Path) -> None:
     tree = tmp_path / "agent-tree"
     tree.mkdir()
     (tree / "cli.js").write_text("original\n")
-    sb = await LocalSandboxBackend(SandboxConfig(root_dir=sandbox_root, use_bwrap=True), ro_binds=[tree]).create("ro", {})
+    sb = await kit.backend(sandbox_root, ro_binds=(tree,)).create("ro", {})
     try:
-        attack = (f"mount -o remount,rw {tree}; mount -o remount,rw /usr; "
+        attack = (f"cat {tree}/cli.js; mount -o remount,rw {tree}; mount -o remount,rw /usr; "
                   f"unshare -rm sh -c 'mount -o remount,rw {tree}'; "
                   f"echo changed > {tree}/cli.js; touch /usr/owned; touch /owned; touch {sandbox_root}/owned; "
-                  f"grep -E ' {tree} | /usr ' /proc/self/mounts")
-        r = await sb.exec(attack, 30)
+                  f"grep -E ' {tree} | {kit.ro_system} ' /proc/self/mounts")
+        r = await sb.exec(attack, 60)
+        assert r.stdout.startswith("original\n"), r
         assert (tree / "cli.js").read_text() == "original\n"
         assert not Path("/usr/owned").exists() and not (sandbox_root / "owned").exists()
-        mounts = [line.split() for line in r.stdout.splitlines()]
-        assert mounts and all(m[3].startswith("ro") for m in mounts), r.stdout
+        mounts = [line.split() for line in r.stdout.splitlines()[1:]]
+        assert len(mounts) == 2 and all(m[3].startswith("ro") for m in mounts), r.stdout
         assert "Read-only file system" in r.stderr, r.stderr
+        # the next command starts from an unchanged system tree
+        assert (await sb.exec("test ! -e /owned && test ! -e /usr/owned", 30)).returncode == 0
     finally:
         await sb.close()
 
 
-async def test_other_sandboxes_files_processes_and_keys_unreachable(sandbox_root: Path) -> None:
-    backend = _backend(sandbox_root)
-    victim, attacker = await backend.create("victim", {"secret.txt": "victim-file-secret"}), await backend.create("attacker", {})
+async def test_other_sandboxes_files_processes_and_keys_unreachable(kit: Kit, sandbox_root: Path) -> None:
+    backend = kit.backend(sandbox_root)
+    victim = await backend.create("victim", {"secret.txt": "victim-file-secret"})
+    attacker = await backend.create("attacker", {})
     key = "sk-victim-0123456789abcdef"
     try:
         agent = await victim.spawn(["sleep", "60"], env={"OPENAI_API_KEY": key})
+        for _ in range(200):
+            if victim.list_processes():
+                break
+            await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
         out = await _py(attacker, f"""
             import ctypes, glob, json, os
             libc = ctypes.CDLL(None, use_errno=True)
-            # try to uncover the host's view first: detach the tmpfs hiding the other sandboxes
+            # try to uncover the host's view first: detach what hides the other sandboxes
             unmounted = libc.umount2(b"{sandbox_root}", 2)
             found, listed = [], []
             for path in glob.glob("/proc/*/environ") + glob.glob("/proc/*/cmdline"):
@@ -146,18 +159,20 @@ async def test_other_sandboxes_files_processes_and_keys_unreachable(sandbox_root
         assert out["found"] == []
         assert out["listed"] == [attacker.root.name]  # only its own directory under the sandbox root
         assert "victim-file-secret" not in out["text"]
-        assert str(agent.pid) not in out["pids"] and len(out["pids"]) <= 4, out["pids"]  # bwrap init, python
+        # bwrap: its init and python; podman: python (+ its /proc read)
+        assert str(agent.pid) not in out["pids"] and len(out["pids"]) <= kit.max_pids, out["pids"]
         assert (victim.workdir / "secret.txt").read_text() == "victim-file-secret"
     finally:
         await attacker.close()
         await victim.close()
 
 
-async def test_only_the_proxy_is_reachable(proxy: ProxyServer, sandbox_root: Path) -> None:
+async def test_only_the_proxy_is_reachable(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
     other = socket.create_server(("127.0.0.1", 0))  # a host loopback service that is not the proxy
-    sb = await _backend(sandbox_root, proxy).create("net", {})
+    sb = await kit.backend(sandbox_root, proxy).create("net", {})
     session_id, key = proxy.open_session("net")
     endpoint = sb.agent_endpoint(proxy.endpoint(key))
+    assert endpoint.base_url.startswith(f"http://127.0.0.1:{proxy.port}/")
     try:
         out = await _py(sb, f"""
             import json, socket, urllib.request, urllib.error
@@ -173,9 +188,9 @@ async def test_only_the_proxy_is_reachable(proxy: ProxyServer, sandbox_root: Pat
                 except OSError as e:
                     return type(e).__name__
             body = json.dumps({{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
-            req = urllib.request.Request("{endpoint.base_url}/chat/completions", data=body,
-                                         headers={{"Authorization": "Bearer {key}", "Content-Type": "application/json"}})
-            chat = urllib.request.urlopen(req, timeout=20).status
+            headers = {{"Authorization": "Bearer {key}", "Content-Type": "application/json"}}
+            req = urllib.request.Request("{endpoint.base_url}/chat/completions", data=body, headers=headers)
+            chat = urllib.request.urlopen(req, timeout=30).status
             try:
                 admin = urllib.request.urlopen(urllib.request.Request(
                     "{endpoint.base_url.removesuffix('/v1')}/admin/sessions", data=b"{{}}",
@@ -185,8 +200,7 @@ async def test_only_the_proxy_is_reachable(proxy: ProxyServer, sandbox_root: Pat
             print(json.dumps({{"chat": chat, "admin_via_proxy_port": admin,
                               "admin_port": connect("127.0.0.1", {proxy.admin_port}),
                               "other_port": connect("127.0.0.1", {other.getsockname()[1]}),
-                              "internet": connect("1.1.1.1", 53), "dns": resolve("example.com"),
-                              "localhost": resolve("localhost")}}))
+                              "internet": connect("1.1.1.1", 53), "dns": resolve("example.com")}}))
         """)
         assert out["chat"] == 200
         assert out["admin_via_proxy_port"] == 404  # the agents' listener serves no admin route
@@ -202,9 +216,10 @@ async def test_only_the_proxy_is_reachable(proxy: ProxyServer, sandbox_root: Pat
         await sb.close()
 
 
-@needs_cgroup
-async def test_fork_bomb_is_bounded(sandbox_root: Path) -> None:
-    sb = await _backend(sandbox_root, max_processes=64).create("bomb", {})
+async def test_fork_bomb_is_bounded(kit: Kit, sandbox_root: Path) -> None:
+    if not kit.cgroup_bounded:
+        pytest.skip("no writable pids cgroup on this machine")
+    sb = await kit.backend(sandbox_root, max_processes=64).create("bomb", {})
     try:
         out = await _py(sb, """
             import json, os, time
@@ -222,7 +237,7 @@ async def test_fork_bomb_is_bounded(sandbox_root: Path) -> None:
         """)
         assert out["errno"] == 11 and out["children"] < 64, out  # EAGAIN at pids.max
         # a shell fork bomb for a few seconds: bounded, and the host keeps forking
-        r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 3", 10)
+        r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 3", 15)
         assert r.returncode is not None
         assert (await asyncio.create_subprocess_exec("true")).pid > 0
     finally:
@@ -230,22 +245,20 @@ async def test_fork_bomb_is_bounded(sandbox_root: Path) -> None:
     assert sb.list_processes() == []
 
 
-async def test_disk_fill_is_stopped_and_tmp_is_bounded(sandbox_root: Path) -> None:
+async def test_disk_fill_is_stopped_and_tmp_is_bounded(kit: Kit, sandbox_root: Path) -> None:
     limit = 64 << 20
-    sb = await _backend(sandbox_root, disk_bytes=limit, disk_poll_s=0.05, file_size_bytes=8 << 20,
-                        tmp_bytes=4 << 20).create("disk", {})
+    sb = await kit.backend(sandbox_root, disk_bytes=limit, disk_poll_s=0.05, file_size_bytes=8 << 20,
+                           tmp_bytes=4 << 20).create("disk", {})
     try:
         tmp = await sb.exec("head -c 8388608 /dev/zero > /tmp/fill; head -c 8388608 /dev/zero > /dev/shm/fill; "
-                            "ls -l /tmp/fill /dev/shm/fill", 30)
+                            "ls -l /tmp/fill /dev/shm/fill", 60)
         sizes = [int(line.split()[4]) for line in tmp.stdout.splitlines()]
-        assert sizes and all(s <= 4 << 20 for s in sizes), tmp
+        assert len(sizes) == 2 and all(s <= 4 << 20 for s in sizes), tmp
         assert "No space left on device" in tmp.stderr
         # many files, each under the per-file limit: 2 GiB if nothing stopped it
         r = await sb.exec("for i in $(seq 256); do head -c 8388608 /dev/zero > f$i; sleep 0.01; done; echo finished",
-                          60)
+                          120)
         assert "finished" not in r.stdout and sb.disk_exceeded, r
-        from harnessrl.sandbox.local import disk_usage
-
         assert disk_usage(sb.root) < 8 * limit
         with pytest.raises(Exception, match="disk_bytes"):
             await sb.exec("true", 5)
@@ -253,17 +266,21 @@ async def test_disk_fill_is_stopped_and_tmp_is_bounded(sandbox_root: Path) -> No
         await sb.close()
 
 
-@pytest.mark.parametrize("use_bwrap", [True, False], ids=["bwrap", "plain"])
-async def test_setsid_daemon_does_not_outlive_close(use_bwrap: bool, sandbox_root: Path) -> None:
-    if not use_bwrap and cgroup.available() is None:
+@pytest.mark.parametrize("kit", ["bwrap", "plain", "podman"], indirect=True)
+async def test_setsid_daemon_does_not_outlive_its_command_or_close(kit: Kit, sandbox_root: Path) -> None:
+    if not kit.namespaced and not kit.cgroup_bounded:
         pytest.skip("without bubblewrap only the pids cgroup catches a daemon that left every marker")
-    backend = LocalSandboxBackend(SandboxConfig(root_dir=sandbox_root, use_bwrap=use_bwrap))
-    sb = await backend.create("daemon", {})
-    token = f"{secrets.randbelow(10**6) + 10**6}.{4242 if use_bwrap else 4343}"  # unique to this run
+    sb = await kit.backend(sandbox_root).create("daemon", {})
+    token = f"{secrets.randbelow(10**6) + 10**6}.{4242 + list(KITS).index(kit.name)}"  # unique to this run
     try:
+        if kit.namespaced:
+            # an exec'd command that leaves a daemon (no marker, cwd /, new session) behind
+            r = await sb.exec(f"env -i setsid sh -c 'cd /; exec sleep {token}' & sleep 0.5; echo left", 30)
+            assert r.stdout.strip() == "left"
+            assert _daemons(token) == []  # its namespace ended with the command
         # clears its environment (no marker), leaves the sandbox directory and its session
         await sb.spawn(["bash", "-c", f"env -i setsid sh -c 'cd /; exec sleep {token}' & sleep 60"])
-        for _ in range(100):
+        for _ in range(200):
             if _daemons(token):
                 break
             await asyncio.sleep(0.05)
