@@ -19,8 +19,8 @@ from test_vllm_engine import group_pids
 
 from harnessrl.engine.config import VllmEngineConfig
 from harnessrl.engine.vllm import VllmEngine
-from harnessrl.engine.vllm_server import (SERVER_MODULE, cpu_slice, launch_servers, server_command, server_env,
-                                          start_servers)
+from harnessrl.engine.vllm_server import (SERVER_MODULE, cpu_slice, launch_servers, launch_servers_async,
+                                          server_command, server_env, start_servers)
 from harnessrl.errors import EngineError
 from harnessrl.types import Sampling
 
@@ -123,10 +123,19 @@ async def _two(engine: VllmEngine) -> list[int | None]:
     return [engine.replica_of(k) for k in ("e", "f")]
 
 
-def test_a_server_that_exits_while_starting_raises_with_its_log(stub_python: Path, tmp_path: Path) -> None:
+def _launch(launcher: str, *args: object, **kwargs: object) -> list:
+    """`launch_servers` ("sync") or `launch_servers_async` run to completion ("async")."""
+    if launcher == "sync":
+        return launch_servers(*args, **kwargs)  # type: ignore[arg-type]
+    return asyncio.run(launch_servers_async(*args, **kwargs))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("launcher", ["sync", "async"])
+def test_a_server_that_exits_while_starting_raises_with_its_log(launcher: str, stub_python: Path,
+                                                                tmp_path: Path) -> None:
     cfg = VllmEngineConfig(replicas=2, extra_args=["--fail"], startup_timeout_s=60)
     with pytest.raises(EngineError, match=r"exited with code 3 while starting; log .*vllm-0.log:\n.*cannot load"):
-        launch_servers(cfg, Path("/m"), tmp_path, python=stub_python)
+        _launch(launcher, cfg, Path("/m"), tmp_path, python=stub_python)
     # both replicas were started; neither leaves a process
     assert [p for p in os.listdir("/proc") if p.isdigit() and _cmd_has(p, str(stub_python))] == []
 
@@ -148,7 +157,8 @@ def test_a_health_wait_past_its_timeout_stops_the_server(tmp_path: Path) -> None
     assert [p for p in os.listdir("/proc") if p.isdigit() and _cmd_has(p, str(sleeper))] == []
 
 
-def test_a_server_whose_port_was_taken_starts_again_on_another(stub_python: Path, tmp_path: Path,
+@pytest.mark.parametrize("launcher", ["sync", "async"])
+def test_a_server_whose_port_was_taken_starts_again_on_another(launcher: str, stub_python: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
@@ -161,8 +171,8 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(stub_python: Path
         offered = iter([busy])
         real_free_port = vllm_server.free_port
         monkeypatch.setattr(vllm_server, "free_port", lambda: next(offered, None) or real_free_port())
-        (server,) = launch_servers(VllmEngineConfig(startup_timeout_s=60), Path("/m"), tmp_path,
-                                   python=stub_python, served_model="base")
+        (server,) = _launch(launcher, VllmEngineConfig(startup_timeout_s=60), Path("/m"), tmp_path,
+                            python=stub_python, served_model="base")
     try:
         assert server.port != busy and server.running
         assert "address already in use" in server.log_path.read_text().lower()  # the first start, logged

@@ -31,7 +31,9 @@ What it does not do: send completions (`engine/vllm.py`) or move weights (`engin
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -40,6 +42,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -263,16 +266,46 @@ def start_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, pyth
     python = python or vllm_python()
     gpu = cuda_present()
     servers: list[VllmServer] = []
-    try:
+    with _stopped_on_error(servers):
         for i in range(cfg.replicas):
             port = free_port()
             servers.append(VllmServer(server_command(cfg, python, model_dir, port, gpu=gpu, served_model=served_model),
                                       server_env(cfg, i, gpu=gpu), port, log_dir / f"vllm-{i}.log"))
+    return servers
+
+
+@contextlib.contextmanager
+def _stopped_on_error(servers: list[VllmServer]) -> Iterator[None]:
+    """Stop every server of `servers` when the block raises (Ctrl-C and cancellation included)."""
+    try:
+        yield
     except BaseException:
         for server in servers:
             server.stop()
         raise
-    return servers
+
+
+@dataclasses.dataclass
+class _Check:
+    """One health check of `_health_checks`: the caller sets `waited` (seconds) or `error`."""
+    waited: float = 0.0
+    error: EngineError | None = None
+
+
+def _health_checks(servers: list[VllmServer]) -> Iterator[tuple[VllmServer, _Check]]:
+    """The health checks both launchers run, in order: yields (server, its check) until every
+    server is healthy. A server whose check failed because another process took its port is
+    relaunched, up to `PORT_ATTEMPTS` starts; any other failure is raised."""
+    for i in range(len(servers)):
+        for attempt in range(PORT_ATTEMPTS):
+            check = _Check()
+            yield servers[i], check
+            if check.error is None:
+                log.info("vLLM server %s healthy after %.1f s", servers[i].url, check.waited)
+                break
+            if attempt + 1 == PORT_ATTEMPTS or not servers[i].lost_its_port():
+                raise check.error
+            servers[i] = servers[i].relaunch()
 
 
 def launch_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, python: Path | None = None,
@@ -289,21 +322,12 @@ def launch_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, pyt
             server did not come up (every server started is stopped first, also on Ctrl-C).
     """
     servers = start_servers(cfg, model_dir, log_dir, python=python, served_model=served_model)
-    try:
-        for i in range(len(servers)):
-            for attempt in range(PORT_ATTEMPTS):
-                try:
-                    waited = servers[i].wait_healthy(cfg.startup_timeout_s)
-                    break
-                except EngineError:
-                    if attempt + 1 == PORT_ATTEMPTS or not servers[i].lost_its_port():
-                        raise
-                    servers[i] = servers[i].relaunch()
-            log.info("vLLM server %s healthy after %.1f s", servers[i].url, waited)
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
+    with _stopped_on_error(servers):
+        for server, check in _health_checks(servers):
+            try:
+                check.waited = server.wait_healthy(cfg.startup_timeout_s)
+            except EngineError as exc:
+                check.error = exc
     return servers
 
 
@@ -312,19 +336,10 @@ async def launch_servers_async(cfg: VllmEngineConfig, model_dir: Path, log_dir: 
     """`launch_servers` that awaits the health checks, so the event loop stays free and a stop
     signal that cancels the caller stops the servers at once instead of after their start."""
     servers = start_servers(cfg, model_dir, log_dir, python=python, served_model=served_model)
-    try:
-        for i in range(len(servers)):
-            for attempt in range(PORT_ATTEMPTS):
-                try:
-                    waited = await servers[i].wait_healthy_async(cfg.startup_timeout_s)
-                    break
-                except EngineError:
-                    if attempt + 1 == PORT_ATTEMPTS or not servers[i].lost_its_port():
-                        raise
-                    servers[i] = servers[i].relaunch()
-            log.info("vLLM server %s healthy after %.1f s", servers[i].url, waited)
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
+    with _stopped_on_error(servers):
+        for server, check in _health_checks(servers):
+            try:
+                check.waited = await server.wait_healthy_async(cfg.startup_timeout_s)
+            except EngineError as exc:
+                check.error = exc
     return servers
