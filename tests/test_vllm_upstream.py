@@ -153,6 +153,19 @@ async def one_call(engine: VllmEngine, tokenizer) -> tuple[int, dict[str, Any], 
     return r.status_code, r.json(), store.close(session.session_id)
 
 
+async def call_in_mode(fake_servers, tokenizer, mode: str, **engine_args: Any) -> tuple[Any, int, dict[str, Any], Trace]:
+    """`one_call` through a `VllmEngine` of the first fake server answering in `mode`;
+    (that server's handler, status, body, trace)."""
+    handler, url = fake_servers[0]
+    engine = VllmEngine([url], **engine_args)
+    handler.mode = mode
+    try:
+        status, body, trace = await one_call(engine, tokenizer)
+    finally:
+        engine.close()
+    return handler, status, body, trace
+
+
 ERROR_MODES = {
     "bad_token_id": "is not a token id", "float_token_id": "is not a token id",
     "count_mismatch": "3 logprobs for 4 token ids", "usage_mismatch": "usage.completion_tokens=7",
@@ -170,11 +183,7 @@ UNFAITHFUL_MODES = {
 @pytest.mark.parametrize("mode", sorted(ERROR_MODES))
 async def test_an_untrustworthy_response_is_an_error_turn_the_agent_is_told(fake_servers, tokenizer,
                                                                            mode: str) -> None:
-    handler, url = fake_servers[0]
-    engine = VllmEngine([url], request_timeout_s=5.0)
-    handler.mode = mode
-    status, body, trace = await one_call(engine, tokenizer)
-    engine.close()
+    _, status, body, trace = await call_in_mode(fake_servers, tokenizer, mode, request_timeout_s=5.0)
     assert status == 503 and body["error"]["code"] == "engine_error"
     assert ERROR_MODES[mode] in body["error"]["message"]
     (turn,) = trace.turns
@@ -184,11 +193,7 @@ async def test_an_untrustworthy_response_is_an_error_turn_the_agent_is_told(fake
 
 @pytest.mark.parametrize("mode", sorted(UNFAITHFUL_MODES))
 async def test_a_bad_logprob_is_an_unfaithful_turn_never_trained(fake_servers, tokenizer, mode: str) -> None:
-    handler, url = fake_servers[0]
-    engine = VllmEngine([url])
-    handler.mode = mode
-    status, body, trace = await one_call(engine, tokenizer)
-    engine.close()
+    _, status, body, trace = await call_in_mode(fake_servers, tokenizer, mode)
     assert status == 200 and body["choices"][0]["message"]["content"] is not None  # the agent still gets its reply
     (turn,) = trace.turns
     assert turn.status == "unfaithful" and UNFAITHFUL_MODES[mode] in turn.error
@@ -198,11 +203,7 @@ async def test_a_bad_logprob_is_an_unfaithful_turn_never_trained(fake_servers, t
 
 @pytest.mark.parametrize("mode", ["ok", "token_id_strings"])
 async def test_good_responses_train_every_sampled_id_including_id_0(fake_servers, tokenizer, mode: str) -> None:
-    handler, url = fake_servers[0]
-    engine = VllmEngine([url])
-    handler.mode = mode
-    status, _, trace = await one_call(engine, tokenizer)
-    engine.close()
+    handler, status, _, trace = await call_in_mode(fake_servers, tokenizer, mode)
     (turn,) = trace.turns
     assert status == 200 and turn.status == "ok"
     assert turn.completion_ids == IDS and turn.completion_logprobs == [-0.5, -1.25, -0.75, -0.1]
