@@ -17,8 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harnessrl.sandbox.local import leftover_sandboxes
-from harnessrl.sandbox.procs import leftover_processes
+from proc_checks import assert_nothing_left, cmdline, descendants, signal_group
 
 pytestmark = pytest.mark.e2e
 
@@ -66,31 +65,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _assert_nothing_left(seen: list[psutil.Process], sandboxes: Path) -> None:
-    deadline = time.monotonic() + 5.0
-    alive = [p for p in seen if _alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = [p for p in seen if _alive(p)]
-    assert alive == [], f"processes left: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
-    assert leftover_processes(sandboxes) == []
-    assert leftover_sandboxes(sandboxes) == []
-
-
 @pytest.mark.parametrize(("launcher", "strategy"), [("torchrun", "fsdp2"), ("accelerate", "ddp")])
 def test_two_rank_train_ends_cleanly(launcher: str, strategy: str, tmp_path: Path) -> None:
     proc, run_dir, log = _start(tmp_path, strategy, steps=2, launcher=launcher)
@@ -98,9 +72,9 @@ def test_two_rank_train_ends_cleanly(launcher: str, strategy: str, tmp_path: Pat
     commands: dict[int, str] = {}
     deadline = time.monotonic() + 420
     while proc.poll() is None and time.monotonic() < deadline:
-        for p in _descendants(proc.pid):
+        for p in descendants(proc.pid):
             seen[p.pid] = p
-            commands.setdefault(p.pid, " ".join(_cmdline(p)))
+            commands.setdefault(p.pid, " ".join(cmdline(p)))
         time.sleep(0.5)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -120,7 +94,7 @@ def test_two_rank_train_ends_cleanly(launcher: str, strategy: str, tmp_path: Pat
     assert state["policy_version"] == 2
     assert f"trainer on 2 ranks ({strategy}, cpu, float32)" in (run_dir / "run.log").read_text()
     assert len((run_dir / "rollouts.jsonl").read_text().splitlines()) == 8
-    _assert_nothing_left(list(seen.values()), tmp_path / "sandboxes")
+    assert_nothing_left(list(seen.values()), tmp_path / "sandboxes")
 
 
 def test_sigint_to_torchrun_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -129,29 +103,14 @@ def test_sigint_to_torchrun_leaves_nothing_behind(tmp_path: Path) -> None:
     deadline = time.monotonic() + 300
     while not _metrics(run_dir) and time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
-        seen.update({p.pid: p for p in _descendants(proc.pid)})
+        seen.update({p.pid: p for p in descendants(proc.pid)})
         time.sleep(0.3)
     assert _metrics(run_dir), "no step completed:\n" + log.read_text(errors="replace")[-4000:]
-    seen.update({p.pid: p for p in _descendants(proc.pid)})
-    t0 = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: torchrun forwards it to each rank
-    try:
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    exit_s = time.monotonic() - t0
+    seen.update({p.pid: p for p in descendants(proc.pid)})
+    exit_s = signal_group(proc, signal.SIGINT)  # a terminal's Ctrl-C: torchrun forwards it to each rank
     text = (run_dir / "run.log").read_text()
     assert "stopped by SIGINT" in text, text[-3000:]
     assert exit_s < 40, f"{exit_s:.1f} s to exit"
-    _assert_nothing_left(list(seen.values()), tmp_path / "sandboxes")
+    assert_nothing_left(list(seen.values()), tmp_path / "sandboxes")
     steps = [m["step"] for m in _metrics(run_dir)]
     assert steps == list(range(1, len(steps) + 1))
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:
-        return []

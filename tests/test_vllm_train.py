@@ -30,8 +30,7 @@ import psutil
 import pytest
 
 from harnessrl.errors import EngineError
-from harnessrl.sandbox.local import leftover_sandboxes
-from harnessrl.sandbox.procs import leftover_processes
+from proc_checks import alive, assert_nothing_left, cmdline, signal_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -98,7 +97,7 @@ class _Watcher(threading.Thread):
                 for p in psutil.Process(self.proc.pid).children(recursive=True):
                     if p.pid not in self.children:
                         self.children[p.pid] = p
-                        self.cmdlines[p.pid] = " ".join(_cmdline(p))
+                        self.cmdlines[p.pid] = " ".join(cmdline(p))
             except psutil.NoSuchProcess:
                 break
             if self.url is None:
@@ -115,32 +114,9 @@ class _Watcher(threading.Thread):
             time.sleep(0.3)
 
 
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _assert_nothing_left(watcher: _Watcher, sandboxes: Path) -> None:
     assert any("vllm.entrypoints" in c for c in watcher.cmdlines.values()), "the server was a child"
-    deadline = time.monotonic() + 5.0
-    alive = []
-    while time.monotonic() < deadline:
-        alive = [p for p in watcher.children.values() if _alive(p)]
-        if not alive:
-            break
-        time.sleep(0.2)
-    assert alive == [], f"processes left: {[(p.pid, _cmdline(p)) for p in alive]}"
-    assert leftover_processes(sandboxes) == []
-    assert leftover_sandboxes(sandboxes) == []
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:
-        return []
+    assert_nothing_left(watcher.children.values(), sandboxes)
 
 
 def _lines(path: Path) -> list[dict]:
@@ -182,9 +158,9 @@ def test_train_on_vllm_two_steps_then_ctrl_c_leaves_nothing(tmp_path: Path) -> N
             assert proc.poll() is None and time.monotonic() < deadline, log2.read_text()[-3000:]
             time.sleep(0.3)
         time.sleep(1.0)
-        assert len([p for p in watcher.children.values() if _alive(p)]) >= 3, "API server, engine core, worker"
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=90) == 130, log2.read_text()[-3000:]
+        assert len([p for p in watcher.children.values() if alive(p)]) >= 3, "API server, engine core, worker"
+        signal_group(proc, signal.SIGINT, timeout_s=90)
+        assert proc.returncode == 130, log2.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from harnessrl.harness.install import agent_executable
-from harnessrl.sandbox.local import leftover_sandboxes
 from harnessrl.sandbox.procs import leftover_processes
+from proc_checks import assert_nothing_left, signal_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.agents]
 
@@ -85,42 +85,7 @@ def _signal_and_wait(proc: subprocess.Popen[bytes], sig: signal.Signals, log: Pa
     processes the run had started)."""
     children = psutil.Process(proc.pid).children(recursive=True)
     t_signal = time.time()
-    t0 = time.monotonic()
-    os.killpg(proc.pid, sig)
-    try:
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return t_signal, time.monotonic() - t0, children
-
-
-def _assert_nothing_left(sandboxes: Path, children: list[psutil.Process]) -> None:
-    deadline = time.monotonic() + 2.0  # orphans are reaped by init shortly after the exit
-    alive: list[psutil.Process] = []
-    while time.monotonic() < deadline:
-        alive = [p for p in children if _alive(p)]
-        if not alive:
-            break
-        time.sleep(0.1)
-    assert alive == [], f"processes left: {[(p.pid, _cmd(p)) for p in alive]}"
-    assert leftover_processes(sandboxes) == []
-    assert leftover_sandboxes(sandboxes) == []
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _cmd(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())[:120]
-    except psutil.Error:
-        return "?"
+    return t_signal, signal_group(proc, sig), children
 
 
 def _assert_finished_before(rollouts: list[dict], t_signal: float) -> None:
@@ -141,7 +106,7 @@ def test_signal_stops_rollout(sig: signal.Signals, tmp_path: Path) -> None:
     text = log.read_text()
     assert proc.returncode == 128 + sig, text
     assert exit_s < EXIT_WITHIN_S, f"took {exit_s:.1f} s to exit"
-    _assert_nothing_left(sandboxes, children)
+    assert_nothing_left(children, sandboxes, grace_s=2.0)
     rollouts = _lines(out / "rollouts.jsonl")
     assert [r["group_id"] for r in rollouts] == [0, 0], "only the group finished before the signal"
     _assert_finished_before(rollouts, t_signal)
@@ -165,7 +130,7 @@ def test_signal_stops_train(sig: signal.Signals, tmp_path: Path) -> None:
     text = log.read_text()
     assert proc.returncode == 128 + sig, text
     assert exit_s < EXIT_WITHIN_S, f"took {exit_s:.1f} s to exit"
-    _assert_nothing_left(sandboxes, children)
+    assert_nothing_left(children, sandboxes, grace_s=2.0)
 
     metrics = _lines(run_dir / "metrics.jsonl")
     done = len(metrics)
