@@ -9,7 +9,7 @@ the `exec` skeleton (capped pipes, timeout, cancellation), the disk watchdog and
 cancellation-proof `close()`. `HostProcess` is the `wait` half of a `SandboxProcess`.
 
 A backend subclass supplies how a command starts and stops (`_start_exec`, `_exec_exited`,
-`_exec_timed_out`, `_exec_cancelled`), `kill_processes`, `_teardown` and `write_file`.
+`_exec_timed_out`, `_exec_cancelled`), `kill_processes`, `_remove_rest` and `write_file`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -335,8 +336,17 @@ class HostDirSandbox:
     async def kill_processes(self) -> int:
         raise NotImplementedError
 
+    async def _remove_rest(self) -> None:
+        """What the backend removes after the directory (its cgroups, its private state)."""
+
     async def _teardown(self) -> None:
-        raise NotImplementedError
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        try:
+            await self.kill_processes()
+        finally:
+            await asyncio.to_thread(shutil.rmtree, self._root, ignore_errors=True)
+            await self._remove_rest()
 
     async def close(self) -> None:
         """Kill every process, remove the directory; idempotent and shielded from cancellation

@@ -330,15 +330,9 @@ class LocalSandbox(HostDirSandbox):
             raise SandboxError(f"sandbox {self.sandbox_id}: pids {survivors} survived SIGKILL")
         return found
 
-    async def _teardown(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        try:
-            await self.kill_processes()
-        finally:
-            await asyncio.to_thread(shutil.rmtree, self._root, ignore_errors=True)
-            if self._group is not None:
-                await asyncio.to_thread(self._remove_group)
+    async def _remove_rest(self) -> None:
+        if self._group is not None:
+            await asyncio.to_thread(self._remove_group)
 
     def _remove_group(self) -> None:
         assert self._group is not None, "only called with a group"

@@ -431,17 +431,11 @@ class PodmanSandbox(HostDirSandbox):
             raise SandboxError(f"sandbox {self.sandbox_id}: pids {survivors} survived SIGKILL")
         return found
 
-    async def _teardown(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        try:
-            await self.kill_processes()
-        finally:
-            await asyncio.to_thread(shutil.rmtree, self._root, ignore_errors=True)
-            await asyncio.to_thread(shutil.rmtree, self._state, ignore_errors=True)
-            left = await asyncio.to_thread(_remove_cgroups, self.sandbox_id)
-            if left:
-                log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
+    async def _remove_rest(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self._state, ignore_errors=True)
+        left = await asyncio.to_thread(_remove_cgroups, self.sandbox_id)
+        if left:
+            log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
 
 
 class PodmanSandboxBackend:
