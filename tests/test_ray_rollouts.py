@@ -167,29 +167,37 @@ def test_train_on_the_cluster_with_the_white_box_loop(cluster: Cluster, tmp_path
     assert leftover_processes(tmp_path / "sandboxes") == []
 
 
-def test_a_node_killed_mid_run_ends_its_rollouts_as_infra_error(cluster: Cluster, tmp_path: Path) -> None:
-    victim = next(n for n in cluster.worker_nodes)
+def _run_killing_a_node(cluster: Cluster, tmp_path: Path, args: list[str], timeout_s: float) -> tuple[str, int, str]:
+    """Run `harnessrl ARGS`, kill a worker node (no grace) once the agents of the first 3
+    rollouts (one per node) made their call and sleep, and wait at most `timeout_s` for the
+    run to end; returns (the killed node's id, the exit status, stderr). A new node replaces
+    it afterwards, so the module's later tests get 3 nodes again."""
+    victim = next(iter(cluster.worker_nodes))
     victim_id = victim.node_id
-    cfg = _write_config(tmp_path, cluster, 15, group_size=3, max_concurrent_rollouts=3)
-    out = tmp_path / "out"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen([HARNESSRL, "rollout", "--config", str(cfg), "--out", str(out), "--limit", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([HARNESSRL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        # wait until the agents of the first 3 rollouts (one per node) made their call and sleep
         deadline = time.monotonic() + 180
         while len(list((tmp_path / "sandboxes").glob("*/work/answer.txt"))) < 3:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the first rollouts never started"
             time.sleep(0.2)
         cluster.remove_node(victim, allow_graceful=False)
-        _, stderr = proc.communicate(timeout=240)
+        _, stderr = proc.communicate(timeout=timeout_s)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        cluster.add_node(**NODE_ARGS)  # the module's later tests get 3 nodes again
+        cluster.add_node(**NODE_ARGS)
         cluster.wait_for_nodes()
+    return victim_id, proc.returncode, stderr
+
+
+def test_a_node_killed_mid_run_ends_its_rollouts_as_infra_error(cluster: Cluster, tmp_path: Path) -> None:
+    cfg = _write_config(tmp_path, cluster, 15, group_size=3, max_concurrent_rollouts=3)
+    out = tmp_path / "out"
+    victim_id, _, stderr = _run_killing_a_node(
+        cluster, tmp_path, ["rollout", "--config", str(cfg), "--out", str(out), "--limit", "2"], 240)
     rollouts = _rollouts(out / "rollouts.jsonl")
     assert len(rollouts) == 6, stderr[-3000:]
     lost = [r for r in rollouts if r["metadata"].get("node_id") == victim_id]
@@ -278,31 +286,14 @@ def test_ray_config_errors_name_the_key() -> None:
 
 
 def test_train_goes_on_when_a_node_dies_mid_step(cluster: Cluster, tmp_path: Path) -> None:
-    victim = next(iter(cluster.worker_nodes))
-    victim_id = victim.node_id
     cfg = _write_config(tmp_path, cluster, 8, group_size=3, max_concurrent_rollouts=3)
     out = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen(
-        [HARNESSRL, "train", "--config", str(cfg), "--out", str(out), "--set", "train.steps=2",
+    victim_id, returncode, stderr = _run_killing_a_node(
+        cluster, tmp_path,
+        ["train", "--config", str(cfg), "--out", str(out), "--set", "train.steps=2",
          "--set", "train.max_staleness=0", "--set", "train.learning_rate=1e-3",
-         "--set", 'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"'],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while len(list((tmp_path / "sandboxes").glob("*/work/answer.txt"))) < 3:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the first rollouts never started"
-            time.sleep(0.2)
-        cluster.remove_node(victim, allow_graceful=False)
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        cluster.add_node(**NODE_ARGS)
-        cluster.wait_for_nodes()
-    assert proc.returncode == 0, stderr[-3000:]
+         "--set", 'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"'], 300)
+    assert returncode == 0, stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["policy_version"] for m in metrics] == [1, 2], "both steps ran"
     rollouts = _rollouts(out / "rollouts.jsonl")
