@@ -42,7 +42,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 from harnessrl.errors import ConfigError, SandboxError, SandboxLostError
@@ -246,12 +246,9 @@ class RayNodes:
                                    f"{timeout_s + self.call_grace_s:.0f} s") from None
         except RayActorError as exc:
             await self.lost(node, exc)
-            raise SandboxLostError(f"Ray node {node.node_id} died: {type(exc).__name__}") from None
+            raise _died(node, exc) from None
         except RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
+            _raise_cause(exc)
 
     def call_sync(self, node: _Node, ref: Any) -> Any:
         """`call` for the sandbox's synchronous methods (`agent_endpoint`, a file read or write
@@ -269,12 +266,22 @@ class RayNodes:
                                    f"{self._sync_timeout_s:.0f} s") from None
         except RayActorError as exc:
             node.alive = False
-            raise SandboxLostError(f"Ray node {node.node_id} died: {type(exc).__name__}") from None
+            raise _died(node, exc) from None
         except RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
+            _raise_cause(exc)
+
+
+def _died(node: _Node, exc: BaseException) -> SandboxLostError:
+    """The error of a call whose node (its worker actor) died with `exc`."""
+    return SandboxLostError(f"Ray node {node.node_id} died: {type(exc).__name__}")
+
+
+def _raise_cause(exc: Any) -> NoReturn:
+    """Raise what the call raised on the node (a RayTaskError's `cause`), else `exc` itself."""
+    cause = exc.cause
+    if isinstance(cause, Exception):
+        raise cause from None
+    raise exc
 
 
 class RaySandbox:
