@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 OUT_IDS = tuple(range(1000, 1015)) + (2,)
@@ -129,10 +131,14 @@ async def _serve_baseline(engine: InstantEngine, queue: Any) -> None:
     await server.serve(sockets=[sock])
 
 
-async def _drive(port: int, key: str, payload: bytes, concurrency: int, n: int) -> tuple[list[float], float]:
+async def _drive(port: int, key: str, payload: bytes, concurrency: int, n: int,
+                 path: str = "/v1/chat/completions") -> tuple[list[float], float]:
+    """POST `payload` to `path` `n` times over `concurrency` keep-alive connections (after a
+    warm-up of min(20, n) calls on one); returns (each call's seconds, wall seconds).
+    Raises AssertionError naming the status and body of a non-200 answer."""
     import aiohttp
 
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    url = f"http://127.0.0.1:{port}{path}"
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     latencies: list[float] = []
     counter = iter(range(n))
@@ -142,16 +148,38 @@ async def _drive(port: int, key: str, payload: bytes, concurrency: int, n: int) 
                 t0 = time.perf_counter()
                 async with http.post(url, data=payload, headers=headers) as r:
                     await r.read()
-                    assert r.status == 200, r.status
+                    assert r.status == 200, (r.status, await r.text())
                 latencies.append(time.perf_counter() - t0)
 
         for _ in range(min(20, n)):  # warm-up on one connection
             async with http.post(url, data=payload, headers=headers) as r:
                 await r.read()
+                assert r.status == 200, (r.status, await r.text())
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return latencies, wall
+
+
+def short_bodies() -> dict[str, dict[str, Any]]:
+    """The "small" and "agent" request bodies of `make_body`, each with `max_tokens` 16."""
+    bodies = {"small": make_body("small"), "agent": make_body("agent")}
+    for body in bodies.values():
+        body["max_tokens"] = 16
+    return bodies
+
+
+@contextlib.contextmanager
+def spawned() -> Iterator[list[Any]]:
+    """A list to put started `multiprocessing` processes in; on exit each is terminated (last
+    started first) and joined for at most 10 s."""
+    procs: list[Any] = []
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.join(10)
 
 
 def _wrk(port: int, key: str, payload: bytes, connections: int, duration_s: float) -> float | None:

@@ -108,8 +108,7 @@ def _run_arm(name: str, payloads: dict[str, bytes], plan: dict[str, dict[int, in
     import psutil
 
     ctx = mp.get_context("spawn")
-    procs: list[Any] = []
-    try:
+    with bench_proxy.spawned() as procs:
         stub_port = _free_port()
         stub = ctx.Process(target=_stub_main, args=(stub_port,), daemon=True)
         stub.start()
@@ -142,10 +141,6 @@ def _run_arm(name: str, payloads: dict[str, bytes], plan: dict[str, dict[int, in
                 out[(size, conc)] = {"p50": statistics.median(lat_ms), "cpu_ms": (cpu1 - cpu0) * 1e3 / (n + min(20, n)),
                                      "rps": n / wall}
         return out
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.join(10)
 
 
 def main() -> None:
@@ -156,9 +151,7 @@ def main() -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     scale = 0.3 if args.quick else 1.0
-    bodies = {"small": bench_proxy.make_body("small"), "agent": bench_proxy.make_body("agent")}
-    for body in bodies.values():
-        body["max_tokens"] = 16
+    bodies = bench_proxy.short_bodies()
     payloads = {k: orjson.dumps(v) for k, v in bodies.items()}
     plan = {"small": {1: int(400 * scale), 32: int(2000 * scale)}, "agent": {1: int(100 * scale), 32: int(300 * scale)}}
     results = {arm: _run_arm(arm, payloads, plan) for arm in ("stub", "openenv", "harnessrl")}

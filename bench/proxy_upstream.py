@@ -32,7 +32,6 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -114,32 +113,6 @@ def _prompt_ids(body: dict[str, Any]) -> list[int]:
                                         tokenize=True, return_dict=False))
 
 
-async def _drive(port: int, path: str, key: str, payload: bytes, concurrency: int, n: int) -> tuple[list[float], float]:
-    import aiohttp
-
-    url = f"http://127.0.0.1:{port}{path}"
-    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
-    latencies: list[float] = []
-    counter = iter(range(n))
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
-        async def worker() -> None:
-            for _ in counter:
-                t0 = time.perf_counter()
-                async with http.post(url, data=payload, headers=headers) as r:
-                    await r.read()
-                    assert r.status == 200, (r.status, await r.text())
-                latencies.append(time.perf_counter() - t0)
-
-        for _ in range(min(20, n)):
-            async with http.post(url, data=payload, headers=headers) as r:
-                await r.read()
-                assert r.status == 200, (r.status, await r.text())
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return latencies, wall
-
-
 def _wrk(port: int, path: str, key: str, payload: bytes, seconds: float) -> float | None:
     import re
     import shutil
@@ -167,8 +140,7 @@ def _wrk(port: int, path: str, key: str, payload: bytes, seconds: float) -> floa
 
 def _arm(name: str, payloads: dict[str, bytes], plan: dict[str, dict[int, int]], wrk_s: float) -> dict:
     ctx = mp.get_context("spawn")
-    procs: list[Any] = []
-    try:
+    with bench_proxy.spawned() as procs:
         stub_port = bench_openenv._free_port()
         chat_upstream = name in ("direct-chat", "openenv")
         target = bench_openenv._stub_main if chat_upstream else _completions_stub_main
@@ -193,14 +165,10 @@ def _arm(name: str, payloads: dict[str, bytes], plan: dict[str, dict[int, int]],
         print(f"arm {name}: port {port}")
         for size, by_conc in plan.items():
             for conc, n in by_conc.items():
-                lat, wall = asyncio.run(_drive(port, path, key, payloads[size], conc, n))
+                lat, wall = asyncio.run(bench_proxy._drive(port, key, payloads[size], conc, n, path=path))
                 out[(size, conc)] = {"p50": statistics.median(x * 1e3 for x in lat), "rps": n / wall}
             out[(size, "wrk")] = _wrk(port, path, key, payloads[size], wrk_s) if wrk_s > 0 else None
         return out
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.join(10)
 
 
 def main() -> None:
@@ -212,9 +180,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     scale = 0.3 if args.quick else 1.0
     wrk_s = 3.0 if args.quick else 6.0
-    bodies = {"small": bench_proxy.make_body("small"), "agent": bench_proxy.make_body("agent")}
-    for body in bodies.values():
-        body["max_tokens"] = 16
+    bodies = bench_proxy.short_bodies()
     chat_payloads = {k: orjson.dumps(v) for k, v in bodies.items()}
     ids = {k: _prompt_ids(v) for k, v in bodies.items()}
     completion_payloads = {k: orjson.dumps({"model": "bench", "prompt": ids[k], "max_tokens": 16, "temperature": 1.0,
