@@ -98,7 +98,8 @@ async def _serve_harnessrl(stub_port: int, queue: Any) -> None:
     engine = VllmEngine([f"http://127.0.0.1:{stub_port}"], served_model="bench", max_context_tokens=32768,
                         model_dir=model_dir, check_processed_logprobs=False)
     chat = ChatLayer(load_tokenizer(model_dir))
-    async with ProxyServer(engine, chat, ProxyConfig(port=0, max_tokens_cap=64)) as proxy:
+    # one session takes every call of the arm, wrk's included: no per-session turn cap
+    async with ProxyServer(engine, chat, ProxyConfig(port=0, max_tokens_cap=64, max_turns_per_session=10**9)) as proxy:
         _, key = proxy.open_session("bench")
         queue.put((proxy.port, key))
         await asyncio.Event().wait()
