@@ -22,7 +22,7 @@ import pytest
 from harnessrl.errors import ConfigError, HarnessInstallError
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.harness.install import agent_spec, install_agent, installed_agent_dirs, read_install_record
-from harnessrl.harness.mini_swe_agent import MiniSweAgentConfig, MiniSweAgentHarness
+from harnessrl.harness.mini_swe_agent import COMPACT_SYSTEM, MiniSweAgentConfig, MiniSweAgentHarness
 from harnessrl.harness.opencode import OpencodeConfig, OpencodeHarness
 from harnessrl.sandbox.local import LocalSandbox, LocalSandboxBackend, SandboxConfig
 from harnessrl.tasks.base import Task
@@ -211,8 +211,9 @@ async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: P
     _assert_faithful_turns(trace)
     first = trace.turns[0].request
     assert first["model"] == MODEL_NAME and "tools" not in first  # text protocol
-    assert "mswea_bash_command" in first["messages"][0]["content"]
-    assert "Print the sum 2+3." in first["messages"][1]["content"]
+    # the default compact templates: the one-line system message, then the worked tasks and this one
+    assert first["messages"][0]["content"] == COMPACT_SYSTEM
+    assert first["messages"][1]["content"].rstrip().endswith("Task: Print the sum 2+3.")
 
 
 @pytest.mark.agents
