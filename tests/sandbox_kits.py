@@ -65,6 +65,9 @@ class Kit:
         ro_system: a read-only system mount the attack tries to remount ("/usr" or "/").
         namespaced: every command is its own PID namespace (a daemon dies with its command).
         cgroup_bounded: its process count is bounded (else fork-bomb cases skip).
+        disk_overshoot: how many times `disk_bytes` a fast writer may reach before the watchdog's
+            kill lands (podman's container kill takes about a second, during which an idle
+            machine writes ~0.5 GB more; bubblewrap's kill is immediate).
     """
 
     name: str
@@ -74,6 +77,7 @@ class Kit:
     ro_system: str
     namespaced: bool
     cgroup_bounded: bool
+    disk_overshoot: int = 8
 
     def backend(self, root: Path, proxy: Any = None, ro_binds: tuple[Path, ...] = (), **config: object) -> Any:
         """A backend of this kind under `root`, routed to `proxy` (a ProxyServer) when given."""
@@ -103,7 +107,8 @@ KITS = {
                  cgroup_bounded=cgroup.available() is not None),
     "plain": Kit("plain", _local(False), uid=None, max_pids=1 << 30, ro_system="/usr", namespaced=False,
                  cgroup_bounded=cgroup.available() is not None),
-    "podman": Kit("podman", _podman, uid=1000, max_pids=2, ro_system="/", namespaced=True, cgroup_bounded=True),
+    "podman": Kit("podman", _podman, uid=1000, max_pids=2, ro_system="/", namespaced=True, cgroup_bounded=True,
+                  disk_overshoot=16),
 }
 
 

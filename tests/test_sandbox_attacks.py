@@ -259,7 +259,7 @@ async def test_disk_fill_is_stopped_and_tmp_is_bounded(kit: Kit, sandbox_root: P
         r = await sb.exec("for i in $(seq 256); do head -c 8388608 /dev/zero > f$i; sleep 0.01; done; echo finished",
                           120)
         assert "finished" not in r.stdout and sb.disk_exceeded, r
-        assert disk_usage(sb.root) < 8 * limit
+        assert disk_usage(sb.root) < kit.disk_overshoot * limit
         with pytest.raises(Exception, match="disk_bytes"):
             await sb.exec("true", 5)
     finally:
