@@ -37,20 +37,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from harnessrl.recipes.smoke_agent import one_call_agent  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 NODES = (1, 2, 3)
-AGENT = """
-import json, sys, time, urllib.request
-base, key, model, work_s = sys.argv[1:5]
-body = json.dumps(dict(model=model, max_tokens=8, messages=[dict(role="user", content="Say hi.")]))
-req = urllib.request.Request(base + "/chat/completions", data=body.encode(),
-                             headers=dict(Authorization="Bearer " + key))
-req.add_header("Content-Type", "application/json")
-with urllib.request.urlopen(req, timeout=120) as resp:
-    reply = json.load(resp)
-open("answer.txt", "w").write(reply["choices"][0]["message"]["content"] or "")
-time.sleep(float(work_s))
-"""
+AGENT = one_call_agent(max_tokens=8, timeout_s=120)
 
 
 def harness_overrides(kind: str, work_s: float) -> list[str]:

@@ -29,6 +29,7 @@ ray = pytest.importorskip("ray", reason="the ray extra (pip install 'harnessrl[r
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from harnessrl.config import load_config  # noqa: E402
+from harnessrl.recipes.smoke_agent import one_call_agent  # noqa: E402
 from harnessrl.sandbox.local import leftover_sandboxes  # noqa: E402
 from harnessrl.sandbox.procs import leftover_processes  # noqa: E402
 
@@ -39,20 +40,8 @@ HEAD_ARGS = {**NODE_ARGS, "include_dashboard": False,
              "_system_config": {"health_check_initial_delay_ms": 500, "health_check_period_ms": 500,
                                 "health_check_failure_threshold": 4}}
 
-# One chat call through the proxy, its reply written as the answer, then SLEEP seconds.
-# (No `{name}` braces: the command harness templates file contents.)
-AGENT = """
-import json, sys, time, urllib.request
-base, key, model, sleep_s = sys.argv[1:5]
-body = json.dumps(dict(model=model, max_tokens=4, messages=[dict(role="user", content="Say hi.")]))
-req = urllib.request.Request(base + "/chat/completions", data=body.encode(),
-                             headers=dict(Authorization="Bearer " + key))
-req.add_header("Content-Type", "application/json")
-with urllib.request.urlopen(req, timeout=60) as resp:
-    reply = json.load(resp)
-open("answer.txt", "w").write(reply["choices"][0]["message"]["content"] or "")
-time.sleep(float(sleep_s))
-"""
+# One chat call through the proxy, its reply written as the answer, then the sleep seconds.
+AGENT = one_call_agent(max_tokens=4, timeout_s=60)
 
 
 def _ray_processes(session_dir: str) -> list[int]:
