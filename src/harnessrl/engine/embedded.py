@@ -5,20 +5,16 @@ event loop) into batched decode steps on one model copy the engine owns, and ret
 sampled ids with their logprobs and the weight version at admission.
 
 How it works. One decode thread owns the model, the KV batch (`engine/batch.py`), the prefix
-cache (`engine/prefix_cache.py`) and all per-request state. Requests and weight loads reach it
-through a queue. Each loop iteration:
+cache (`engine/prefix_cache.py`), the prefill scheduler (`engine/prefill.py`) and all
+per-request state (`engine/request.py`). Requests and weight loads reach it through a queue.
+Each loop iteration:
   1) drain the queue (new requests wait; a weight load is applied now, between steps);
-  2) prefill, at most `prefill_chunk_tokens` prompt tokens per iteration (chunked prefill):
-     waiting requests are admitted in order, up to `max_batch_size` rows; each starts from
-     the longest prefix of its prompt found in the prefix cache (only its new tokens are
-     computed). Requests whose new tokens fit in the budget together are prefilled in one
-     batched forward (one pass over the weights instead of one per prompt: on CPU a forward
-     costs about as much for 8 short prompts as for one); a request that would recompute more
-     than a block of a group member's new tokens waits for the next group, where it finds them
-     in the prefix cache (the G rollouts of a group share the task prompt that way). A prompt
-     that does not fit is prefilled in chunks in its own batch-1 cache, and the rows already
-     decoding take a step between its chunks. When a prompt is done its KV is stored in the
-     prefix cache, its first id is sampled and its KV merged into the left-padded batch;
+  2) prefill, at most `prefill_chunk_tokens` prompt tokens per iteration (chunked prefill;
+     `PrefillScheduler.run`): waiting requests are admitted in order, up to `max_batch_size`
+     rows, each from the longest prefix of its prompt in the prefix cache; those whose new
+     tokens fit the budget are prefilled together in one forward, a longer one in chunks
+     between decode steps. Each prompt done has its KV stored in the prefix cache, its first
+     id sampled, and its KV merged into the left-padded batch (one copy for all of them);
   3) one decode step: a single forward over `[B, 1]` ids (per-row position ids and padding
      mask), sample every row (`engine/sampler.py`), finish rows that hit max_tokens, an EOS id
      or a stop string, store a finished row's KV (prompt + completion) in the prefix cache, and
@@ -68,24 +64,23 @@ error fails only its own request; the decode thread goes on (a failed forward pa
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache
 
-from harnessrl.engine.batch import BufferedLayer, KVBatch
+from harnessrl.engine.batch import KVBatch
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
+from harnessrl.engine.prefill import Prefilled, PrefillScheduler
 from harnessrl.engine.prefix_cache import PrefixCache
+from harnessrl.engine.request import Deliver, Request
 from harnessrl.engine.sampler import RowSampling, effective_temperature, sample_next
+from harnessrl.engine.stats import EngineStats, zero_counters
 from harnessrl.engine.stop import StopWatcher
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
@@ -97,76 +92,7 @@ DEFAULT_PREFIX_CACHE_TOKENS = 32768
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-Deliver = Callable[[Completion | BaseException], None]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Counters of the decode thread (a snapshot)."""
-
-    decode_steps: int
-    """Batched forward passes over `[B, 1]` ids."""
-    batched_steps: int
-    """Decode steps that ran with B > 1."""
-    max_batch_size_seen: int
-    prefills: int
-    generated_tokens: int
-    weight_loads: int
-    prefill_tokens: int
-    """Prompt tokens run through the model in prefill (what the prefix cache saves on)."""
-    prefix_hit_tokens: int
-    """Prompt tokens whose KV came from the prefix cache instead."""
-    prefix_hits: int
-    """Prefills that started from a cached prefix."""
-    prefill_chunks: int
-    """Forward passes of prefill (a prompt takes ceil(new tokens / chunk) of them)."""
-    prefix_cache_tokens: int = 0
-    """Token positions held in the prefix cache now."""
-    prefix_cache_evictions: int = 0
-    prefill_batches: int = 0
-    """Prefill forwards that ran several prompts together (counted in `prefill_chunks` too)."""
-
-    def step_metrics(self, previous: EngineStats | None = None, prefix: str = "engine/") -> dict[str, float]:
-        """Flat metrics of the work done since `previous` (a snapshot taken earlier; None: since
-        start): each counter's increase as `engine/<name>`, the gauge `engine/prefix_cache_tokens`
-        as it is now, `engine/prefix_hit_frac` = reused / (reused + computed) prompt tokens and
-        `engine/mean_batch_size` = generated tokens per decode step (0 when none)."""
-        out: dict[str, float] = {}
-        for name in EngineStats.__slots__:  # type: ignore[attr-defined]
-            value = getattr(self, name)
-            if name not in ("prefix_cache_tokens", "max_batch_size_seen") and previous is not None:
-                value -= getattr(previous, name)
-            out[prefix + name] = float(value)
-        prompt = out[prefix + "prefill_tokens"] + out[prefix + "prefix_hit_tokens"]
-        out[prefix + "prefix_hit_frac"] = out[prefix + "prefix_hit_tokens"] / prompt if prompt else 0.0
-        steps = out[prefix + "decode_steps"]
-        decoded = out[prefix + "generated_tokens"] - out[prefix + "prefills"]  # one id per prefill is not a step's
-        out[prefix + "mean_batch_size"] = max(decoded, 0.0) / steps if steps else 0.0
-        return out
-
-
-@dataclass(slots=True)
-class _Request:
-    prompt_ids: tuple[int, ...]
-    sampling: Sampling
-    max_new_tokens: int
-    deliver: Deliver
-    row: RowSampling
-    stop: StopWatcher | None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    generator: torch.Generator | None = None
-    policy_version: int = -1
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Prefill:
-    """A request being prefilled: its batch-1 cache holds the KV of `prompt_ids[:done]`."""
-
-    req: _Request
-    cache: DynamicCache
-    done: int
+__all__ = ["EmbeddedEngine", "EngineStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,13 +165,12 @@ class EmbeddedEngine:
         self._seed_gen = torch.Generator().manual_seed(seed)
         self._version = 0
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._active: list[_Request] = []
-        self._prefilling: _Prefill | None = None
+        self._active: list[Request] = []
         self._batch = KVBatch()
         self._prefix_cache = PrefixCache(prefix_cache_tokens)
-        self._chunk_tokens = prefill_chunk_tokens
-        self._stats = dict.fromkeys(EngineStats.__slots__, 0)  # type: ignore[attr-defined]
+        self._stats = zero_counters()
+        self._prefill = PrefillScheduler(self._model, self._prefix_cache, prefill_chunk_tokens, self._stats,
+                                         admit=self._admit)
         self._closed = False
         self._failure: BaseException | None = None
         self._close_lock = threading.Lock()
@@ -369,12 +294,12 @@ class EmbeddedEngine:
 
     # -- caller side --------------------------------------------------------------------
 
-    def _make_request(self, prompt_ids: list[int], sampling: Sampling, deliver: Deliver) -> _Request:
+    def _make_request(self, prompt_ids: list[int], sampling: Sampling, deliver: Deliver) -> Request:
         prompt = self._check_prompt(prompt_ids)
         max_new = min(sampling.max_tokens, self._max_context_tokens - len(prompt))
         stop = StopWatcher(self._tokenizer, sampling.stop) if sampling.stop else None
         row = RowSampling(effective_temperature(sampling.temperature), sampling.top_p, sampling.top_k)
-        return _Request(prompt, sampling, max_new, deliver, row, stop)
+        return Request(prompt, sampling, max_new, deliver, row, stop)
 
     def _check_prompt(self, prompt_ids: list[int]) -> tuple[int, ...]:
         if not prompt_ids:
@@ -407,7 +332,9 @@ class EmbeddedEngine:
             with torch.inference_mode():
                 while self._drain_queue():
                     self._drop_cancelled()
-                    self._prefill_some()
+                    prefilled = self._prefill.run(self._max_batch_size - len(self._active), self._version)
+                    if prefilled:
+                        self._join(prefilled)
                     if self._active:
                         self._decode_step()
         except Exception as exc:  # noqa: BLE001 - a failed forward fails every request, then the engine
@@ -420,7 +347,7 @@ class EmbeddedEngine:
 
     def _drain_queue(self) -> bool:
         """Take queued items (blocking when idle); False once asked to stop."""
-        idle = not self._active and not self._waiting and self._prefilling is None
+        idle = not self._active and not self._prefill.busy
         items = [self._queue.get()] if idle else []
         while True:
             try:
@@ -434,9 +361,9 @@ class EmbeddedEngine:
             elif isinstance(item, _WeightLoad):
                 self._apply_weights(item)
             else:
-                assert isinstance(item, _Request), f"unexpected queue item {item!r}"
+                assert isinstance(item, Request), f"unexpected queue item {item!r}"
                 if keep_running:
-                    self._waiting.append(item)
+                    self._prefill.waiting.append(item)
                 else:
                     item.deliver(EngineError("engine is closed"))
         return keep_running
@@ -451,148 +378,19 @@ class EmbeddedEngine:
             return
         self._version = load.version
         self._prefix_cache.clear()
-        if self._prefilling is not None:  # its partial KV is from the old weights: admit it anew
-            self._waiting.appendleft(self._prefilling.req)
-            self._prefilling = None
+        self._prefill.restart()  # a prompt mid-prefill has KV of the old weights: admitted anew
         self._stats["weight_loads"] += 1
         load.done.set_result(None)
 
     def _drop_cancelled(self) -> None:
-        if self._prefilling is not None and self._prefilling.req.cancelled.is_set():
-            self._prefilling = None
-        self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
+        self._prefill.drop_cancelled()
         gone = [b for b, r in enumerate(self._active) if r.cancelled.is_set()]
         if gone:
             self._batch.remove(gone)
             self._active = [r for r in self._active if not r.cancelled.is_set()]
 
-    def _prefill_some(self) -> None:
-        """Prefill up to `prefill_chunk_tokens` prompt tokens, admitting waiting requests in turn:
-        several whose new tokens fit in the budget together in one forward, a longer one in chunks."""
-        budget = self._chunk_tokens
-        while budget > 0:
-            if self._prefilling is None:
-                if not self._waiting or len(self._active) >= self._max_batch_size:
-                    return
-                group, overflow = self._admit_group(budget)
-                if len(group) > 1 or (group and overflow is not None):
-                    budget -= self._prefill_together(group)
-                    self._prefilling = overflow
-                    continue
-                self._prefilling = group[0] if group else overflow  # alone: in chunks, below
-                if self._prefilling is None:
-                    continue
-            p = self._prefilling
-            n = min(budget, len(p.req.prompt_ids) - p.done)
-            try:
-                out = self._model(
-                    input_ids=torch.tensor([p.req.prompt_ids[p.done : p.done + n]], dtype=torch.long),
-                    position_ids=torch.arange(p.done, p.done + n).unsqueeze(0),
-                    cache=p.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            except Exception as exc:  # noqa: BLE001 - this request's prefill failed; the others go on
-                log.warning("prefill of a request failed", exc_info=True)
-                self._prefilling = None
-                p.req.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
-                continue
-            p.done += n
-            budget -= n
-            self._stats["prefill_tokens"] += n
-            self._stats["prefill_chunks"] += 1
-            if p.done == len(p.req.prompt_ids):
-                self._prefilling = None
-                self._finish_prefill(p, out.logits[:, -1, :])
-
-    def _admit_group(self, budget: int) -> tuple[list[_Prefill], _Prefill | None]:
-        """Admit waiting requests, in order, whose new tokens fit in `budget` together (the
-        group prefilled in one forward), and the first one that does not fit (prefilled in
-        chunks next), within `max_batch_size` rows. A request that shares more than a block of
-        a group member's new tokens waits, so that it finds them in the prefix cache instead."""
-        group: list[_Prefill] = []
-        tokens = 0
-        block = self._prefix_cache.block_tokens if self._prefix_cache.enabled else 0
-        while self._waiting and len(self._active) + len(group) < self._max_batch_size:
-            prompt = self._waiting[0].prompt_ids
-            if block and any(_shares_beyond(prompt, g.req.prompt_ids, g.done + block) for g in group):
-                break
-            p = self._start_prefill(self._waiting.popleft())
-            if p is None:
-                continue
-            new = len(p.req.prompt_ids) - p.done
-            if tokens + new > budget:
-                return group, p
-            group.append(p)
-            tokens += new
-        return group, None
-
-    def _prefill_together(self, group: list[_Prefill]) -> int:
-        """Prefill the rest of every prompt of `group` in one forward; returns the tokens computed.
-
-        Layout `[B, Lc + m]`: row i's cached prefix (c_i ids, from the prefix cache) right-aligned
-        in the first Lc columns, its n_i new ids from column Lc on, then padding (masked; the
-        padding queries come after the row's real ids, so every query sees at least one key).
-        Row i's KV is then the contiguous columns `[Lc - c_i, Lc + n_i)`.
-        """
-        reqs = [p.req for p in group]
-        c = [p.done for p in group]
-        n = [len(r.prompt_ids) - d for r, d in zip(reqs, c, strict=True)]
-        B, Lc, m = len(group), max(c), max(n)
-        if Lc == 0:
-            cache: Cache = DynamicCache(config=self._model.config)
-        else:
-            layers = []
-            some = next(p for p in group if p.done)
-            for layer, ly in enumerate(some.cache.layers):
-                k_buf = ly.keys.new_zeros((B, ly.keys.shape[1], Lc + m, ly.keys.shape[3]))
-                v_buf = ly.values.new_zeros((B, ly.values.shape[1], Lc + m, ly.values.shape[3]))
-                for i, p in enumerate(group):
-                    if c[i]:
-                        k_buf[i, :, Lc - c[i] : Lc] = p.cache.layers[layer].keys[0]
-                        v_buf[i, :, Lc - c[i] : Lc] = p.cache.layers[layer].values[0]
-                layers.append(BufferedLayer(k_buf, v_buf, Lc))
-            cache = Cache(layers=layers)
-        ids = torch.zeros((B, m), dtype=torch.long)
-        mask = torch.zeros((B, Lc + m), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, : n[i]] = torch.tensor(r.prompt_ids[c[i] :], dtype=torch.long)
-            mask[i, Lc - c[i] : Lc + n[i]] = 1
-        positions = torch.tensor(c, dtype=torch.long).unsqueeze(1) + torch.arange(m).unsqueeze(0)
-        keep = sorted(set(k - 1 for k in n))
-        try:
-            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                              use_cache=True, logits_to_keep=torch.tensor(keep))
-        except Exception as exc:  # noqa: BLE001 - these requests' prefill failed; the others go on
-            log.warning("prefill of %d requests failed", B, exc_info=True)
-            for r in reqs:
-                r.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
-            return sum(n)
-        logits_B_V = out.logits[torch.arange(B), torch.tensor([keep.index(k - 1) for k in n])]
-        self._stats["prefill_tokens"] += sum(n)
-        self._stats["prefill_chunks"] += 1
-        self._stats["prefill_batches"] += 1
-        self._stats["prefills"] += B
-        row_kv = [
-            [(ly.keys[i : i + 1, :, Lc - c[i] : Lc + n[i]], ly.values[i : i + 1, :, Lc - c[i] : Lc + n[i]])
-             for ly in cache.layers]
-            for i in range(B)
-        ]
-        if self._prefix_cache.enabled:
-            for r, kv in zip(reqs, row_kv, strict=True):  # copies: a view would keep the whole batch alive
-                self._prefix_cache.insert(r.prompt_ids, self._version, [(k.clone(), v.clone()) for k, v in kv])
-        toks, lps, failed = self._sample(logits_B_V, reqs)
-        joined = []
-        for i, r in enumerate(reqs):
-            if i in failed or self._append(r, toks[i], lps[i]):
-                continue
-            joined.append((row_kv[i], len(r.prompt_ids), toks[i]))
-            self._active.append(r)
-        self._batch.add_rows(joined)
-        return sum(n)
-
-    def _start_prefill(self, req: _Request) -> _Prefill | None:
-        """Admit `req`: its version, generator, and a cache seeded from the prefix cache."""
+    def _admit(self, req: Request) -> bool:
+        """A request leaves the queue: its version and generator; False when that failed."""
         req.policy_version = self._version
         try:
             seed = req.sampling.seed
@@ -601,26 +399,21 @@ class EmbeddedEngine:
             req.generator = torch.Generator().manual_seed(seed)
         except Exception as exc:  # noqa: BLE001 - e.g. a seed torch refuses; only this request fails
             req.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
-            return None
-        cache = DynamicCache(config=self._model.config)
-        hit = self._prefix_cache.lookup(req.prompt_ids, self._version, max_length=len(req.prompt_ids) - 1)
-        if hit is None:
-            return _Prefill(req, cache, 0)
-        for layer, (k, v) in enumerate(hit.kv):
-            cache.update(k, v, layer)
-        self._stats["prefix_hits"] += 1
-        self._stats["prefix_hit_tokens"] += hit.length
-        return _Prefill(req, cache, hit.length)
+            return False
+        return True
 
-    def _finish_prefill(self, p: _Prefill, logits_1_V: torch.Tensor) -> None:
-        req = p.req
-        self._stats["prefills"] += 1
-        self._prefix_cache.insert(req.prompt_ids, self._version, [(ly.keys, ly.values) for ly in p.cache.layers])
-        (tok,), (lp,), failed = self._sample(logits_1_V, [req])
-        if failed or self._append(req, tok, lp):
-            return
-        self._batch.add(p.cache, len(req.prompt_ids), tok)
-        self._active.append(req)
+    def _join(self, prefilled: list[Prefilled]) -> None:
+        """Sample the first id of each prefilled prompt; those not finished by it join the batch."""
+        reqs = [p.req for p in prefilled]
+        logits_B_V = torch.stack([p.logits_V for p in prefilled])
+        toks, lps, failed = self._sample(logits_B_V, reqs)
+        joined = []
+        for i, (p, req) in enumerate(zip(prefilled, reqs, strict=True)):
+            if i in failed or self._append(req, toks[i], lps[i]):
+                continue
+            joined.append((p.kv, len(req.prompt_ids), toks[i]))
+            self._active.append(req)
+        self._batch.add_rows(joined)
 
     def _decode_step(self) -> None:
         inputs = self._batch.step_inputs()
@@ -653,7 +446,7 @@ class EmbeddedEngine:
             ids = (req.prompt_ids + tuple(req.completion_ids))[:n]
             self._prefix_cache.insert(ids, self._version, kv)
 
-    def _sample(self, logits_B_V: torch.Tensor, reqs: list[_Request]) -> tuple[list[int], list[float], list[int]]:
+    def _sample(self, logits_B_V: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float], list[int]]:
         """Sample every row; returns (ids, logprobs, failed rows). When the batch cannot be
         sampled, rows are sampled one by one and each row that fails is delivered its error
         alone (its id is a placeholder 0): one bad request never stops the others. (Rows
@@ -678,7 +471,7 @@ class EmbeddedEngine:
             lps.append(lp)
         return ids, lps, failed
 
-    def _append(self, req: _Request, tok: int, lp: float) -> bool:
+    def _append(self, req: Request, tok: int, lp: float) -> bool:
         """Record one sampled id; deliver and return True when the request is finished."""
         req.completion_ids.append(tok)
         req.logprobs.append(lp)
@@ -703,12 +496,9 @@ class EmbeddedEngine:
         return True
 
     def _fail_all(self, error: EngineError) -> None:
-        for req in [*self._active, *self._waiting]:
+        for req in [*self._active, *self._prefill.take_all()]:
             req.deliver(error)
-        if self._prefilling is not None:
-            self._prefilling.req.deliver(error)
-            self._prefilling = None
-        self._active, self._waiting = [], collections.deque()
+        self._active = []
         self._batch = KVBatch()
         self._prefix_cache.clear()
         while True:
@@ -716,15 +506,10 @@ class EmbeddedEngine:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Request):
+            if isinstance(item, Request):
                 item.deliver(error)
             elif isinstance(item, _WeightLoad):
                 item.done.set_exception(error)
-
-
-def _shares_beyond(a: tuple[int, ...], b: tuple[int, ...], k: int) -> bool:
-    """Whether `a` and `b` have the same first `k` ids (both at least that long)."""
-    return len(a) >= k and len(b) >= k and a[:k] == b[:k]
 
 
 def _resolve_async(fut: asyncio.Future[Completion], result: Completion | BaseException) -> None:

@@ -1,0 +1,286 @@
+"""Prefill scheduling of the embedded engine: which waiting prompts run through the model next, how.
+
+Responsibility: own the engine's waiting requests and the one prompt being prefilled in
+chunks; each `run(free_rows, version)` computes at most `chunk_tokens` prompt tokens and returns
+the requests whose prompt is now fully prefilled (`Prefilled`: the prompt's KV and the logits
+of its last position). The decode loop (`engine/embedded.py`) samples their first ids and adds
+them to the running batch (`engine/batch.py`).
+
+Policy. Waiting requests are admitted in order. Each starts from the longest prefix of its
+prompt found in the prefix cache (`engine/prefix_cache.py`; only its new tokens are computed;
+a prompt wholly cached still computes its last id, whose logits are needed). Requests whose
+new tokens fit in the budget together are prefilled in one batched forward (one pass over the
+weights instead of one per prompt: on CPU a forward costs about as much for 8 short prompts as
+for one). A request that would recompute more than a block of a group member's new tokens
+waits for the next group, where it finds them in the prefix cache (the G rollouts of a group
+share the task prompt that way). The first prompt that does not fit is prefilled in chunks in
+its own batch-1 cache; the decode loop takes a step between its chunks. A prompt's KV is stored
+in the prefix cache when its prefill is done.
+
+Batched layout (`group_forward`): `[B, Lc + m]`, row i's cached prefix (c_i ids) right-aligned
+in the first Lc columns, its n_i new ids from column Lc on, then padding (masked; padding
+queries come after the row's real ids, so every query sees at least one key). Row i's KV is
+then the contiguous columns `[Lc - c_i, Lc + n_i)`.
+
+Weight swaps: `restart()` puts the prompt being prefilled back at the head of the queue (its
+partial KV is from the old weights); lookups and inserts carry the version `run` is given.
+Not thread-safe: owned by the engine's decode thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from harnessrl.engine.batch import BufferedLayer
+from harnessrl.engine.prefix_cache import KV, PrefixCache
+from harnessrl.engine.request import Request
+from harnessrl.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A request whose prompt is fully prefilled."""
+
+    req: Request
+    kv: KV
+    """Per layer (keys, values) `[1, H_kv, len(prompt), D]` (may be views; copy before keeping)."""
+    logits_V: torch.Tensor
+    """Logits of the prompt's last position, `[V]`."""
+
+
+@dataclass(slots=True)
+class _InProgress:
+    """A request being prefilled: its batch-1 cache holds the KV of `prompt_ids[:done]`."""
+
+    req: Request
+    cache: DynamicCache
+    done: int
+
+
+class PrefillScheduler:
+    """The waiting queue and the prefill work of the embedded engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prefix_cache: PrefixCache,
+        chunk_tokens: int,
+        counters: dict[str, int],
+        admit: Callable[[Request], bool],
+    ) -> None:
+        """Args:
+            model: the engine's causal LM (forward with `cache=`, `logits_to_keep=`).
+            prefix_cache: the engine's prefix cache (looked up at admission, filled after prefill).
+            chunk_tokens: most prompt tokens computed per `run`, >= 1.
+            counters: the engine's counter dict; `prefills`, `prefill_tokens`, `prefill_chunks`,
+                `prefill_batches`, `prefix_hits`, `prefix_hit_tokens` are increased here.
+            admit: called once per request as it leaves the queue (sets its version and
+                generator); False means it failed and was delivered its error (skipped).
+        """
+        assert chunk_tokens >= 1, f"chunk_tokens={chunk_tokens} must be >= 1"
+        self._model = model
+        self._cache = prefix_cache
+        self._chunk_tokens = chunk_tokens
+        self._counters = counters
+        self._admit = admit
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._current: _InProgress | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests wait or a prompt is being prefilled."""
+        return bool(self.waiting) or self._current is not None
+
+    def run(self, free_rows: int, version: int) -> list[Prefilled]:
+        """Prefill up to `chunk_tokens` prompt tokens, admitting at most `free_rows` requests
+        (rows the running batch can still take); returns the prompts finished, in order."""
+        budget = self._chunk_tokens
+        done: list[Prefilled] = []
+        while budget > 0:
+            if self._current is None:
+                free = free_rows - len(done)
+                if not self.waiting or free <= 0:
+                    break
+                group, overflow = self._admit_group(budget, free, version)
+                if len(group) > 1 or (group and overflow is not None):
+                    budget -= self._prefill_together(group, version, done)
+                    self._current = overflow
+                    continue
+                self._current = group[0] if group else overflow  # alone: in chunks, below
+                if self._current is None:
+                    continue
+            budget -= self._prefill_chunk(budget, version, done)
+        return done
+
+    def restart(self) -> None:
+        """After a weight swap: the prompt being prefilled is admitted anew (its KV is stale)."""
+        if self._current is not None:
+            self.waiting.appendleft(self._current.req)
+            self._current = None
+
+    def drop_cancelled(self) -> None:
+        """Forget requests whose caller went away."""
+        if self._current is not None and self._current.req.cancelled.is_set():
+            self._current = None
+        if any(r.cancelled.is_set() for r in self.waiting):
+            self.waiting = collections.deque(r for r in self.waiting if not r.cancelled.is_set())
+
+    def take_all(self) -> list[Request]:
+        """Remove and return every request held (waiting or being prefilled)."""
+        reqs = list(self.waiting)
+        if self._current is not None:
+            reqs.append(self._current.req)
+        self.waiting, self._current = collections.deque(), None
+        return reqs
+
+    # -- one prompt in chunks -----------------------------------------------------------
+
+    def _prefill_chunk(self, budget: int, version: int, done: list[Prefilled]) -> int:
+        """Run the next chunk of the prompt in progress; returns the tokens it took from `budget`."""
+        p = self._current
+        assert p is not None
+        n = min(budget, len(p.req.prompt_ids) - p.done)
+        try:
+            out = self._model(
+                input_ids=torch.tensor([p.req.prompt_ids[p.done : p.done + n]], dtype=torch.long),
+                position_ids=torch.arange(p.done, p.done + n).unsqueeze(0),
+                cache=p.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        except Exception as exc:  # noqa: BLE001 - this request's prefill failed; the others go on
+            log.warning("prefill of a request failed", exc_info=True)
+            self._current = None
+            p.req.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
+            return n
+        p.done += n
+        self._counters["prefill_tokens"] += n
+        self._counters["prefill_chunks"] += 1
+        if p.done == len(p.req.prompt_ids):
+            self._current = None
+            kv = [(ly.keys, ly.values) for ly in p.cache.layers]
+            self._cache.insert(p.req.prompt_ids, version, kv)
+            self._counters["prefills"] += 1
+            done.append(Prefilled(p.req, kv, out.logits[0, -1]))
+        return n
+
+    # -- several prompts in one forward -------------------------------------------------
+
+    def _admit_group(self, budget: int, free: int, version: int) -> tuple[list[_InProgress], _InProgress | None]:
+        """Admit waiting requests, in order, whose new tokens fit in `budget` together (the
+        group prefilled in one forward), and the first one that does not fit (prefilled in
+        chunks next), at most `free` in all. A request that shares more than a block of a
+        group member's new tokens waits, so that it finds them in the prefix cache instead."""
+        group: list[_InProgress] = []
+        tokens = 0
+        block = self._cache.block_tokens if self._cache.enabled else 0
+        while self.waiting and len(group) < free:
+            prompt = self.waiting[0].prompt_ids
+            if block and any(_shares_beyond(prompt, g.req.prompt_ids, g.done + block) for g in group):
+                break
+            p = self._start(self.waiting.popleft(), version)
+            if p is None:
+                continue
+            new = len(p.req.prompt_ids) - p.done
+            if tokens + new > budget:
+                return group, p
+            group.append(p)
+            tokens += new
+        return group, None
+
+    def _start(self, req: Request, version: int) -> _InProgress | None:
+        """Admit `req` (the engine's `admit`) and seed its cache from the prefix cache."""
+        if not self._admit(req):
+            return None
+        cache = DynamicCache(config=self._model.config)  # type: ignore[attr-defined]
+        hit = self._cache.lookup(req.prompt_ids, version, max_length=len(req.prompt_ids) - 1)
+        if hit is None:
+            return _InProgress(req, cache, 0)
+        for layer, (k, v) in enumerate(hit.kv):
+            cache.update(k, v, layer)
+        self._counters["prefix_hits"] += 1
+        self._counters["prefix_hit_tokens"] += hit.length
+        return _InProgress(req, cache, hit.length)
+
+    def _prefill_together(self, group: list[_InProgress], version: int, done: list[Prefilled]) -> int:
+        """Prefill the rest of every prompt of `group` in one forward; returns the tokens computed."""
+        reqs = [p.req for p in group]
+        n = [len(r.prompt_ids) - p.done for r, p in zip(reqs, group, strict=True)]
+        try:
+            row_kv, logits_B_V = group_forward(self._model, [(p.req.prompt_ids, p.done, p.cache) for p in group])
+        except Exception as exc:  # noqa: BLE001 - these requests' prefill failed; the others go on
+            log.warning("prefill of %d requests failed", len(group), exc_info=True)
+            for r in reqs:
+                r.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
+            return sum(n)
+        self._counters["prefill_tokens"] += sum(n)
+        self._counters["prefill_chunks"] += 1
+        self._counters["prefill_batches"] += 1
+        self._counters["prefills"] += len(group)
+        for r, kv, logits_V in zip(reqs, row_kv, logits_B_V, strict=True):
+            if self._cache.enabled:  # copies: a view would keep the whole group's buffers alive
+                self._cache.insert(r.prompt_ids, version, [(k.clone(), v.clone()) for k, v in kv])
+            done.append(Prefilled(r, kv, logits_V))
+        return sum(n)
+
+
+def group_forward(
+    model: torch.nn.Module, rows: list[tuple[tuple[int, ...], int, Cache]]
+) -> tuple[list[KV], torch.Tensor]:
+    """One forward over several prompts, each with `c` ids already in its batch-1 `cache`.
+
+    Args:
+        model: the causal LM.
+        rows: B of (prompt ids, c = ids already cached, that cache: `[1, H, c, D]` per layer).
+
+    Returns:
+        (per row its KV over the whole prompt, views `[1, H, len(prompt), D]` into the group's
+        buffers; logits of each prompt's last position `[B, V]`).
+    """
+    c = [done for _, done, _ in rows]
+    n = [len(ids) - done for ids, done, _ in rows]
+    B, Lc, m = len(rows), max(c), max(n)
+    if Lc == 0:
+        cache: Cache = DynamicCache(config=model.config)  # type: ignore[attr-defined]
+    else:
+        layers = []
+        some = next(row_cache for _, done, row_cache in rows if done)
+        for layer, ly in enumerate(some.layers):
+            k_buf = ly.keys.new_zeros((B, ly.keys.shape[1], Lc + m, ly.keys.shape[3]))
+            v_buf = ly.values.new_zeros((B, ly.values.shape[1], Lc + m, ly.values.shape[3]))
+            for i, (_, done, row_cache) in enumerate(rows):
+                if done:
+                    k_buf[i, :, Lc - done : Lc] = row_cache.layers[layer].keys[0]
+                    v_buf[i, :, Lc - done : Lc] = row_cache.layers[layer].values[0]
+            layers.append(BufferedLayer(k_buf, v_buf, Lc))
+        cache = Cache(layers=layers)
+    ids = torch.zeros((B, m), dtype=torch.long)
+    mask = torch.zeros((B, Lc + m), dtype=torch.long)
+    for i, (prompt, done, _) in enumerate(rows):
+        ids[i, : n[i]] = torch.tensor(prompt[done:], dtype=torch.long)
+        mask[i, Lc - done : Lc + n[i]] = 1
+    positions = torch.tensor(c, dtype=torch.long).unsqueeze(1) + torch.arange(m).unsqueeze(0)
+    keep = sorted(set(k - 1 for k in n))
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True, logits_to_keep=torch.tensor(keep))
+    logits_B_V = out.logits[torch.arange(B), torch.tensor([keep.index(k - 1) for k in n])]
+    row_kv = [
+        [(ly.keys[i : i + 1, :, Lc - c[i] : Lc + n[i]], ly.values[i : i + 1, :, Lc - c[i] : Lc + n[i]])
+         for ly in cache.layers]
+        for i in range(B)
+    ]
+    return row_kv, logits_B_V
+
+
+def _shares_beyond(a: tuple[int, ...], b: tuple[int, ...], k: int) -> bool:
+    """Whether `a` and `b` have the same first `k` ids (both at least that long)."""
+    return len(a) >= k and len(b) >= k and a[:k] == b[:k]
