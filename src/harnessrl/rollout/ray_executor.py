@@ -17,15 +17,11 @@ node. Without bubblewrap an agent dials `advertise_host:port` itself. The white-
 samples the engine in this process, so it runs here and only its tools (`exec`, `write_file`)
 and the verifier run on the node.
 
-Placement and limits: each rollout takes the live node with the fewest sandboxes (ties: the one
-that started fewest), at most `max_sandboxes_per_node` at once per node; a node starts at most
-`sandbox_starts_per_s` sandboxes per second. The node id is recorded on the rollout
+Placement (the live node with the fewest sandboxes, `max_sandboxes_per_node`) and the calls to
+a node's worker, which turn a dead or silent node into `SandboxLostError` (the runner records
+`infra_error`; the run goes on with the other nodes): `rollout/ray_nodes.py`. A node starts at
+most `sandbox_starts_per_s` sandboxes per second. The node id is recorded on the rollout
 (`Rollout.metadata["node_id"]`).
-
-A node that dies (raylet killed, machine gone) fails every call to its worker with
-`RayActorError` (or stops answering: each call waits at most its own limit plus
-`call_grace_s`): those calls raise `SandboxLostError`, the runner records the rollout as
-`infra_error`, the node gets no more rollouts, and the run goes on with the others.
 
 What it does not do: start a cluster (join it with `rollout.ray.address`, or "local"), install
 agents on nodes (each node needs harnessrl and `harnessrl harness install` as on this host), or
@@ -42,22 +38,23 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from harnessrl.errors import ConfigError, SandboxError, SandboxLostError
 from harnessrl.harness.base import Harness, HarnessResult
 from harnessrl.rewards.base import Reward, Verifier
+from harnessrl.rollout.ray_nodes import SYNC_CALL_TIMEOUT_S, RayNode, RayNodes
 from harnessrl.sandbox.base import READ_MAX_BYTES, Base, ExecResult, SandboxProcess
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
+__all__ = ["SHUTDOWN_TIMEOUT_S", "SYNC_CALL_TIMEOUT_S", "NodeHarness", "NodeVerifier", "NodeWorker", "RayNode",
+           "RayNodes", "RayRollouts", "RaySandbox", "RaySandboxBackend", "advertise_host", "start_ray_rollouts"]
+
 log = logging.getLogger(__name__)
 
 _SANDBOX_CALLS = frozenset({"exec", "agent_path", "agent_endpoint", "read_file", "write_file", "kill_processes"})
-SYNC_CALL_TIMEOUT_S = 10.0
-"""Longest wait of a blocking sandbox call (`agent_endpoint`, `read_file`, `write_file`) on a
-silent node: it holds the event loop meanwhile (a dead node's calls fail at once)."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long the end of a run waits for a node to close its sandboxes."""
 
@@ -175,121 +172,12 @@ class NodeWorker:
         return len(open_ids)
 
 
-@dataclasses.dataclass
-class _Node:
-    node_id: str
-    worker: Any
-    """The node's `NodeWorker` actor handle."""
-    running: int = 0
-    started: int = 0
-    alive: bool = True
-
-
-class RayNodes:
-    """The live nodes' workers and their sandbox counts (placement, per-node limit)."""
-
-    def __init__(self, nodes: list[_Node], max_sandboxes_per_node: int, call_grace_s: float) -> None:
-        self.nodes = nodes
-        self.max_sandboxes_per_node = max_sandboxes_per_node
-        self.call_grace_s = call_grace_s
-        self._sync_timeout_s = min(call_grace_s, SYNC_CALL_TIMEOUT_S)
-        self._changed = asyncio.Condition()
-
-    async def acquire(self) -> _Node:
-        """The live node with the fewest sandboxes, once one is below the per-node limit.
-
-        Raises SandboxLostError when no node is alive."""
-        async with self._changed:
-            while True:
-                alive = [n for n in self.nodes if n.alive]
-                if not alive:
-                    raise SandboxLostError("no live Ray node is left to run the rollout")
-                free = [n for n in alive if n.running < self.max_sandboxes_per_node]
-                if free:
-                    node = min(free, key=lambda n: (n.running, n.started))
-                    node.running += 1
-                    node.started += 1
-                    return node
-                await self._changed.wait()
-
-    async def release(self, node: _Node) -> None:
-        async with self._changed:
-            node.running -= 1
-            self._changed.notify_all()
-
-    async def lost(self, node: _Node, exc: BaseException) -> None:
-        if node.alive:
-            node.alive = False
-            log.error("Ray node %s is lost (%s); its rollouts end as infra_error, the run goes on without it",
-                      node.node_id, type(exc).__name__)
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def call(self, node: _Node, ref: Any, timeout_s: float) -> Any:
-        """Await the worker call `ref` for at most `timeout_s` + `call_grace_s` seconds.
-
-        Raises SandboxLostError when the node died or did not answer in time, the call's own
-        exception when it raised on the node; cancelling the await cancels the call."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        future = asyncio.wrap_future(ref.future())
-        try:
-            return await asyncio.wait_for(future, timeout_s + self.call_grace_s)
-        except asyncio.CancelledError:
-            ray.cancel(ref)
-            raise
-        except asyncio.TimeoutError:
-            ray.cancel(ref)
-            await self.lost(node, TimeoutError())
-            raise SandboxLostError(f"Ray node {node.node_id} did not answer within "
-                                   f"{timeout_s + self.call_grace_s:.0f} s") from None
-        except RayActorError as exc:
-            await self.lost(node, exc)
-            raise _died(node, exc) from None
-        except RayTaskError as exc:
-            _raise_cause(exc)
-
-    def call_sync(self, node: _Node, ref: Any) -> Any:
-        """`call` for the sandbox's synchronous methods (`agent_endpoint`, a file read or write
-        on the node). It blocks this thread (the event loop) for its round trip, so it waits at
-        most `SYNC_CALL_TIMEOUT_S` (or `call_grace_s` if shorter) before giving the node up."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-        try:
-            return ray.get(ref, timeout=self._sync_timeout_s)
-        except GetTimeoutError:
-            ray.cancel(ref)
-            node.alive = False
-            raise SandboxLostError(f"Ray node {node.node_id} did not answer within "
-                                   f"{self._sync_timeout_s:.0f} s") from None
-        except RayActorError as exc:
-            node.alive = False
-            raise _died(node, exc) from None
-        except RayTaskError as exc:
-            _raise_cause(exc)
-
-
-def _died(node: _Node, exc: BaseException) -> SandboxLostError:
-    """The error of a call whose node (its worker actor) died with `exc`."""
-    return SandboxLostError(f"Ray node {node.node_id} died: {type(exc).__name__}")
-
-
-def _raise_cause(exc: Any) -> NoReturn:
-    """Raise what the call raised on the node (a RayTaskError's `cause`), else `exc` itself."""
-    cause = exc.cause
-    if isinstance(cause, Exception):
-        raise cause from None
-    raise exc
-
-
 class RaySandbox:
     """A sandbox on a Ray node: every method runs on the node's worker. `workdir` and `home`
     are paths on that node. `spawn` is refused here: a CLI agent is spawned by its harness,
     which runs on the node (`NodeHarness`)."""
 
-    def __init__(self, nodes: RayNodes, node: _Node, info: dict[str, str], advertise_host: str) -> None:
+    def __init__(self, nodes: RayNodes, node: RayNode, info: dict[str, str], advertise_host: str) -> None:
         self._nodes = nodes
         self._node = node
         self.sandbox_id = info["sandbox_id"]
@@ -522,7 +410,7 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
         for info in infos:
             if info["gaps"]:
                 log.warning("SANDBOXES ON RAY NODE %s ARE NOT ISOLATED: %s", info["node_id"], "; ".join(info["gaps"]))
-        nodes = RayNodes([_Node(info["node_id"], w) for info, w in zip(infos, workers, strict=True)],
+        nodes = RayNodes([RayNode(info["node_id"], w) for info, w in zip(infos, workers, strict=True)],
                          rcfg.max_sandboxes_per_node, rcfg.call_grace_s)
         log.info("rollouts on %d Ray nodes (%s), agents reach the proxy at %s:%d", len(live),
                  ", ".join(n[:12] for n in live), host, proxy_port)
