@@ -64,3 +64,23 @@ def sandbox_root(tmp_path: Path):
     yield root
     assert leftover_processes(root) == [], "processes left after every sandbox closed"
     assert leftover_sandboxes(root) == [], "sandbox directories left after close()"
+
+
+_BOTH_LOOPS = ("test_sandbox_",)
+"""Test modules (by name prefix) whose async tests run on the default loop and on uvloop:
+the sandbox backends spawn processes from the loop, and `train`/`rollout` run on uvloop."""
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """The event loops an async test runs on: `asyncio` (the default loop) for every test, and
+    also `uvloop` (when installed) for the sandbox modules named in `_BOTH_LOOPS`."""
+    import asyncio
+
+    factories = {"asyncio": asyncio.new_event_loop}
+    if item.path.name.startswith(_BOTH_LOOPS):
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+            return factories
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories

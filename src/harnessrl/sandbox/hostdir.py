@@ -29,6 +29,7 @@ from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
 from harnessrl.sandbox.fsread import UnsafePathError, open_file_beneath, read_beneath
 from harnessrl.sandbox.procs import DIR_VAR, MARKER_VAR
+from harnessrl.sandbox.spawn import DEVNULL, Child
 from harnessrl.types import Endpoint
 
 log = logging.getLogger(__name__)
@@ -88,21 +89,28 @@ def resolve_inside(base: Path, rel_path: str | Path) -> Path:
     return candidate
 
 
-async def drain(stream: asyncio.StreamReader, cap_bytes: int) -> tuple[bytearray, int]:
-    """Read `stream` to EOF, keeping the first `cap_bytes`; returns (kept, dropped count)."""
-    kept = bytearray()
-    dropped = 0
+class Capture:
+    """What a drained stream gave so far: the first `cap_bytes` bytes (`kept`) and how many
+    more were dropped."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.kept = bytearray()
+        self.dropped = 0
+
+    def text(self) -> str:
+        """`kept` as UTF-8 (invalid bytes replaced), plus `TRUNCATION_MARKER` when bytes were
+        dropped."""
+        text = self.kept.decode("utf-8", errors="replace")
+        return text + TRUNCATION_MARKER.format(dropped=self.dropped) if self.dropped else text
+
+
+async def drain(stream: asyncio.StreamReader, capture: Capture) -> None:
+    """Read `stream` to EOF into `capture` (which keeps what was read if this is cancelled)."""
     while chunk := await stream.read(1 << 16):
-        room = cap_bytes - len(kept)
-        kept += chunk[:room]
-        dropped += max(0, len(chunk) - room)
-    return kept, dropped
-
-
-def decode(kept: bytearray, dropped: int) -> str:
-    """`kept` as UTF-8 (invalid bytes replaced), plus `TRUNCATION_MARKER` when bytes were dropped."""
-    text = kept.decode("utf-8", errors="replace")
-    return text + TRUNCATION_MARKER.format(dropped=dropped) if dropped else text
+        room = capture.cap_bytes - len(capture.kept)
+        capture.kept += chunk[:room]
+        capture.dropped += max(0, len(chunk) - room)
 
 
 async def complete_shielded(make: Callable[[], Awaitable[T]]) -> T:
@@ -119,7 +127,7 @@ async def complete_shielded(make: Callable[[], Awaitable[T]]) -> T:
 class HostProcess:
     """The `wait` half of a `SandboxProcess` whose handle is the host process `proc`."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: Child) -> None:
         self._proc = proc
 
     @property
@@ -242,7 +250,7 @@ class HostDirSandbox:
         """A descriptor appending to `log_file` under home (opened without following links), or
         DEVNULL when None; SandboxError when the path is unsafe. The caller closes it."""
         if log_file is None:
-            return asyncio.subprocess.DEVNULL
+            return DEVNULL
         try:
             return open_file_beneath(self._root, self._rel("home", log_file), append=True)
         except UnsafePathError as e:
@@ -263,7 +271,7 @@ class HostDirSandbox:
     # --- exec: the skeleton, with the backend's hooks -------------------------------------
 
     async def _start_exec(self, argv: list[str], env: dict[str, str] | None,
-                          cwd: Path | None) -> tuple[Any, asyncio.subprocess.Process]:
+                          cwd: Path | None) -> tuple[Any, Child]:
         """Start `argv` with piped stdout/stderr; (the backend's handle, the host process).
         A FileNotFoundError makes `exec` return 127."""
         raise NotImplementedError
@@ -271,7 +279,7 @@ class HostDirSandbox:
     async def _exec_exited(self, handle: Any) -> None:
         """After the command exited by itself, before its pipes are read to the end."""
 
-    async def _exec_timed_out(self, handle: Any, proc: asyncio.subprocess.Process) -> None:
+    async def _exec_timed_out(self, handle: Any, proc: Child) -> None:
         """Kill the command at its timeout and reap it."""
         raise NotImplementedError
 
@@ -302,8 +310,8 @@ class HostDirSandbox:
         except FileNotFoundError as e:
             return ExecResult(127, "", f"{argv[0]}: {e}", False, time.monotonic() - started)
         assert proc.stdout is not None and proc.stderr is not None, "exec pipes were requested"
-        cap = self.config.output_cap_bytes
-        readers = [asyncio.ensure_future(drain(s, cap)) for s in (proc.stdout, proc.stderr)]
+        captures = [Capture(self.config.output_cap_bytes) for _ in range(2)]
+        readers = [asyncio.ensure_future(drain(s, c)) for s, c in zip((proc.stdout, proc.stderr), captures)]
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
@@ -318,16 +326,15 @@ class HostDirSandbox:
             stopping = self._exec_cancelled(handle)
             for reader in readers:
                 reader.cancel()
+            proc.close_pipes()
             if stopping is not None:
                 await asyncio.shield(stopping)
             raise
-        outputs = []
+        # what a pipe still held open by a background child gave until now is kept
         for reader in readers:
-            if reader.done():
-                outputs.append(decode(*reader.result()))
-            else:
-                reader.cancel()
-                outputs.append("")
+            reader.cancel()
+        proc.close_pipes()
+        outputs = [c.text() for c in captures]
         assert proc.returncode is not None, "the command was waited for"
         return ExecResult(proc.returncode, outputs[0], outputs[1], timed_out, time.monotonic() - started)
 

@@ -62,6 +62,7 @@ import resource
 import secrets
 import shutil
 import time
+from subprocess import SubprocessError
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -71,7 +72,8 @@ from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.config import SandboxConfig
 from harnessrl.types import Endpoint
-from harnessrl.sandbox import cgroup
+from harnessrl.sandbox import cgroup, spawn
+from harnessrl.sandbox.spawn import Child
 from harnessrl.sandbox.fsread import UnsafePathError, write_beneath
 from harnessrl.sandbox.hostdir import (
     TRUNCATION_MARKER,
@@ -122,7 +124,7 @@ class LocalProcess(HostProcess):
     process carrying its spawn marker (`HARNESSRL_SPAWN_ID`) whatever session it moved to.
     """
 
-    def __init__(self, proc: asyncio.subprocess.Process, spawn_id: str, grace_s: float) -> None:
+    def __init__(self, proc: Child, spawn_id: str, grace_s: float) -> None:
         super().__init__(proc)
         self._spawn_id = spawn_id
         self._grace_s = grace_s
@@ -155,7 +157,7 @@ class LocalSandbox(HostDirSandbox):
         self._proxy = proxy
         self._group = group
         self._pgids: set[int] = set()
-        self._spawned: list[asyncio.subprocess.Process] = []
+        self._spawned: list[Child] = []
 
     @property
     def uses_bwrap(self) -> bool:
@@ -209,29 +211,28 @@ class LocalSandbox(HostDirSandbox):
     async def _start(
         self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
         address_space_bytes: int | None, stdout: int, stderr: int,
-    ) -> asyncio.subprocess.Process:
+    ) -> Child:
         self._check_startable(argv[0])
         run_dir = self._run_dir(cwd)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(argv, run_dir), cwd=run_dir, env=self._env(env),
-                stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                start_new_session=True,
+            proc = await spawn.start(
+                self._argv(argv, run_dir), cwd=run_dir, env=self._env(env),
+                stdout=stdout, stderr=stderr, start_new_session=True,
                 preexec_fn=_child_setup(self._limits(address_space_bytes), self._group),
             )
         except FileNotFoundError:
             raise
-        except OSError as e:
+        except (OSError, SubprocessError) as e:  # SubprocessError: the preexec_fn failed
             raise SandboxError(f"sandbox {self.sandbox_id} cannot start {argv[0]!r}: {e}") from e
         self._pgids.add(proc.pid)
         self._started()
         return proc
 
     async def _start_exec(self, argv: list[str], env: dict[str, str] | None,
-                          cwd: Path | None) -> tuple[int, asyncio.subprocess.Process]:
+                          cwd: Path | None) -> tuple[int, Child]:
         """The command in its own process group (its pgid is the handle)."""
         proc = await self._start(argv, env, cwd, self.config.address_space_bytes,
-                                 asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
+                                 spawn.PIPE, spawn.PIPE)
         return proc.pid, proc
 
     @property
@@ -244,7 +245,7 @@ class LocalSandbox(HostDirSandbox):
             # for that teardown so nothing of this command is alive when exec returns
             await self._wait_quiet(max(self.config.kill_grace_s, 1.0))
 
-    async def _exec_timed_out(self, handle: int, proc: asyncio.subprocess.Process) -> None:
+    async def _exec_timed_out(self, handle: int, proc: Child) -> None:
         """SIGKILL the command's process group."""
         _kill_group(handle)
         await proc.wait()
@@ -275,7 +276,7 @@ class LocalSandbox(HostDirSandbox):
         try:
             proc = await self._start(
                 argv, {**(env or {}), SPAWN_VAR: spawn_id}, None, self.config.spawn_address_space_bytes,
-                out, asyncio.subprocess.STDOUT,
+                out, spawn.STDOUT,
             )
         finally:
             if log_file is not None:

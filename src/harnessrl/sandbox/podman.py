@@ -67,7 +67,9 @@ from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, INNER_SOCKET, SANDBOX_UID
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.fsread import UnsafePathError, open_dir_beneath, open_file_beneath, open_root
+from harnessrl.sandbox import spawn
 from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint
+from harnessrl.sandbox.spawn import Child
 from harnessrl.sandbox.local import _UNSAFE
 from harnessrl.sandbox.procs import SPAWN_VAR
 from harnessrl.types import Endpoint
@@ -170,17 +172,17 @@ def _remove_cgroups(sandbox_id: str, timeout_s: float = 5.0) -> list[Path]:
 
 async def _podman(config: PodmanSandboxConfig, *args: str, timeout_s: float = 60.0) -> tuple[int, str]:
     """Run one podman command; (exit status, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        *podman_argv(config), *args, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    proc = await spawn.start([*podman_argv(config), *args], stderr=spawn.PIPE)
+    assert proc.stderr is not None, "stderr was piped"
     try:
-        _, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+        err, code = await asyncio.wait_for(asyncio.gather(proc.stderr.read(), proc.wait()), timeout_s)
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()
         return -9, f"podman {args[0]} timed out after {timeout_s}s"
-    assert proc.returncode is not None, "communicate() waited for it"
-    return proc.returncode, err.decode(errors="replace")
+    finally:
+        proc.close_pipes()
+    return code, err.decode(errors="replace")
 
 
 def remove_containers(config: PodmanSandboxConfig, label: str = SANDBOX_LABEL) -> int:
@@ -223,7 +225,7 @@ class PodmanProcess(HostProcess):
     convention).
     """
 
-    def __init__(self, proc: asyncio.subprocess.Process, name: str, sandbox: PodmanSandbox) -> None:
+    def __init__(self, proc: Child, name: str, sandbox: PodmanSandbox) -> None:
         super().__init__(proc)
         self.name = name
         self._sandbox = sandbox
@@ -252,7 +254,7 @@ class PodmanSandbox(HostDirSandbox):
         self._state = state
         """Host-private directory (container id files), outside everything a container binds."""
         self._backend = backend
-        self._clients: dict[str, asyncio.subprocess.Process] = {}
+        self._clients: dict[str, Child] = {}
         """Container name -> its `podman run` client, for every command started."""
 
     def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
@@ -303,13 +305,13 @@ class PodmanSandbox(HostDirSandbox):
 
 
     async def _start(self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
-                     stdout: int, stderr: int) -> tuple[str, asyncio.subprocess.Process]:
+                     stdout: int, stderr: int) -> tuple[str, Child]:
         self._check_startable(argv[0])
         run_dir = self._run_dir(cwd)
         name = f"hrl-{self.sandbox_id}-{len(self._clients)}"
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._run_argv(name, argv, run_dir, self._env(env)), stdin=asyncio.subprocess.DEVNULL,
+            proc = await spawn.start(
+                self._run_argv(name, argv, run_dir, self._env(env)),
                 stdout=stdout, stderr=stderr, start_new_session=True,
                 cwd=self._state)  # conmon inherits it and writes an `oom` file there on an OOM kill
         except OSError as e:
@@ -354,15 +356,15 @@ class PodmanSandbox(HostDirSandbox):
         return found, [p for n in names for p in self._container_pids(n)]
 
     async def _start_exec(self, argv: list[str], env: dict[str, str] | None,
-                          cwd: Path | None) -> tuple[str, asyncio.subprocess.Process]:
+                          cwd: Path | None) -> tuple[str, Child]:
         """The command in a new container (its name is the handle)."""
-        return await self._start(argv, env, cwd, asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
+        return await self._start(argv, env, cwd, spawn.PIPE, spawn.PIPE)
 
     @property
     def _pipe_grace_s(self) -> float:
         return _PIPE_GRACE_S
 
-    async def _exec_timed_out(self, handle: str, proc: asyncio.subprocess.Process) -> None:
+    async def _exec_timed_out(self, handle: str, proc: Child) -> None:
         """Kill the container (no grace) and reap its client."""
         await self._stop([handle], 0.0)
         await proc.wait()
@@ -380,7 +382,7 @@ class PodmanSandbox(HostDirSandbox):
         out = self._open_log(log_file)
         try:
             name, proc = await self._start(argv, {**(env or {}), SPAWN_VAR: secrets.token_hex(8)}, None,
-                                           out, asyncio.subprocess.STDOUT)
+                                           out, spawn.STDOUT)
         finally:
             if log_file is not None:
                 os.close(out)
