@@ -18,6 +18,7 @@ from harnessrl.train.packing import (
     pack_rows,
     plan_micro_batches,
     segment_bounds,
+    token_logprobs,
     unshare,
 )
 from harnessrl.types import Row
@@ -380,3 +381,51 @@ def test_shared_prefix_attention_sees_the_prefix(tiny_model_dir: Path) -> None:
         right = compute_trainer_logprobs(model, packed, temperature=1.0)
         wrong = compute_trainer_logprobs(model, cut, temperature=1.0)
     assert (right - wrong).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+def test_token_logprobs_equal_the_autograd_formula_values_and_grads(scale: float) -> None:
+    """The hand-written backward: values and gradients of logits (through a vocabulary
+    projection, as in the trainer) equal autograd through gather - logsumexp, 1e-5 float32."""
+    torch.manual_seed(3)
+    hidden_K_H = torch.randn(37, 16, requires_grad=True)
+    head_V_H = (torch.randn(1000, 16) * 0.5).requires_grad_()
+    targets_K = torch.randint(0, 1000, (37,))
+    weights_K = torch.randn(37)
+    results = []
+    for fused in (True, False):
+        hidden_K_H.grad = head_V_H.grad = None
+        logits_K_V = hidden_K_H @ head_V_H.T
+        if fused:
+            lp_K = token_logprobs(logits_K_V, targets_K, scale)
+        else:
+            z = logits_K_V / scale
+            lp_K = z.gather(-1, targets_K[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+        (lp_K * weights_K).sum().backward()
+        results.append((lp_K.detach(), hidden_K_H.grad.clone(), head_V_H.grad.clone()))
+    assert results[0][1].abs().max() > 1e-2  # a real gradient
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_token_logprobs_gradcheck_and_bad_input() -> None:
+    logits = torch.randn(5, 11, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([0, 3, 10, 3, 7])
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, targets, 0.8).double(), (logits,), atol=1e-4)
+    with pytest.raises(ValueError, match="scale=0"):
+        token_logprobs(logits, targets, 0.0)
+    with pytest.raises(ValueError, match=r"\[K, V\] and \[K\]"):
+        token_logprobs(logits, targets[:3])
+
+
+def test_trainer_logprobs_in_bfloat16_keep_float32_math(tiny_model_dir: Path) -> None:
+    """A bf16 model's logits are upcast before the log-softmax; the gradient comes back in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
+    (packed,) = pack_rows(_random_rows(2, seed=4), token_budget=10_000)
+    lp = compute_trainer_logprobs(model, packed, temperature=1.0)
+    assert lp.dtype == torch.float32 and bool((lp[packed.mask_T] < 0).all())
+    lp.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.bfloat16 for g in grads)
