@@ -1,5 +1,6 @@
 """The run's signal handler: the first SIGINT/SIGTERM cancels the run (its cleanup runs, then
-RunStopped with 128 + signum), a second one exits at once even when the cleanup hangs."""
+RunStopped with 128 + signum), a second one exits at once even when the cleanup hangs; on the
+default loop and on `run_loop`'s (uvloop), which `train` and `rollout` run on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 SCRIPT = """
 import asyncio, sys
+from harnessrl.proxy.server import run_loop
 from harnessrl.signals import RunStopped, run_until_signal
 
 async def main(hang):
@@ -28,31 +30,37 @@ async def main(hang):
             await asyncio.shield(asyncio.sleep(100))  # a teardown that never ends
     return "completed"
 
+run = run_loop if sys.argv[2] == "run_loop" else asyncio.run
 try:
-    print(asyncio.run(run_until_signal(main(sys.argv[1] == "hang"))), flush=True)
+    print(run(run_until_signal(main(sys.argv[1] == "hang"))), flush=True)
 except RunStopped as stop:
     print(f"stopped {stop.exit_code}", flush=True)
     sys.exit(stop.exit_code)
 """
 
 
-def _start(mode: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode], stdout=subprocess.PIPE, text=True)
+LOOPS = pytest.mark.parametrize("loop", ["asyncio", "run_loop"])
+
+
+def _start(mode: str, loop: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode, loop], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     return proc
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
-def test_first_signal_runs_the_cleanup_then_stops(sig: signal.Signals) -> None:
-    proc = _start("clean")
+@LOOPS
+def test_first_signal_runs_the_cleanup_then_stops(sig: signal.Signals, loop: str) -> None:
+    proc = _start("clean", loop)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=10)
     assert out.splitlines() == ["cleanup", f"stopped {128 + sig}"]
     assert proc.returncode == 128 + sig
 
 
-def test_second_signal_forces_exit_when_cleanup_hangs() -> None:
-    proc = _start("hang")
+@LOOPS
+def test_second_signal_forces_exit_when_cleanup_hangs(loop: str) -> None:
+    proc = _start("hang", loop)
     proc.send_signal(signal.SIGINT)
     assert proc.stdout is not None and proc.stdout.readline() == "cleanup\n"
     child = psutil.Process(int(proc.stdout.readline().split()[1]))

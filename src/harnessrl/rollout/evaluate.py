@@ -24,7 +24,6 @@ verifier's own reward on each rollout.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import signal
@@ -60,6 +59,7 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
     """
     from harnessrl.config import check_run
     from harnessrl.log import setup_logging
+    from harnessrl.proxy.server import run_loop
     from harnessrl.train.hooks import load_hooks, reshape_reward
 
     check_run(cfg)
@@ -79,7 +79,8 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
                   for gid, rs in sorted(kept.items()) if gid not in needed)
     try:
         if needed:
-            asyncio.run(run_until_signal(_evaluate(cfg, out_dir, needed, kept, console, groups)))
+            # uvloop when installed: the agents' listener runs inside this process
+            run_loop(run_until_signal(_evaluate(cfg, out_dir, needed, kept, console, groups)))
     except RunStopped as exc:
         stopped = exc
     shaped = [g.model_copy(update={"rollouts": [reshape_reward(r, reward_fn) for r in g.rollouts]})

@@ -68,6 +68,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
     """
     from harnessrl.config import check_run
     from harnessrl.log import setup_logging
+    from harnessrl.proxy.server import run_loop
     from harnessrl.signals import RunStopped, run_until_signal
     from harnessrl.train.distributed import close_ranks, init_ranks
     from harnessrl.train.policy import latest_checkpoint
@@ -91,7 +92,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
         log.info("trainer on %d ranks (%s, %s, %s); this is rank 0", ranks.world_size, ranks.strategy,
                  ranks.device, cfg.train.dtype)
     try:
-        asyncio.run(run_until_signal(train(cfg, run_dir, resume=resume, console=console, ranks=ranks)))
+        # uvloop when installed: the agents' listener runs inside this process
+        run_loop(run_until_signal(train(cfg, run_dir, resume=resume, console=console, ranks=ranks)))
         close_ranks(ranks)
     except RunStopped as stop:
         last = latest_checkpoint(run_dir)
