@@ -66,8 +66,8 @@ class Kit:
         namespaced: every command is its own PID namespace (a daemon dies with its command).
         cgroup_bounded: its process count is bounded (else fork-bomb cases skip).
         disk_overshoot: how many times `disk_bytes` a fast writer may reach before the watchdog's
-            kill lands (podman's container kill takes about a second, during which an idle
-            machine writes ~0.5 GB more; bubblewrap's kill is immediate).
+            kill lands (both backends kill from the host at once: bubblewrap's process groups,
+            podman's container cgroups).
     """
 
     name: str
@@ -107,8 +107,7 @@ KITS = {
                  cgroup_bounded=cgroup.available() is not None),
     "plain": Kit("plain", _local(False), uid=None, max_pids=1 << 30, ro_system="/usr", namespaced=False,
                  cgroup_bounded=cgroup.available() is not None),
-    "podman": Kit("podman", _podman, uid=1000, max_pids=2, ro_system="/", namespaced=True, cgroup_bounded=True,
-                  disk_overshoot=16),
+    "podman": Kit("podman", _podman, uid=1000, max_pids=2, ro_system="/", namespaced=True, cgroup_bounded=True),
 }
 
 

@@ -243,8 +243,13 @@ class HostDirSandbox:
                 self.disk_exceeded = True
                 log.warning("sandbox %s holds %d bytes > disk_bytes=%d: %s",
                             self.sandbox_id, used, limit, self._disk_action)
-                await self.kill_processes()
+                await self._disk_stop()
                 return
+
+    async def _disk_stop(self) -> None:
+        """The watchdog's kill, once the directory outgrew `disk_bytes`: `kill_processes`
+        (a backend whose kill is slow to start stops the writers faster first)."""
+        await self.kill_processes()
 
     def _open_log(self, log_file: str | None) -> int:
         """A descriptor appending to `log_file` under home (opened without following links), or

@@ -30,7 +30,9 @@ image's filesystem does not change. Each container runs:
 The command is its container's PID 1: when it exits, the kernel kills everything left in the
 container, whatever session it moved to. `SandboxProcess.kill_tree` and `close()` stop the
 container (`podman rm -f -t kill_grace_s`: SIGTERM, the grace, SIGKILL). The processes of a
-sandbox are the members of its containers' cgroups (`list_processes`, host pids).
+sandbox are the members of its containers' cgroups (`list_processes`, host pids). The disk
+watchdog (`disk_bytes`) SIGKILLs those members from the host at once, without waiting for a
+`podman` process to start, then removes the containers.
 
 The proxy's agent socket (mode 0600, owned by root, in a 0700 directory) is made
 group-`SANDBOX_UID` and mode 0660 when a backend is given a proxy, so that the unprivileged
@@ -39,23 +41,22 @@ container user can connect; its 0700 directory still keeps every host user but r
 Host requirements (checked by `podman_problem`): root, podman with the runc runtime, the
 overlay storage driver and the cgroupfs cgroup manager, and the image in `storage_dir`.
 
+The host side (harnessrl's podman store, the host check, the cgroups, orphan removal) is in
+`sandbox/podman_host.py`; its public names are importable from here too.
+
 What this does not do: pull images (no registry is assumed), share a pids or memory budget
 across the containers of one sandbox (limits are per container), or run without root. Tested
-on cgroup v1 (hybrid layout) only; the v2 paths (`_pids_hierarchy`) are unexercised.
+on cgroup v1 (hybrid layout) only; the v2 paths (`pids_hierarchy`) are unexercised.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import math
 import os
-import resource
 import secrets
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Sequence
@@ -71,103 +72,29 @@ from harnessrl.sandbox import spawn
 from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint
 from harnessrl.sandbox.spawn import Child
 from harnessrl.sandbox.local import _UNSAFE
+from harnessrl.sandbox.podman_host import (
+    CGROUP_PARENT,
+    OWNER_LABEL,
+    SANDBOX_LABEL,
+    cgroup_pids,
+    kill_members,
+    pids_hierarchy,
+    podman_argv,
+    podman_problem,
+    remove_cgroups,
+    remove_containers,
+    remove_orphans,
+    ulimit_args,
+)
 from harnessrl.sandbox.procs import SPAWN_VAR
 from harnessrl.types import Endpoint
 
-__all__ = ["PodmanProcess", "PodmanSandbox", "PodmanSandboxBackend", "podman_argv", "podman_problem",
-           "remove_containers", "remove_orphans"]
+__all__ = ["CGROUP_PARENT", "OWNER_LABEL", "SANDBOX_LABEL", "PodmanProcess", "PodmanSandbox", "PodmanSandboxBackend",
+           "podman_argv", "podman_problem", "remove_containers", "remove_orphans"]
 
 log = logging.getLogger(__name__)
 
-SANDBOX_LABEL = "harnessrl.sandbox"
-"""Label carrying the sandbox id on every container of a podman sandbox."""
-OWNER_LABEL = "harnessrl.owner"
-"""Label carrying the id of the backend (one per process) that started the container."""
-CGROUP_PARENT = "harnessrl-podman"
-"""Cgroup directory holding one parent per sandbox (`/<CGROUP_PARENT>/<sandbox_id>`)."""
 _PIPE_GRACE_S = 0.2
-
-
-def podman_argv(config: PodmanSandboxConfig) -> list[str]:
-    """`podman` with harnessrl's global options: its own store, overlay, cgroupfs, the runtime."""
-    store = config.storage_dir
-    return [config.podman, "--root", str(store / "storage"), "--runroot", str(store / "run"),
-            "--storage-driver", "overlay", "--cgroup-manager", "cgroupfs", "--runtime", config.runtime,
-            "--events-backend", "none", "--log-level", "error"]
-
-
-@functools.cache
-def podman_problem(config: PodmanSandboxConfig) -> str | None:
-    """Why podman sandboxes of `config` cannot run here (None: they can).
-
-    Checked once per process and config: root, the executable, the image in the store, and
-    one real container (`true` with the flags every sandbox command uses).
-    """
-    if os.geteuid() != 0:
-        return "podman sandboxes need root (rootful podman; rootless is not supported)"
-    if shutil.which(config.podman) is None:
-        return f"podman executable {config.podman!r} not found (apt-get install podman runc)"
-    base = podman_argv(config)
-    try:
-        found = subprocess.run([*base, "image", "exists", config.image], capture_output=True, timeout=60)
-        if found.returncode != 0:
-            return (f"image {config.image!r} is not in {config.storage_dir / 'storage'} "
-                    "(build it: docs/containers.md)")
-        probe = subprocess.run([*base, "run", "--rm", "--pull", "never", "--network", "none",
-                                *_ulimit_args(), config.image, "true"], capture_output=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"podman did not answer: {exc}"
-    if probe.returncode != 0:
-        return f"podman cannot run a container: {probe.stderr.decode(errors='replace').strip()[-400:]}"
-    return None
-
-
-def _ulimit_args() -> list[str]:
-    """podman's default RLIMIT_NOFILE / RLIMIT_NPROC exceed the hard limits of many hosts (the
-    runtime then fails with EPERM): give the host's own hard limits instead, RLIMIT_NPROC at
-    most `kernel.pid_max` (runc fails above it)."""
-    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 16)
-    try:
-        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    except (OSError, ValueError):
-        pid_max = 1 << 15
-    nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], pid_max)
-    return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
-
-
-def _pids_hierarchy() -> Path:
-    """The cgroup hierarchy holding the pids controller (v1 `pids`, else the v2 tree)."""
-    v1 = Path("/sys/fs/cgroup/pids")
-    return v1 if v1.is_dir() else Path("/sys/fs/cgroup")
-
-
-def _cgroup_pids(directory: Path) -> list[int]:
-    """Pids in every `libpod-*` cgroup below `directory` (conmon's cgroup is not the sandbox's)."""
-    pids: list[int] = []
-    for procs in directory.glob("libpod-*/cgroup.procs"):
-        try:
-            pids += [int(p) for p in procs.read_text().split()]
-        except OSError:
-            continue
-    return pids
-
-
-def _remove_cgroups(sandbox_id: str, timeout_s: float = 5.0) -> list[Path]:
-    """Remove the sandbox's cgroup parent in every hierarchy, innermost first, retrying while
-    conmon (which outlives its container by a moment) still holds one; returns what is left."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}/{sandbox_id}"))
-        for parent in left:
-            for directory in sorted((p for p in parent.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
-            with contextlib.suppress(OSError):
-                parent.rmdir()
-        left = [p for p in left if p.exists()]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
 
 
 async def _podman(config: PodmanSandboxConfig, *args: str, timeout_s: float = 60.0) -> tuple[int, str]:
@@ -183,38 +110,6 @@ async def _podman(config: PodmanSandboxConfig, *args: str, timeout_s: float = 60
     finally:
         proc.close_pipes()
     return code, err.decode(errors="replace")
-
-
-def remove_containers(config: PodmanSandboxConfig, label: str = SANDBOX_LABEL) -> int:
-    """Remove (SIGKILL, no grace) every container of the store carrying `label` (a key, or
-    `key=value`): by default every harnessrl sandbox container, e.g. orphans of a run that
-    was killed. Containers without the label are never touched. Returns how many there were."""
-    base = podman_argv(config)
-    listed = subprocess.run([*base, "ps", "-a", "-q", "--filter", f"label={label}"],
-                            capture_output=True, text=True, timeout=60, check=True)
-    ids = listed.stdout.split()
-    if ids:
-        subprocess.run([*base, "rm", "-f", "-t", "0", "--ignore", *ids], capture_output=True, timeout=120)
-    return len(ids)
-
-
-def remove_orphans(config: PodmanSandboxConfig) -> int:
-    """Remove the harnessrl containers of the store whose owner process (the pid in their
-    `harnessrl.owner` label) is gone: what a run killed by SIGKILL left behind. Containers of
-    live runs and containers without the label are never touched. Returns how many."""
-    base = podman_argv(config)
-    listed = subprocess.run([*base, "ps", "-a", "--filter", f"label={OWNER_LABEL}", "--format",
-                             f'{{{{.ID}}}} {{{{index .Labels "{OWNER_LABEL}"}}}}'],
-                            capture_output=True, text=True, timeout=60, check=True)
-    orphans = []
-    for line in listed.stdout.splitlines():
-        cid, _, owner = line.partition(" ")
-        pid = owner.split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            orphans.append(cid)
-    if orphans:
-        subprocess.run([*base, "rm", "-f", "-t", "0", "--ignore", *orphans], capture_output=True, timeout=120)
-    return len(orphans)
 
 
 class PodmanProcess(HostProcess):
@@ -246,7 +141,7 @@ class PodmanSandbox(HostDirSandbox):
     `exec` runs each command in a new container; a command killed by signal N exits 128+N
     (podman's convention)."""
 
-    _disk_action = "stopping its containers"
+    _disk_action = "killing its containers' processes"
 
     def __init__(self, sandbox_id: str, root: Path, state: Path, backend: PodmanSandboxBackend) -> None:
         super().__init__(sandbox_id, root, backend.config)
@@ -272,7 +167,7 @@ class PodmanSandbox(HostDirSandbox):
                 "--network", "none", "--user", f"{uid}:{uid}", "--cap-drop", "all",
                 "--security-opt", "no-new-privileges", "--read-only", "--read-only-tmpfs=false",
                 "--tmpfs", f"/tmp:rw,size={cfg.tmp_bytes},mode=1777", "--shm-size", str(cfg.tmp_bytes),
-                "--pids-limit", str(cfg.max_processes), *_ulimit_args(), "--workdir", str(cwd),
+                "--pids-limit", str(cfg.max_processes), *ulimit_args(), "--workdir", str(cwd),
                 "-v", f"{self._root}:{self._root}"]
         if cfg.memory_bytes is not None:
             args += ["--memory", str(cfg.memory_bytes), "--memory-swap", str(cfg.memory_bytes)]
@@ -326,7 +221,7 @@ class PodmanSandbox(HostDirSandbox):
             cid = (self._state / f"{name}.cid").read_text().strip()
         except OSError:
             return []
-        directory = _pids_hierarchy() / CGROUP_PARENT / self.sandbox_id / f"libpod-{cid}"
+        directory = pids_hierarchy() / CGROUP_PARENT / self.sandbox_id / f"libpod-{cid}"
         try:
             return [int(p) for p in (directory / "cgroup.procs").read_text().split()]
         except OSError:
@@ -334,7 +229,7 @@ class PodmanSandbox(HostDirSandbox):
 
     def list_processes(self) -> list[int]:
         """Host pids alive in this sandbox's containers (members of their cgroups)."""
-        return _cgroup_pids(_pids_hierarchy() / CGROUP_PARENT / self.sandbox_id)
+        return cgroup_pids(pids_hierarchy() / CGROUP_PARENT / self.sandbox_id)
 
     async def _stop(self, names: Sequence[str], grace_s: float) -> tuple[int, list[int]]:
         """Stop and remove containers `names` (SIGTERM, `grace_s`, SIGKILL) and reap their
@@ -433,9 +328,16 @@ class PodmanSandbox(HostDirSandbox):
             raise SandboxError(f"sandbox {self.sandbox_id}: pids {survivors} survived SIGKILL")
         return found
 
+    async def _disk_stop(self) -> None:
+        """SIGKILL the containers' processes from the host at once (`kill_members`: a fast
+        writer stops within milliseconds, where `podman rm` alone took about a second), then
+        remove the containers and reap their clients (`kill_processes`)."""
+        await asyncio.to_thread(kill_members, self.sandbox_id)
+        await self.kill_processes()
+
     async def _remove_rest(self) -> None:
         await asyncio.to_thread(shutil.rmtree, self._state, ignore_errors=True)
-        left = await asyncio.to_thread(_remove_cgroups, self.sandbox_id)
+        left = await asyncio.to_thread(remove_cgroups, self.sandbox_id)
         if left:
             log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
 
