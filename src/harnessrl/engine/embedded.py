@@ -75,6 +75,7 @@ from typing import Literal
 import torch
 
 from harnessrl.engine.batch import KVBatch
+from harnessrl.engine.decode_step import DecodeStep
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
 from harnessrl.engine.prefill import Prefilled, PrefillScheduler
 from harnessrl.engine.prefix_cache import PrefixCache
@@ -119,6 +120,7 @@ class EmbeddedEngine:
         seed: int = 0,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        fast_decode: bool = True,
     ) -> None:
         """Load the model and tokenizer from `model_dir` and start the decode thread.
 
@@ -135,6 +137,9 @@ class EmbeddedEngine:
                 for SmolLM2-135M in float32, so the default 32768 is about 1.4 GiB); 0 turns
                 the cache off.
             prefill_chunk_tokens: most prompt tokens prefilled between two decode steps.
+            fast_decode: run decode steps through `engine/decode_step.py` when the model's
+                architecture is one it handles (the same logits, less overhead per step);
+                False, or another architecture: the model's own forward.
 
         Raises:
             EngineError: unknown dtype or non-positive sizes.
@@ -150,6 +155,7 @@ class EmbeddedEngine:
         if prefill_chunk_tokens < 1:
             raise EngineError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         self._model = load_causal_lm(Path(model_dir), dtype=dtype)
+        self._step = DecodeStep.for_model(self._model) if fast_decode else None
         self._tokenizer = load_tokenizer(Path(model_dir))
         config = self._model.config
         model_ctx = min(
@@ -417,8 +423,13 @@ class EmbeddedEngine:
 
     def _decode_step(self) -> None:
         inputs = self._batch.step_inputs()
-        out = self._model(**inputs, use_cache=True)
-        ids, lps, failed = self._sample(out.logits[:, -1, :], self._active)
+        if self._step is not None:
+            mask_B_L = inputs["attention_mask"]
+            logits_B_V = self._step(inputs["input_ids"][:, 0], inputs["position_ids"][:, 0],  # type: ignore[index]
+                                    mask_B_L.bool()[:, None, None, :], self._batch.cache.layers)  # type: ignore[union-attr]
+        else:
+            logits_B_V = self._model(**inputs, use_cache=True).logits[:, -1, :]
+        ids, lps, failed = self._sample(logits_B_V, self._active)
         self._batch.commit_step(inputs["attention_mask"], ids)  # type: ignore[arg-type]
         B = len(self._active)
         self._stats["decode_steps"] += 1

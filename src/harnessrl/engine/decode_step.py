@@ -1,0 +1,168 @@
+"""One decode step of a Llama-family causal LM, written against its weights directly.
+
+Responsibility: compute the next-token logits `[B, V]` of B rows that each feed one id, over
+the engine's KV batch (`engine/batch.py`: left-padded `BufferedLayer`s, new columns written in
+place), with the same arithmetic as transformers' modules (`LlamaRMSNorm`, `LlamaRotaryEmbedding`,
+`apply_rotary_pos_emb`, SDPA over the key/value heads as transformers' `pack_gqa` does for one
+query, `LlamaMLP`) but without their per-call overhead: on CPU at batch 8 the 30 layers of
+SmolLM2-135M spend a large share of a step in module calls, keyword plumbing and mask building
+rather than in matmuls. Each layer's q/k/v projections are one matmul and gate/up another: the
+model's own parameters are re-pointed at slices of one fused tensor per layer (no extra memory;
+`load_weights` writes through the model's `state_dict`, so the fused tensors stay current).
+
+Models handled (`DecodeStep.for_model` returns None otherwise, and the engine calls the model's
+own forward): `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases) and `MistralForCausalLM`
+without a sliding window, with SiLU MLPs, one tensor-parallel slice (`pretraining_tp == 1`) and
+sdpa or eager attention, no MLP biases. Anything else (q/k norms, sliding windows, other
+activations) goes through transformers.
+
+Exactness: the same operations in the same order as transformers, except that a fused
+projection is one GEMM over the concatenated weights (each output is the same dot product;
+BLAS may block it differently): `tests/test_decode_step.py` checks logits against the model's
+forward within 1e-5 and greedy ids identical over whole generations.
+Not thread-safe: called by the engine's decode thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of `linears` along the output dim and re-point each
+    module's parameters at its slice, so that writes through the model reach the fused tensor."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = [lin.bias is not None for lin in linears]
+    assert all(has_bias) or not any(has_bias), "fused projections mix biased and unbiased linears"
+    bias = torch.cat([lin.bias.detach() for lin in linears], dim=0) if all(has_bias) else None
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
+class DecodeStep:
+    """The decode forward of one model (see the module docstring)."""
+
+    @staticmethod
+    def for_model(model: nn.Module) -> DecodeStep | None:
+        """A `DecodeStep` over `model` when its architecture is one handled here, else None.
+        Fuses the model's projection weights in place (the model's outputs do not change)."""
+        config = getattr(model, "config", None)
+        if type(model).__name__ not in _SUPPORTED or config is None:
+            return None
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        if (
+            getattr(config, "hidden_act", None) != "silu"
+            or getattr(config, "pretraining_tp", 1) != 1
+            or getattr(config, "mlp_bias", False)
+            or getattr(config, "use_sliding_window", False)
+            or (type(model).__name__ == "MistralForCausalLM" and getattr(config, "sliding_window", None))
+            or any(t != "full_attention" for t in layer_types)
+            or getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager")
+        ):
+            return None
+        inner = getattr(model, "model", None)
+        attn0 = inner.layers[0].self_attn if inner is not None and len(inner.layers) else None
+        if attn0 is None or hasattr(attn0, "q_norm") or getattr(attn0, "sliding_window", None):
+            return None
+        return DecodeStep(model)
+
+    def __init__(self, model: nn.Module) -> None:
+        inner = model.model  # type: ignore[attr-defined]
+        attn = inner.layers[0].self_attn
+        self._embed = inner.embed_tokens
+        self._rotary = inner.rotary_emb
+        self._norm_w = inner.norm.weight
+        self._lm_head = model.lm_head  # type: ignore[attr-defined]
+        self._eps = float(inner.norm.variance_epsilon)
+        self._head_dim = int(attn.head_dim)
+        self._kv_heads = int(model.config.num_key_value_heads)  # type: ignore[attr-defined]
+        self._heads = int(model.config.num_attention_heads)  # type: ignore[attr-defined]
+        self._scaling = float(attn.scaling)
+        self._q_cols = self._heads * self._head_dim
+        self._kv_cols = self._kv_heads * self._head_dim
+        self._inter = int(inner.layers[0].mlp.gate_proj.weight.shape[0])
+        self._layers: list[_Layer] = []
+        for layer in inner.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
+            assert gate_up_b is None and mlp.down_proj.bias is None, "MLP biases are not handled"
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                assert float(norm.variance_epsilon) == self._eps, "layers with different RMSNorm eps"
+            self._layers.append(_Layer(
+                ln1=layer.input_layernorm.weight, qkv_w=qkv_w, qkv_b=qkv_b,
+                o_w=a.o_proj.weight, o_b=a.o_proj.bias, ln2=layer.post_attention_layernorm.weight,
+                gate_up_w=gate_up_w, down_w=mlp.down_proj.weight,
+            ))
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps)
+        return weight * x.to(dtype)
+
+    def __call__(
+        self,
+        ids_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        mask_B_1_1_L: torch.Tensor | None,
+        layers: list,  # BufferedLayer per model layer (anything with update(k, v) -> (keys, values))
+    ) -> torch.Tensor:
+        """Logits `[B, V]` of one step.
+
+        Args:
+            ids_B: the id each row feeds, long `[B]`.
+            positions_B: its position id, long `[B]`.
+            mask_B_1_1_L: bool, True where row b may attend key column j, over the L columns the
+                cache holds after this step's write (None: every column of every row).
+            layers: the cache layers; each `update(k, v)` writes this step's key/value
+                `[B, H_kv, 1, D]` and returns the keys/values `[B, H_kv, L, D]`.
+        """
+        B = ids_B.shape[0]
+        hd, nq, nkv = self._head_dim, self._q_cols, self._kv_cols
+        h = self._embed(ids_B.unsqueeze(-1))  # [B, 1, E]
+        cos, sin = self._rotary(h, positions_B.unsqueeze(-1))  # [B, 1, D] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
+        half = hd // 2
+        for ly, cache_layer in zip(self._layers, layers, strict=True):
+            x = self._rms(h, ly.ln1)
+            qkv = F.linear(x, ly.qkv_w, ly.qkv_b)  # [B, 1, nq + 2 nkv]
+            q = qkv[..., :nq].view(B, 1, self._heads, hd).transpose(1, 2)  # [B, H, 1, D]
+            k = qkv[..., nq : nq + nkv].view(B, 1, self._kv_heads, hd).transpose(1, 2)
+            v = qkv[..., nq + nkv :].view(B, 1, self._kv_heads, hd).transpose(1, 2)
+            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            keys, values = cache_layer.update(k, v)
+            q = q.reshape(B, self._kv_heads, self._heads // self._kv_heads, hd)  # one query: heads by kv head
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B_1_1_L, scale=self._scaling)
+            att = att.reshape(B, self._heads, 1, hd).transpose(1, 2).reshape(B, 1, nq)
+            h = h + F.linear(att, ly.o_w, ly.o_b)
+            x = self._rms(h, ly.ln2)
+            gu = F.linear(x, ly.gate_up_w)
+            h = h + F.linear(F.silu(gu[..., : self._inter]) * gu[..., self._inter :], ly.down_w)
+        h = self._rms(h, self._norm_w)
+        return self._lm_head(h)[:, -1, :]

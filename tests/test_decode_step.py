@@ -1,0 +1,109 @@
+"""engine/decode_step.py against the model's own forward: same logits, same greedy ids, weights
+loaded through the model reach the fused projections, unknown architectures left alone."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from harnessrl.engine.batch import KVBatch
+from harnessrl.engine.decode_step import DecodeStep
+from harnessrl.engine.embedded import EmbeddedEngine
+from harnessrl.engine.model_store import load_causal_lm
+from harnessrl.types import Sampling
+
+PROMPTS = [list(range(100, 103)), list(range(200, 231)), list(range(300, 317)), [7, 8]]
+
+
+def _batch(model: torch.nn.Module, prompts: list[list[int]]) -> KVBatch:
+    """A left-padded KV batch of `prompts` prefilled one by one with the model's forward."""
+    rows = []
+    with torch.inference_mode():
+        for p in prompts:
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=torch.tensor([p]), cache=cache, use_cache=True)
+            rows.append(([(ly.keys, ly.values) for ly in cache.layers], len(p), int(out.logits[0, -1].argmax())))
+    batch = KVBatch()
+    batch.add_rows(rows)
+    return batch
+
+
+def _steps_agree(model: torch.nn.Module, steps: int = 6) -> None:
+    """Greedy decode steps through the model's forward and through DecodeStep, from one prefill."""
+    ref_batch, fast_batch = _batch(model, PROMPTS), _batch(model, PROMPTS)
+    step = DecodeStep.for_model(model)
+    assert step is not None
+    with torch.inference_mode():
+        for _ in range(steps):
+            inputs = ref_batch.step_inputs()
+            want = model(**inputs, use_cache=True).logits[:, -1, :]
+            f = fast_batch.step_inputs()
+            got = step(f["input_ids"][:, 0], f["position_ids"][:, 0], f["attention_mask"].bool()[:, None, None, :],
+                       fast_batch.cache.layers)
+            assert got.shape == want.shape
+            diff = (got - want).abs().max().item()
+            assert diff <= 1e-5, f"logits differ by {diff}"
+            ids = want.argmax(-1).tolist()
+            assert got.argmax(-1).tolist() == ids
+            ref_batch.commit_step(inputs["attention_mask"], ids)
+            fast_batch.commit_step(f["attention_mask"], ids)
+
+
+def test_llama_step_equals_the_model_forward(tiny_model_dir: Path) -> None:
+    model = load_causal_lm(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _steps_agree(model)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "fusing changed a weight"
+
+
+def test_qwen2_step_with_qkv_biases_equals_the_model_forward() -> None:
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for lin in (model.model.layers[0].self_attn.q_proj, model.model.layers[1].self_attn.v_proj):
+            lin.bias.normal_(0, 0.5)  # non-zero biases, so a dropped bias would show
+    _steps_agree(model)
+
+
+def test_architectures_not_handled_are_left_to_transformers() -> None:
+    base = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2)
+    assert DecodeStep.for_model(LlamaForCausalLM(LlamaConfig(**base, hidden_act="gelu"))) is None
+    assert DecodeStep.for_model(LlamaForCausalLM(LlamaConfig(**base, mlp_bias=True))) is None
+    assert DecodeStep.for_model(torch.nn.Linear(2, 2)) is None
+    sliding = Qwen2Config(**base, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    assert DecodeStep.for_model(Qwen2ForCausalLM(sliding)) is None
+
+
+async def test_engine_with_and_without_the_step_agree(tiny_model_dir: Path) -> None:
+    samplings = [Sampling(temperature=0.0, max_tokens=20), Sampling(temperature=0.8, max_tokens=20, seed=5),
+                 Sampling(temperature=1.0, top_p=0.9, max_tokens=20, seed=6), Sampling(temperature=0.0, max_tokens=9)]
+    with (EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0) as fast,
+          EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0, fast_decode=False) as plain):
+        assert fast._step is not None and plain._step is None
+        got = await asyncio.gather(*(fast.generate(p, s) for p, s in zip(PROMPTS, samplings, strict=True)))
+        want = await asyncio.gather(*(plain.generate(p, s) for p, s in zip(PROMPTS, samplings, strict=True)))
+        assert fast.stats().batched_steps > 0
+        for g, w in zip(got, want, strict=True):
+            assert g.completion_ids == w.completion_ids
+            assert g.completion_logprobs == pytest.approx(w.completion_logprobs, abs=1e-5)
+
+        # weights loaded through the engine reach the fused projections
+        new = load_causal_lm(tiny_model_dir)
+        with torch.no_grad():
+            for p in new.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+        state = dict(new.state_dict())
+        await asyncio.to_thread(fast.load_weights, state, 1)
+        await asyncio.to_thread(plain.load_weights, state, 1)
+        g2 = await fast.generate(PROMPTS[1], samplings[0])
+        w2 = await plain.generate(PROMPTS[1], samplings[0])
+        assert g2.completion_ids == w2.completion_ids and g2.completion_ids != got[1].completion_ids
+        assert g2.completion_logprobs == pytest.approx(w2.completion_logprobs, abs=1e-5)
