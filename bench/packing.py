@@ -29,6 +29,11 @@ id of its own), and the sweep adds the arm `shared`: `pack_rows` with `share_pre
 (each group's prompt forwarded once per pack) against `segments` (whole rows, the layout
 before). Tokens/s counts the rows' tokens (what the step trains on), so the shared arm's
 saving shows as tokens/s; the packed tokens forwarded are printed too.
+
+`--before` adds the arm `before`: the trainer as it was before shared prefixes, segment
+attention and the fused token logprobs: whole rows, the dense block-diagonal mask, and the
+sampled ids' logprobs through autograd (`z.gather - logsumexp(z)`, patched in for that arm
+only). The summary then compares each arm with it (`shared` is the trainer now).
 """
 
 from __future__ import annotations
@@ -155,7 +160,15 @@ def one_budget(args: argparse.Namespace) -> None:
                      group_size=args.group_size, prefix_len=args.prefix_len)
     n_global = sum(r.num_trained_tokens for r in rows)
     shared = args.attention == "shared"
-    attention = "segments" if shared else args.attention
+    attention = "segments" if shared else "dense" if args.attention == "before" else args.attention
+    if args.attention == "before":  # the autograd formula the trainer used before token_logprobs
+        import harnessrl.train.packing as packing_module
+
+        def autograd_logprobs(logits_K_V: torch.Tensor, targets_K: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            z = logits_K_V.float() / scale
+            return z.gather(-1, targets_K[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+        packing_module.token_logprobs = autograd_logprobs  # type: ignore[assignment]
     packs = pack_rows(rows, token_budget=args.one_budget, share_prefixes=shared)
     # Warm-up on the smallest pack (allocator, kernels), then measure the whole step.
     packed_step(model, packs[-1:], n_global, False, attention)
@@ -173,6 +186,8 @@ def one_budget(args: argparse.Namespace) -> None:
 def sweep(args: argparse.Namespace) -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     arms = ("dense", "segments", "shared") if args.group_size > 1 and args.prefix_len > 0 else ("dense", "segments")
+    if args.before:
+        arms = ("before", *arms)
     best: dict[tuple[int, str], dict] = {}
     for _ in range(args.repeats):
         for budget in budgets:
@@ -202,6 +217,11 @@ def sweep(args: argparse.Namespace) -> None:
             h = best[(budget, "shared")]
             print(f"budget {budget}: shared {g['seconds'] / h['seconds']:.2f}x the tokens/s of segments "
                   f"({h['packed']} vs {g['packed']} tokens forwarded), peak memory {h['peak_mib']:.0f} MiB")
+        if "before" in arms:
+            b, now = best[(budget, "before")], best[(budget, arms[-1])]
+            print(f"budget {budget}: {arms[-1]} (now) {b['seconds'] / now['seconds']:.2f}x the tokens/s of before "
+                  f"({now['packed']} vs {b['packed']} tokens forwarded), peak memory {now['peak_mib']:.0f} vs "
+                  f"{b['peak_mib']:.0f} MiB")
 
 
 def main() -> None:
@@ -218,6 +238,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=1, help="rows per group sharing --prefix-len ids")
     parser.add_argument("--prefix-len", type=int, default=0, help="ids shared by the rows of a group")
     parser.add_argument("--budgets", default="", help="comma-separated token budgets: run the budget sweep")
+    parser.add_argument("--before", action="store_true",
+                        help="sweep: add the arm 'before' (whole rows, dense mask, autograd logprobs)")
     parser.add_argument("--one-budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="segments", help=argparse.SUPPRESS)
     args = parser.parse_args()
