@@ -125,3 +125,34 @@ async def test_replayed_groups_go_first_and_undelivered_ones_are_reported(tmp_pa
     assert orch.rollouts_running == 0, "cancelled rollouts no longer count as running"
     assert orch.rollouts_finished == 4 and len(seen) == 4, "a rollout cut by close() produces no Rollout"
     assert leftover_sandboxes(tmp_path) == []
+
+
+class SleepyHarness:
+    name = "sleepy"
+
+    async def run(self, task: Task, sandbox: object, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        import asyncio
+
+        await asyncio.sleep(0.6)
+        return HarnessResult(exit_code=0, timed_out=False, final_answer=task.task_id)
+
+
+async def test_idle_seconds_count_only_time_without_a_running_rollout(tmp_path: Path) -> None:
+    import asyncio
+
+    orch = _orch(SleepyHarness(), tmp_path)
+    await asyncio.sleep(0.3)
+    before = orch.idle_seconds
+    assert 0.25 <= before < 0.6
+    orch.allow(1)
+    orch.start()
+    try:
+        await asyncio.sleep(0.3)  # the group's rollouts are running: idle time stands still
+        assert orch.rollouts_running == 3
+        assert orch.idle_seconds - before < 0.2
+        await orch.get_group()
+        after_run = orch.idle_seconds
+        await asyncio.sleep(0.3)  # nothing dispatched: idle again
+        assert orch.idle_seconds - after_run >= 0.25
+    finally:
+        await orch.close()

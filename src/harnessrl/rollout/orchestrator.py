@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from harnessrl.harness.base import Harness
@@ -80,6 +81,8 @@ class Orchestrator:
         self.rollouts_started = 0
         self.rollouts_finished = 0
         self._running = 0
+        self._idle_since: float | None = time.monotonic()
+        self._idle_s = 0.0
         self._on_rollout = on_rollout
 
     def allow(self, n_groups: int) -> None:
@@ -125,6 +128,13 @@ class Orchestrator:
     def rollouts_running(self) -> int:
         """Rollouts started and not finished (they hold a concurrency slot)."""
         return self._running
+
+    @property
+    def idle_seconds(self) -> float:
+        """Wall seconds since construction during which no rollout was running: nothing could
+        send the engine work (the generation side's wait; compare two readings for a step)."""
+        open_idle = time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
+        return self._idle_s + open_idle
 
     @property
     def groups_in_flight(self) -> int:
@@ -175,6 +185,9 @@ class Orchestrator:
     async def _run_one(self, task: Task, group_id: int, verifier: Verifier) -> Rollout:
         async with self._rollout_slots:
             self.rollouts_started += 1
+            if self._running == 0 and self._idle_since is not None:
+                self._idle_s += time.monotonic() - self._idle_since
+                self._idle_since = None
             self._running += 1
             try:
                 rollout = await run_rollout(
@@ -182,6 +195,8 @@ class Orchestrator:
                 )
             finally:
                 self._running -= 1
+                if self._running == 0:
+                    self._idle_since = time.monotonic()
             self.rollouts_finished += 1
             if self._on_rollout is not None:
                 self._on_rollout(rollout)

@@ -257,6 +257,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 # `step` is 1-based: the k-th training step; checkpoints/step-k holds the state after it
                 for step in range(start_step + 1, cfg.train.steps + 1):
                     t_step = time.monotonic()
+                    idle_before = orch.idle_seconds
                     engine_before = _engine_stats(rt.engine)
                     # 1) pull the groups of this step (rollouts for later steps keep running)
                     groups = await _pull_groups(orch, groups_per_step, console, step, cfg.train.steps)
@@ -305,6 +306,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         "time/train_s": t_trained - t_pulled,
                         "time/sync_s": t_synced - t_trained,
                         "time/step_s": t_synced - t_step,
+                        # the generation side's wait: no rollout running (nothing for the engine)
+                        "time/rollouts_idle_s": orch.idle_seconds - idle_before,
                         "rollouts_in_flight_groups": orch.groups_in_flight,
                     })
                     engine_now = _engine_stats(rt.engine)  # prefix cache and batching, this step
