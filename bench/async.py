@@ -1,15 +1,29 @@
 """Async vs synchronous training: wall time of the same N-step run, in one process.
 
-Runs `harnessrl train` twice on the same config: once with `train.max_staleness = 1` (rollouts
-for step k+1 run while step k trains) and once with `max_staleness = 0` (rollouts and training in
-turn). Both use the same thread split (engine 1 torch thread, trainer 1 torch thread), so on a
-2-core machine the async run overlaps generation and training on the two cores. Prints both wall
-times, the speed-up ratio, the load average, and where each run's steps waited (sums over steps
-of the metrics every run logs: `time/rollout_wait_s` the trainer waiting for rollouts,
-`time/train_s`, `time/sync_s` the weight sync; and the engine's mean decode batch and prefix-cache
-hit fraction, `engine/*`). Target: >= 1.8x.
+Runs `harnessrl train` twice on the same config: once with `train.max_staleness = 0` (rollouts
+and training in turn) and once with `max_staleness = 1` (rollouts for step k+1 run while step k
+trains). Both use the same thread split (engine 1 torch thread, trainer 1 torch thread), so on a
+2-core machine the async run overlaps generation on one core and training on the other.
 
-    .venv/bin/python bench/async.py --steps 4
+What it reports, per run, from the metrics every run logs in `metrics.jsonl`:
+  * the wall time of the steps (first step's start to last step's end: the same steps, same
+    work; runtime start-up, the same in both runs, is printed apart) and of the whole call;
+  * where each side waited, as means per step: `time/rollout_wait_s` (the trainer waiting for
+    rollouts), `time/train_s`, `time/sync_s` (the weight sync), and `time/rollouts_idle_s`
+    (no rollout running: nothing for the engine to do, the generation side's wait); the
+    engine's mean decode batch and prefix-cache hit fraction (`engine/*`).
+From the synchronous run, where the two sides never overlap, it takes generation g (its
+rollout wait per step), training t and sync s, and prints the best the async loop can do on
+the same steps, `g + (N-1) max(g, t+s) + t + s` (a pipeline of N steps, staleness 1), and the
+ceiling ratio it gives: `2N / (N+1)` when g = t + s, lower when the sides are unbalanced.
+Target: >= 1.8x (needs N >= 9 balanced steps).
+
+Workload (chosen so that both sides take comparable time per step on the CPU default, and
+every group trains: a deterministic alternating reward): white-box single-reply rollouts of
+the procedural `compare` / `add` tasks, `--group-size` x `--groups-per-step` rollouts a step,
+replies up to `--max-tokens`, at most `--concurrency` rollouts at once (default: one step's).
+
+    .venv/bin/python bench/async.py --steps 10
 """
 
 from __future__ import annotations
@@ -33,46 +47,75 @@ def run_once(overrides: list[str], max_staleness: int, steps: int) -> tuple[floa
     run_dir = Path(tempfile.mkdtemp(prefix=f"harnessrl-async-s{max_staleness}-"))
     t0 = time.monotonic()
     history = asyncio.run(train(cfg, run_dir))
+    print(f"  run dir {run_dir} (metrics.jsonl)", flush=True)
     return time.monotonic() - t0, history
+
+
+def mean(hist: list[dict], key: str) -> float:
+    values = [m[key] for m in hist if key in m]
+    return sum(values) / len(values) if values else 0.0
+
+
+def describe(name: str, wall: float, hist: list[dict]) -> tuple[float, str]:
+    """The steps' wall time, and one line of where the run's steps waited."""
+    steps_wall = sum(m.get("time/step_s", 0.0) for m in hist)
+    with_engine = [m for m in hist if m.get("engine/decode_steps")]
+    batch = sum(m["engine/mean_batch_size"] for m in with_engine) / len(with_engine) if with_engine else 0.0
+    prompt = sum(m.get("engine/prefill_tokens", 0.0) + m.get("engine/prefix_hit_tokens", 0.0) for m in hist)
+    hit = sum(m.get("engine/prefix_hit_tokens", 0.0) for m in hist) / prompt if prompt else 0.0
+    idle = sum(m.get("time/rollouts_idle_s", 0.0) for m in hist)
+    line = (f"{name}: steps {steps_wall:.1f} s (whole call {wall:.1f} s, start-up {wall - steps_wall:.1f} s); "
+            f"per step: trainer waits for rollouts {mean(hist, 'time/rollout_wait_s'):.1f} s, trains "
+            f"{mean(hist, 'time/train_s'):.1f} s, syncs {mean(hist, 'time/sync_s'):.2f} s; no rollout running "
+            f"{mean(hist, 'time/rollouts_idle_s'):.1f} s ({idle / steps_wall:.0%} of the steps); engine mean batch "
+            f"{batch:.1f}, prefix hits {hit:.0%}; trained {mean(hist, 'tokens_trained'):.0f} of "
+            f"{mean(hist, 'tokens_packed'):.0f} packed tokens a step, "
+            f"{sum(m.get('rows_stale_dropped', 0.0) for m in hist):.0f} stale rows dropped")
+    return steps_wall, line
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--harness", default="white_box")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--groups-per-step", type=int, default=2)
+    parser.add_argument("--groups-per-step", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=0, help="rollouts at once (0: one step's)")
+    parser.add_argument("--order", choices=("sync-first", "async-first"), default="sync-first")
     args = parser.parse_args()
+    concurrency = args.concurrency or args.group_size * args.groups_per_step
     opts = "{tools = [], max_turns = 1}" if args.harness == "white_box" else "{step_limit = 2}"
     overrides = [
         f"engine.model={json.dumps(args.model)}", f"harness.kind={json.dumps(args.harness)}",
         f"harness.options={opts}", "tasks.kinds=[\"compare\", \"add\"]", "tasks.answer_via=\"reply\"",
         f"sampling.max_tokens={args.max_tokens}", f"rollout.group_size={args.group_size}",
-        f"rollout.max_concurrent_rollouts={2 * args.group_size * args.groups_per_step}",
+        f"rollout.max_concurrent_rollouts={concurrency}",
         f"train.groups_per_step={args.groups_per_step}", "train.learning_rate=1e-6",
+        "engine.num_threads=1", "train.num_threads=1",
         # every group trains (no zero-variance skips), so both runs do the same work per step
         "hooks.rollout_reward_fn=\"harnessrl.recipes.shaping:alternating_smoke_reward\"",
     ]
-    sync_s, sync_hist = run_once(overrides, 0, args.steps)
-    async_s, async_hist = run_once(overrides, 1, args.steps)
-
-    def split(hist: list[dict]) -> str:
-        def total(key: str) -> float:
-            return sum(m.get(key, 0.0) for m in hist)
-
-        steps = [m for m in hist if m.get("engine/decode_steps")]
-        batch = sum(m["engine/mean_batch_size"] for m in steps) / len(steps) if steps else 0.0
-        prompt = total("engine/prefill_tokens") + total("engine/prefix_hit_tokens")
-        hit = total("engine/prefix_hit_tokens") / prompt if prompt else 0.0
-        return (f"waiting for rollouts {total('time/rollout_wait_s'):.1f} s, training {total('time/train_s'):.1f} s, "
-                f"weight sync {total('time/sync_s'):.1f} s; engine mean batch {batch:.1f}, prefix hits {hit:.0%}")
-
-    print(f"load average {os.getloadavg()[0]:.1f} (2 shared cores)")
-    print(f"synchronous (max_staleness=0): {sync_s:.1f} s  [{split(sync_hist)}]")
-    print(f"asynchronous (max_staleness=1): {async_s:.1f} s  [{split(async_hist)}]")
-    print(f"speed-up async vs sync: {sync_s / async_s:.2f}x over {args.steps} steps (target >= 1.8x)")
+    load_start = os.getloadavg()[0]
+    runs: dict[int, tuple[float, list[dict]]] = {}
+    for staleness in ((0, 1) if args.order == "sync-first" else (1, 0)):
+        print(f"running max_staleness={staleness} ...", flush=True)
+        runs[staleness] = run_once(overrides, staleness, args.steps)
+    sync_steps, sync_line = describe("synchronous (max_staleness=0)", *runs[0])
+    async_steps, async_line = describe("asynchronous (max_staleness=1)", *runs[1])
+    g, t, s = (mean(runs[0][1], k) for k in ("time/rollout_wait_s", "time/train_s", "time/sync_s"))
+    n = args.steps
+    best_async = g + (n - 1) * max(g, t + s) + t + s
+    print(f"workload: {args.harness}, {args.group_size} x {args.groups_per_step} rollouts a step, replies <= "
+          f"{args.max_tokens} tokens, {concurrency} at once, {n} steps")
+    print(f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end (2 shared cores)")
+    print(sync_line)
+    print(async_line)
+    print(f"balance (synchronous run): generation {g:.1f} s vs training + sync {t + s:.1f} s a step; best async "
+          f"pipeline {best_async:.1f} s, ceiling {sync_steps / best_async:.2f}x")
+    print(f"speed-up async vs sync: {sync_steps / async_steps:.2f}x on the steps' wall time "
+          f"({runs[0][0] / runs[1][0]:.2f}x whole calls) over {n} steps (target >= 1.8x)")
 
 
 if __name__ == "__main__":
