@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from harnessrl.sandbox.podman import (
     remove_containers,
     remove_orphans,
 )
+from harnessrl.sandbox.podman_host import kill_members
 from harnessrl.tasks.base import Task
 from sandbox_kits import KITS, assert_no_podman_leftovers, podman_problem
 
@@ -122,6 +124,28 @@ async def test_cancelled_exec_leaves_no_container(sandbox_root: Path) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert sb.list_processes() == []
+    finally:
+        await sb.close()
+
+
+async def test_kill_members_kills_every_process_of_the_containers_from_the_host(sandbox_root: Path) -> None:
+    sb = await _backend(sandbox_root).create("hostkill", {})
+    try:
+        # PID 1 ignores SIGTERM; a grandchild left the session: SIGKILL through the cgroup ends both
+        proc = await sb.spawn(["bash", "-c", "trap '' TERM; setsid sleep 60 & sleep 60"])
+        for _ in range(200):
+            if len(sb.list_processes()) >= 3:
+                break
+            await asyncio.sleep(0.05)
+        members = sb.list_processes()
+        assert len(members) == 3, members
+        t0 = time.monotonic()
+        assert 1 <= kill_members(sb.sandbox_id) <= 3  # the rest may die with PID 1 before their turn
+        killed_s = time.monotonic() - t0
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in members)
+        assert killed_s < 0.5, f"{killed_s:.2f} s"  # no podman process in the way (podman rm: ~1 s)
+        assert await proc.wait(30) == 137  # SIGKILL, podman's 128+9
+        assert kill_members(sb.sandbox_id) == 0
     finally:
         await sb.close()
 
