@@ -1,22 +1,26 @@
-"""The decode batch: a left-padded KV cache of B sequences, their attention mask and positions.
+"""The decode batch: the KV cache of B sequences in slots, their positions and the ids they feed next.
 
 Responsibility: hold the per-layer key/value tensors of every active sequence in one batch so
-that a decode step is one forward over `[B, 1]` new ids; let a freshly prefilled sequence join
-(`add`) and finished ones leave (`remove`) between steps.
+that a decode step is one forward over `[B, 1]` new ids; let freshly prefilled sequences join
+(`add_rows`) and finished ones leave (`remove`) between steps, without copying the others.
 
-Layout (shapes per layer): keys/values `[B, H_kv, L, D]`, left-padded: row b's real tokens
-occupy the last `n_b` columns; `mask_B_L[b, j]` is 1 on real columns, 0 on padding;
-`positions_B[b]` is the position id of row b's next input (= its number of real tokens), so
-each row sees the same position ids as it would alone, and padding is invisible to attention.
-The buffers keep spare room along L (amortised doubling), so a decode step writes the new
-key/value column in place instead of re-concatenating the whole cache (what `DynamicLayer`
-does each step, an O(B*L) copy per layer per step).
+Layout (shapes per layer): preallocated buffers keys/values `[S, H_kv, C, D]` (S slots >= B,
+C columns, both grown by doubling). Row b holds its n_b tokens in columns `[0, n_b)` of slot b
+(right-padded); `positions_B[b] = n_b` is the position id of its next input and the column a
+decode step writes that input's key/value into (`SlotLayer.update`, one indexed write per
+layer, in place). Attention runs over the first `L = max_b n_b + 1` columns with the mask
+`column <= n_b` (`step_mask`), so a row sees exactly its own tokens and the stale or zero
+columns past its end are invisible; rotary position ids are applied before the write, so a
+row's keys do not depend on where it sits. A row joining writes only its own KV into a free
+slot; a row leaving moves the rows after it down one slot (their real columns only); the
+buffers shrink when they hold more than twice what the rows need.
 
 What it deliberately does not do: paged/blocked memory, prefix sharing (the prefix cache,
 `engine/prefix_cache.py`, keeps its own copies: `row_kv`), sliding-window layers (only
 full-attention `DynamicLayer` models such as Llama/SmolLM2/Qwen2), prefill (the engine
-prefills each prompt in its own batch-1 cache, in chunks, and `add`s it).
-Invariant: after `trim`, column 0 is real for at least one row (no all-padding columns).
+prefills prompts in their own caches, `engine/prefill.py`, and adds them).
+`BufferedLayer` (a left-aligned buffer with spare columns) is the prefill scheduler's layout
+for several prompts in one forward.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 _MIN_SPARE_COLS = 64
+_MIN_SLOTS = 4
 
 
 def _with_room(t_B_H_L_D: torch.Tensor, total_cols: int, batch: int | None = None) -> torch.Tensor:
@@ -66,6 +71,25 @@ class BufferedLayer(DynamicLayer):
         return self.keys, self.values
 
 
+class SlotLayer(DynamicLayer):
+    """One layer of a `KVBatch`: `update` writes row b's new key/value at column `positions_B[b]`
+    of its slot and returns views `[B, H, L, D]` of the columns a step attends over."""
+
+    def __init__(self, batch: KVBatch, index: int) -> None:
+        super().__init__()
+        self.is_initialized = True
+        self._batch, self._index = batch, index
+        self.device = batch._k[index].device
+        self.keys, self.values = batch.views(index)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert key_states.shape[-2] == 1, "a KVBatch layer takes one new column per step (decode only)"
+        self.keys, self.values = self._batch.write(self._index, key_states, value_states)
+        return self.keys, self.values
+
+
 class KVBatch:
     """Mutable state of the running batch; owned by one thread (the engine's decode thread)."""
 
@@ -73,26 +97,47 @@ class KVBatch:
         self._reset()
 
     def _reset(self) -> None:
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
         self.cache: Cache | None = None
-        self.mask_B_L = torch.zeros((0, 0), dtype=torch.long)
+        self.lengths: list[int] = []
+        """n_b per row (Python ints: no tensor read per step)."""
         self.positions_B = torch.zeros((0,), dtype=torch.long)
         self.last_ids_B = torch.zeros((0,), dtype=torch.long)
+        self._rows_B = torch.zeros((0,), dtype=torch.long)
+        self._step_cols = 0
 
     @property
     def size(self) -> int:
-        return int(self.positions_B.shape[0])
+        return len(self.lengths)
 
     @property
     def length(self) -> int:
-        """L: columns of the cache (longest row, including padding)."""
-        return int(self.mask_B_L.shape[1])
+        """Columns holding a real token of some row (the longest row's n_b)."""
+        return max(self.lengths, default=0)
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(slots, columns) of the buffers."""
+        return (int(self._k[0].shape[0]), int(self._k[0].shape[2])) if self._k else (0, 0)
+
+    # -- what the layers call -----------------------------------------------------------
+
+    def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values `[B, H, L, D]` of `layer` over the columns the next step attends to."""
+        B, L = self.size, self._step_cols
+        return self._k[layer][:B, :, :L], self._v[layer][:B, :, :L]
+
+    def write(self, layer: int, k_B_H_1_D: torch.Tensor, v_B_H_1_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's key/value of every row at its own column; returns `views(layer)`."""
+        self._k[layer][self._rows_B, :, self.positions_B] = k_B_H_1_D[:, :, 0]
+        self._v[layer][self._rows_B, :, self.positions_B] = v_B_H_1_D[:, :, 0]
+        return self.views(layer)
+
+    # -- rows joining and leaving -------------------------------------------------------
 
     def add(self, prefilled: Cache, prompt_len: int, first_id: int) -> None:
-        """Append one prefilled sequence (batch 1, `prompt_len` columns) as a new last row.
-
-        Its next input is `first_id` (the id sampled from the prefill logits) at position
-        `prompt_len`. Costs one copy of the whole cache (only at admission).
-        """
+        """Append one prefilled sequence (batch 1, `prompt_len` columns) as a new last row."""
         kv = []
         for layer in prefilled.layers:
             assert layer.keys is not None and layer.values is not None, "prefill cache has an empty layer"
@@ -100,91 +145,107 @@ class KVBatch:
         self.add_rows([(kv, prompt_len, first_id)])
 
     def add_rows(self, rows: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]]) -> None:
-        """Append prefilled sequences as new last rows, in order, with one copy of the cache.
+        """Append prefilled sequences as new last rows, in order; copies only their KV.
 
         Each row is `(kv, prompt_len, first_id)`: per layer (keys, values) `[1, H, prompt_len, D]`
         (views are fine: they are copied), and the id its next step feeds at position `prompt_len`.
         """
         if not rows:
             return
-        B, L = self.size, self.length
-        new_L = max(L, *(n for _, n, _ in rows))
-        cols = new_L + _MIN_SPARE_COLS
-        R = len(rows)
-        layers: list[BufferedLayer] = []
-        for i in range(len(rows[0][0])):
-            k0, v0 = rows[0][0][i]
-            assert k0.shape[0] == 1, "prefill cache must be batch 1"
-            k_buf = _with_room(k0, cols, batch=B + R)
-            v_buf = _with_room(v0, cols, batch=B + R)
-            if self.cache is not None and B > 0:
-                old = self.cache.layers[i]
-                k_buf[:B, :, new_L - L : new_L] = old.keys
-                v_buf[:B, :, new_L - L : new_L] = old.values
-            for r, (kv, n, _) in enumerate(rows):
-                k_new, v_new = kv[i]
+        B, R = self.size, len(rows)
+        need_cols = max(self.length, *(n for _, n, _ in rows)) + 1
+        self._ensure(B + R, need_cols, like=rows[0][0])
+        for r, (kv, n, _) in enumerate(rows):
+            assert len(kv) == len(self._k), "row KV has another number of layers than the batch"
+            for i, (k_new, v_new) in enumerate(kv):
+                assert k_new.shape[0] == 1, "prefill cache must be batch 1"
                 assert k_new.shape[-2] == n and v_new.shape[-2] == n, "row KV length differs from its prompt_len"
-                k_buf[B + r, :, new_L - n : new_L] = k_new[0]
-                v_buf[B + r, :, new_L - n : new_L] = v_new[0]
-            layers.append(BufferedLayer(k_buf, v_buf, new_L))
-        self.cache = Cache(layers=layers)
-        mask = torch.zeros((B + R, new_L), dtype=torch.long)
-        mask[:B, new_L - L :] = self.mask_B_L
-        for r, (_, n, _) in enumerate(rows):
-            mask[B + r, new_L - n :] = 1
-        self.mask_B_L = mask
-        self.positions_B = torch.cat([self.positions_B, torch.tensor([n for _, n, _ in rows])])
-        self.last_ids_B = torch.cat([self.last_ids_B, torch.tensor([t for _, _, t in rows])])
+                self._k[i][B + r, :, :n] = k_new[0]
+                self._v[i][B + r, :, :n] = v_new[0]
+        self.lengths.extend(n for _, n, _ in rows)
+        self.positions_B = torch.cat([self.positions_B, torch.tensor([n for _, n, _ in rows], dtype=torch.long)])
+        self.last_ids_B = torch.cat([self.last_ids_B, torch.tensor([t for _, _, t in rows], dtype=torch.long)])
+        self._rows_B = torch.arange(self.size)
+
+    def remove(self, rows: list[int]) -> None:
+        """Drop the given row indices; the rows after them move down (order kept)."""
+        if not rows:
+            return
+        gone = set(rows)
+        keep = [b for b in range(self.size) if b not in gone]
+        if not keep:
+            self._reset()
+            return
+        moved = [(j, b) for j, b in enumerate(keep) if j != b]
+        if moved:
+            dst = torch.tensor([j for j, _ in moved], dtype=torch.long)
+            src = torch.tensor([b for _, b in moved], dtype=torch.long)
+            L = max(self.lengths[b] for _, b in moved)
+            for buf in (*self._k, *self._v):
+                buf[dst, :, :L] = buf[src, :, :L]  # the right side is gathered first: no overlap
+        keep_t = torch.tensor(keep, dtype=torch.long)
+        self.lengths = [self.lengths[b] for b in keep]
+        self.positions_B = self.positions_B.index_select(0, keep_t)
+        self.last_ids_B = self.last_ids_B.index_select(0, keep_t)
+        self._rows_B = torch.arange(self.size)
+        slots, cols = self.capacity
+        if cols > 2 * (self.length + 1) + _MIN_SPARE_COLS or slots > 2 * max(self.size, _MIN_SLOTS):
+            self._resize(max(self.size, _MIN_SLOTS), self.length + 1 + _MIN_SPARE_COLS)
 
     def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of row `row`'s real columns per layer: (keys, values), each `[1, H, n, D]`
         with n = the row's tokens fed so far (its position); for the prefix cache."""
-        assert self.cache is not None and 0 <= row < self.size, f"no row {row} in a batch of {self.size}"
-        n = int(self.positions_B[row])
-        L = self.length
-        return [
-            (layer.keys[row : row + 1, :, L - n :].clone(), layer.values[row : row + 1, :, L - n :].clone())
-            for layer in self.cache.layers
-        ]
+        assert 0 <= row < self.size, f"no row {row} in a batch of {self.size}"
+        n = self.lengths[row]
+        return [(k[row : row + 1, :, :n].clone(), v[row : row + 1, :, :n].clone()) for k, v in zip(self._k, self._v)]
+
+    # -- one decode step ----------------------------------------------------------------
+
+    def step_mask(self) -> torch.Tensor:
+        """Bool `[B, 1, 1, L]`, True where row b attends column j (j <= n_b); L = longest row + 1."""
+        L = self.length + 1
+        return (torch.arange(L).unsqueeze(0) <= self.positions_B.unsqueeze(1))[:, None, None, :]
 
     def step_inputs(self) -> dict[str, torch.Tensor | Cache]:
-        """Model kwargs for one decode step: ids `[B, 1]`, mask `[B, L+1]`, positions `[B, 1]`."""
+        """Model kwargs for one decode step: ids `[B, 1]`, the 4D bool mask of `step_mask`,
+        positions `[B, 1]`, the cache (its layers write in place)."""
         assert self.cache is not None and self.size > 0, "decode step on an empty batch"
-        ones_B_1 = torch.ones((self.size, 1), dtype=torch.long)
+        need = self.length + 1
+        if need > self.capacity[1]:
+            self._resize(self.capacity[0], max(2 * self.capacity[1], need + _MIN_SPARE_COLS))
+        self._step_cols = need
         return {
             "input_ids": self.last_ids_B.unsqueeze(-1),
-            "attention_mask": torch.cat([self.mask_B_L, ones_B_1], dim=1),
+            "attention_mask": self.step_mask(),
             "position_ids": self.positions_B.unsqueeze(-1),
             "cache": self.cache,
         }
 
-    def commit_step(self, attention_mask_B_L: torch.Tensor, next_ids: list[int]) -> None:
+    def commit_step(self, next_ids: list[int]) -> None:
         """Record that the step consumed one column per row and which ids feed the next step."""
-        self.mask_B_L = attention_mask_B_L
+        self.lengths = [n + 1 for n in self.lengths]
         self.positions_B = self.positions_B + 1
         self.last_ids_B = torch.tensor(next_ids, dtype=torch.long)
 
-    def remove(self, rows: list[int]) -> None:
-        """Drop the given row indices, then trim leading all-padding columns."""
-        if not rows:
+    # -- buffers ------------------------------------------------------------------------
+
+    def _ensure(self, slots: int, cols: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not self._k:
+            self._k = [_with_room(k, cols + _MIN_SPARE_COLS, batch=max(slots, _MIN_SLOTS)) for k, _ in like]
+            self._v = [_with_room(v, cols + _MIN_SPARE_COLS, batch=max(slots, _MIN_SLOTS)) for _, v in like]
+            self.cache = Cache(layers=[SlotLayer(self, i) for i in range(len(self._k))])
             return
-        keep = [b for b in range(self.size) if b not in set(rows)]
-        if not keep:
-            self._reset()
-            return
-        keep_t = torch.tensor(keep, dtype=torch.long)
-        mask = self.mask_B_L.index_select(0, keep_t)
-        first_real = int(torch.nonzero(mask.any(dim=0))[0, 0])
-        new_L = mask.shape[1] - first_real
-        assert self.cache is not None, "rows to remove from an empty batch"
-        layers: list[BufferedLayer] = []
-        for old in self.cache.layers:
-            k_buf = _with_room(old.keys, new_L + _MIN_SPARE_COLS, batch=len(keep))
-            v_buf = _with_room(old.values, new_L + _MIN_SPARE_COLS, batch=len(keep))
-            k_buf[:, :, :new_L] = old.keys.index_select(0, keep_t)[:, :, first_real:]
-            v_buf[:, :, :new_L] = old.values.index_select(0, keep_t)[:, :, first_real:]
-            layers.append(BufferedLayer(k_buf, v_buf, new_L))
-        self.cache = Cache(layers=layers)
-        self.mask_B_L = mask[:, first_real:].contiguous()
-        self.positions_B = self.positions_B.index_select(0, keep_t)
-        self.last_ids_B = self.last_ids_B.index_select(0, keep_t)
+        have_slots, have_cols = self.capacity
+        if slots > have_slots or cols > have_cols:
+            self._resize(max(slots, 2 * have_slots if slots > have_slots else have_slots),
+                         max(cols + _MIN_SPARE_COLS, 2 * have_cols) if cols > have_cols else have_cols)
+
+    def _resize(self, slots: int, cols: int) -> None:
+        """New buffers `[slots, H, cols, D]` holding the rows' real columns."""
+        B, L = self.size, self.length
+        assert slots >= B and cols > L, f"buffers of {slots}x{cols} cannot hold {B} rows of {L}"
+        for bufs in (self._k, self._v):
+            for i, old in enumerate(bufs):
+                new = _with_room(old, cols, batch=slots)
+                new[:B, :, :L] = old[:B, :, :L]
+                bufs[i] = new

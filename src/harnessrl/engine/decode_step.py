@@ -1,7 +1,7 @@
 """One decode step of a Llama-family causal LM, written against its weights directly.
 
 Responsibility: compute the next-token logits `[B, V]` of B rows that each feed one id, over
-the engine's KV batch (`engine/batch.py`: left-padded `BufferedLayer`s, new columns written in
+the engine's KV batch (`engine/batch.py`: slots whose layers write each row's new column in
 place), with the same arithmetic as transformers' modules (`LlamaRMSNorm`, `LlamaRotaryEmbedding`,
 `apply_rotary_pos_emb`, SDPA over the key/value heads as transformers' `pack_gqa` does for one
 query, `LlamaMLP`) but without their per-call overhead: on CPU at batch 8 the 30 layers of
@@ -130,7 +130,7 @@ class DecodeStep:
         ids_B: torch.Tensor,
         positions_B: torch.Tensor,
         mask_B_1_1_L: torch.Tensor | None,
-        layers: list,  # BufferedLayer per model layer (anything with update(k, v) -> (keys, values))
+        layers: list,  # per model layer, anything with update(k, v) -> (keys, values): `SlotLayer`s
     ) -> torch.Tensor:
         """Logits `[B, V]` of one step.
 

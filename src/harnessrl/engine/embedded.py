@@ -14,11 +14,12 @@ Each loop iteration:
      rows, each from the longest prefix of its prompt in the prefix cache; those whose new
      tokens fit the budget are prefilled together in one forward, a longer one in chunks
      between decode steps. Each prompt done has its KV stored in the prefix cache, its first
-     id sampled, and its KV merged into the left-padded batch (one copy for all of them);
-  3) one decode step: a single forward over `[B, 1]` ids (per-row position ids and padding
-     mask), sample every row (`engine/sampler.py`), finish rows that hit max_tokens, an EOS id
-     or a stop string, store a finished row's KV (prompt + completion) in the prefix cache, and
-     drop it from the batch.
+     id sampled, and its KV copied into a free slot of the batch (`KVBatch.add_rows`);
+  3) one decode step: a single forward over `[B, 1]` ids (per-row position ids, each row's
+     key/value written at its own column, a mask of its valid length; `engine/decode_step.py`
+     for Llama-family models, the model's forward otherwise), sample every row
+     (`engine/sampler.py`), finish rows that hit max_tokens, an EOS id or a stop string, store
+     a finished row's KV (prompt + completion) in the prefix cache, and drop it from the batch.
 A request arriving mid-generation therefore joins at the next step; a finished one leaves.
 An agent's next turn (previous prompt + reply + tool output) and the other rollouts of a group
 (same task prompt; they are prefilled one after another, so the second finds the first's KV)
@@ -156,6 +157,7 @@ class EmbeddedEngine:
             raise EngineError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         self._model = load_causal_lm(Path(model_dir), dtype=dtype)
         self._step = DecodeStep.for_model(self._model) if fast_decode else None
+        self._additive_mask = getattr(self._model.config, "_attn_implementation", "sdpa") != "sdpa"
         self._tokenizer = load_tokenizer(Path(model_dir))
         config = self._model.config
         model_ctx = min(
@@ -422,15 +424,20 @@ class EmbeddedEngine:
         self._batch.add_rows(joined)
 
     def _decode_step(self) -> None:
-        inputs = self._batch.step_inputs()
+        batch = self._batch
+        inputs = batch.step_inputs()
         if self._step is not None:
-            mask_B_L = inputs["attention_mask"]
-            logits_B_V = self._step(inputs["input_ids"][:, 0], inputs["position_ids"][:, 0],  # type: ignore[index]
-                                    mask_B_L.bool()[:, None, None, :], self._batch.cache.layers)  # type: ignore[union-attr]
+            assert batch.cache is not None
+            logits_B_V = self._step(batch.last_ids_B, batch.positions_B, inputs["attention_mask"],  # type: ignore[arg-type]
+                                    batch.cache.layers)
         else:
+            if self._additive_mask:  # eager attention adds the mask to the scores
+                mask = inputs["attention_mask"]
+                inputs["attention_mask"] = torch.zeros(mask.shape, dtype=self._model.dtype).masked_fill(  # type: ignore[union-attr]
+                    ~mask, torch.finfo(self._model.dtype).min)  # type: ignore[operator]
             logits_B_V = self._model(**inputs, use_cache=True).logits[:, -1, :]
         ids, lps, failed = self._sample(logits_B_V, self._active)
-        self._batch.commit_step(inputs["attention_mask"], ids)  # type: ignore[arg-type]
+        batch.commit_step(ids)
         B = len(self._active)
         self._stats["decode_steps"] += 1
         self._stats["batched_steps"] += int(B > 1)
