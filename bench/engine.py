@@ -41,6 +41,9 @@ is not timed), greedy ids compared with `model.generate`'s. `agent`: `vllm-fp32`
 same rollouts (vLLM's own prefix cache on; its prefill count is not observable from outside, so
 only tokens/s and turn latency are reported for it).
 
+The engine's decode steps go through `engine/decode_step.py` (`--no-fast-decode`: the model's
+own forward, for comparison). The load average is printed at start and end (the machine is shared).
+
 Run: `.venv/bin/python bench/engine.py [--workload agent] [--threads 2] [--max-tokens 64] [--repeats 2]`.
 What it does not do: sampling benchmarks, GPU runs.
 """
@@ -254,14 +257,14 @@ def agent_main(args: argparse.Namespace, model_dir: Path, tokenizer: object, mod
     probe.close()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]  # type: ignore[attr-defined]
     print(f"workload=agent rollouts={args.rollouts} turns={args.turns} max_tokens={args.max_tokens} "
-          f"tool_tokens={args.tool_tokens} threads={args.threads} repeats={args.repeats} "
+          f"tool_tokens={args.tool_tokens} threads={args.threads} repeats={args.repeats} fast_decode={args.fast_decode} "
           f"first prompt={len(agent_prompt(tokenizer))} ids; best wall of interleaved repeats (machine shared)")
     best: dict[str, dict] = {}
     same_ids = True
     for _ in range(args.repeats):
         results = {}
         for name, cache_tokens in (("engine+cache", args.prefix_cache_tokens), ("engine-nocache", 0)):
-            with EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8,
+            with EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, fast_decode=args.fast_decode,
                                 prefix_cache_tokens=cache_tokens, prefill_chunk_tokens=args.chunk) as eng:
                 eng.generate_blocking(agent_prompt(tokenizer)[:8], Sampling(temperature=0.0, max_tokens=2))  # warm-up
                 results[name] = run_agent_engine(eng, tokenizer, args)
@@ -311,9 +314,19 @@ def main() -> None:
     parser.add_argument("--prefix-cache-tokens", type=int, default=32768, help="agent: the cache's bound")
     parser.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens")
     parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM arms")
+    parser.add_argument("--no-fast-decode", dest="fast_decode", action="store_false",
+                        help="engine decode steps through the model's forward instead of engine/decode_step.py")
     args = parser.parse_args()
     args.vllm = args.vllm and vllm_available()
     torch.set_num_threads(args.threads)
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    try:
+        run_workload(args)
+    finally:
+        print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def run_workload(args: argparse.Namespace) -> None:
     model_dir = resolve_model("smollm2-135m")
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir)
@@ -321,11 +334,11 @@ def main() -> None:
         agent_main(args, model_dir, tokenizer, model)
         return
     engine = EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0,
-                            prefill_chunk_tokens=args.chunk)
+                            prefill_chunk_tokens=args.chunk, fast_decode=args.fast_decode)
     eos_ids = engine.eos_token_ids
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     all_prompts = render_prompts(tokenizer, 8)
-    print(f"threads={args.threads} max_tokens={args.max_tokens} repeats={args.repeats} "
+    print(f"threads={args.threads} max_tokens={args.max_tokens} repeats={args.repeats} fast_decode={args.fast_decode} "
           f"prompt lengths={[len(p) for p in all_prompts]}")
     bench_engine(engine, all_prompts[:2], 8)  # warm-up
     bench_generate_static(model, all_prompts[:2], 8, eos_ids, pad_id)
