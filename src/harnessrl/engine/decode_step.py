@@ -148,14 +148,14 @@ class DecodeStep:
         cos, sin = self._rotary(h, positions_B.unsqueeze(-1))  # [B, 1, D] each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
         half = hd // 2
+        heads_qk = self._heads + self._kv_heads
         for ly, cache_layer in zip(self._layers, layers, strict=True):
             x = self._rms(h, ly.ln1)
             qkv = F.linear(x, ly.qkv_w, ly.qkv_b)  # [B, 1, nq + 2 nkv]
-            q = qkv[..., :nq].view(B, 1, self._heads, hd).transpose(1, 2)  # [B, H, 1, D]
-            k = qkv[..., nq : nq + nkv].view(B, 1, self._kv_heads, hd).transpose(1, 2)
+            qk = qkv[..., : nq + nkv].view(B, 1, heads_qk, hd).transpose(1, 2)  # [B, H + H_kv, 1, D]
             v = qkv[..., nq + nkv :].view(B, 1, self._kv_heads, hd).transpose(1, 2)
-            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, q and k at once
+            q, k = qk[:, : self._heads], qk[:, self._heads :]
             keys, values = cache_layer.update(k, v)
             q = q.reshape(B, self._kv_heads, self._heads // self._kv_heads, hd)  # one query: heads by kv head
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B_1_1_L, scale=self._scaling)
