@@ -90,3 +90,34 @@ async def test_a_reused_slot_gives_what_a_fresh_engine_gives(tiny_model_dir: Pat
         assert got.completion_ids == want.completion_ids
         assert got.completion_logprobs == pytest.approx(want.completion_logprobs, abs=1e-5)
     assert len(short.completion_ids) == 4
+
+
+def test_eager_attention_steps_with_the_additive_mask_equal_sdpa() -> None:
+    """The model's own forward over a KVBatch: sdpa takes the bool mask, eager the additive one."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    sdpa = LlamaForCausalLM(config).eval()
+    eager = LlamaForCausalLM.from_pretrained(None, config=config, state_dict=sdpa.state_dict(),
+                                             attn_implementation="eager").eval()
+    assert eager.config._attn_implementation == "eager" and sdpa.config._attn_implementation == "sdpa"
+    prompts = [[5, 6, 7], list(range(20, 31)), [9]]  # unequal lengths: the short rows have masked columns
+    logits = []
+    for model, additive in ((sdpa, None), (eager, torch.float32)):
+        batch = KVBatch()
+        rows = []
+        with torch.inference_mode():
+            for p in prompts:
+                cache = DynamicCache(config=model.config)
+                model(input_ids=torch.tensor([p]), cache=cache, use_cache=True)
+                rows.append(([(ly.keys, ly.values) for ly in cache.layers], len(p), 3))
+            batch.add_rows(rows)
+            steps = []
+            for _ in range(4):
+                out = model(**batch.step_inputs(additive_mask=additive), use_cache=True).logits[:, -1, :]
+                steps.append(out)
+                batch.commit_step(out.argmax(-1).tolist())
+        logits.append(torch.stack(steps))
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)

@@ -206,17 +206,21 @@ class KVBatch:
         L = self.length + 1
         return (torch.arange(L).unsqueeze(0) <= self.positions_B.unsqueeze(1))[:, None, None, :]
 
-    def step_inputs(self) -> dict[str, torch.Tensor | Cache]:
-        """Model kwargs for one decode step: ids `[B, 1]`, the 4D bool mask of `step_mask`,
-        positions `[B, 1]`, the cache (its layers write in place)."""
+    def step_inputs(self, additive_mask: torch.dtype | None = None) -> dict[str, torch.Tensor | Cache]:
+        """Model kwargs for one decode step: ids `[B, 1]`, the 4D bool mask of `step_mask` (or,
+        with `additive_mask` a float dtype, 0 where attended and the dtype's min elsewhere, what
+        eager attention adds to its scores), positions `[B, 1]`, the cache (writes in place)."""
         assert self.cache is not None and self.size > 0, "decode step on an empty batch"
         need = self.length + 1
         if need > self.capacity[1]:
             self._resize(self.capacity[0], max(2 * self.capacity[1], need + _MIN_SPARE_COLS))
         self._step_cols = need
+        mask = self.step_mask()
+        if additive_mask is not None:
+            mask = torch.zeros(mask.shape, dtype=additive_mask).masked_fill(~mask, torch.finfo(additive_mask).min)
         return {
             "input_ids": self.last_ids_B.unsqueeze(-1),
-            "attention_mask": self.step_mask(),
+            "attention_mask": mask,
             "position_ids": self.positions_B.unsqueeze(-1),
             "cache": self.cache,
         }

@@ -425,16 +425,13 @@ class EmbeddedEngine:
 
     def _decode_step(self) -> None:
         batch = self._batch
-        inputs = batch.step_inputs()
         if self._step is not None:
+            inputs = batch.step_inputs()
             assert batch.cache is not None
             logits_B_V = self._step(batch.last_ids_B, batch.positions_B, inputs["attention_mask"],  # type: ignore[arg-type]
                                     batch.cache.layers)
-        else:
-            if self._additive_mask:  # eager attention adds the mask to the scores
-                mask = inputs["attention_mask"]
-                inputs["attention_mask"] = torch.zeros(mask.shape, dtype=self._model.dtype).masked_fill(  # type: ignore[union-attr]
-                    ~mask, torch.finfo(self._model.dtype).min)  # type: ignore[operator]
+        else:  # eager attention adds the mask to its scores; sdpa takes it as bool
+            inputs = batch.step_inputs(additive_mask=self._model.dtype if self._additive_mask else None)
             logits_B_V = self._model(**inputs, use_cache=True).logits[:, -1, :]
         ids, lps, failed = self._sample(logits_B_V, self._active)
         batch.commit_step(ids)
