@@ -33,14 +33,14 @@ because they decide which tokens the model sees:
   turn. Control tokens the template writes stay control tokens; ids the model sampled are
   reused as sampled through bridging. `render_text` returns the real text.
 
-Parsing decodes the completion without its trailing EOS id and without special tokens; the
-text ends where the first of the request's stop strings begins (the ids keep every sampled
-token). Reasoning: a completion starting with `<think>`, or any completion when the template's
-generation prompt itself opens the block (`prompt_opens_reasoning`, Qwen3-style), is reasoning
-up to `</think>`; one that never closes it (cut at `max_tokens`) is all reasoning, with content
-"" and no tool calls. When the request had tools, every `<tool_call>` block after the reasoning
-holding a JSON object with a string `name` becomes a `ToolCall` (arguments re-serialised as a
-JSON string); blocks that fail to parse stay in the text.
+Parsing decodes the completion without its trailing EOS id and without special tokens and cuts
+the text where the first of the request's stop strings begins; what the text means (reasoning,
+tool calls, content) is `engine/parse.py`'s (`parse_text`, its docstring has the rules).
+
+Exact-input caches (`engine/rendercache.py`): a render is cached by its messages, tools and
+generation-prompt flag, and the ids of a rendered prompt text by that text (`render_cache_chars`,
+`prompt_cache_ids`), so a prompt sent again costs a lookup; what is returned is what the same
+input rendered or encoded before.
 
 Bridged rendering (DESIGN.md §5). The public question "does this request extend an earlier
 turn, and what are its bridged prompt ids" is `find_bridge` / `plan_prompt` /
@@ -77,6 +77,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from harnessrl.engine.messages import Message, Role, ToolCall, normalize_messages, normalize_tools
+from harnessrl.engine.parse import ParsedAssistant, default_eos, fast_decode, parse_text
+from harnessrl.engine.rendercache import LruCache, render_key
 from harnessrl.engine.tokencache import SegmentEncoder
 from harnessrl.errors import RequestError
 
@@ -85,7 +87,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BridgePoint", "ChatLayer", "Message", "ParsedAssistant", "PromptPlan", "Role", "ToolCall",
            "hermes_tool_call", "normalize_messages", "normalize_tools", "same_replay"]
-"""Message records and their validation live in `engine/messages.py`; re-exported here."""
+"""Message records and their validation live in `engine/messages.py`, the meaning of a completion's
+text in `engine/parse.py`; re-exported here."""
 
 TOOL_SYSTEM_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -96,19 +99,12 @@ TOOL_SYSTEM_PROMPT = (
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
 """Tool description added to the system prompt for templates without tool support."""
+ENCODE_CACHE_MAX_CHARS = 65_536
+"""Longest rendered text whose ids are cached whole (`ChatLayer.encoded`); longer prompts reuse
+the per-piece cache of `tokencache.py` only."""
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Keys `apply_chat_template` aliases to one another (such messages take its own path)."""
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedAssistant:
-    content: str | None
-    """Assistant text; None when the reply is only tool calls."""
-    tool_calls: list[ToolCall]
-    reasoning: str | None
-
 
 @dataclass(frozen=True, slots=True)
 class BridgePoint:
@@ -175,15 +171,26 @@ class ChatLayer:
             tokenizer's EOS id and `<|im_end|>` when the vocabulary has it.
         encode_cache_tokens: bound on the ids cached per message piece (`tokencache.py`):
             a re-sent history is not tokenised again; 0 disables the cache.
+        render_cache_chars: bound on the characters of rendered prompts cached by their exact
+            messages and tools (`rendercache.py`); 0 disables it.
+        prompt_cache_ids: bound on the ids of rendered prompt texts (each of at most
+            `ENCODE_CACHE_MAX_CHARS` characters) cached by their text; 0 disables it.
+
+    Raises ValueError for a negative cache bound.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int] | None = None,
-                 *, encode_cache_tokens: int = 2_000_000) -> None:
+                 *, encode_cache_tokens: int = 2_000_000, render_cache_chars: int = 4_000_000,
+                 prompt_cache_ids: int = 1_000_000) -> None:
+        self.renders: LruCache[str] = LruCache(0, len)
+        """Rendered prompts by their exact input (`render_key`); enabled once probing is done."""
+        self.encoded: LruCache[tuple[int, ...]] = LruCache(0, len)
+        """Ids of rendered prompt texts by the text; enabled once probing is done."""
         self.tokenizer = tokenizer
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self.template_has_tools = "tools" in template
         self.template_has_reasoning = "reasoning_content" in template
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _default_eos(tokenizer))
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else default_eos(tokenizer))
         self._init_escapes()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.segments = SegmentEncoder(backend, encode_cache_tokens, marker=self._marker,
@@ -204,6 +211,10 @@ class ChatLayer:
         eos_texts = sorted({t for t in tokenizer.convert_ids_to_tokens(sorted(self.eos_token_ids)) if t},
                            key=len, reverse=True)
         self._eos_text_re = re.compile("|".join(re.escape(t) for t in eos_texts)) if eos_texts else None
+        self._decode = fast_decode(tokenizer)
+        # the probes above rendered uncached (one of them compares two render paths)
+        self.renders = LruCache(render_cache_chars, len)
+        self.encoded = LruCache(prompt_cache_ids, len, max_entries=1024 if prompt_cache_ids else 0)
 
     # -- special-token text in content --------------------------------------------------------
 
@@ -308,7 +319,21 @@ class ChatLayer:
     def render_marked(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None,
                       *, add_generation_prompt: bool = True) -> str:
         """The prompt text with special-token text inside content replaced by markers; `encode`
-        turns the markers into plain-text ids. Raises `RequestError` like `render`."""
+        turns the markers into plain-text ids. Raises `RequestError` like `render`. Cached by
+        the exact input (`renders`)."""
+        key = None
+        if self.renders.max_size:  # keyed by every input of the render, the layer's settings too
+            key = render_key(messages, tools, add_generation_prompt,
+                             (self.arguments_as_json_string, self.template_has_tools, self.template_has_reasoning))
+        if key is not None and (text := self.renders.get(key)) is not None:
+            return text
+        text = self._render_marked(messages, tools, add_generation_prompt)
+        if key is not None:
+            self.renders.put(key, text)
+        return text
+
+    def _render_marked(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> str:
         dicts = self._template_messages(messages, tools or [])
         template_tools = list(tools) if tools and self.template_has_tools else None
         try:
@@ -326,7 +351,17 @@ class ChatLayer:
     def encode(self, text: str) -> list[int]:
         """Ids of rendered prompt `text`: exactly `tokenizer.encode(text, add_special_tokens=False)`
         (tested), through the Rust backend and the per-message cache when there is one. Text from
-        `render_marked` has its escaped content encoded as plain text (no control tokens)."""
+        `render_marked` has its escaped content encoded as plain text (no control tokens). A text
+        of at most `ENCODE_CACHE_MAX_CHARS` encoded before returns the same ids (`encoded`)."""
+        cacheable = self.encoded.max_entries > 0 and len(text) <= ENCODE_CACHE_MAX_CHARS
+        if cacheable and (ids := self.encoded.get(text)) is not None:
+            return list(ids)
+        out = self._encode(text)
+        if cacheable:
+            self.encoded.put(text, tuple(out))
+        return out
+
+    def _encode(self, text: str) -> list[int]:
         if self.segments is not None:
             return self.segments.encode(text)
         if self._marker and self._marker in text:
@@ -348,9 +383,16 @@ class ChatLayer:
     def encode_within(self, text: str, max_uncached_chars: int) -> list[int] | None:
         """`encode(text)` when at most `max_uncached_chars` characters of it are new to the
         cache, else None (the caller encodes in a worker thread instead)."""
+        cacheable = self.encoded.max_entries > 0 and len(text) <= ENCODE_CACHE_MAX_CHARS
+        if cacheable and (ids := self.encoded.get(text)) is not None:
+            return list(ids)
         if self.segments is not None:
-            return self.segments.encode_within(text, max_uncached_chars)
-        return self.encode(text) if len(text) <= max_uncached_chars else None
+            out = self.segments.encode_within(text, max_uncached_chars)
+        else:
+            out = self._encode(text) if len(text) <= max_uncached_chars else None
+        if cacheable and out is not None:
+            self.encoded.put(text, tuple(out))
+        return out
 
     def uncached_chars(self, text: str) -> int:
         """Characters of `text` that `encode` would still have to tokenise."""
@@ -425,36 +467,14 @@ class ChatLayer:
         ids = list(completion_ids)
         if ids and ids[-1] in self.eos_token_ids:
             ids.pop()
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self._decode(ids)
         cuts = [i for s in stop if s and (i := text.find(s)) >= 0]
         if cuts:
             text = text[:min(cuts)]
-        reasoning = None
         opened = self.prompt_opens_reasoning if reasoning_open is None else reasoning_open
-        lead = len(text) - len(text.lstrip())
-        if text.startswith("<think>", lead):
-            opened, text = True, text[lead + len("<think>"):]
-        if opened:
-            end = text.find("</think>")
-            if end < 0:  # cut off (or never closed) inside its reasoning: no answer, no calls
-                return ParsedAssistant(content="", tool_calls=[], reasoning=text.strip() or None)
-            reasoning, text = text[:end].strip(), text[end + len("</think>"):].lstrip()
-        if not has_tools:
-            return ParsedAssistant(content=text, tool_calls=[], reasoning=reasoning)
-        seed = call_id_seed or hashlib.blake2b(repr(completion_ids).encode(), digest_size=8).hexdigest()
-        calls: list[ToolCall] = []
-        kept: list[str] = []
-        pos = 0
-        for match in _TOOL_CALL_RE.finditer(text):
-            call = _parse_hermes(match.group(1), _call_id(seed, len(calls)))
-            if call is None:
-                continue
-            kept.append(text[pos:match.start()])
-            pos = match.end()
-            calls.append(call)
-        kept.append(text[pos:])
-        content = "".join(kept).strip() if calls else text
-        return ParsedAssistant(content=content or (None if calls else ""), tool_calls=calls, reasoning=reasoning)
+        seed = (call_id_seed or hashlib.blake2b(repr(completion_ids).encode(), digest_size=8).hexdigest()
+                if has_tools else "")
+        return parse_text(text, has_tools, opened=opened, call_id_seed=seed)
 
     # -- bridged rendering ----------------------------------------------------------------------
 
@@ -570,34 +590,8 @@ def _described_tools(key: bytes) -> str:
     return TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in orjson.loads(key)))
 
 
-def _parse_hermes(body: str, call_id: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(id=call_id, name=obj["name"],
-                    arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-def _call_id(seed: str, index: int) -> str:
-    return "call_" + hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=12).hexdigest()
-
-
 def _json_or_str(arguments: str) -> object:
     try:
         return json.loads(arguments)
     except ValueError:
         return arguments
-
-
-def _default_eos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    eos: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        eos.append(int(tokenizer.eos_token_id))
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end >= 0 and im_end != tokenizer.unk_token_id and im_end not in eos:
-        eos.append(im_end)
-    return eos

@@ -1,0 +1,122 @@
+"""What a completion means: its text (`fast_decode`, `default_eos`) and in it reasoning, content
+and hermes tool calls (`parse_text`).
+
+Responsibility: split the decoded text of a completion (EOS stripped, special tokens dropped,
+cut at the first stop string: `ChatLayer.parse` does that) into a `ParsedAssistant`; decode
+ids the way `tokenizer.decode(ids, skip_special_tokens=True)` does, faster.
+
+Rules. Reasoning: a text starting with `<think>` (after whitespace), or any text when the
+prompt itself opened the block (`opened`, Qwen3-style templates), is reasoning up to
+`</think>`; one that never closes it (cut at `max_tokens`) is all reasoning, with content ""
+and no tool calls (a call written while reasoning is never executed). When the request had
+tools, every `<tool_call>` block after the reasoning holding a JSON object with a string
+`name` becomes a `ToolCall` (arguments, or `parameters`, re-serialised as a JSON string
+unless already one); blocks that fail to parse stay in the text. Call ids are
+`call_<24 hex>` from blake2b(`call_id_seed:index`).
+
+What this module deliberately does not do: render prompts (`chat.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from harnessrl.engine.messages import ToolCall
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedAssistant:
+    content: str | None
+    """Assistant text; None when the reply is only tool calls."""
+    tool_calls: list[ToolCall]
+    reasoning: str | None
+
+
+def parse_text(text: str, has_tools: bool, *, opened: bool, call_id_seed: str) -> ParsedAssistant:
+    """The assistant reply in `text` (module docstring for the rules); `opened`: the prompt
+    ended inside an open `<think>` block."""
+    reasoning = None
+    lead = len(text) - len(text.lstrip())
+    if text.startswith("<think>", lead):
+        opened, text = True, text[lead + len("<think>"):]
+    if opened:
+        end = text.find("</think>")
+        if end < 0:  # cut off (or never closed) inside its reasoning: no answer, no calls
+            return ParsedAssistant(content="", tool_calls=[], reasoning=text.strip() or None)
+        reasoning, text = text[:end].strip(), text[end + len("</think>"):].lstrip()
+    if not has_tools:
+        return ParsedAssistant(content=text, tool_calls=[], reasoning=reasoning)
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    pos = 0
+    for match in _TOOL_CALL_RE.finditer(text):
+        call = _parse_hermes(match.group(1), _call_id(call_id_seed, len(calls)))
+        if call is None:
+            continue
+        kept.append(text[pos:match.start()])
+        pos = match.end()
+        calls.append(call)
+    kept.append(text[pos:])
+    content = "".join(kept).strip() if calls else text
+    return ParsedAssistant(content=content or (None if calls else ""), tool_calls=calls, reasoning=reasoning)
+
+
+def _parse_hermes(body: str, call_id: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(id=call_id, name=obj["name"],
+                    arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _call_id(seed: str, index: int) -> str:
+    return "call_" + hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=12).hexdigest()
+
+
+def default_eos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS id and `<|im_end|>` when the vocabulary
+    has it."""
+    eos: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        eos.append(int(tokenizer.eos_token_id))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end >= 0 and im_end != tokenizer.unk_token_id and im_end not in eos:
+        eos.append(im_end)
+    return eos
+
+
+def fast_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, through the Rust backend directly
+    when that is what the tokenizer's `decode` does (no clean-up of spaces; a probe over the
+    vocabulary's first ids and its special ids decodes the same both ways); the wrapper costs
+    more than the decode of a short completion."""
+    def slow(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return slow
+
+    def fast(ids: list[int]) -> str:
+        return backend.decode(ids, skip_special_tokens=True)
+
+    probe = [*range(min(len(tokenizer), 512)), *tokenizer.all_special_ids]
+    try:
+        same = fast(probe) == slow(probe) and fast(probe[5:40]) == slow(probe[5:40])
+    except Exception:  # noqa: BLE001 - any backend that cannot take the probe keeps the public path
+        same = False
+    return fast if same else slow
