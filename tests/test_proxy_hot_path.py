@@ -53,3 +53,39 @@ async def test_hot_path_answers_as_the_app_does(tokenizer) -> None:  # noqa: ANN
     assert [t[2] for t in taken] == [True, True, True, False, False, False]
     # per client: the two answered calls and the refused body (an error turn); the 401 is no turn
     assert len(store.close(session.session_id).turns) == 2 * 3
+
+
+def test_construct_builds_what_model_construct_builds() -> None:
+    from harnessrl.proxy.capture import construct
+    from harnessrl.types import Reply, ReplyToolCall, Sampling, Turn
+
+    values = dict(turn_index=3, protocol="chat.completions", request={"messages": []},
+                  reply=construct(Reply, content=None, reasoning="r", tool_calls=[
+                      construct(ReplyToolCall, id="call_1", name="bash", arguments="{}")]),
+                  raw_request=None, raw_response=None, prompt_ids=[1, 2], completion_ids=[3], completion_logprobs=[-0.5],
+                  sampling=Sampling(max_tokens=4), policy_version=2, finish_reason="stop", status="ok", error=None,
+                  started_at=1.0, latency_s=0.25, headers={"user-agent": "x"}, request_kind=None,
+                  usage={"prompt_tokens": 2}, notes=[])
+    fast, slow = construct(Turn, **values), Turn.model_construct(**values)
+    assert fast == slow and fast.model_fields_set == slow.model_fields_set
+    assert fast.model_dump_json() == slow.model_dump_json()
+    assert Turn.model_validate_json(fast.model_dump_json()) == slow
+    fast.status = "unfaithful"  # assignment works as on any model
+    assert fast.status == "unfaithful" and fast.model_dump()["status"] == "unfaithful"
+    partial = construct(Turn, turn_index=1, request={}, started_at=1.0)  # not every field: model_construct's defaults
+    assert partial == Turn.model_construct(turn_index=1, request={}, started_at=1.0) and partial.notes == []
+
+
+async def test_request_headers_are_read_once_first_value_wins() -> None:
+    from starlette.requests import Request
+
+    from harnessrl.proxy.app import request_headers, session_key
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+             "headers": [(b"authorization", b"Bearer first"), (b"x-session-id", b"s"),
+                         (b"authorization", b"Bearer second")]}
+    request = Request(scope)
+    headers = request_headers(request)
+    assert headers == {"authorization": "Bearer first", "x-session-id": "s"}
+    assert request_headers(request) is headers and session_key(request) == "first"
+    assert request.headers.get("authorization") == headers["authorization"]  # as Starlette reads it

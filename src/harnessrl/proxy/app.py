@@ -133,7 +133,7 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
     Raises:
         RequestError: 413 when the body exceeds `max_body_bytes`, 400 when the client went away.
     """
-    declared = request.headers.get("content-length")
+    declared = request_headers(request).get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise _too_large(int(declared), max_body_bytes)
     chunks: list[bytes] = []
@@ -159,22 +159,34 @@ async def read_json(request: Request, max_body_bytes: int, max_depth: int = MAX_
     return loads(await read_body(request, max_body_bytes), max_depth)
 
 
+def request_headers(request: Request) -> dict[str, str]:
+    """The request's headers as a dict with lower-case names (ASGI sends them lower-case; a
+    repeated header gives its first value, as `request.headers.get` does), built once per
+    request."""
+    headers = request.scope.get("harnessrl.headers")
+    if headers is None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(request.scope["headers"])}
+        request.scope["harnessrl.headers"] = headers
+    return headers
+
+
 def session_key(request: Request) -> str | None:
     """The session key: path `/r/<key>/...`, else `Authorization: Bearer`, else `x-api-key`,
     else `x-goog-api-key`, else the `key` query parameter (Google's forms)."""
     key = request.path_params.get("key")
     if key:
         return key
-    auth = request.headers.get("authorization")
+    headers = request_headers(request)
+    auth = headers.get("authorization")
     if auth is not None and auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or request.query_params.get("key")
+    return headers.get("x-api-key") or headers.get("x-goog-api-key") or request.query_params.get("key")
 
 
 async def chat_completions(request: Request, session: Session, deps: ProxyDeps) -> Response:
     """`POST /v1/chat/completions`: unary JSON, or SSE synthesised from the complete result."""
     body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
-    prepared = await prepare_chat(deps.capture, session, body, request.headers)
+    prepared = await prepare_chat(deps.capture, session, body, request_headers(request))
     if isinstance(prepared, ChatOutcome):
         return json_response(prepared.status_code, prepared.body)
     if not prepared.request.stream:
