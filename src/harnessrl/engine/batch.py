@@ -136,14 +136,6 @@ class KVBatch:
 
     # -- rows joining and leaving -------------------------------------------------------
 
-    def add(self, prefilled: Cache, prompt_len: int, first_id: int) -> None:
-        """Append one prefilled sequence (batch 1, `prompt_len` columns) as a new last row."""
-        kv = []
-        for layer in prefilled.layers:
-            assert layer.keys is not None and layer.values is not None, "prefill cache has an empty layer"
-            kv.append((layer.keys, layer.values))
-        self.add_rows([(kv, prompt_len, first_id)])
-
     def add_rows(self, rows: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]]) -> None:
         """Append prefilled sequences as new last rows, in order; copies only their KV.
 
