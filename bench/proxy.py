@@ -16,7 +16,9 @@ process; server CPU ms per call; requests/s; and, when `wrk` is installed, the t
 ceiling with `wrk` (C, one thread, 32 keep-alive connections, its own process) as the load
 generator. Each figure comes with its ratio to the baseline measured in the same run.
 
-Usage: `.venv/bin/python bench/proxy.py [--quick]`. Numbers on a shared machine are noisy.
+Usage: `.venv/bin/python bench/proxy.py [--quick] [--wrk-only]` (`--wrk-only`: only the wrk
+ceiling of the small call, proxy and baseline, each `--wrk-s` seconds). The load average is
+printed with the figures: numbers on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -290,18 +292,35 @@ def _report(size: str, payload: bytes, render: tuple[float, float, int], plan: d
               f"{b['rps']:7.0f}/{p['rps']:7.0f} ({p['rps'] / b['rps']:4.2f}x)")
 
 
+def _wrk_only(payload: bytes, wrk_s: float) -> None:
+    """The small call's wrk ceiling, baseline then proxy, with the load average before each."""
+    for kind in ("baseline", "proxy"):
+        load = os.getloadavg()[0]
+        result = _measure(kind, {"small": payload}, {"small": {}}, wrk_s)[("small", "wrk")]
+        print(f"{kind:>8}: {result['rps']:7.0f} req/s with wrk ({WRK_CONNECTIONS} connections, {wrk_s:g} s), "
+              f"server CPU {result['cpu_ms']:.3f} ms/call (ceiling {1e3 / result['cpu_ms']:.0f} req/s per core); "
+              f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests")
+    parser.add_argument("--wrk-only", action="store_true", help="only the small call's wrk ceiling")
+    parser.add_argument("--wrk-s", type=float, default=None, help="seconds of each wrk run")
     args = parser.parse_args()
     import orjson
+
+    if args.wrk_only:
+        _wrk_only(orjson.dumps(make_body("small")), args.wrk_s or 5.0)
+        return
 
     scale = 0.3 if args.quick else 1.0
     bodies = {"small": make_body("small"), "agent": make_body("agent")}
     payloads = {k: orjson.dumps(v) for k, v in bodies.items()}
     plan = {"small": {1: int(600 * scale), 8: int(1500 * scale), 32: int(3000 * scale)},
             "agent": {1: int(120 * scale), 8: int(200 * scale), 32: int(300 * scale)}}
-    wrk_s = 2.0 if args.quick else 5.0
+    wrk_s = args.wrk_s or (2.0 if args.quick else 5.0)
+    print(f"load average {os.getloadavg()[0]:.2f} at start")
     render = _render_ms(bodies)
     base = _measure("baseline", payloads, plan, wrk_s)
     proxy = _measure("proxy", payloads, plan, wrk_s)
@@ -309,7 +328,8 @@ def main() -> None:
         _report(size, payloads[size], render[size], plan[size], base, proxy)
     print("\nadded p50 = proxy p50 - baseline p50 - warm render median (the bench re-sends one body, so the "
           "proxy's message-id cache is warm, as for an agent's re-sent history; new text costs the cold rate)."
-          "\nLatencies in ms; ratios proxy/baseline; the aiohttp client shares the machine with the server.")
+          "\nLatencies in ms; ratios proxy/baseline; the aiohttp client shares the machine with the server."
+          f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":

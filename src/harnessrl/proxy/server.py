@@ -170,7 +170,7 @@ class ProxyServer:
         # The httptools protocol with a read deadline (`httpguard`); idle keep-alive bounded too.
         uv_config = uvicorn.Config(self._route, http=guarded_httptools(self.config.read_timeout_s), log_level="warning",
                                    access_log=False, timeout_keep_alive=self.config.keepalive_timeout_s,
-                                   proxy_headers=False, lifespan="off", interface="asgi3",
+                                   proxy_headers=False, server_header=False, lifespan="off", interface="asgi3",
                                    timeout_graceful_shutdown=self.shutdown_timeout_s, backlog=2048)
         self._server = _Uvicorn(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=self._socks))
