@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from fakes import FakeEngine
+from harnessrl.engine.chat import ChatLayer
+from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.server import ProxyServer
 from harnessrl.sandbox import spawn
 from harnessrl.sandbox.bwrap import bwrap_path
 from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig
+from sandbox_kits import KITS, assert_no_podman_leftovers, kit_available
 
 # bash's own descriptors (`; true` keeps bash from exec'ing ls, so $$ is bash)
 LIST_FDS = "ls /proc/$$/fd; true"
@@ -91,3 +96,23 @@ async def test_a_background_child_holding_stdout_does_not_lose_the_output(backen
             assert result.duration_s < 2.5, result.duration_s
     finally:
         await sandbox.close()
+
+
+@pytest.mark.parametrize("kit_name", ["bwrap", "podman"])
+async def test_commands_behind_the_proxy_forwarder_see_no_inherited_descriptor(
+        kit_name: str, sandbox_root: Path, tokenizer) -> None:  # noqa: ANN001
+    """With the forwarder between the backend and the command (every command of a run)."""
+    kit_available(kit_name)
+    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), ProxyConfig(port=0)) as proxy:
+        sandbox = await KITS[kit_name].backend(sandbox_root, proxy).create("fwd", {})
+        try:
+            result = await sandbox.exec(LIST_FDS, 60)
+            assert result.returncode == 0, result.stderr
+            assert _fds(result.stdout) == {0, 1, 2}
+            started = time.monotonic()
+            result = await sandbox.exec("sleep 3 & echo bg", 60)
+            assert (result.returncode, result.stdout) == (0, "bg\n") and time.monotonic() - started < 2.5
+        finally:
+            await sandbox.close()
+    if kit_name == "podman":
+        assert_no_podman_leftovers()
