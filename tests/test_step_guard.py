@@ -68,3 +68,15 @@ def test_non_finite_weights_are_not_exported_or_saved(
                         {"step": 1, "policy_version": 1, "next_group_id": 1})
     assert latest_checkpoint(tmp_path) is None
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_check_finite_is_exact_when_a_finite_tensor_sums_to_inf() -> None:
+    from harnessrl.train.policy import check_finite
+
+    big = torch.full((4,), 3e38)  # every entry finite; the sum overflows to inf
+    check_finite({"big": big, "ok": torch.ones(3)})
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.ones(5)
+        t[2] = bad
+        with pytest.raises(NonFiniteWeightsError, match="'t'"):
+            check_finite({"ok": torch.ones(2), "t": t})

@@ -126,8 +126,15 @@ class NonFiniteWeightsError(HarnessRLError):
 
 
 def check_finite(weights: dict[str, torch.Tensor]) -> None:
-    """Raise `NonFiniteWeightsError` naming the first tensors (up to 3) holding a NaN or inf."""
-    bad = [name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    """Raise `NonFiniteWeightsError` naming the first tensors (up to 3) holding a NaN or inf.
+
+    Exact and cheap: a tensor whose sum is finite holds no NaN or inf (either would make the
+    sum NaN or inf), which one reduction shows; only a tensor whose sum is not finite (a NaN or
+    inf in it, or a finite overflow) is checked element by element. `isfinite(t).all()` on
+    every tensor took 2-3 s per call on the 135M model (1 thread), the sums 0.2 s.
+    """
+    bad = [name for name, t in weights.items()
+           if t.is_floating_point() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all())]
     if bad:
         raise NonFiniteWeightsError(
             f"trainer weights hold NaN/inf in {len(bad)} tensor(s), e.g. {bad[:3]}: not pushed to the "
