@@ -155,6 +155,12 @@ class TrainConfig(BaseModel):
     steps: int = Field(default=3, ge=1)
     groups_per_step: int = Field(default=1, ge=1)
     learning_rate: float = Field(default=1e-5, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate of each update (`train/schedule.py`): `constant`, or decayed to 0 at
+    `steps` after `warmup_steps` of linear warm-up, linearly (the Hugging Face `Trainer`
+    default, which TRL's `GRPOTrainer` uses) or on a half cosine."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Updates of linear warm-up from 0 to `learning_rate` before the schedule."""
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"

@@ -278,7 +278,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     # 4) one optimizer step on the trainer thread, while rollouts continue
                     metrics: dict[str, Any] = {"step": step, **row_metrics}
                     if rows:
-                        result = await loop.run_in_executor(trainer, group.step, rows)
+                        result = await loop.run_in_executor(trainer, group.step, rows, step)
                         metrics.update(result.metrics)
                     else:
                         metrics["skipped"] = 1.0

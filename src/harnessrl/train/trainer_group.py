@@ -62,10 +62,12 @@ class TrainerGroup:
         self._send("load", str(model_dir))
         return self._load(str(model_dir))
 
-    def step(self, rows: Sequence[Row]) -> StepResult:
-        """One optimizer step on `rows` across every rank (`step.optimizer_step`)."""
-        self._send("step", list(rows))
-        return self._step(list(rows))
+    def step(self, rows: Sequence[Row], step: int | None = None) -> StepResult:
+        """One optimizer step on `rows` across every rank (`step.optimizer_step`), at the
+        learning rate of training step `step` (1-based; `train.lr_schedule`, `schedule.py`).
+        `step=None` keeps the optimizer's current learning rate."""
+        self._send("step", list(rows), step)
+        return self._step(list(rows), step)
 
     def parity(self, rows: Sequence[Row]) -> float | None:
         """`step.sampler_parity` on `rows` (collective under fsdp2, rank 0 alone otherwise)."""
@@ -154,13 +156,20 @@ class TrainerGroup:
                            if t.loss.kl_coef > 0 else None)
         return self.policy
 
-    def _step(self, rows: list[Row]) -> StepResult:
+    def _step(self, rows: list[Row], step: int | None = None) -> StepResult:
+        from harnessrl.train.schedule import lr_factor
         from harnessrl.train.step import optimizer_step
 
         policy, t = self._policy(), self.cfg.train
-        return optimizer_step(policy.trained, policy.optimizer, rows, self._loss_fn,
-                              temperature=self.cfg.sampling.temperature, token_budget=t.token_budget,
-                              max_grad_norm=t.max_grad_norm, reference=self._reference, ranks=self.ranks)
+        if step is not None:
+            lr = t.learning_rate * lr_factor(t.lr_schedule, step - 1, t.steps, t.warmup_steps)
+            for param_group in policy.optimizer.param_groups:
+                param_group["lr"] = lr
+        result = optimizer_step(policy.trained, policy.optimizer, rows, self._loss_fn,
+                                temperature=self.cfg.sampling.temperature, token_budget=t.token_budget,
+                                max_grad_norm=t.max_grad_norm, reference=self._reference, ranks=self.ranks)
+        result.metrics["lr"] = float(policy.optimizer.param_groups[0]["lr"])
+        return result
 
     def _parity(self, rows: list[Row]) -> float | None:
         from harnessrl.train.step import sampler_parity
