@@ -86,8 +86,9 @@ def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float,
         "sampling.temperature=1.0", f"sampling.max_tokens={args.max_tokens}",
         f"rollout.group_size={args.completions}", f"rollout.max_concurrent_rollouts={concurrent}",
         f"train.steps={args.steps}", f"train.groups_per_step={args.prompts_per_step}",
-        f"train.learning_rate={args.lr}", f"train.max_staleness={args.max_staleness}",
-        f"train.num_threads={args.train_threads}",
+        f"train.learning_rate={args.lr}", f"train.lr_schedule={json.dumps(args.lr_schedule)}",
+        f"train.max_staleness={args.max_staleness}",
+        f"train.num_threads={args.train_threads}", f"seed={args.seed}",
     ])
     t0 = time.monotonic()
     history = asyncio.run(train(cfg, run_dir))
@@ -102,9 +103,10 @@ def trl_arm(args: argparse.Namespace, model_dir: Path, out: Path) -> tuple[Path,
     python = subprocess.run([sys.executable, str(BENCH / "trl_arm.py"), "--setup"], check=True,
                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
     cmd = [python, str(BENCH / "trl_arm.py"), "--model", str(model_dir), "--out", str(out),
-           "--steps", str(args.steps), "--lr", str(args.lr), "--prompts-per-step", str(args.prompts_per_step),
+           "--steps", str(args.steps), "--lr", str(args.lr), "--lr-schedule", args.lr_schedule,
+           "--prompts-per-step", str(args.prompts_per_step),
            "--completions", str(args.completions), "--max-tokens", str(args.max_tokens),
-           "--threads", str(args.trl_threads), "--reward", args.reward]
+           "--threads", str(args.trl_threads), "--reward", args.reward, "--seed", str(args.seed)]
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
     wall = time.monotonic() - t0
@@ -142,11 +144,14 @@ def main() -> None:
     p.add_argument("--arms", default="both", choices=["both", "harnessrl", "trl"])
     p.add_argument("--steps", type=int, default=51)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"],
+                   help="both arms (TRL's default, the HF Trainer's, is linear decay to 0)")
     p.add_argument("--completions", type=int, default=4, help="completions per prompt (group size)")
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=24, help="reply cap, training and held-out")
     p.add_argument("--reward", default="lenient", choices=["lenient", "format_aware"])
     p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="both arms' run seed (sampling, TRL's data order)")
     p.add_argument("--train-threads", type=int, default=1, help="torch threads of harnessrl's trainer")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (it "
                    "generates and trains in turn, so it gets both cores)")
@@ -187,7 +192,8 @@ def main() -> None:
         results["trl"] = asyncio.run(held_out(model, args.eval_prompts, threads=2))
         fracs = [float(m.get("clip_ratio/region_mean", 0.0)) for m in log]
         clip["trl"] = sum(fracs) / max(len(fracs), 1)
-    print(f"\nlarger-number task, {args.steps} steps, lr {args.lr}, {args.prompts_per_step} prompts x "
+    print(f"\nlarger-number task, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), "
+          f"{args.prompts_per_step} prompts x "
           f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
           f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy")
     print(f"{'arm':10} {'pass':>6} {'strict':>7} {'len':>6} {'at cap':>7} {'train s':>8} {'clip':>7} {'load':>5}")

@@ -64,7 +64,8 @@ def train(args: argparse.Namespace) -> None:
     reward.__name__ = f"larger_{args.reward}"
     out = Path(args.out)
     config = GRPOConfig(
-        output_dir=str(out / "trainer"), learning_rate=args.lr, num_generations=args.completions,
+        output_dir=str(out / "trainer"), learning_rate=args.lr, lr_scheduler_type=args.lr_schedule,
+        num_generations=args.completions,
         per_device_train_batch_size=args.completions * args.prompts_per_step,
         max_completion_length=args.max_tokens, max_steps=args.steps, use_cpu=True, bf16=False,
         logging_steps=1, save_strategy="no", report_to="none", seed=args.seed,
@@ -88,6 +89,8 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--steps", type=int, default=51)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"],
+                   help="the HF Trainer's lr_scheduler_type (TRL's default: linear)")
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--completions", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=24)
