@@ -7,9 +7,9 @@ proxy's agents listener stays on loopback, which every node of this machine reac
 relay) and the white-box loop (sampling in the driver, tools and verifier on the node). Asserted
 from the run's `rollouts.jsonl` / `metrics.jsonl`: rollouts spread over the nodes (node id per
 rollout), every agent's call reached the proxy, a node whose raylet is killed mid-run ends its
-rollouts as `infra_error` while the run finishes on the others, and no sandbox process, sandbox
-directory (except those of the dead node, whose worker could not remove them), raylet or GCS
-process is left.
+rollouts as `infra_error` while the run finishes on the others, and no node worker, sandbox
+process (the dead node's included), sandbox directory (except at most the dead node's, when Ray
+ended its worker before it removed it), raylet or GCS process is left.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from harnessrl.config import load_config  # noqa: E402
 from harnessrl.recipes.smoke_agent import one_call_agent  # noqa: E402
 from harnessrl.sandbox.local import leftover_sandboxes  # noqa: E402
 from harnessrl.sandbox.procs import leftover_processes  # noqa: E402
+from proc_checks import alive, cmdline  # noqa: E402
 
 HARNESSRL = str(Path(sys.executable).with_name("harnessrl"))
 NODE_ARGS = {"num_cpus": 1, "object_store_memory": 100 << 20}
@@ -156,11 +157,19 @@ def test_train_on_the_cluster_with_the_white_box_loop(cluster: Cluster, tmp_path
     assert leftover_processes(tmp_path / "sandboxes") == []
 
 
-def _run_killing_a_node(cluster: Cluster, tmp_path: Path, args: list[str], timeout_s: float) -> tuple[str, int, str]:
+def _node_workers() -> list[psutil.Process]:
+    """The live `NodeWorker` actor processes (of this module's one run at a time)."""
+    return [p for p in psutil.process_iter() if alive(p) and cmdline(p)[:1]
+            and cmdline(p)[0].startswith("ray::NodeWorker")]
+
+
+def _run_killing_a_node(cluster: Cluster, tmp_path: Path, args: list[str],
+                        timeout_s: float) -> tuple[str, int, str, list[psutil.Process]]:
     """Run `harnessrl ARGS`, kill a worker node (no grace) once the agents of the first 3
     rollouts (one per node) made their call and sleep, and wait at most `timeout_s` for the
-    run to end; returns (the killed node's id, the exit status, stderr). A new node replaces
-    it afterwards, so the module's later tests get 3 nodes again."""
+    run to end; returns (the killed node's id, the exit status, stderr, the run's node workers
+    and sandbox processes as they were just before the kill). A new node replaces it
+    afterwards, so the module's later tests get 3 nodes again."""
     victim = next(iter(cluster.worker_nodes))
     victim_id = victim.node_id
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -171,6 +180,9 @@ def _run_killing_a_node(cluster: Cluster, tmp_path: Path, args: list[str], timeo
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the first rollouts never started"
             time.sleep(0.2)
+        sandboxed = [psutil.Process(pid) for pid in leftover_processes(tmp_path / "sandboxes")]
+        workers = _node_workers()
+        assert len(workers) == 3 and len(sandboxed) >= 3, (workers, sandboxed)
         cluster.remove_node(victim, allow_graceful=False)
         _, stderr = proc.communicate(timeout=timeout_s)
     finally:
@@ -179,13 +191,24 @@ def _run_killing_a_node(cluster: Cluster, tmp_path: Path, args: list[str], timeo
             proc.wait()
         cluster.add_node(**NODE_ARGS)
         cluster.wait_for_nodes()
-    return victim_id, proc.returncode, stderr
+    return victim_id, proc.returncode, stderr, workers + sandboxed
+
+
+def _assert_none_survives(processes: list[psutil.Process], sandboxes: Path, grace_s: float = 10.0) -> None:
+    """Within `grace_s` seconds none of `processes` (the run's node workers and sandbox
+    processes, the dead node's included) runs, and no sandbox process is left under `sandboxes`."""
+    deadline = time.monotonic() + grace_s
+    while [p for p in processes if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [(p.pid, " ".join(cmdline(p))[:120]) for p in processes if alive(p)]
+    assert left == [], f"a node worker or sandbox process of the run outlived it: {left}"
+    assert leftover_processes(sandboxes) == []
 
 
 def test_a_node_killed_mid_run_ends_its_rollouts_as_infra_error(cluster: Cluster, tmp_path: Path) -> None:
     cfg = _write_config(tmp_path, cluster, 15, group_size=3, max_concurrent_rollouts=3)
     out = tmp_path / "out"
-    victim_id, _, stderr = _run_killing_a_node(
+    victim_id, _, stderr, processes = _run_killing_a_node(
         cluster, tmp_path, ["rollout", "--config", str(cfg), "--out", str(out), "--limit", "2"], 240)
     rollouts = _rollouts(out / "rollouts.jsonl")
     assert len(rollouts) == 6, stderr[-3000:]
@@ -198,10 +221,11 @@ def test_a_node_killed_mid_run_ends_its_rollouts_as_infra_error(cluster: Cluster
     assert [r["status"] for r in rest] == ["ok"] * 5, [r["error"] for r in rest]
     rest_nodes = {r["metadata"]["node_id"] for r in rest}
     assert victim_id not in rest_nodes and len(rest_nodes) == 2, "the run went on on the 2 live nodes"
-    assert leftover_processes(tmp_path / "sandboxes") == [], "the dead node's agent outlived its worker"
-    # the dead node's worker died before it could remove its sandbox directory; nothing else is left
+    _assert_none_survives(processes, tmp_path / "sandboxes")
+    # the dead node's worker closes its sandbox when it sees its raylet die, unless Ray ended
+    # the worker first; nothing else is left
     left = leftover_sandboxes(tmp_path / "sandboxes")
-    assert len(left) == 1 and left[0].name.startswith(lost[0]["rollout_id"])
+    assert len(left) <= 1 and all(p.name.startswith(lost[0]["rollout_id"]) for p in left), left
 
 
 async def test_cancelling_the_run_closes_every_node_sandbox(cluster: Cluster, tmp_path: Path) -> None:
@@ -277,7 +301,7 @@ def test_ray_config_errors_name_the_key() -> None:
 def test_train_goes_on_when_a_node_dies_mid_step(cluster: Cluster, tmp_path: Path) -> None:
     cfg = _write_config(tmp_path, cluster, 8, group_size=3, max_concurrent_rollouts=3)
     out = tmp_path / "run"
-    victim_id, returncode, stderr = _run_killing_a_node(
+    victim_id, returncode, stderr, processes = _run_killing_a_node(
         cluster, tmp_path,
         ["train", "--config", str(cfg), "--out", str(out), "--set", "train.steps=2",
          "--set", "train.max_staleness=0", "--set", "train.learning_rate=1e-3",
@@ -290,7 +314,7 @@ def test_train_goes_on_when_a_node_dies_mid_step(cluster: Cluster, tmp_path: Pat
     assert [r["status"] for r in lost] == ["infra_error"] and "died" in lost[0]["error"]
     rest = [r for r in rollouts if r["metadata"].get("node_id") != victim_id]
     assert len(rest) >= 5 and all(r["status"] == "ok" for r in rest), [r["error"] for r in rest]
-    assert leftover_processes(tmp_path / "sandboxes") == []
+    _assert_none_survives(processes, tmp_path / "sandboxes")
 
 
 async def test_a_node_that_cannot_isolate_stops_a_required_run(cluster: Cluster, tmp_path: Path) -> None:

@@ -36,9 +36,9 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from harnessrl.errors import ConfigError, SandboxError, SandboxLostError
@@ -54,9 +54,13 @@ __all__ = ["SHUTDOWN_TIMEOUT_S", "SYNC_CALL_TIMEOUT_S", "NodeHarness", "NodeVeri
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _SANDBOX_CALLS = frozenset({"exec", "agent_path", "agent_endpoint", "read_file", "write_file", "kill_processes"})
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long the end of a run waits for a node to close its sandboxes."""
+RAYLET_POLL_S = 0.2
+"""How often a node's worker checks that its raylet (its parent process) is alive."""
 
 
 class NodeWorker:
@@ -88,6 +92,11 @@ class NodeWorker:
         self._backend: Any = None
         self._harness: Harness | None = None
         self._relay: Any = None
+        self._raylet_pid = os.getppid()
+        """The raylet that started this worker: when it dies, so does the node (`_watch_raylet`)."""
+        self._watch: asyncio.Task[None] | None = None
+        self._lost: str | None = None
+        """Why this node is lost (its raylet died), once it is: every call then raises it."""
 
     async def ready(self, isolation: Literal["required", "best_effort"]) -> dict[str, Any]:
         """Start the relay and the sandbox backend and apply the isolation policy; returns
@@ -108,11 +117,49 @@ class NodeWorker:
             if canonical_kind(self._harness_kind) != "white_box":
                 self._harness = make_harness(self._harness_kind, dict(self._harness_options))
             self._node_id = ray.get_runtime_context().get_node_id()
+            if self._raylet_pid > 1:
+                self._watch = asyncio.ensure_future(self._watch_raylet())
         gaps = self._backend.check_isolation(isolation)
         return {"node_id": self._node_id, "pid": os.getpid(), "gaps": gaps}
 
+    async def _watch_raylet(self) -> None:
+        """Every `RAYLET_POLL_S`, check that the raylet is still this process's parent. Once it
+        died, the node is lost: every call still running or arriving here raises
+        `SandboxLostError` (the driver ends those rollouts as `infra_error`), every sandbox is
+        closed (processes killed, directories removed) and the worker exits.
+
+        Left to Ray, a worker whose raylet died goes on answering the driver's calls (they do
+        not pass through the raylet) until its own next call to the raylet fails, about a
+        second later, and is then ended without closing anything: a podman container (not a
+        child of the worker) and the sandbox directories would outlive the node, and a
+        bubblewrap sandbox only its `--die-with-parent`."""
+        while os.getppid() == self._raylet_pid:
+            await asyncio.sleep(RAYLET_POLL_S)
+        self._lost = f"Ray node {self._node_id} died: its raylet (pid {self._raylet_pid}) is gone"
+        log.error("%s; closing the node's %d sandboxes and exiting", self._lost, len(self._sandboxes))
+        try:
+            await asyncio.wait_for(self.shutdown(), SHUTDOWN_TIMEOUT_S)
+        finally:
+            os._exit(1)
+
+    async def _while_alive(self, work: Awaitable[T]) -> T:
+        """`await work`, raising `SandboxLostError` instead of its result or error (its
+        cancellation included) when the node was lost meanwhile."""
+        try:
+            result = await work
+        except BaseException:
+            if self._lost is not None:
+                raise SandboxLostError(self._lost) from None
+            raise
+        if self._lost is not None:
+            raise SandboxLostError(self._lost)
+        return result
+
     async def create(self, rollout_id: str, workspace: dict[str, str]) -> dict[str, str]:
         """A new sandbox (after the start-rate wait); returns `{"sandbox_id", "workdir", "home"}`."""
+        return await self._while_alive(self._create(rollout_id, workspace))
+
+    async def _create(self, rollout_id: str, workspace: dict[str, str]) -> dict[str, str]:
         if self._interval:
             now = time.monotonic()
             at = max(now, self._next_start)
@@ -124,6 +171,8 @@ class NodeWorker:
         return {"sandbox_id": sandbox.sandbox_id, "workdir": str(sandbox.workdir), "home": str(sandbox.home)}
 
     def _sandbox(self, sandbox_id: str) -> Any:
+        if self._lost is not None:
+            raise SandboxLostError(self._lost)
         try:
             return self._sandboxes[sandbox_id]
         except KeyError:
@@ -133,8 +182,12 @@ class NodeWorker:
         """`sandbox.method(*args, **kwargs)` (awaited when it is a coroutine)."""
         if method not in _SANDBOX_CALLS:
             raise SandboxError(f"sandbox method {method!r} is not callable on a node")
-        result = getattr(self._sandbox(sandbox_id), method)(*args, **kwargs)
-        return await result if asyncio.iscoroutine(result) else result
+
+        async def run() -> Any:
+            result = getattr(self._sandbox(sandbox_id), method)(*args, **kwargs)
+            return await result if asyncio.iscoroutine(result) else result
+
+        return await self._while_alive(run())
 
     async def run_harness(self, sandbox_id: str, task: Task, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
         """The run's CLI harness on `task` in the sandbox (the agent runs on this node)."""
@@ -145,12 +198,12 @@ class NodeWorker:
         assert current is not None
         self._agents[sandbox_id] = current
         try:
-            return await self._harness.run(task, sandbox, endpoint, timeout_s)
+            return await self._while_alive(self._harness.run(task, sandbox, endpoint, timeout_s))
         finally:
             self._agents.pop(sandbox_id, None)
 
     async def verify(self, sandbox_id: str, verifier: Verifier, task: Task, final_answer: str | None) -> Reward:
-        return await verifier.score(task, self._sandbox(sandbox_id), final_answer)
+        return await self._while_alive(verifier.score(task, self._sandbox(sandbox_id), final_answer))
 
     async def close(self, sandbox_id: str) -> None:
         """Stop the sandbox's agent (if its harness still runs) and close the sandbox; idempotent."""

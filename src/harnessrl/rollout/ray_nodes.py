@@ -7,8 +7,9 @@ Placement: each rollout takes the live node with the fewest sandboxes (ties: the
 started fewest), at most `max_sandboxes_per_node` at once per node.
 
 A node that dies (raylet killed, machine gone) fails every call to its worker with
-`RayActorError` (or stops answering: each call waits at most its own limit plus
-`call_grace_s`): those calls raise `SandboxLostError`, the runner records the rollout as
+`RayActorError`, or with the worker's own `SandboxLostError` once it saw its raylet die, or
+stops answering (each call waits at most its own limit plus `call_grace_s`): those calls
+raise `SandboxLostError`, the runner records the rollout as
 `infra_error`, the node gets no more rollouts, and the run goes on with the others.
 
 What it does not do: start workers (`start_ray_rollouts`) or bring a lost node back.
@@ -107,6 +108,8 @@ class RayNodes:
             await self.lost(node, exc)
             raise _died(node, exc) from None
         except RayTaskError as exc:
+            if isinstance(exc.cause, SandboxLostError):  # the worker saw its raylet die
+                await self.lost(node, exc.cause)
             _raise_cause(exc)
 
     def call_sync(self, node: RayNode, ref: Any) -> Any:
@@ -127,6 +130,8 @@ class RayNodes:
             node.alive = False
             raise _died(node, exc) from None
         except RayTaskError as exc:
+            if isinstance(exc.cause, SandboxLostError):
+                node.alive = False
             _raise_cause(exc)
 
 
