@@ -73,9 +73,14 @@ the sandbox backends spawn processes from the loop, and `train`/`rollout` run on
 
 def pytest_asyncio_loop_factories(config, item):
     """The event loops an async test runs on: `asyncio` (the default loop) for every test, and
-    also `uvloop` (when installed) for the sandbox modules named in `_BOTH_LOOPS`."""
+    also `uvloop` (when installed) for the sandbox modules named in `_BOTH_LOOPS`.
+    `HARNESSRL_TEST_LOOP=uvloop` runs every async test on uvloop only (e.g. an agent's tests)."""
     import asyncio
 
+    if os.environ.get("HARNESSRL_TEST_LOOP") == "uvloop":
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
     factories = {"asyncio": asyncio.new_event_loop}
     if item.path.name.startswith(_BOTH_LOOPS):
         try:
