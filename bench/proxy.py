@@ -215,6 +215,21 @@ def _wrk(port: int, key: str, payload: bytes, connections: int, duration_s: floa
     return float(match.group(1))
 
 
+def _wait_listening(port: int, timeout_s: float = 60.0) -> None:
+    """Return once 127.0.0.1:`port` accepts a connection; RuntimeError after `timeout_s`."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s") from None
+            time.sleep(0.05)
+
+
 def _measure(kind: str, payloads: dict[str, bytes], plan: dict[str, dict[int, int]],
              wrk_s: float) -> dict[tuple[str, int | str], dict[str, float]]:
     import psutil
@@ -225,6 +240,7 @@ def _measure(kind: str, payloads: dict[str, bytes], plan: dict[str, dict[int, in
     proc.start()
     try:
         port, key = queue.get(timeout=120)
+        _wait_listening(port)  # the baseline announces its port before uvicorn listens on it
         ps = psutil.Process(proc.pid)
         results: dict[tuple[str, int | str], dict[str, float]] = {}
         for size, by_conc in plan.items():
