@@ -43,11 +43,15 @@ def podman_gate() -> None:
 
 
 def assert_no_podman_leftovers() -> None:
-    """No container labelled as a harnessrl sandbox and no sandbox cgroup is left."""
-    from harnessrl.sandbox.podman import CGROUP_PARENT, SANDBOX_LABEL, podman_argv
+    """No harnessrl sandbox container of this process (its `harnessrl.owner` label starts with
+    this pid; another test run may share the store) and no sandbox cgroup at all is left (the
+    cgroups carry no owner: a podman test run at the same time on this host fails this)."""
+    from harnessrl.sandbox.podman import CGROUP_PARENT, OWNER_LABEL, podman_argv
 
-    left = subprocess.run([*podman_argv(PodmanSandboxConfig()), "ps", "-a", "-q", "--filter",
-                           f"label={SANDBOX_LABEL}"], capture_output=True, text=True, check=True).stdout.split()
+    rows = subprocess.run([*podman_argv(PodmanSandboxConfig()), "ps", "-a", "--filter", f"label={OWNER_LABEL}",
+                           "--format", f'{{{{.ID}}}} {{{{index .Labels "{OWNER_LABEL}"}}}}'],
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    left = [row for row in rows if row.partition(" ")[2].split("-", 1)[0] == str(os.getpid())]
     assert left == [], "containers left after every sandbox closed"
     cgroups = list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}/*/"))
     assert cgroups == [], "sandbox cgroups left after every sandbox closed"
