@@ -16,14 +16,16 @@ From the synchronous run, where the two sides never overlap, it takes generation
 rollout wait per step), training t and sync s, and prints the best the async loop can do on
 the same steps, `g + (N-1) max(g, t+s) + t + s` (a pipeline of N steps, staleness 1), and the
 ceiling ratio it gives: `2N / (N+1)` when g = t + s, lower when the sides are unbalanced.
-Target: >= 1.8x (needs N >= 9 balanced steps).
+Target: >= 1.8x (needs N >= 9 balanced steps). An untimed 1-step run goes first: without it
+whichever timed run came first trained ~1.5x slower per step (measured both orders: 2.03x
+sync-first, 0.95x async-first on the same workload), so `--order` is there to check it.
 
 Workload (chosen so that both sides take comparable time per step on the CPU default, and
 every group trains: a deterministic alternating reward): white-box single-reply rollouts of
 the procedural `compare` / `add` tasks, `--group-size` x `--groups-per-step` rollouts a step,
 replies up to `--max-tokens`, at most `--concurrency` rollouts at once (default: one step's).
 
-    .venv/bin/python bench/async.py --steps 10
+    .venv/bin/python bench/async.py --steps 8
 """
 
 from __future__ import annotations
@@ -78,12 +80,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--harness", default="white_box")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--groups-per-step", type=int, default=1)
+    parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=0, help="rollouts at once (0: one step's)")
     parser.add_argument("--order", choices=("sync-first", "async-first"), default="sync-first")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the untimed 1-step run before the two timed ones")
     args = parser.parse_args()
     concurrency = args.concurrency or args.group_size * args.groups_per_step
     opts = "{tools = [], max_turns = 1}" if args.harness == "white_box" else "{step_limit = 2}"
@@ -97,6 +101,9 @@ def main() -> None:
         # every group trains (no zero-variance skips), so both runs do the same work per step
         "hooks.rollout_reward_fn=\"harnessrl.recipes.shaping:alternating_smoke_reward\"",
     ]
+    if args.warmup:  # the first run in a process is slower (start-up, allocator, kernels): not timed
+        print("warm-up run (1 step, not timed) ...", flush=True)
+        run_once(overrides, 0, 1)
     load_start = os.getloadavg()[0]
     runs: dict[int, tuple[float, list[dict]]] = {}
     for staleness in ((0, 1) if args.order == "sync-first" else (1, 0)):
