@@ -49,7 +49,11 @@ def test_trainer_step_uses_the_scheduled_rate(tiny_model_dir: Path) -> None:
     ids = tuple(100 + 7 * t for t in range(24))
     row = Row(ids, tuple([0] * 16 + [1] * 8), tuple([0.0] * 16 + [-3.0] * 8), tuple([-1] * 16 + [0] * 8),
               "r0", 0, 1.0)
-    lrs = [group.step([row], step).metrics["lr"] for step in (1, 2, 4)]
+    lrs = []
+    for step in (1, 2, 4):
+        lrs.append(group.step([row], step).metrics["lr"])
+        assert group.update_norm() > 0  # the update's size, measured after the step
+        assert group.update_norm() is None  # once per step
     assert lrs == pytest.approx([1e-3, 0.75e-3, 0.25e-3])
     before = {k: v.clone() for k, v in group.policy.model.state_dict().items()}
     assert group.step([row]).metrics["lr"] == pytest.approx(0.25e-3)  # no step: the rate stays

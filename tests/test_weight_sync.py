@@ -37,6 +37,23 @@ def test_param_delta_l2_is_the_norm_of_the_update(tiny_model_dir: Path, weight_d
         assert m["param_delta_l2"] == pytest.approx(want, rel=1e-4)
 
 
+def test_update_measured_after_the_step_equals_the_weights_moved(tiny_model_dir: Path) -> None:
+    """`measure_update=False` (the loop measures after the weight sync): the parameters it
+    returns give `update_l2` the distance the weights moved, after `zero_grad` cleared them."""
+    from harnessrl.train.step import update_l2
+
+    policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=0.1, lora_rank=0)
+    for _ in range(2):
+        before = _snapshot(policy.model)
+        result = optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"),
+                                temperature=1.0, token_budget=256, max_grad_norm=1.0, measure_update=False)
+        assert "param_delta_l2" not in result.metrics and result.updated
+        assert all(p.grad is None for p in policy.model.parameters())
+        want = _distance(policy.model, before)
+        assert want > 0 and update_l2(policy.optimizer, result.updated) == pytest.approx(want, rel=1e-4)
+        assert update_l2(policy.optimizer) == 0.0  # without the list: no parameter has a gradient
+
+
 def test_param_delta_l2_with_lora_is_the_adapters_update(tiny_model_dir: Path) -> None:
     pytest.importorskip("peft")
     policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=0.0, lora_rank=4)

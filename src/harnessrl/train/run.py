@@ -294,8 +294,16 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         # blocks (on the trainer thread) until the engine serves them (WeightSync)
                         report = await loop.run_in_executor(trainer, group.publish, sync, version)
                         metrics.update(report.as_metrics())
-                    orch.allow(groups_per_step)
                     t_synced = time.monotonic()
+                    if rows and not metrics.get("skipped"):
+                        # how far the update moved the weights, once the engine has them (the
+                        # rollouts already running overlap it); before the groups of a later
+                        # step are let go, so a checkpoint lists the same dispatched groups
+                        delta_l2 = await loop.run_in_executor(trainer, group.update_norm)
+                        if delta_l2 is not None:
+                            metrics["param_delta_l2"] = delta_l2
+                        metrics["time/update_norm_s"] = time.monotonic() - t_synced
+                    orch.allow(groups_per_step)
                     if eval_tasks is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                         metrics.update(await held_out(step))  # the policy after this step
 

@@ -44,6 +44,9 @@ from harnessrl.types import Row
 class StepResult:
     metrics: dict[str, float | str] = field(default_factory=dict)
     """Numbers of the step; `skip_reason` is the one text value (set when `skipped`)."""
+    updated: list[torch.nn.Parameter] | None = None
+    """With `measure_update=False`: the parameters the update changed, for a later
+    `update_l2(optimizer, updated)` (before the next optimizer step)."""
 
 
 def optimizer_step(
@@ -57,8 +60,14 @@ def optimizer_step(
     max_grad_norm: float,
     reference: Callable[[PackedBatch], torch.Tensor] | None = None,
     ranks: Ranks = SINGLE,
+    measure_update: bool = True,
 ) -> StepResult:
     """Train on `rows` (advantages already stamped) with one optimizer update.
+
+    `measure_update=False` leaves `param_delta_l2` out of the metrics and returns the updated
+    parameters in `StepResult.updated`, so the caller can measure the update off its critical
+    path (`update_l2(optimizer, updated)`, any time before the next optimizer step; about 0.4 s
+    on a 135M model on one thread).
 
     `reference(batch)` gives the reference policy's logprobs of a micro-batch (float32 [T], no
     gradient) for the loss's KL penalty (`kl_coef > 0` needs it; `policy.reference_logprobs`).
@@ -85,10 +94,13 @@ def optimizer_step(
     grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
     finite = math.isfinite(grad_norm)
     delta_l2 = None
+    updated = None
     if finite:
         optimizer.step()
-        squares = update_l2(optimizer) ** 2
-        delta_l2 = math.sqrt(all_reduce([squares], ranks)[0]) if ranks.sharded else math.sqrt(squares)
+        if measure_update:
+            delta_l2 = update_norm(optimizer, None, ranks)
+        else:
+            updated = [p for p in params if p.grad is not None]
     optimizer.zero_grad(set_to_none=True)
     metrics: dict[str, float | str] = dict(acc.metrics)
     if not finite:
@@ -97,7 +109,15 @@ def optimizer_step(
     metrics.update(grad_norm=grad_norm, train_s=time.perf_counter() - t0)
     if delta_l2 is not None:
         metrics["param_delta_l2"] = delta_l2
-    return StepResult(metrics)
+    return StepResult(metrics, updated)
+
+
+def update_norm(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter] | None,
+                ranks: Ranks = SINGLE) -> float:
+    """`update_l2` of the whole step: under FSDP2 the squares are summed over ranks (every rank
+    must call it then, a collective)."""
+    squares = update_l2(optimizer, params) ** 2
+    return math.sqrt(all_reduce([squares], ranks)[0]) if ranks.sharded else math.sqrt(squares)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,10 +223,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def update_l2(optimizer: torch.optim.Optimizer) -> float:
+def update_l2(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter] | None = None) -> float:
     """`||p_after - p_before||_2` over every parameter the last `optimizer.step()` updated,
-    from the update itself: no copy of the weights is kept. Call it right after the step,
-    before `zero_grad` (a parameter with `grad is None` was not updated and is skipped).
+    from the update itself: no copy of the weights is kept. Without `params`, call it right
+    after the step, before `zero_grad` (a parameter with `grad is None` was not updated and is
+    skipped); with `params` (those that had a gradient at the step), any time before the next
+    optimizer step.
 
     For AdamW (`torch.optim.AdamW`, not amsgrad / maximize) the step is
     `p' = p (1 - lr wd) - u` with `u = lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)`
@@ -221,6 +243,7 @@ def update_l2(optimizer: torch.optim.Optimizer) -> float:
     if not isinstance(optimizer, torch.optim.AdamW):
         raise TypeError(f"update_l2 knows torch.optim.AdamW only, got {type(optimizer).__name__}")
     total = 0.0
+    chosen = None if params is None else {id(p) for p in params}
     with torch.no_grad():
         for group in optimizer.param_groups:
             if group.get("amsgrad") or group.get("maximize"):
@@ -229,7 +252,9 @@ def update_l2(optimizer: torch.optim.Optimizer) -> float:
             beta1, beta2 = (float(b) for b in group["betas"])
             for p in group["params"]:
                 state = optimizer.state.get(p)
-                if p.grad is None or not state:
+                if not state:
+                    continue
+                if (p.grad is None) if chosen is None else (id(p) not in chosen):
                     continue
                 t = float(local_tensor(state["step"]))
                 u = (local_tensor(state["exp_avg_sq"]).float() / (1.0 - beta2 ** t)).sqrt_().add_(eps)

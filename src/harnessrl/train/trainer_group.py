@@ -54,6 +54,7 @@ class TrainerGroup:
         self.policy: Policy | None = None
         self._loss_fn = loss_fn_for(cfg.train.loss)
         self._reference: Any = None
+        self._updated: list[Any] | None = None  # the last step's updated parameters (update_norm)
 
     # --- operations (rank 0 calls them; the other ranks run them from `follow`)
 
@@ -68,6 +69,14 @@ class TrainerGroup:
         `step=None` keeps the optimizer's current learning rate."""
         self._send("step", list(rows), step)
         return self._step(list(rows), step)
+
+    def update_norm(self) -> float | None:
+        """`param_delta_l2` of the last `step` (`step.update_l2`), measured after it so that the
+        weight sync need not wait for it; None when that step updated nothing. Call it before
+        the next `step` (collective under fsdp2)."""
+        if self.ranks.sharded:
+            self._send("update_norm")
+        return self._update_norm()
 
     def parity(self, rows: Sequence[Row]) -> float | None:
         """`step.sampler_parity` on `rows` (collective under fsdp2, rank 0 alone otherwise)."""
@@ -121,6 +130,8 @@ class TrainerGroup:
                     self._step(*args)
                 case "parity":
                     self._parity(*args)
+                case "update_norm":
+                    self._update_norm()
                 case "export":
                     from harnessrl.train.policy import export_weights
 
@@ -167,9 +178,19 @@ class TrainerGroup:
                 param_group["lr"] = lr
         result = optimizer_step(policy.trained, policy.optimizer, rows, self._loss_fn,
                                 temperature=self.cfg.sampling.temperature, token_budget=t.token_budget,
-                                max_grad_norm=t.max_grad_norm, reference=self._reference, ranks=self.ranks)
+                                max_grad_norm=t.max_grad_norm, reference=self._reference, ranks=self.ranks,
+                                measure_update=False)
+        self._updated = result.updated
         result.metrics["lr"] = float(policy.optimizer.param_groups[0]["lr"])
         return result
+
+    def _update_norm(self) -> float | None:
+        from harnessrl.train.step import update_norm
+
+        updated, self._updated = self._updated, None
+        if updated is None:
+            return None
+        return update_norm(self._policy().optimizer, updated, self.ranks)
 
     def _parity(self, rows: list[Row]) -> float | None:
         from harnessrl.train.step import sampler_parity
