@@ -62,10 +62,18 @@ def owners() -> Iterator[list[int]]:
             pass
 
 
+def _default_sigint() -> None:
+    """In the owner before exec: SIGINT at its default, so its Python turns Ctrl-C into
+    KeyboardInterrupt even when the test run itself was started with SIGINT ignored (a
+    background job of a non-interactive shell, as `nohup ... &`)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_owner(tmp_path: Path, owners: list[int]) -> subprocess.Popen[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+                            preexec_fn=_default_sigint)
     owners.append(proc.pid)
     return proc
 
