@@ -289,19 +289,18 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     t_trained = time.monotonic()
 
                     # 5) weight sync: the engine serves the new policy from its next decode step
-                    if rows and not metrics.get("skipped"):
+                    updated = bool(rows) and not metrics.get("skipped")
+                    if updated:
                         version += 1
                         # blocks (on the trainer thread) until the engine serves them (WeightSync)
                         report = await loop.run_in_executor(trainer, group.publish, sync, version)
                         metrics.update(report.as_metrics())
                     t_synced = time.monotonic()
-                    if rows and not metrics.get("skipped"):
+                    if updated:
                         # how far the update moved the weights, once the engine has them (the
                         # rollouts already running overlap it); before the groups of a later
                         # step are let go, so a checkpoint lists the same dispatched groups
-                        delta_l2 = await loop.run_in_executor(trainer, group.update_norm)
-                        if delta_l2 is not None:
-                            metrics["param_delta_l2"] = delta_l2
+                        metrics["param_delta_l2"] = await loop.run_in_executor(trainer, group.update_norm)
                         metrics["time/update_norm_s"] = time.monotonic() - t_synced
                     orch.allow(groups_per_step)
                     if eval_tasks is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):

@@ -251,10 +251,9 @@ def update_l2(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parame
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
             beta1, beta2 = (float(b) for b in group["betas"])
             for p in group["params"]:
+                was_updated = p.grad is not None if chosen is None else id(p) in chosen
                 state = optimizer.state.get(p)
-                if not state:
-                    continue
-                if (p.grad is None) if chosen is None else (id(p) not in chosen):
+                if not state or not was_updated:
                     continue
                 t = float(local_tensor(state["step"]))
                 u = (local_tensor(state["exp_avg_sq"]).float() / (1.0 - beta2 ** t)).sqrt_().add_(eps)
