@@ -47,6 +47,7 @@ What this module deliberately does not do: HTTP framing, SSE, keys (see `app.py`
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -285,14 +286,22 @@ def resolve_sampling(config: ProxyConfig, request: ChatRequest, prompt_tokens: i
             param="messages", code="context_length_exceeded")
     max_tokens = min(config.max_tokens_cap, left, request.max_tokens or config.max_tokens_cap)
     if config.enforce_sampling:
-        return Sampling(temperature=effective_temperature(config.temperature), top_p=config.top_p, top_k=config.top_k,
-                        max_tokens=max_tokens, stop=request.stop)
-    return Sampling(
-        temperature=effective_temperature(config.temperature if request.temperature is None else request.temperature),
-        top_p=config.top_p if request.top_p is None or request.top_p == 0.0 else request.top_p,
-        top_k=config.top_k if request.top_k is None else request.top_k,
-        max_tokens=max_tokens, stop=request.stop, seed=request.seed,
+        return _sampling(effective_temperature(config.temperature), config.top_p, config.top_k, max_tokens,
+                         request.stop, None)
+    return _sampling(
+        effective_temperature(config.temperature if request.temperature is None else request.temperature),
+        config.top_p if request.top_p is None or request.top_p == 0.0 else request.top_p,
+        config.top_k if request.top_k is None else request.top_k,
+        max_tokens, request.stop, request.seed,
     )
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _sampling(temperature: float, top_p: float, top_k: int, max_tokens: int, stop: tuple[str, ...],
+              seed: int | None) -> Sampling:
+    """The validated `Sampling` of these values, one shared instance per distinct set (it is
+    frozen, so turns may share it; an agent's calls mostly differ only in the context left)."""
+    return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, stop=stop, seed=seed)
 
 
 def build_response(deps: CaptureDeps, request: ChatRequest, completion: Completion,
@@ -337,8 +346,10 @@ def construct(cls: type[M], **values: Any) -> M:
     every field of `cls`, without `model_construct`'s per-field default lookup (a third of the
     recorder's cost per call); a model with extras, private attributes or a post-init hook, or
     values that do not name exactly its fields, goes through `model_construct`."""
-    if (values.keys() != cls.model_fields.keys() or cls.__pydantic_post_init__ or cls.__private_attributes__
-            or cls.__pydantic_root_model__ or cls.model_config.get("extra") == "allow"):
+    fields = _PLAIN_FIELDS.get(cls)
+    if fields is None:
+        fields = _PLAIN_FIELDS[cls] = _plain_fields(cls)
+    if values.keys() != fields:
         return cls.model_construct(**values)
     model = cls.__new__(cls)
     object.__setattr__(model, "__dict__", values)
@@ -346,6 +357,18 @@ def construct(cls: type[M], **values: Any) -> M:
     object.__setattr__(model, "__pydantic_extra__", None)
     object.__setattr__(model, "__pydantic_private__", None)
     return model
+
+
+_PLAIN_FIELDS: dict[type[BaseModel], frozenset[str]] = {}
+"""Per model class: its field names when `construct` may fill its `__dict__` directly, else an
+empty set (no call names no fields, so every call goes through `model_construct`)."""
+
+
+def _plain_fields(cls: type[BaseModel]) -> frozenset[str]:
+    if (cls.__pydantic_post_init__ or cls.__private_attributes__ or cls.__pydantic_root_model__
+            or cls.model_config.get("extra") == "allow"):
+        return frozenset()
+    return frozenset(cls.model_fields)
 
 
 def _logprobs(chat: ChatLayer, completion: Completion) -> dict[str, Any]:

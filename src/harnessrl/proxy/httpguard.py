@@ -12,16 +12,76 @@ closed: with `408 Request Timeout` when no request is being answered, silently w
 handler is already reading the body (it sees a client disconnect).
 
 Invariant: generation time is never limited here; the deadline covers only reading a request.
+
+The same protocol writes a response's head together with its first body part: uvicorn writes
+the status line and headers, then the body, as two socket writes (two TCP segments, two
+wake-ups of the client); here the head is held (`_HeadHeld`) until the next write of that
+response, or until the connection closes, so a unary response is one write. The bytes on the
+wire are unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 log = logging.getLogger(__name__)
+
+
+class _HeadHeld:
+    """A connection's transport as its response cycles see it: while `hold` is set, the next
+    write (the response head) is held and prefixed to the write after it; `close` writes a
+    held head first."""
+
+    __slots__ = ("transport", "hold", "held")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.hold = False
+        self.held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.hold:
+            self.hold = False
+            self.held = data
+            return
+        held = self.held
+        if held is not None:
+            self.held = None
+            data = held + data
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.hold = False
+        if self.held is not None:
+            self.transport.write(self.held)
+            self.held = None
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+class _OneWriteCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle, writing through `_HeadHeld`: the head its
+    `http.response.start` writes is held until the response's first body write."""
+
+    async def send(self, message: Any) -> None:
+        transport = self.transport
+        if message["type"] != "http.response.start" or self.response_started or type(transport) is not _HeadHeld:
+            await super().send(message)
+            return
+        transport.hold = True
+        try:
+            await super().send(message)
+        finally:
+            transport.hold = False  # the head is held by now if it was written
 
 def _timeout_body(read_timeout_s: float) -> bytes:
     message = f"request not received within read_timeout_s={read_timeout_s:g}".encode()
@@ -30,7 +90,8 @@ def _timeout_body(read_timeout_s: float) -> bytes:
 
 
 def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
-    """The httptools protocol with a per-request read deadline of `read_timeout_s` seconds.
+    """The httptools protocol with a per-request read deadline of `read_timeout_s` seconds,
+    writing each response's head with its first body part (module docstring).
 
     Raises:
         ValueError: `read_timeout_s` is not positive.
@@ -44,9 +105,19 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _read_deadline: asyncio.TimerHandle | None = None
 
+        _head_held: _HeadHeld | None = None
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._head_held = _HeadHeld(transport)
             self._arm()
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            cycle = self.cycle  # the new request's (its task has not run yet)
+            if type(cycle) is RequestResponseCycle and self._head_held is not None:
+                cycle.__class__ = _OneWriteCycle  # same layout, one method overridden
+                cycle.transport = self._head_held  # type: ignore[assignment]
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
