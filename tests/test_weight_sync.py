@@ -25,8 +25,13 @@ def _distance(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((p.detach() - before[k]).pow(2).sum()) for k, p in model.named_parameters()))
 
 
+@pytest.mark.parametrize("chunk", [1 << 16, 7])  # 7: every parameter spans chunks, most end in a partial one
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_param_delta_l2_is_the_norm_of_the_update(tiny_model_dir: Path, weight_decay: float) -> None:
+def test_param_delta_l2_is_the_norm_of_the_update(tiny_model_dir: Path, weight_decay: float, chunk: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import harnessrl.train.step as step_mod
+
+    monkeypatch.setattr(step_mod, "UPDATE_CHUNK", chunk)
     policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=weight_decay, lora_rank=0)
     for _ in range(2):  # the second step has bias-corrected moments from two gradients
         before = _snapshot(policy.model)

@@ -179,7 +179,7 @@ class TrainerGroup:
         result = optimizer_step(policy.trained, policy.optimizer, rows, self._loss_fn,
                                 temperature=self.cfg.sampling.temperature, token_budget=t.token_budget,
                                 max_grad_norm=t.max_grad_norm, reference=self._reference, ranks=self.ranks,
-                                measure_update=False)
+                                measure_update=False, autocast=t.autocast)
         self._updated = result.updated
         result.metrics["lr"] = float(policy.optimizer.param_groups[0]["lr"])
         return result
@@ -199,7 +199,7 @@ class TrainerGroup:
         # unsharded: the plain model (a DDP forward is not needed; rank 0 runs this alone)
         model = policy.trained if self.ranks.sharded else inner_module(policy.trained)
         return sampler_parity(model, rows, temperature=self.cfg.sampling.temperature,
-                              token_budget=self.cfg.train.token_budget)
+                              token_budget=self.cfg.train.token_budget, autocast=self.cfg.train.autocast)
 
     def _save(self, tokenizer: Any, directory: str, state: dict[str, Any]) -> None:
         from harnessrl.train.policy import save_checkpoint
