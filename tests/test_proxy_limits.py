@@ -326,6 +326,26 @@ async def test_idle_keepalive_is_closed_and_slow_generation_is_not(slow_proxy):
     writer.close()
 
 
+async def test_a_later_request_on_a_kept_alive_connection_gets_its_own_deadline(slow_proxy):
+    _, key = slow_proxy.open_session("r")
+    reader, writer = await asyncio.open_connection("127.0.0.1", slow_proxy.port)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer " + key.encode() + b"\r\ncontent-length: ")
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    writer.write(head + str(len(body)).encode() + b"\r\n\r\n" + body)  # answered after 1.0 s (> read timeout)
+    await writer.drain()
+    first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+    length = int(next(h for h in first.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+    await reader.readexactly(length)
+    await asyncio.sleep(0.2)  # well past the connection's first deadline, within keep-alive
+    writer.write(head + b"1000\r\n\r\n{\"messages\": [")  # a second request that never completes
+    await writer.drain()
+    data, elapsed = await _closed_within(reader, 5.0)
+    assert first.startswith(b"HTTP/1.1 200") and data == b""  # its handler was reading: closed without an answer
+    assert 0.4 < elapsed < 2.0  # its own read_timeout_s=0.5 from when it started
+    writer.close()
+
+
 # ---------------------------------------------------------------- engine: temperature and sampling errors
 
 

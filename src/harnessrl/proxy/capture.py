@@ -108,9 +108,11 @@ class Origin:
     once per ok generation, before the turn is recorded. None: no raw response is kept."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChatOutcome:
-    """Result of one call: the status and body the agent gets, and the recorded turn."""
+    """Result of one call: the status and body the agent gets, and the recorded turn. (Not
+    frozen, like `PreparedChat`: one is built per call, and a frozen dataclass's `__init__`
+    costs ~6x a plain one's; nothing assigns to it after.)"""
 
     status_code: int
     body: dict[str, Any]
@@ -124,9 +126,9 @@ class ChatOutcome:
     same object as `turn.raw_response`."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PreparedChat:
-    """A validated, rendered call ready for the engine."""
+    """A validated, rendered call ready for the engine (not frozen: see `ChatOutcome`)."""
 
     session: Session
     request: ChatRequest

@@ -6,8 +6,8 @@ stops halfway through its body would hold its socket (and the handler awaiting t
 forever; an agent could exhaust the process's file descriptors that way.
 
 `guarded_httptools(read_timeout_s)` returns a protocol class for `uvicorn.Config(http=...)`
-that arms one deadline when a connection opens and again when a new request starts on it,
-and disarms it once that request's body is complete. When it fires, the connection is
+that sets one deadline when a connection opens and again when a new request starts on it,
+and clears it once that request's body is complete (one timer per connection checks it). When it fires, the connection is
 closed: with `408 Request Timeout` when no request is being answered, silently when a
 handler is already reading the body (it sees a client disconnect).
 
@@ -103,14 +103,18 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        _read_deadline: asyncio.TimerHandle | None = None
-
+        _read_by: float | None = None
+        """Loop time by which the request being read must be complete; None: none is."""
+        _read_timer: asyncio.TimerHandle | None = None
+        """Fires at or before `_read_by` (armed once, moved on when it finds a later deadline:
+        no timer is started and cancelled per request)."""
         _head_held: _HeadHeld | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._head_held = _HeadHeld(transport)
-            self._arm()
+            self._read_by = self.loop.time() + read_timeout_s
+            self._read_timer = self.loop.call_at(self._read_by, self._read_check)
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
@@ -121,28 +125,34 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            if self._read_deadline is None:
-                self._arm()
+            if self._read_by is None:
+                self._read_by = self.loop.time() + read_timeout_s
+                if self._read_timer is None:
+                    self._read_timer = self.loop.call_at(self._read_by, self._read_check)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            self._disarm()
+            self._read_by = None
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._read_by = None
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
             super().connection_lost(exc)
 
-        def _arm(self) -> None:
-            self._disarm()
-            self._read_deadline = self.loop.call_later(read_timeout_s, self._read_timed_out)
-
-        def _disarm(self) -> None:
-            if self._read_deadline is not None:
-                self._read_deadline.cancel()
-                self._read_deadline = None
+        def _read_check(self) -> None:
+            self._read_timer = None
+            read_by = self._read_by
+            if read_by is None:  # nothing being read; the next request arms the timer again
+                return
+            if self.loop.time() < read_by:  # a later request's deadline
+                self._read_timer = self.loop.call_at(read_by, self._read_check)
+                return
+            self._read_by = None
+            self._read_timed_out()
 
         def _read_timed_out(self) -> None:
-            self._read_deadline = None
             if self.transport.is_closing():
                 return
             answering = self.cycle is not None and not self.cycle.response_complete

@@ -49,9 +49,11 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChatRequest:
-    """A validated chat-completions request (agent's values, before the run's overrides)."""
+    """A validated chat-completions request (agent's values, before the run's overrides). Not
+    frozen: one is built per call, and a frozen dataclass's `__init__` costs ~6x a plain one's;
+    nothing assigns to it after validation."""
 
     model: str
     messages: list[Message]
