@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=0, help="rollouts at once (0: one step's)")
+    parser.add_argument("--autocast", default="off", choices=("off", "bfloat16"),
+                        help="train.autocast of both runs (bfloat16: mixed precision, a cheaper training side)")
     parser.add_argument("--order", choices=("sync-first", "async-first"), default="sync-first")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed 1-step run before the two timed ones")
@@ -101,7 +103,7 @@ def main() -> None:
         f"sampling.max_tokens={args.max_tokens}", f"rollout.group_size={args.group_size}",
         f"rollout.max_concurrent_rollouts={concurrency}",
         f"train.groups_per_step={args.groups_per_step}", "train.learning_rate=1e-6",
-        "engine.num_threads=1", "train.num_threads=1",
+        "engine.num_threads=1", "train.num_threads=1", f"train.autocast={json.dumps(args.autocast)}",
         # every group trains (no zero-variance skips), so both runs do the same work per step
         "hooks.rollout_reward_fn=\"harnessrl.recipes.shaping:alternating_smoke_reward\"",
     ]
@@ -119,7 +121,7 @@ def main() -> None:
     n = args.steps
     best_async = g + (n - 1) * max(g, t + s) + t + s
     print(f"workload: {args.harness}, {args.group_size} x {args.groups_per_step} rollouts a step, replies <= "
-          f"{args.max_tokens} tokens, {concurrency} at once, {n} steps")
+          f"{args.max_tokens} tokens, {concurrency} at once, {n} steps, train.autocast {args.autocast}")
     print(f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end (2 shared cores)")
     print(sync_line)
     print(async_line)

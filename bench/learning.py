@@ -89,6 +89,7 @@ def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float,
         f"train.learning_rate={args.lr}", f"train.lr_schedule={json.dumps(args.lr_schedule)}",
         f"train.max_staleness={args.max_staleness}",
         f"train.num_threads={args.train_threads}", f"seed={args.seed}",
+        f"train.autocast={json.dumps('bfloat16' if args.bf16 else 'off')}",
     ])
     t0 = time.monotonic()
     history = asyncio.run(train(cfg, run_dir))
@@ -106,7 +107,8 @@ def trl_arm(args: argparse.Namespace, model_dir: Path, out: Path) -> tuple[Path,
            "--steps", str(args.steps), "--lr", str(args.lr), "--lr-schedule", args.lr_schedule,
            "--prompts-per-step", str(args.prompts_per_step),
            "--completions", str(args.completions), "--max-tokens", str(args.max_tokens),
-           "--threads", str(args.trl_threads), "--reward", args.reward, "--seed", str(args.seed)]
+           "--threads", str(args.trl_threads), "--reward", args.reward, "--seed", str(args.seed),
+           *(["--bf16"] if args.bf16 else [])]
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
     wall = time.monotonic() - t0
@@ -155,6 +157,8 @@ def main() -> None:
     p.add_argument("--train-threads", type=int, default=1, help="torch threads of harnessrl's trainer")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (it "
                    "generates and trains in turn, so it gets both cores)")
+    p.add_argument("--bf16", action="store_true", help="both arms train in bfloat16 mixed precision "
+                   "(harnessrl train.autocast, TRL bf16=True: torch.autocast with float32 weights)")
     p.add_argument("--eval-prompts", type=int, default=64)
     p.add_argument("--harness", default="white_box", help="white_box (the side-by-side), or an agent "
                    "(mini-swe-agent, ...) for a curve through it")
@@ -193,6 +197,7 @@ def main() -> None:
         fracs = [float(m.get("clip_ratio/region_mean", 0.0)) for m in log]
         clip["trl"] = sum(fracs) / max(len(fracs), 1)
     print(f"\nlarger-number task, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), "
+          f"{'bf16 mixed precision' if args.bf16 else 'float32'}, "
           f"{args.prompts_per_step} prompts x "
           f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
           f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy")

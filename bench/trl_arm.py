@@ -3,7 +3,8 @@ task, run in its own venv (`--setup` makes it: `python3 -m venv`, torch, then tr
 subprocess of the bench. TRL's defaults except what the comparison fixes: learning rate,
 completions per prompt (`num_generations`), prompts x completions per step
 (`per_device_train_batch_size`), reply cap (`max_completion_length`), steps, and the CPU
-(`use_cpu`, `bf16=False`: no bf16 autocast on this CPU path), one torch thread unless told.
+(`use_cpu`; `bf16=False` unless `--bf16`, which turns on the Trainer's bfloat16 autocast),
+one torch thread unless told.
 Writes the final model to OUT/model and a JSON report (wall time, per-step log) to OUT/report.json.
 
     python bench/trl_arm.py --setup                # prints the venv's python
@@ -67,7 +68,7 @@ def train(args: argparse.Namespace) -> None:
         output_dir=str(out / "trainer"), learning_rate=args.lr, lr_scheduler_type=args.lr_schedule,
         num_generations=args.completions,
         per_device_train_batch_size=args.completions * args.prompts_per_step,
-        max_completion_length=args.max_tokens, max_steps=args.steps, use_cpu=True, bf16=False,
+        max_completion_length=args.max_tokens, max_steps=args.steps, use_cpu=True, bf16=args.bf16,
         logging_steps=1, save_strategy="no", report_to="none", seed=args.seed,
         dataloader_num_workers=0)
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config,
@@ -94,6 +95,7 @@ def main() -> None:
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--completions", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--bf16", action="store_true", help="GRPOConfig(bf16=True): torch.autocast, float32 weights")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reward", default="lenient", choices=["lenient", "format_aware"])
     p.add_argument("--seed", type=int, default=0)
