@@ -326,6 +326,29 @@ async def test_idle_keepalive_is_closed_and_slow_generation_is_not(slow_proxy):
     writer.close()
 
 
+async def test_keep_alive_counts_from_the_last_response(tokenizer):
+    config = ProxyConfig(port=0, read_timeout_s=5.0, keepalive_timeout_s=0.4)
+    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), config) as proxy:
+        _, key = proxy.open_session("r")
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   b"authorization: Bearer " + key.encode() + b"\r\ncontent-length: " + str(len(body)).encode()
+                   + b"\r\n\r\n" + body)
+        t0 = time.perf_counter()
+        for _ in range(5):  # 5 x 0.25 s apart: 1.25 s > keep-alive, but never 0.4 s idle
+            writer.write(request)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+            assert head.startswith(b"HTTP/1.1 200") and b'"chat.completion"' in await reader.readexactly(length)
+            await asyncio.sleep(0.25)
+        assert time.perf_counter() - t0 > 1.2
+        rest, elapsed = await _closed_within(reader, 5.0)  # now idle: closed 0.4 s after the last answer
+        assert rest == b"" and elapsed < 2.0
+        writer.close()
+
+
 async def test_a_later_request_on_a_kept_alive_connection_gets_its_own_deadline(slow_proxy):
     _, key = slow_proxy.open_session("r")
     reader, writer = await asyncio.open_connection("127.0.0.1", slow_proxy.port)

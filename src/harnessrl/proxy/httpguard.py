@@ -7,9 +7,11 @@ forever; an agent could exhaust the process's file descriptors that way.
 
 `guarded_httptools(read_timeout_s)` returns a protocol class for `uvicorn.Config(http=...)`
 that sets one deadline when a connection opens and again when a new request starts on it,
-and clears it once that request's body is complete (one timer per connection checks it). When it fires, the connection is
+and clears it once that request's body is complete. When it passes, the connection is
 closed: with `408 Request Timeout` when no request is being answered, silently when a
-handler is already reading the body (it sees a client disconnect).
+handler is already reading the body (it sees a client disconnect). One timer per connection
+checks it (moved on when it finds a later deadline), and uvicorn's keep-alive deadline the
+same way: no timer is started and cancelled per request.
 
 Invariant: generation time is never limited here; the deadline covers only reading a request.
 
@@ -108,7 +110,41 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
         _read_timer: asyncio.TimerHandle | None = None
         """Fires at or before `_read_by` (armed once, moved on when it finds a later deadline:
         no timer is started and cancelled per request)."""
+        _idle_since: float | None = None
+        """Loop time the connection went idle (its last response complete, no byte since)."""
+        _idle_timer: asyncio.TimerHandle | None = None
+        """uvicorn's keep-alive deadline (`timeout_keep_alive` after `_idle_since`), kept the
+        same way as `_read_timer` instead of a timer per response."""
         _head_held: _HeadHeld | None = None
+
+        def data_received(self, data: bytes) -> None:
+            self._idle_since = None
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            # uvicorn's (0.30-0.54), with the keep-alive deadline kept by `_idle_timer`
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+                return
+            self._idle_since = self.loop.time()
+            if self._idle_timer is None:
+                self._idle_timer = self.loop.call_at(self._idle_since + self.timeout_keep_alive, self._idle_check)
+
+        def _idle_check(self) -> None:
+            self._idle_timer = None
+            since = self._idle_since
+            if since is None:  # busy again; the next response arms the timer again
+                return
+            if self.loop.time() < since + self.timeout_keep_alive:  # idle since a later response
+                self._idle_timer = self.loop.call_at(since + self.timeout_keep_alive, self._idle_check)
+                return
+            self.timeout_keep_alive_handler()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -135,10 +171,11 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
             self._read_by = None
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._read_by = None
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-                self._read_timer = None
+            self._read_by = self._idle_since = None
+            for timer in (self._read_timer, self._idle_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._read_timer = self._idle_timer = None
             super().connection_lost(exc)
 
         def _read_check(self) -> None:
