@@ -17,8 +17,9 @@ Invariant: generation time is never limited here; the deadline covers only readi
 
 The same protocol writes a response's head together with its first body part: uvicorn writes
 the status line and headers, then the body, as two socket writes (two TCP segments, two
-wake-ups of the client); here the head is held (`_HeadHeld`) until the next write of that
-response, or until the connection closes, so a unary response is one write. The bytes on the
+wake-ups of the client); here the head of a response with a `content-length` is held
+(`_HeadHeld`) until the next write of that response, or until the connection closes, so a unary
+response is one write (a streamed response's head still goes out at once). The bytes on the
 wire are unchanged.
 """
 
@@ -56,11 +57,15 @@ class _HeadHeld:
             data = held + data
         self.transport.write(data)
 
-    def close(self) -> None:
+    def flush(self) -> None:
+        """Write a held head now."""
         self.hold = False
         if self.held is not None:
             self.transport.write(self.held)
             self.held = None
+
+    def close(self) -> None:
+        self.flush()
         self.transport.close()
 
     def is_closing(self) -> bool:
@@ -72,7 +77,9 @@ class _HeadHeld:
 
 class _OneWriteCycle(RequestResponseCycle):
     """uvicorn's request/response cycle, writing through `_HeadHeld`: the head its
-    `http.response.start` writes is held until the response's first body write."""
+    `http.response.start` writes is held until the response's first body write when the
+    response has a `content-length` (a unary answer, whose body follows at once); a streamed
+    (chunked) response's head goes out at once, as before (its first event may take long)."""
 
     async def send(self, message: Any) -> None:
         transport = self.transport
@@ -84,6 +91,8 @@ class _OneWriteCycle(RequestResponseCycle):
             await super().send(message)
         finally:
             transport.hold = False  # the head is held by now if it was written
+        if self.chunked_encoding:
+            transport.flush()
 
 def _timeout_body(read_timeout_s: float) -> bytes:
     message = f"request not received within read_timeout_s={read_timeout_s:g}".encode()
