@@ -165,3 +165,20 @@ def test_serving_process_freezes_its_heap_once_listening(tokenizer) -> None:  # 
         assert frozen > 10_000  # modules, tokenizer, this test run's objects
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("prompt,completion,why", [
+    ([1, 2, 3], [4, 5], None),
+    ([1, -2, 3], [4, 5], "token id -2 at position 1 is negative"),
+    ([1, 2], [4, -1], "token id -1 at position 3 is negative"),
+    ([1, 2**70], [4, 5], None),  # too large for the array fast path: the exact loop decides
+    ([1, 2], [True, 5], None),
+])
+def test_turn_faithfulness_of_ids(prompt: list[int], completion: list[int], why: str | None) -> None:
+    from harnessrl.types import Turn, check_turn_faithful
+
+    turn = Turn(turn_index=0, request={}, prompt_ids=[0], completion_ids=[0, 0], completion_logprobs=[-0.5, -0.25])
+    turn.prompt_ids, turn.completion_ids = prompt, completion  # as an engine might have returned them
+    assert check_turn_faithful(turn) == why
+    turn.completion_logprobs = [-0.5, float("nan")]
+    assert check_turn_faithful(turn) == "completion_logprobs[1]=nan is not a finite value in [-745.0, 0]"

@@ -22,6 +22,7 @@ floats, so every record written reloads (`null` would not validate as a float).
 
 from __future__ import annotations
 
+import array
 import json
 import math
 import time
@@ -341,12 +342,17 @@ def check_turn_faithful(turn: Turn) -> str | None:
         return f"usage.completion_tokens={reported} != len(completion_ids)={n_ids}"
     lps = turn.completion_logprobs
     # Fast path in C (min/max/sum): a non-finite value makes the sum non-finite, and a finite
-    # sum that overflowed only sends us to the exact per-element loop below.
-    if (not lps or (max(lps) <= 0.0 and min(lps) >= MIN_SAMPLED_LOGPROB and math.isfinite(sum(lps)))) and min(
-        turn.prompt_ids) >= 0 and (
-        not turn.completion_ids or min(turn.completion_ids) >= 0
-    ):
-        return None
+    # sum that overflowed only sends us to the exact per-element loop below. The ids are
+    # non-negative when they fit unsigned 64-bit array items (OverflowError for a negative one,
+    # TypeError for a non-int: both take the exact loop); ~1.8x faster than min() on 12k ids.
+    if not lps or (max(lps) <= 0.0 and min(lps) >= MIN_SAMPLED_LOGPROB and math.isfinite(sum(lps))):
+        try:
+            array.array("Q", turn.prompt_ids)
+            array.array("Q", turn.completion_ids)
+        except (OverflowError, TypeError):
+            pass
+        else:
+            return None
     for i, lp in enumerate(lps):
         if not math.isfinite(lp) or not MIN_SAMPLED_LOGPROB <= lp <= 0.0:
             return f"completion_logprobs[{i}]={lp!r} is not a finite value in [{MIN_SAMPLED_LOGPROB}, 0]"
