@@ -486,7 +486,7 @@ class ChatLayer:
             turn_index=turn_index, messages=tuple(messages), tools=tuple(tools or ()),
             reply=Message(role="assistant", content=reply.content or "", tool_calls=tuple(reply.tool_calls),
                           reasoning=reply.reasoning),
-            ids=(*prompt_ids, *completion_ids),
+            ids=tuple(prompt_ids) + tuple(completion_ids),  # the engine's tuples: one copy
             ended=bool(completion_ids) and completion_ids[-1] in self.eos_token_ids)
 
     def find_bridge(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,

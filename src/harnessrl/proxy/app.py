@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -46,7 +45,8 @@ from starlette.routing import Route
 
 from harnessrl.errors import RequestError
 from harnessrl.proxy import sse
-from harnessrl.proxy.capture import CaptureDeps, ChatOutcome, PreparedChat, generate_chat, prepare_chat
+from harnessrl.proxy.capture import (CaptureDeps, ChatOutcome, PreparedChat, completion_id, generate_chat,
+                                     prepare_chat)
 from harnessrl.proxy.sessions import Session, SessionStore, trace_json
 from harnessrl.proxy.wire import MAX_JSON_DEPTH, dumps, error_body, loads
 
@@ -134,9 +134,13 @@ class JsonResponse(Response):
         self.status_code = status_code
         self.body = body
         self.background = None
-        self.raw_headers = [(b"content-type", b"application/json")]
-        if not (status_code < 200 or status_code in (204, 304)):
-            self.raw_headers.insert(0, (b"content-length", str(len(body)).encode("latin-1")))
+        if status_code < 200 or status_code in (204, 304):
+            self.raw_headers = [_JSON_TYPE]
+        else:
+            self.raw_headers = [(b"content-length", b"%d" % len(body)), _JSON_TYPE]
+
+
+_JSON_TYPE = (b"content-type", b"application/json")
 
 
 def json_response(status_code: int, body: object) -> Response:
@@ -219,7 +223,7 @@ async def chat_completions(request: Request, session: Session, deps: ProxyDeps) 
 
 
 async def _stream(deps: ProxyDeps, prepared: PreparedChat) -> AsyncIterator[bytes]:
-    response_id = "chatcmpl-" + secrets.token_hex(12)
+    response_id = completion_id()
     yield sse.role_chunk(response_id, int(time.time()), prepared.request.model or deps.capture.config.model_name)
     task = asyncio.ensure_future(generate_chat(deps.capture, prepared))
     _inflight.add(task)
