@@ -109,6 +109,19 @@ async def test_same_bytes_as_uvicorn_fewer_writes(app: App, extra: bytes) -> Non
         assert plain.closed and guarded.writes == plain.writes
 
 
+async def test_a_head_request_gets_its_head() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:  # what Starlette does for HEAD
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"12")]})
+        await send({"type": "http.response.body", "body": b'{"ok": true}'})
+
+    request = b"HEAD /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
+    plain = await _exchange(HttpToolsProtocol, app, request)
+    guarded = await _exchange(guarded_httptools(30.0), app, request)
+    assert guarded.writes == plain.writes and len(plain.writes) == 1  # no body on the wire, the head alone
+    assert plain.writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and plain.writes[0].endswith(b"content-length: 12\r\n\r\n")
+
+
 async def test_keep_alive_requests_each_answered_in_one_write() -> None:
     body = b'{"messages": [1, 2, 3]}'
     guarded = await _exchange(guarded_httptools(30.0), _unary, _post(body) + _post(body))

@@ -83,16 +83,23 @@ class _OneWriteCycle(RequestResponseCycle):
 
     async def send(self, message: Any) -> None:
         transport = self.transport
-        if message["type"] != "http.response.start" or self.response_started or type(transport) is not _HeadHeld:
+        if type(transport) is not _HeadHeld:
             await super().send(message)
             return
-        transport.hold = True
+        if message["type"] == "http.response.start" and not self.response_started:
+            transport.hold = True
+            try:
+                await super().send(message)
+            finally:
+                transport.hold = False  # the head is held by now if it was written
+            if self.chunked_encoding:
+                transport.flush()
+            return
         try:
             await super().send(message)
-        finally:
-            transport.hold = False  # the head is held by now if it was written
-        if self.chunked_encoding:
-            transport.flush()
+        finally:  # a body part that wrote nothing (a HEAD request's) must not keep the head
+            if transport.held is not None and not self.disconnected:
+                transport.flush()
 
 def _timeout_body(read_timeout_s: float) -> bytes:
     message = f"request not received within read_timeout_s={read_timeout_s:g}".encode()
