@@ -58,11 +58,11 @@ class _HeadHeld:
         self.transport.write(data)
 
     def flush(self) -> None:
-        """Write a held head now."""
+        """Write a held head now (dropped when the connection is already closing)."""
         self.hold = False
-        if self.held is not None:
-            self.transport.write(self.held)
-            self.held = None
+        held, self.held = self.held, None
+        if held is not None and not self.transport.is_closing():
+            self.transport.write(held)
 
     def close(self) -> None:
         self.flush()
