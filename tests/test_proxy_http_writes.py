@@ -47,9 +47,10 @@ class _Transport:
         pass
 
 
-async def _exchange(protocol_class: type, app: App, request: bytes) -> _Transport:
-    """Feed `request` to a fresh connection of `protocol_class` serving `app`; return its
-    transport once the app finished (the date header is off, so the bytes are comparable)."""
+async def _exchange(protocol_class: type, app: App, *requests: bytes) -> _Transport:
+    """Feed each of `requests` to a fresh connection of `protocol_class` serving `app`, the next
+    once the one before is answered; return its transport (the date header is off, so the bytes
+    are comparable)."""
     config = uvicorn.Config(app, http=protocol_class, log_level="warning", access_log=False, lifespan="off",
                             server_header=False, date_header=False, interface="asgi3")
     config.load()
@@ -57,9 +58,10 @@ async def _exchange(protocol_class: type, app: App, request: bytes) -> _Transpor
     protocol = protocol_class(config=config, server_state=state, app_state={}, _loop=asyncio.get_running_loop())
     transport = _Transport()
     protocol.connection_made(transport)
-    protocol.data_received(request)
-    while protocol.tasks:  # a pipelined request's task starts once the one before it answered
-        await asyncio.gather(*list(protocol.tasks))
+    for request in requests:
+        protocol.data_received(request)
+        while protocol.tasks:  # a pipelined request's task starts once the one before it answered
+            await asyncio.gather(*list(protocol.tasks))
     protocol.connection_lost(None)
     return transport
 
@@ -124,9 +126,15 @@ async def test_a_head_request_gets_its_head() -> None:
 
 async def test_keep_alive_requests_each_answered_in_one_write() -> None:
     body = b'{"messages": [1, 2, 3]}'
-    guarded = await _exchange(guarded_httptools(30.0), _unary, _post(body) + _post(body))
-    assert len(guarded.writes) == 2 and guarded.writes[0] == guarded.writes[1]
+    guarded = await _exchange(guarded_httptools(30.0), _unary, _post(body), _post(body), _post(body))
+    assert len(guarded.writes) == 3 and guarded.writes[0] == guarded.writes[1] == guarded.writes[2]
     assert guarded.writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and guarded.writes[0].endswith(b'{"echo": 23}')
+    # pipelined (sent before the first was answered): the same bytes as uvicorn's, in order
+    pipelined = _post(body) + _post(b'{"messages": []}')
+    plain = await _exchange(HttpToolsProtocol, _unary, pipelined)
+    guarded = await _exchange(guarded_httptools(30.0), _unary, pipelined)
+    assert b"".join(guarded.writes) == b"".join(plain.writes)
+    assert b"".join(plain.writes).count(b"HTTP/1.1 200 OK") == 2 and b"".join(plain.writes).endswith(b'{"echo": 16}')
 
 
 @pytest.mark.parametrize("status", [200, 400, 401, 404, 413, 429, 500, 503])

@@ -18,9 +18,9 @@ Invariant: generation time is never limited here; the deadline covers only readi
 The same protocol writes a response's head together with its first body part: uvicorn writes
 the status line and headers, then the body, as two socket writes (two TCP segments, two
 wake-ups of the client); here the head of a response with a `content-length` is held
-(`_HeadHeld`) until the next write of that response, or until the connection closes, so a unary
-response is one write (a streamed response's head still goes out at once). The bytes on the
-wire are unchanged.
+(`_HeadHeld`) until the next write of that response, its completion or the connection's close,
+so a unary response is one write (a streamed response's head still goes out at once, and
+pipelined requests' answers as uvicorn writes them). The bytes on the wire are unchanged.
 """
 
 from __future__ import annotations
@@ -35,31 +35,35 @@ log = logging.getLogger(__name__)
 
 
 class _HeadHeld:
-    """A connection's transport as its response cycles see it: while `hold` is set, the next
-    write (the response head) is held and prefixed to the write after it; `close` writes a
-    held head first."""
+    """A connection's transport as its response cycles see it: the first write of a response
+    that declared a `content-length` (its head: uvicorn writes it right after marking the
+    response started) is held and prefixed to the next write; `flush` (the response completed
+    without writing a body: HEAD) and `close` write a held head."""
 
-    __slots__ = ("transport", "hold", "held")
+    __slots__ = ("transport", "protocol", "cycle", "held")
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: HttpToolsProtocol) -> None:
         self.transport = transport
-        self.hold = False
+        self.protocol = protocol
+        self.cycle: RequestResponseCycle | None = None
+        """The cycle whose head was held last (its later writes are never a head)."""
         self.held: bytes | None = None
 
     def write(self, data: bytes) -> None:
-        if self.hold:
-            self.hold = False
-            self.held = data
-            return
         held = self.held
         if held is not None:
             self.held = None
-            data = held + data
+            self.transport.write(held + data)
+            return
+        cycle = self.protocol.cycle  # the writer, but for pipelined requests (their writes go straight out)
+        if cycle is not self.cycle and cycle is not None and cycle.response_started and cycle.chunked_encoding is False:
+            self.cycle = cycle
+            self.held = data
+            return
         self.transport.write(data)
 
     def flush(self) -> None:
         """Write a held head now (dropped when the connection is already closing)."""
-        self.hold = False
         held, self.held = self.held, None
         if held is not None and not self.transport.is_closing():
             self.transport.write(held)
@@ -74,32 +78,6 @@ class _HeadHeld:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
 
-
-class _OneWriteCycle(RequestResponseCycle):
-    """uvicorn's request/response cycle, writing through `_HeadHeld`: the head its
-    `http.response.start` writes is held until the response's first body write when the
-    response has a `content-length` (a unary answer, whose body follows at once); a streamed
-    (chunked) response's head goes out at once, as before (its first event may take long)."""
-
-    async def send(self, message: Any) -> None:
-        transport = self.transport
-        if type(transport) is not _HeadHeld:
-            await super().send(message)
-            return
-        if message["type"] == "http.response.start" and not self.response_started:
-            transport.hold = True
-            try:
-                await super().send(message)
-            finally:
-                transport.hold = False  # the head is held by now if it was written
-            if self.chunked_encoding:
-                transport.flush()
-            return
-        try:
-            await super().send(message)
-        finally:  # a body part that wrote nothing (a HEAD request's) must not keep the head
-            if transport.held is not None and not self.disconnected:
-                transport.flush()
 
 def _timeout_body(read_timeout_s: float) -> bytes:
     message = f"request not received within read_timeout_s={read_timeout_s:g}".encode()
@@ -139,6 +117,8 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
 
         def on_response_complete(self) -> None:
             # uvicorn's (0.30-0.54), with the keep-alive deadline kept by `_idle_timer`
+            if self._head_held is not None:
+                self._head_held.flush()  # a response that wrote no body (HEAD) still sends its head
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return
@@ -164,15 +144,14 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._head_held = _HeadHeld(transport)
+            self._head_held = _HeadHeld(transport, self)
             self._read_by = self.loop.time() + read_timeout_s
             self._read_timer = self.loop.call_at(self._read_by, self._read_check)
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             cycle = self.cycle  # the new request's (its task has not run yet)
-            if type(cycle) is RequestResponseCycle and self._head_held is not None:
-                cycle.__class__ = _OneWriteCycle  # same layout, one method overridden
+            if cycle is not None and cycle.transport is self.transport and self._head_held is not None:
                 cycle.transport = self._head_held  # type: ignore[assignment]
 
         def on_message_begin(self) -> None:
