@@ -183,10 +183,14 @@ class TrainConfig(BaseModel):
     projection (the saving is in the layers' projections and MLPs). With the fused token
     logprobs (`packing.token_logprobs`) the trainer now runs 1.83x / 1.89x / 2.56x the tokens/s
     of the layout before (whole rows, dense mask, autograd logprobs) at 2048 / 4096 / 8192 on
-    that shape (8 rows of 256-768 tokens, groups of 4 sharing 256 ids, one run at load 4-5),
-    8192 equal to or above 4096 at the same peak memory there; 4096 stays the default until
-    8192 is measured on the 135M shape, whose vocabulary-projection tensors grow with the
-    trained tokens per pack."""
+    that shape (8 rows of 256-768 tokens, groups of 4 sharing 256 ids, one run at load 4-5).
+    On the 135M shape (576 x 30 layers, the same 8 rows: 4,082 tokens whole, 2,639 shared) it
+    runs 2.10x / 3.38x / 3.55x the tokens/s of before (135 / 146 / 136 against 64 / 43 / 38),
+    at 1,687 / 1,060 / 1,078 MiB of step memory against 4,131 / 1,070 / 1,225 (`bench/packing.py
+    --hidden 576 --layers 30 --budgets 2048,4096,8192 --before --rows 8 --min-len 256 --max-len
+    768 --group-size 4 --prefix-len 256 --repeats 1`, load 1.0): 4096 is faster and smaller than
+    2048, and 8192 (one pack either way for these rows) no better, so 4096, which also equals
+    the default context, stays the default."""
     train_auxiliary: bool = False
     """Also train auxiliary calls (titles, summaries); off by default."""
     num_threads: int = Field(default=1, ge=1)

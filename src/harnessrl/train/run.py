@@ -296,13 +296,15 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         report = await loop.run_in_executor(trainer, group.publish, sync, version)
                         metrics.update(report.as_metrics())
                     t_synced = time.monotonic()
+                    # the engine serves the new version: the groups of a later step may start now
+                    # (none after the last step: they would only be cancelled)
+                    if step < cfg.train.steps:
+                        orch.allow(groups_per_step)
                     if updated:
                         # how far the update moved the weights, once the engine has them (the
-                        # rollouts already running overlap it); before the groups of a later
-                        # step are let go, so a checkpoint lists the same dispatched groups
+                        # rollouts already running overlap it)
                         metrics["param_delta_l2"] = await loop.run_in_executor(trainer, group.update_norm)
                         metrics["time/update_norm_s"] = time.monotonic() - t_synced
-                    orch.allow(groups_per_step)
                     if eval_tasks is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                         metrics.update(await held_out(step))  # the policy after this step
 
