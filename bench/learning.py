@@ -23,6 +23,12 @@ steps and 10 minutes at lr 1e-5, 2 prompts x 4 completions per step.
     .venv/bin/python bench/learning.py                        # both arms, 51 steps, lr 1e-5
     .venv/bin/python bench/learning.py --arms harnessrl --lr 3e-5 --steps 68
     .venv/bin/python bench/learning.py --harness mini-swe-agent --steps 20   # through the agent
+    .venv/bin/python bench/learning.py --lr 3e-5 --bf16 harnessrl   # harnessrl in bfloat16, TRL float32
+
+`--bf16 harnessrl` gives harnessrl's engine bfloat16 weights and its trainer `train.autocast`
+(on a CPU with AMX the engine decodes ~1.9x faster); `--bf16 both` also runs TRL with
+`bf16=True`, which on this CPU path is slower than its float32 (its autocast recasts the
+float32 weights at every decode step), so TRL's fastest arm is its float32 one.
 """
 
 from __future__ import annotations
@@ -89,7 +95,8 @@ def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float,
         f"train.learning_rate={args.lr}", f"train.lr_schedule={json.dumps(args.lr_schedule)}",
         f"train.max_staleness={args.max_staleness}",
         f"train.num_threads={args.train_threads}", f"seed={args.seed}",
-        f"train.autocast={json.dumps('bfloat16' if args.bf16 else 'off')}",
+        f"train.autocast={json.dumps('bfloat16' if args.bf16 in ('both', 'harnessrl') else 'off')}",
+        f"engine.dtype={json.dumps('bfloat16' if args.bf16 in ('both', 'harnessrl') else 'float32')}",
     ])
     t0 = time.monotonic()
     history = asyncio.run(train(cfg, run_dir))
@@ -108,7 +115,7 @@ def trl_arm(args: argparse.Namespace, model_dir: Path, out: Path) -> tuple[Path,
            "--prompts-per-step", str(args.prompts_per_step),
            "--completions", str(args.completions), "--max-tokens", str(args.max_tokens),
            "--threads", str(args.trl_threads), "--reward", args.reward, "--seed", str(args.seed),
-           *(["--bf16"] if args.bf16 else [])]
+           *(["--bf16"] if args.bf16 == "both" else [])]
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
     wall = time.monotonic() - t0
@@ -157,8 +164,10 @@ def main() -> None:
     p.add_argument("--train-threads", type=int, default=1, help="torch threads of harnessrl's trainer")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (it "
                    "generates and trains in turn, so it gets both cores)")
-    p.add_argument("--bf16", action="store_true", help="both arms train in bfloat16 mixed precision "
-                   "(harnessrl train.autocast, TRL bf16=True: torch.autocast with float32 weights)")
+    p.add_argument("--bf16", default="none", choices=["none", "both", "harnessrl"],
+                   help="bfloat16 in harnessrl's arm (its engine holds bfloat16 weights, engine.dtype, and "
+                   "its trainer runs train.autocast) and with 'both' in TRL's (bf16=True: torch.autocast "
+                   "over its float32 model, generation included); the held-out evaluation stays float32")
     p.add_argument("--eval-prompts", type=int, default=64)
     p.add_argument("--harness", default="white_box", help="white_box (the side-by-side), or an agent "
                    "(mini-swe-agent, ...) for a curve through it")
@@ -197,7 +206,7 @@ def main() -> None:
         fracs = [float(m.get("clip_ratio/region_mean", 0.0)) for m in log]
         clip["trl"] = sum(fracs) / max(len(fracs), 1)
     print(f"\nlarger-number task, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), "
-          f"{'bf16 mixed precision' if args.bf16 else 'float32'}, "
+          f"bfloat16: {args.bf16}, "
           f"{args.prompts_per_step} prompts x "
           f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
           f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy")
