@@ -41,6 +41,10 @@ is not timed), greedy ids compared with `model.generate`'s. `agent`: `vllm-fp32`
 same rollouts (vLLM's own prefix cache on; its prefill count is not observable from outside, so
 only tokens/s and turn latency are reported for it).
 
+`--engine-bf16` (chat): one more arm, the embedded engine holding bfloat16 weights
+(`engine.dtype = "bfloat16"`), its tokens/s against the float32 engine's and how many of its
+greedy replies equal float32 `generate`'s.
+
 The engine's decode steps go through `engine/decode_step.py` (`--no-fast-decode`: the model's
 own forward, for comparison). The load average is printed at start and end (the machine is shared).
 
@@ -314,6 +318,8 @@ def main() -> None:
     parser.add_argument("--prefix-cache-tokens", type=int, default=32768, help="agent: the cache's bound")
     parser.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens")
     parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM arms")
+    parser.add_argument("--engine-bf16", action="store_true",
+                        help="chat: add the embedded engine with bfloat16 weights (engine.dtype) as an arm")
     parser.add_argument("--no-fast-decode", dest="fast_decode", action="store_false",
                         help="engine decode steps through the model's forward instead of engine/decode_step.py")
     args = parser.parse_args()
@@ -335,27 +341,37 @@ def run_workload(args: argparse.Namespace) -> None:
         return
     engine = EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0,
                             prefill_chunk_tokens=args.chunk, fast_decode=args.fast_decode)
+    engine_bf16 = (EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0,
+                                  prefill_chunk_tokens=args.chunk, fast_decode=args.fast_decode, dtype="bfloat16")
+                   if args.engine_bf16 else None)
     eos_ids = engine.eos_token_ids
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     all_prompts = render_prompts(tokenizer, 8)
     print(f"threads={args.threads} max_tokens={args.max_tokens} repeats={args.repeats} fast_decode={args.fast_decode} "
           f"prompt lengths={[len(p) for p in all_prompts]}")
     bench_engine(engine, all_prompts[:2], 8)  # warm-up
+    if engine_bf16 is not None:
+        bench_engine(engine_bf16, all_prompts[:2], 8)
     bench_generate_static(model, all_prompts[:2], 8, eos_ids, pad_id)
 
     best: dict[tuple[int, str], tuple[float, list[list[int]]]] = {}
     for _ in range(args.repeats):  # methods interleaved per repeat; best wall time kept
         for n in (1, 4, 8):
             prompts = all_prompts[:n]
-            for name, fn in (
+            methods = [
                 ("engine", lambda: bench_engine(engine, prompts, args.max_tokens)),
                 ("generate-seq", lambda: bench_generate_seq(model, prompts, args.max_tokens, eos_ids)),
                 ("generate-static", lambda: bench_generate_static(model, prompts, args.max_tokens, eos_ids, pad_id)),
-            ):
+            ]
+            if engine_bf16 is not None:
+                methods.append(("engine-bf16", lambda: bench_engine(engine_bf16, prompts, args.max_tokens)))
+            for name, fn in methods:
                 dt, outs = fn()
                 if (n, name) not in best or dt < best[(n, name)][0]:
                     best[(n, name)] = (dt, outs)
     engine.close()
+    if engine_bf16 is not None:
+        engine_bf16.close()
     for dtype, name in (("float32", "vllm-fp32"), ("bfloat16", "vllm-bf16")) if args.vllm else ():
         server = vllm_engine(model_dir, dtype, args.max_tokens)
         try:
@@ -381,6 +397,10 @@ def run_workload(args: argparse.Namespace) -> None:
         st_tps, _ = by[(n, "generate-static")]
         same = sum(a == b for a, b in zip(eng_outs, seq_outs))
         vllm_part = ""
+        if (n, "engine-bf16") in by:
+            b_tps, b_outs = by[(n, "engine-bf16")]
+            vllm_part += (f", engine-bf16/engine = {b_tps / eng_tps:.2f}x (its greedy ids equal to float32 "
+                          f"generate: {sum(a == b for a, b in zip(b_outs, seq_outs))}/{n})")
         for name in ("vllm-fp32", "vllm-bf16"):
             if (n, name) in by:
                 v_tps, v_outs = by[(n, name)]
