@@ -49,6 +49,7 @@ from typing import Any
 from rich.console import Console
 
 from harnessrl.config import RunConfig, dump_config
+from harnessrl.train.resume import drop_lines_after_checkpoint
 from harnessrl.types import Group, Row
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
         start_step, next_group_id = saved["step"], saved["next_group_id"]
         replay = list(saved.get("replay_group_ids", []))
     if resume:
-        _drop_rows_after(run_dir, start_step, next_group_id, replay)
+        drop_lines_after_checkpoint(run_dir, start_step, next_group_id, replay)
     sinks = make_sinks(list(cfg.log.report_to), run_dir, cfg.model_dump(mode="json"))
     from harnessrl.jsonl import repair_torn_tail
 
@@ -411,36 +412,6 @@ async def _pull_groups(orch: Any, n: int, console: Console, step: int, steps: in
         while len(groups) < n:
             groups.append(await orch.get_group(on_wait=on_wait))
     return groups
-
-
-def _drop_rows_after(run_dir: Path, step: int, next_group_id: int, replay: list[int]) -> None:
-    """Before a resume from the checkpoint after `step`: drop the metrics of later steps and the
-    rollouts of groups that checkpoint did not train on (they are redone), so that each step and
-    group appears once in `metrics.jsonl` and `rollouts.jsonl`."""
-    from harnessrl.jsonl import read_jsonl
-
-    redo = set(replay)
-
-    def keep_metrics(row: dict[str, Any]) -> bool:
-        return row.get("step", 0) <= step
-
-    def keep_rollout(row: dict[str, Any]) -> bool:
-        gid = row.get("group_id", -1)
-        return gid < next_group_id and gid not in redo
-
-    for name, keep in (("metrics.jsonl", keep_metrics), ("rollouts.jsonl", keep_rollout)):
-        path = run_dir / name
-        if not path.exists():
-            continue
-        # a torn last line (the previous process was killed mid-write) is dropped, reported
-        read = read_jsonl(path)
-        kept = [line for line, row in zip(read.lines, read.rows) if keep(row)]
-        if len(kept) < len(read.rows) or read.bad_lines or read.torn_tail:
-            tmp = path.with_name(name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-            tmp.replace(path)
-            log.info("%s: dropped %d lines logged after step %d (that work is redone) and %d "
-                     "unreadable lines", name, len(read.rows) - len(kept), step, len(read.bad_lines))
 
 
 def _rows_for_step(
