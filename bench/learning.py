@@ -84,6 +84,7 @@ def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float,
 
     task_file = BENCH / "larger_task.py"
     concurrent = args.completions * args.prompts_per_step * (args.max_staleness + 1)
+    bf16 = args.bf16 in ("both", "harnessrl")
     cfg = load_config(None, [
         f"engine.model={json.dumps(args.model)}", "engine.num_threads=1", "harness.kind=\"white_box\"",
         "harness.options={tools = [], max_turns = 1}", "tasks.kind=\"python\"",
@@ -96,8 +97,8 @@ def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float,
         f"train.learning_rate={args.lr}", f"train.lr_schedule={json.dumps(args.lr_schedule)}",
         f"train.max_staleness={args.max_staleness}",
         f"train.num_threads={args.train_threads}", f"seed={args.seed}",
-        f"train.autocast={json.dumps('bfloat16' if args.bf16 in ('both', 'harnessrl') else 'off')}",
-        f"engine.dtype={json.dumps('bfloat16' if args.bf16 in ('both', 'harnessrl') else 'float32')}",
+        f"train.autocast={json.dumps('bfloat16' if bf16 else 'off')}",
+        f"engine.dtype={json.dumps('bfloat16' if bf16 else 'float32')}",
     ])
     t0 = time.monotonic()
     history = asyncio.run(train(cfg, run_dir))
