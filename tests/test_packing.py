@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import random
 from pathlib import Path
 
@@ -429,3 +430,42 @@ def test_trainer_logprobs_in_bfloat16_keep_float32_math(tiny_model_dir: Path) ->
     lp.sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.bfloat16 for g in grads)
+
+
+def test_short_segments_take_the_math_kernel_with_flash_values_and_grads(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Segments of <= MATH_KV_MAX keys run SDPA's math kernel on CPU (cheaper backward for short
+    rows); logprobs and gradients equal the flash kernel's (float32, 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    import harnessrl.train.packing as packing
+
+    chosen: list[tuple[int, bool]] = []
+    real = packing._kernel_for
+
+    def spy(device: torch.device, n_keys: int):  # type: ignore[no-untyped-def]
+        ctx = real(device, n_keys)
+        chosen.append((n_keys, not isinstance(ctx, contextlib.nullcontext)))
+        return ctx
+
+    monkeypatch.setattr(packing, "_kernel_for", spy)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    rows = _with_near_policy_sampler_logprobs(model, _group_rows(seed=11))
+    (packed,) = pack_rows(rows, token_budget=10_000)
+    n_global = sum(r.num_trained_tokens for r in rows)
+    results = {}
+    for name, limit in (("math", packing.MATH_KV_MAX), ("flash", 0)):
+        monkeypatch.setattr(packing, "MATH_KV_MAX", limit)
+        chosen.clear()
+        model.zero_grad(set_to_none=True)
+        lp = compute_trainer_logprobs(model, packed, temperature=0.9)
+        ppo_clip_loss(loss_inputs(packed, lp, n_global), PpoClipLoss()).loss.backward()
+        results[name] = (lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        assert chosen and all(math == (n <= limit) for n, math in chosen)
+        assert any(math for _, math in chosen) == (name == "math")
+    torch.testing.assert_close(results["math"][0], results["flash"][0], atol=1e-5, rtol=0)
+    for g_m, g_f in zip(results["math"][1], results["flash"][1], strict=True):
+        torch.testing.assert_close(g_m, g_f, atol=1e-5, rtol=1e-4)
+    assert isinstance(real(torch.device("cpu"), packing.MATH_KV_MAX + 1), contextlib.nullcontext)
+    assert isinstance(real(torch.device("meta"), 4), contextlib.nullcontext), "CPU only"
