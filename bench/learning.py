@@ -96,6 +96,9 @@ def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float,
         f"train.steps={args.steps}", f"train.groups_per_step={args.prompts_per_step}",
         f"train.learning_rate={args.lr}", f"train.lr_schedule={json.dumps(args.lr_schedule)}",
         f"train.max_staleness={args.max_staleness}",
+        f"train.dynamic_sampling_max_groups={args.dynamic_sampling}",
+        # TRL logs no update norm; harnessrl's would read the AdamW moments once a step
+        f"log.update_norm_every={args.update_norm_every}",
         f"train.num_threads={args.train_threads}", f"seed={args.seed}",
         f"train.autocast={json.dumps('bfloat16' if bf16 else 'off')}",
         f"engine.dtype={json.dumps('bfloat16' if bf16 else 'float32')}",
@@ -162,6 +165,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=24, help="reply cap, training and held-out")
     p.add_argument("--reward", default="lenient", choices=["lenient", "format_aware"])
     p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--dynamic-sampling", type=int, default=0, metavar="N",
+                   help="harnessrl's train.dynamic_sampling_max_groups: a step whose groups have all-equal "
+                   "rewards draws up to N more groups so that every update has --prompts-per-step groups "
+                   "with signal (DAPO's dynamic sampling); TRL has no such option")
+    p.add_argument("--update-norm-every", type=int, default=0, help="harnessrl's log.update_norm_every "
+                   "(param_delta_l2 every N updates; 0, the bench default: never, as TRL measures none)")
     p.add_argument("--seed", type=int, default=0, help="both arms' run seed (sampling, TRL's data order)")
     p.add_argument("--train-threads", type=int, default=1, help="torch threads of harnessrl's trainer")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (it "
@@ -200,6 +209,10 @@ def main() -> None:
         results["harnessrl"] = asyncio.run(held_out(checkpoint, args.eval_prompts, threads=2))
         fracs = [m.get("clip_high_frac", 0.0) + m.get("clip_low_frac", 0.0) for m in history if "loss" in m]
         clip["harnessrl"] = sum(fracs) / max(len(fracs), 1)
+        steps = [m for m in history if m.get("step", 0) > 0]
+        print(f"harnessrl arm: {sum(1 for m in steps if not m.get('skipped'))} of {len(steps)} steps updated; "
+              f"{sum(m.get('groups_drawn_extra', 0.0) for m in steps):.0f} groups drawn beyond "
+              f"{args.prompts_per_step} a step", flush=True)
     if args.arms in ("both", "trl"):
         load["trl"] = os.getloadavg()[0]
         model, times["trl"], log = trl_arm(args, model_dir, out / "trl")

@@ -14,7 +14,7 @@ from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
 from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig, leftover_sandboxes
 from harnessrl.tasks.base import Task
-from harnessrl.types import Endpoint, Trace
+from harnessrl.types import Endpoint, Group, Trace
 
 
 class Tasks:
@@ -156,3 +156,29 @@ async def test_idle_seconds_count_only_time_without_a_running_rollout(tmp_path: 
         assert orch.idle_seconds - after_run >= 0.25
     finally:
         await orch.close()
+
+
+async def test_on_group_maps_each_completed_group_and_its_error_stops_the_run(tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    def on_group(group: Group) -> Group:
+        seen.append(group.group_id)
+        if group.group_id == 5:
+            raise RuntimeError("reward hook failed on group 5")
+        return group.model_copy(update={"task_id": "mapped-" + group.task_id})
+
+    orch = Orchestrator(Tasks(), EchoHarness(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)), Sessions(),
+                        lambda task: Verifier(), group_size=2, max_concurrent_rollouts=2,
+                        limits=RolloutLimits(10, 10), first_group_id=4, on_group=on_group)
+    orch.allow(1)
+    orch.start()
+    try:
+        first = await orch.get_group()
+        assert first.group_id == 4 and first.task_id == "mapped-t1", "get_group returns on_group's value"
+        orch.allow(1)
+        with pytest.raises(RuntimeError, match="group 5"):
+            await orch.get_group()
+    finally:
+        await orch.close()
+    assert seen == [4, 5]
+    assert leftover_sandboxes(tmp_path) == []

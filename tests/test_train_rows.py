@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
+
 import pytest
 
 from harnessrl.config import load_config
 from harnessrl.train.advantages import grpo_advantages
+from harnessrl.train.hooks import shape_group
+from harnessrl.train.dynamic_sampling import DynamicSampling, has_signal
 from harnessrl.train.run import _rows_for_step
 from harnessrl.types import Group, Rollout, Trace, Turn
 
@@ -50,7 +56,8 @@ def test_a_shaped_step_reports_both_rewards_and_passes_on_the_verifiers() -> Non
     hooks = {"rollout_reward_fn": lambda outcome: credit[outcome.rollout.rollout_id]}
     group = Group(group_id=0, task_id="t",
                   rollouts=[_rollout(0, 0, 1.0, 0), _rollout(1, 0, 0.0, 0), _rollout(2, 0, 0.0, 0)])
-    rows, m, _ = _rows_for_step([group], cfg, hooks, grpo_advantages, version=0)
+    rows, m, _ = _rows_for_step([shape_group(group, hooks["rollout_reward_fn"])], cfg, hooks, grpo_advantages,
+                                version=0)
     assert m["reward/verifier_mean"] == pytest.approx(1 / 3)
     assert m["reward/train_mean"] == pytest.approx(1.75 / 3)
     assert m["pass_rate"] == pytest.approx(1 / 3), "pass rate counts the verifier's reward"
@@ -60,3 +67,112 @@ def test_a_shaped_step_reports_both_rewards_and_passes_on_the_verifiers() -> Non
     assert adv["r0-0"] > adv["r0-1"] > adv["r0-2"]
     assert adv["r0-1"] != adv["r0-2"], "with the verifier's reward these two would tie"
     assert group.rollouts[1].reward == 0.0, "the verifier's reward is never overwritten"
+
+
+class _Queue:
+    """The two calls of `Orchestrator` that `_draw_replacements` uses, over a fixed list."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        self.groups, self.granted, self.pulled = list(groups), 0, 0
+
+    def allow(self, n: int) -> None:
+        self.granted += n
+
+    async def get_group(self) -> Group:
+        assert self.granted > self.pulled, "a group pulled without a ticket granted for it"
+        self.pulled += 1
+        return self.groups.pop(0)
+
+
+def _group(group_id: int, rewards: list[float]) -> Group:
+    return Group(group_id=group_id, task_id="t",
+                 rollouts=[_rollout(i, group_id, r, 0) for i, r in enumerate(rewards)])
+
+
+def _sampling(max_extra: int, orch: _Queue) -> DynamicSampling:
+    ds = DynamicSampling(max_extra, None, grpo_advantages)
+    ds.bind(orch)
+    return ds
+
+
+def test_dynamic_sampling_draws_until_enough_groups_carry_signal() -> None:
+    flat, mixed = _group(0, [1.0, 1.0]), _group(1, [1.0, 0.0])
+    assert not has_signal(flat, grpo_advantages) and has_signal(mixed, grpo_advantages)
+    assert not has_signal(_group(9, [1.0]), grpo_advantages), "one scored rollout: no advantage"
+    orch = _Queue([_group(2, [0.0, 0.0]), _group(3, [0.0, 1.0]), _group(4, [1.0, 0.0])])
+    groups = [flat, mixed]
+    assert asyncio.run(_sampling(5, orch).draw(groups, 2)) == 2
+    # group 2 is flat too, group 3 gives the second group with signal: no further draw
+    assert orch.granted == 2 and [g.group_id for g in groups] == [0, 1, 2, 3]
+    orch = _Queue([_group(5, [0.0, 0.0]), _group(6, [0.0, 0.0]), _group(7, [0.0, 1.0])])
+    groups = [_group(0, [1.0, 1.0])]
+    assert asyncio.run(_sampling(2, orch).draw(groups, 1)) == 2
+    assert [g.group_id for g in groups] == [0, 5, 6], "at most max_extra draws, signal or not"
+    orch = _Queue([_group(8, [0.0, 1.0])])
+    groups = [_group(0, [1.0, 1.0])]
+    ds = _sampling(0, orch)
+    assert asyncio.run(ds.draw(groups, 1)) == 0 and ds.on_group(flat) is flat
+    assert orch.granted == 0 and len(groups) == 1, "0 turns it off"
+    with pytest.raises(ValueError, match="dynamic_sampling_max_groups"):
+        DynamicSampling(-1, None, grpo_advantages)
+
+
+def test_a_flat_group_is_replaced_as_it_completes_within_the_bound() -> None:
+    orch = _Queue([_group(3, [0.0, 1.0])])
+    ds = _sampling(2, orch)
+    for gid in (0, 1, 2):  # three flat groups complete; two early grants, the bound
+        ds.on_group(_group(gid, [0.0, 0.0]))
+    ds.on_group(_group(4, [1.0, 0.0]))  # a group with signal gets no replacement
+    assert orch.granted == 2 and ds.early_grants == 2
+    groups = [_group(0, [0.0, 0.0])]
+    assert asyncio.run(ds.draw(groups, 1)) == 1
+    assert orch.granted == 2 and ds.early_grants == 1, "the draw spent an early grant, granted nothing"
+    assert [g.group_id for g in groups] == [0, 3]
+
+
+_HOOK = """
+import collections
+CALLS = {calls!r}
+seen = collections.Counter()
+
+def reward(outcome):
+    r = outcome.rollout
+    with open(CALLS, "a") as fh:
+        fh.write(r.rollout_id + "\\n")
+    seen[r.group_id] += 1
+    # even groups: all 0 (no signal); odd groups: 0 then 1, in call order (a stateful hook)
+    return 0.0 if r.group_id % 2 == 0 else float(seen[r.group_id] % 2 == 0)
+"""
+
+
+@pytest.mark.e2e
+def test_a_real_run_replaces_flat_groups_and_shapes_each_rollout_once(tmp_path: Path) -> None:
+    from harnessrl.train.run import train
+
+    calls = tmp_path / "calls.txt"
+    hook = tmp_path / "flat_even_groups.py"
+    hook.write_text(_HOOK.format(calls=str(calls)))
+    cfg = load_config(None, [
+        "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=4",
+        "train.steps=3", "train.groups_per_step=1", "train.max_staleness=0", "train.learning_rate=1e-4",
+        "train.dynamic_sampling_max_groups=2", "log.update_norm_every=2", f'hooks.rollout_reward_fn="{hook}:reward"',
+        f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+    run_dir = tmp_path / "run"
+    history = asyncio.run(train(cfg, run_dir))
+    steps = [m for m in history if "step" in m and m["step"] > 0]
+    assert len(steps) == 3
+    for m in steps:
+        assert not m.get("skipped"), m.get("skip_reason")
+        assert m["rows"] == 2.0, "one group with signal trained each step"
+        assert m["groups_drawn_extra"] == m.get("groups_zero_variance", 0.0) <= 2.0
+        assert ("param_delta_l2" in m) == (m["policy_version"] % 2 == 0), "update norm every 2nd update"
+    assert sum(m["groups_drawn_extra"] for m in steps) >= 1.0, "group 0 (flat) was replaced"
+    logged = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(logged) == 2 * (3 + sum(m["groups_drawn_extra"] for m in steps)), "replaced groups are logged"
+    ids = calls.read_text().split()
+    assert sorted(ids) == sorted(r["rollout_id"] for r in logged), "the hook ran once per rollout"
+    by_group: dict[int, list[float]] = {}
+    for r in logged:
+        by_group.setdefault(r["group_id"], []).append(r["train_reward"])
+    for gid, rewards in by_group.items():
+        assert sorted(rewards) == ([0.0, 0.0] if gid % 2 == 0 else [0.0, 1.0]), "logged = trained reward"

@@ -169,6 +169,15 @@ class TrainConfig(BaseModel):
     """Policy-gradient loss and its clipping / importance-sampling knobs (`train/losses.py`)."""
     max_staleness: int = Field(default=1, ge=0)
     """Most policy versions a trained token may lag behind; 0 runs rollouts and training in turn."""
+    dynamic_sampling_max_groups: int = Field(default=0, ge=0)
+    """Dynamic sampling (DAPO: Yu et al. 2025, arXiv:2503.14476, section 3.2): while fewer than
+    `groups_per_step` of a step's groups carry a learning signal (a group whose training rewards
+    are all equal has advantage 0 on every row, so no gradient), draw one more group, at most
+    this many extra groups per step; 0 (the default) turns it off. Drawn groups are granted to the
+    orchestrator one by one, so the groups in flight stay `(max_staleness + 1) *
+    groups_per_step` and no group gets staler; the groups replaced are still logged, counted in
+    the step's reward metrics, and their rows dropped as zero-variance (`groups_drawn_extra`
+    counts the draws)."""
     token_budget: int = Field(default=4096, ge=64)
     """Most tokens per packed micro-batch. Packed rows attend per row segment (no dense
     block-diagonal mask; `train/packing.py`), so cost no longer grows with the square of the
@@ -181,7 +190,7 @@ class TrainConfig(BaseModel):
     sharing 768 ids forward 26,989 tokens whole and 17,774 shared at 8192 (25,453 at 2048);
     tokens/s 1.06x on a 128x4 random Llama whose cost is mostly attention and the vocabulary
     projection (the saving is in the layers' projections and MLPs). With the fused token
-    logprobs (`packing.token_logprobs`) the trainer now runs 1.83x / 1.89x / 2.56x the tokens/s
+    logprobs (`train/token_logprobs.py`) the trainer now runs 1.83x / 1.89x / 2.56x the tokens/s
     of the layout before (whole rows, dense mask, autograd logprobs) at 2048 / 4096 / 8192 on
     that shape (8 rows of 256-768 tokens, groups of 4 sharing 256 ids, one run at load 4-5).
     On the 135M shape (576 x 30 layers, the same 8 rows: 4,082 tokens whole, 2,639 shared) it
@@ -246,6 +255,11 @@ class LogConfig(BaseModel):
     log_completions: int = Field(default=0, ge=0)
     """Print this many sampled rollouts per step as conversations."""
     level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+    update_norm_every: int = Field(default=1, ge=0)
+    """Measure `param_delta_l2`, the L2 norm of the update (`train/step.update_l2`), after
+    every N-th update; 0: never. It reads the AdamW moments once (on SmolLM2-135M 0.24-0.30 s on
+    one core), on the trainer thread after the weight sync, so it delays the next update when
+    that step's rollouts are already waiting."""
 
 
 class RunConfig(BaseModel):

@@ -60,7 +60,7 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
     from harnessrl.config import check_run
     from harnessrl.log import setup_logging
     from harnessrl.proxy.server import run_loop
-    from harnessrl.train.hooks import load_hooks, reshape_reward
+    from harnessrl.train.hooks import load_hooks, shape_group
 
     check_run(cfg)
     reward_fn = load_hooks(cfg.hooks).get("rollout_reward_fn")
@@ -83,8 +83,7 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
             run_loop(run_until_signal(_evaluate(cfg, out_dir, needed, kept, console, groups)))
     except RunStopped as exc:
         stopped = exc
-    shaped = [g.model_copy(update={"rollouts": [reshape_reward(r, reward_fn) for r in g.rollouts]})
-              for g in groups]
+    shaped = [shape_group(g, reward_fn) for g in groups]
     summary = summarize_groups(shaped)
     summary["wall_s"] = time.monotonic() - t0
     title = f"harnessrl rollout: {cfg.harness.kind} on {cfg.tasks.kind}"

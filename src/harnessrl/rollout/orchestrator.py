@@ -53,10 +53,13 @@ class Orchestrator:
         replay_group_ids: Sequence[int] = (),
         on_rollout: Callable[[Rollout], None] | None = None,
         group_sizes: Mapping[int, int] | None = None,
+        on_group: Callable[[Group], Group] | None = None,
     ) -> None:
         """`on_rollout` is called with each rollout as it finishes (progress displays);
         `group_sizes` gives some groups another number of rollouts than `group_size` (a resumed
-        evaluation runs only the rollouts a group still lacks)."""
+        evaluation runs only the rollouts a group still lacks); `on_group` maps each completed
+        group to the one `get_group` returns, as soon as it completes (the trainer shapes its
+        rewards there, and may `allow` a replacement for a group without signal)."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if max_concurrent_rollouts < 1:
@@ -84,6 +87,7 @@ class Orchestrator:
         self._idle_since: float | None = time.monotonic()
         self._idle_s = 0.0
         self._on_rollout = on_rollout
+        self._on_group = on_group
 
     def allow(self, n_groups: int) -> None:
         """Let `n_groups` more groups be dispatched."""
@@ -180,7 +184,13 @@ class Orchestrator:
                 raise
             await self._done.put(exc)  # the consumer re-raises it and stops the run
             return
-        await self._done.put(Group(group_id=group_id, task_id=task.task_id, rollouts=list(rollouts)))
+        group = Group(group_id=group_id, task_id=task.task_id, rollouts=list(rollouts))
+        try:
+            group = self._on_group(group) if self._on_group is not None else group
+        except Exception as exc:  # noqa: BLE001 - a failing callback stops the run, like a failed group
+            await self._done.put(exc)
+            return
+        await self._done.put(group)
 
     async def _run_one(self, task: Task, group_id: int, verifier: Verifier) -> Rollout:
         async with self._rollout_slots:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.errors import ConfigError
-from harnessrl.types import Rollout, Turn
+from harnessrl.types import Group, Rollout, Turn
 
 
 def load_hook(dotted: str, what: str = "hook") -> Callable[..., Any]:
@@ -155,6 +155,15 @@ def reshape_reward(rollout: Rollout, reward_fn: Callable[..., Any] | None) -> Ro
     if reward_fn is None:
         return rollout
     return rollout.model_copy(update={"train_reward": reward_fn(outcome_of(rollout))})
+
+
+def shape_group(group: Group, reward_fn: Callable[..., Any] | None) -> Group:
+    """`group` with each rollout passed through `reshape_reward` once (the same group when
+    `reward_fn` is None). The loop shapes a group once, when it is pulled, so a stateful hook
+    gives the reward that is trained, logged and checked for signal the same value."""
+    if reward_fn is None:
+        return group
+    return group.model_copy(update={"rollouts": [reshape_reward(r, reward_fn) for r in group.rollouts]})
 
 
 def training_reward(rollout: Rollout) -> float | None:

@@ -172,7 +172,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.engine.weight_sync import make_weight_sync
     from harnessrl.train.distributed import SINGLE
     from harnessrl.train.policy import latest_checkpoint
-    from harnessrl.train.hooks import load_hooks, reshape_reward
+    from harnessrl.train.dynamic_sampling import DynamicSampling
+    from harnessrl.train.hooks import load_hooks
     from harnessrl.train.evaluation import evaluate_held_out, held_out_split
     from harnessrl.train.trainer_group import TrainerGroup
 
@@ -208,6 +209,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             log.info(quick_line(tokenizer, cfg.engine.model, getattr(rt.engine, "eos_token_ids", None)))
             advantage_fn = advantage_fn_for(cfg.train.advantage)
             hooks = load_hooks(cfg.hooks)
+            sampling = DynamicSampling(cfg.train.dynamic_sampling_max_groups, hooks.get("rollout_reward_fn"),
+                                       advantage_fn)
             sync = make_weight_sync(cfg.engine.kind, rt.engine, config=cfg, run_dir=run_dir, model_dir=rt.model_dir)
             if checkpoint is not None:
                 state = await loop.run_in_executor(trainer, group.restore, checkpoint)
@@ -243,7 +246,9 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 replay_group_ids=replay,
                 on_rollout=lambda r: log.info("rollout %d (group %d) %s", orch.rollouts_finished, r.group_id,
                                               rollout_line(r)),
+                on_group=sampling.on_group,
             )
+            sampling.bind(orch)
             groups_per_step = cfg.train.groups_per_step
             orch.allow((cfg.train.max_staleness + 1) * groups_per_step)
             orch.start()
@@ -261,10 +266,13 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     idle_before = orch.idle_seconds
                     engine_before = _engine_stats(rt.engine)
                     # 1) pull the groups of this step (rollouts for later steps keep running)
+                    # (shaped by the reward hook as they completed; groups without signal replaced
+                    # by dynamic sampling, when on)
                     groups = await _pull_groups(orch, groups_per_step, console, step, cfg.train.steps)
+                    extra = await sampling.draw(groups, groups_per_step)
                     t_pulled = time.monotonic()
 
-                    # 2) rewards (optionally reshaped by the hook) and group-relative advantages
+                    # 2) group-relative advantages from the (shaped) rewards
                     # 3) rows from traces, stamped with their rollout's advantage; stale rows dropped
                     rows, row_metrics, candidates = _rows_for_step(groups, cfg, hooks, advantage_fn, version)
                     if step == start_step + 1 and checkpoint is None:
@@ -278,6 +286,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
 
                     # 4) one optimizer step on the trainer thread, while rollouts continue
                     metrics: dict[str, Any] = {"step": step, **row_metrics}
+                    if cfg.train.dynamic_sampling_max_groups:
+                        metrics["groups_drawn_extra"] = float(extra)
                     if rows:
                         result = await loop.run_in_executor(trainer, group.step, rows, step)
                         metrics.update(result.metrics)
@@ -301,7 +311,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     # (none after the last step: they would only be cancelled)
                     if step < cfg.train.steps:
                         orch.allow(groups_per_step)
-                    if updated:
+                    norm_every = cfg.log.update_norm_every
+                    if updated and norm_every and version % norm_every == 0:
                         # how far the update moved the weights, once the engine has them (the
                         # rollouts already running overlap it)
                         metrics["param_delta_l2"] = await loop.run_in_executor(trainer, group.update_norm)
@@ -326,8 +337,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     for g in groups:
                         for r in g.rollouts:
                             # the verifier's reward and the training reward (when shaped), both
-                            rollouts_fh.write(reshape_reward(r, hooks.get("rollout_reward_fn"))
-                                              .model_dump_json() + "\n")
+                            rollouts_fh.write(r.model_dump_json() + "\n")
                     rollouts_fh.flush()
                     history.append(metrics)
                     for sink in sinks:
@@ -417,24 +427,22 @@ async def _pull_groups(orch: Any, n: int, console: Console, step: int, steps: in
 def _rows_for_step(
     groups: list[Group], cfg: RunConfig, hooks: dict[str, Any], advantage_fn: Any, version: int
 ) -> tuple[list[Row], dict[str, float], list[Row]]:
-    """Rewards → advantages → rows for the groups of one step, plus their metrics and every
-    row built (before unscored, zero-variance and stale rows were dropped)."""
+    """Rewards → advantages → rows for the groups of one step (already shaped by the reward
+    hook, `hooks.shape_group`), plus their metrics and every row built (before unscored,
+    zero-variance and stale rows were dropped)."""
     from harnessrl.rollout.summary import summarize_groups
     from harnessrl.train.advantages import stamp_advantage
     from harnessrl.train.checks import untraceable_trained_tokens
-    from harnessrl.train.hooks import reshape_reward, training_reward
+    from harnessrl.train.hooks import training_reward
     from harnessrl.train.samples import MergeStats, build_rows
 
-    reward_fn = hooks.get("rollout_reward_fn")
     rows: list[Row] = []
     built_all: list[Row] = []
     stats = MergeStats()
     counts: Counter[str] = Counter()
     staleness: list[int] = []
-    shaped: list[Group] = []
     for group in groups:
-        rollouts = [reshape_reward(r, reward_fn) for r in group.rollouts]
-        shaped.append(Group(group_id=group.group_id, task_id=group.task_id, rollouts=rollouts))
+        rollouts = group.rollouts
         adv = advantage_fn([training_reward(r) for r in rollouts])
         if adv.zero_variance:
             counts["groups_zero_variance"] += 1
@@ -459,7 +467,7 @@ def _rows_for_step(
                 rows.append(row)
     metrics: dict[str, float] = {k: float(v) for k, v in counts.items()}
     metrics.setdefault("rows_stale_dropped", 0.0)
-    summary = summarize_groups(shaped)
+    summary = summarize_groups(groups)
     for key in ("reward/verifier_mean", "reward/verifier_std", "reward/train_mean", "reward/train_std",
                 "pass_rate", "scored", "errors", "error_rate", "turns_mean",
                 "prompt_tokens", "completion_tokens"):
@@ -473,5 +481,5 @@ def _rows_for_step(
     metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else math.nan
     metrics["staleness_max"] = float(max(staleness)) if staleness else math.nan
     metrics["invariant/untraceable_trained_tokens"] = float(
-        untraceable_trained_tokens(rows, [r for g in shaped for r in g.rollouts]))
+        untraceable_trained_tokens(rows, [r for g in groups for r in g.rollouts]))
     return rows, metrics, built_all
