@@ -24,12 +24,20 @@ steps and 10 minutes at lr 1e-5, 2 prompts x 4 completions per step.
     .venv/bin/python bench/learning.py --arms harnessrl --lr 3e-5 --steps 68
     .venv/bin/python bench/learning.py --harness mini-swe-agent --steps 20   # through the agent
     .venv/bin/python bench/learning.py --lr 3e-5 --bf16 harnessrl   # harnessrl in bfloat16, TRL float32
+    .venv/bin/python bench/learning.py --lr 3e-5 --bf16 harnessrl --dynamic-sampling 2   # + DAPO's dynamic sampling
 
 `--bf16 harnessrl` gives harnessrl's engine bfloat16 weights and its trainer `train.autocast`
 (on a CPU with AMX the engine decodes ~1.9x faster); `--bf16 both` also runs TRL with
 `bf16=True`, which on this CPU path was slower than its float32 (432 vs 393 s, likely because
 its autocast recasts the float32 weights at every decode step), so TRL's fastest arm is its
 float32 one.
+
+`--dynamic-sampling N` turns on harnessrl's `train.dynamic_sampling_max_groups`: a group whose
+four rewards are all equal gives no gradient (in TRL too, where such a step's loss is 0), and
+is replaced by another, at most N a step, so that every update has `--prompts-per-step` groups
+with signal. Each arm still trains on the same number of groups and completions per update.
+harnessrl generates more for it, and TRL has no such option. The harnessrl arm measures no
+update norm (`--update-norm-every 0`), since TRL measures none.
 """
 
 from __future__ import annotations
