@@ -170,14 +170,10 @@ class TrainConfig(BaseModel):
     max_staleness: int = Field(default=1, ge=0)
     """Most policy versions a trained token may lag behind; 0 runs rollouts and training in turn."""
     dynamic_sampling_max_groups: int = Field(default=0, ge=0)
-    """Dynamic sampling (DAPO: Yu et al. 2025, arXiv:2503.14476, section 3.2): while fewer than
-    `groups_per_step` of a step's groups carry a learning signal (a group whose training rewards
-    are all equal has advantage 0 on every row, so no gradient), draw one more group, at most
-    this many extra groups per step; 0 (the default) turns it off. Drawn groups are granted to the
-    orchestrator one by one, so the groups in flight stay `(max_staleness + 1) *
-    groups_per_step` and no group gets staler; the groups replaced are still logged, counted in
-    the step's reward metrics, and their rows dropped as zero-variance (`groups_drawn_extra`
-    counts the draws)."""
+    """Dynamic sampling (DAPO, `train/dynamic_sampling.py`): a group whose training rewards are
+    all equal (no gradient) is replaced by another, at most this many extra groups a step and
+    at most this many groups beyond the base allowance in flight; 0 (the default): off. Replaced
+    groups are still logged and counted (`groups_drawn_extra`)."""
     token_budget: int = Field(default=4096, ge=64)
     """Most tokens per packed micro-batch. Packed rows attend per row segment (no dense
     block-diagonal mask; `train/packing.py`), so cost no longer grows with the square of the

@@ -69,7 +69,7 @@ class DynamicSampling:
         """The completed `group`, shaped; grants a replacement at once for one without signal
         (while fewer than `max_extra` early grants are unspent)."""
         shaped = shape_group(group, self._reward_fn)
-        if self.max_extra and self.early_grants < self.max_extra and not self.has_signal(shaped):
+        if self.early_grants < self.max_extra and not self.has_signal(shaped):
             assert self._orch is not None, "DynamicSampling.bind was not called"
             self._orch.allow(1)
             self.early_grants += 1

@@ -159,8 +159,8 @@ def reshape_reward(rollout: Rollout, reward_fn: Callable[..., Any] | None) -> Ro
 
 def shape_group(group: Group, reward_fn: Callable[..., Any] | None) -> Group:
     """`group` with each rollout passed through `reshape_reward` once (the same group when
-    `reward_fn` is None). The loop shapes a group once, when it is pulled, so a stateful hook
-    gives the reward that is trained, logged and checked for signal the same value."""
+    `reward_fn` is None). The loop shapes a group once, as it completes (the orchestrator's
+    `on_group`), so a stateful hook's value is the one checked for signal, trained and logged."""
     if reward_fn is None:
         return group
     return group.model_copy(update={"rollouts": [reshape_reward(r, reward_fn) for r in group.rollouts]})
