@@ -16,7 +16,10 @@ From the synchronous run, where the two sides never overlap, it takes generation
 rollout wait per step), training t and sync s, and prints the best the async loop can do on
 the same steps, `g + (N-1) max(g, t+s) + t + s` (a pipeline of N steps, staleness 1), and the
 ceiling ratio it gives: `2N / (N+1)` when g = t + s, lower when the sides are unbalanced.
-Target: >= 1.8x (needs N >= 9 balanced steps). An untimed 1-step run goes first: without it
+Target: >= 1.8x (needs N >= 9 balanced steps). The async run takes groups in dispatch order
+(`train.group_order`), so none is overtaken and dropped as stale and both runs train the same
+work; `--max-staleness 2 --concurrency 16` lets generation run two steps ahead in one decode
+batch, which absorbs steps whose generation outlasts their training. An untimed 1-step run goes first: without it
 whichever timed run came first trained ~1.5x slower per step (measured both orders: 2.03x
 sync-first, 0.95x async-first on the same workload), so `--order` is there to check it.
 
@@ -26,6 +29,7 @@ the procedural `compare` / `add` tasks, `--group-size` x `--groups-per-step` rol
 replies up to `--max-tokens`, at most `--concurrency` rollouts at once (default: one step's).
 
     .venv/bin/python bench/async.py --steps 8
+    .venv/bin/python bench/async.py --steps 20 --autocast bfloat16 --max-staleness 2 --concurrency 16
 """
 
 from __future__ import annotations

@@ -182,3 +182,55 @@ async def test_on_group_maps_each_completed_group_and_its_error_stops_the_run(tm
         await orch.close()
     assert seen == [4, 5]
     assert leftover_sandboxes(tmp_path) == []
+
+
+class SlowOnTaskZero:
+    """Task t0's rollouts take 0.8 s, the others 0.05 s."""
+
+    name = "slow-t0"
+
+    async def run(self, task: Task, sandbox: object, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        import asyncio
+
+        await asyncio.sleep(0.8 if task.task_id == "t0" else 0.05)
+        return HarnessResult(exit_code=0, timed_out=False, final_answer=task.task_id)
+
+
+@pytest.mark.parametrize("order", ["dispatch", "completion"])
+async def test_dispatch_order_never_hands_out_a_later_grant_first(tmp_path: Path, order: str) -> None:
+    """Groups 3 (t0, slow) and 4 of one grant, then 5 of a later grant: "dispatch" hands out 4,
+    waits for 3, then 5; "completion" hands out 4 and 5 before the slow 3 (which the trainer
+    would then train a step later than its dispatch allows)."""
+    orch = Orchestrator(Tasks(), SlowOnTaskZero(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)),
+                        Sessions(), lambda task: Verifier(), group_size=2, max_concurrent_rollouts=8,
+                        limits=RolloutLimits(10, 10), first_group_id=3, order=order)
+    orch.allow(2)
+    orch.allow(1)
+    orch.start()
+    try:
+        got = [(await orch.get_group()).group_id for _ in range(3)]
+    finally:
+        await orch.close()
+    if order == "dispatch":
+        assert got == [4, 3, 5]
+    else:
+        assert sorted(got[:2]) == [4, 5] and got[2] == 3
+    assert orch.undelivered_group_ids() == []
+    assert leftover_sandboxes(tmp_path) == []
+
+
+async def test_dispatch_order_still_raises_a_failed_group_at_once(tmp_path: Path) -> None:
+    orch = Orchestrator(Tasks(), MissingAgent(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)),
+                        Sessions(), lambda task: Verifier(), group_size=2, max_concurrent_rollouts=4,
+                        limits=RolloutLimits(10, 10), order="dispatch")
+    orch.allow(1)
+    orch.start()
+    try:
+        with pytest.raises(HarnessInstallError):
+            await orch.get_group()
+    finally:
+        await orch.close()
+    with pytest.raises(ValueError, match="order must be"):
+        Orchestrator(Tasks(), EchoHarness(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)), Sessions(),
+                     lambda task: Verifier(), group_size=2, max_concurrent_rollouts=4,
+                     limits=RolloutLimits(10, 10), order="random")  # type: ignore[arg-type]

@@ -169,6 +169,10 @@ class TrainConfig(BaseModel):
     """Policy-gradient loss and its clipping / importance-sampling knobs (`train/losses.py`)."""
     max_staleness: int = Field(default=1, ge=0)
     """Most policy versions a trained token may lag behind; 0 runs rollouts and training in turn."""
+    group_order: Literal["dispatch", "completion"] = "dispatch"
+    """Order the trainer takes completed groups in (`rollout/orchestrator.py`): "dispatch" never
+    takes one ahead of a group granted before it, so none is overtaken and dropped as stale;
+    "completion": the first finished (an overtaken group can exceed `max_staleness`)."""
     dynamic_sampling_max_groups: int = Field(default=0, ge=0)
     """Dynamic sampling (DAPO, `train/dynamic_sampling.py`): a group whose training rewards are
     all equal (no gradient) is replaced by another, at most this many extra groups a step and
@@ -184,8 +188,7 @@ class TrainConfig(BaseModel):
     (a group's task prompt, a fork's history) are packed once per micro-batch (`pack_rows`
     branches), so a larger budget also shares more: 16 rows of 1-2k tokens in groups of 4
     sharing 768 ids forward 26,989 tokens whole and 17,774 shared at 8192 (25,453 at 2048);
-    tokens/s 1.06x on a 128x4 random Llama whose cost is mostly attention and the vocabulary
-    projection (the saving is in the layers' projections and MLPs). With the fused token
+    tokens/s 1.06x on a 128x4 random Llama (mostly attention and vocabulary). With the fused token
     logprobs (`train/token_logprobs.py`) the trainer now runs 1.83x / 1.89x / 2.56x the tokens/s
     of the layout before (whole rows, dense mask, autograd logprobs) at 2048 / 4096 / 8192 on
     that shape (8 rows of 256-768 tokens, groups of 4 sharing 256 ids, one run at load 4-5).
@@ -194,8 +197,7 @@ class TrainConfig(BaseModel):
     at 1,687 / 1,060 / 1,078 MiB of step memory against 4,131 / 1,070 / 1,225 (`bench/packing.py
     --hidden 576 --layers 30 --budgets 2048,4096,8192 --before --rows 8 --min-len 256 --max-len
     768 --group-size 4 --prefix-len 256 --repeats 1`, load 1.0): 4096 is faster and smaller than
-    2048, and 8192 (one pack either way for these rows) no better, so 4096, which also equals
-    the default context, stays the default."""
+    2048, and 8192 (one pack either way for these rows) no better, so 4096 stays the default."""
     train_auxiliary: bool = False
     """Also train auxiliary calls (titles, summaries); off by default."""
     num_threads: int = Field(default=1, ge=1)

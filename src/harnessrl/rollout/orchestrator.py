@@ -7,9 +7,17 @@ group when all of its rollouts have finished.
 Staleness (DESIGN.md §1, §6): the consumer (the trainer) grants `allow(n)` group tickets. It grants
 `(max_staleness + 1) * groups_per_step` at start and `groups_per_step` after each optimizer step,
 so a group dispatched while the policy is at version v is consumed, in dispatch order, no later
-than step v + max_staleness. With `max_staleness = 0` this is the synchronous loop: rollouts for
-step k start only after the weights of step k-1 are on the engine. Groups that finish out of
-order can still be staler; the trainer measures staleness per turn and drops what is too old.
+than step v + max_staleness, provided groups are consumed in dispatch order. With
+`max_staleness = 0` this is the synchronous loop: rollouts for step k start only after the
+weights of step k-1 are on the engine.
+
+Delivery order (`order`): "dispatch" (the trainer's default, `train.group_order`) never hands
+out a group ahead of one whose ticket was granted by an earlier `allow` call; the groups of one
+`allow` come in completion order. So no group is overtaken by a later one and made staler than
+the bound above (with "completion" order, 10-15% of the rollouts of `bench/async.py` were
+overtaken and dropped as stale). "completion" hands out whatever finished first; a group it
+lets be overtaken can exceed the bound, and the trainer, which measures staleness per turn,
+drops its rows.
 
 Invariants: groups are dispatched for the ids in `replay_group_ids` first, then consecutively
 from `first_group_id` (the data position for resume); `undelivered_group_ids()` is what a resumed
@@ -23,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 from harnessrl.harness.base import Harness
 from harnessrl.rewards.base import Verifier
@@ -54,12 +64,20 @@ class Orchestrator:
         on_rollout: Callable[[Rollout], None] | None = None,
         group_sizes: Mapping[int, int] | None = None,
         on_group: Callable[[Group], Group] | None = None,
+        order: Literal["completion", "dispatch"] = "completion",
     ) -> None:
         """`on_rollout` is called with each rollout as it finishes (progress displays);
         `group_sizes` gives some groups another number of rollouts than `group_size` (a resumed
         evaluation runs only the rollouts a group still lacks); `on_group` maps each completed
         group to the one `get_group` returns, as soon as it completes (the trainer shapes its
-        rewards there, and may `allow` a replacement for a group without signal)."""
+        rewards there, and may `allow` a replacement for a group without signal); `order` is the
+        delivery order of `get_group` (module docstring).
+
+        Raises:
+            ValueError: `group_size` or `max_concurrent_rollouts` < 1, or another `order`.
+        """
+        if order not in ("completion", "dispatch"):
+            raise ValueError(f"order must be 'completion' or 'dispatch', got {order!r}")
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if max_concurrent_rollouts < 1:
@@ -74,7 +92,14 @@ class Orchestrator:
         self._limits = limits
         self._rollout_slots = asyncio.Semaphore(max_concurrent_rollouts)
         self._tickets = asyncio.Semaphore(0)
-        self._done: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        self._order = order
+        # completed groups not yet handed out, each with the `allow` call that granted its ticket
+        self._ready: list[tuple[int, Group]] = []
+        self._failures: list[BaseException] = []
+        self._arrived = asyncio.Event()
+        self._grants = 0  # `allow` calls so far
+        self._ticket_grant: deque[int] = deque()  # the grant of each ticket not yet dispatched
+        self._open: Counter[int] = Counter()  # per grant: its groups not yet handed out
         self._in_flight: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self.next_group_id = first_group_id
@@ -90,8 +115,14 @@ class Orchestrator:
         self._on_group = on_group
 
     def allow(self, n_groups: int) -> None:
-        """Let `n_groups` more groups be dispatched."""
+        """Let `n_groups` more groups be dispatched (one grant: with "dispatch" order, they are
+        handed out after every group of earlier grants)."""
+        if n_groups <= 0:
+            return
+        self._grants += 1
+        self._open[self._grants] += n_groups
         for _ in range(n_groups):
+            self._ticket_grant.append(self._grants)
             self._tickets.release()
 
     def start(self) -> None:
@@ -99,7 +130,8 @@ class Orchestrator:
             self._dispatcher = asyncio.create_task(self._dispatch(), name="orchestrator-dispatch")
 
     async def get_group(self, on_wait: Callable[[], None] | None = None, poll_s: float = 0.5) -> Group:
-        """Wait for the next completed group (in completion order).
+        """Wait for the next completed group: the first completed, or with "dispatch" order the
+        first completed of the oldest grant that still has groups to hand out.
 
         Args:
             on_wait: called every `poll_s` seconds while waiting (progress displays).
@@ -109,19 +141,40 @@ class Orchestrator:
         """
         if self._dispatcher is not None and self._dispatcher.done():
             self._dispatcher.result()  # re-raise a dispatcher failure instead of hanging
-        get = asyncio.ensure_future(self._done.get())
-        try:
-            while not get.done():
-                if on_wait is not None:
-                    on_wait()
-                await asyncio.wait({get}, timeout=poll_s)
-        finally:
-            get.cancel()
-        item = get.result()
+        while True:
+            if self._failures:
+                raise self._failures.pop(0)
+            index = self._next_ready()
+            if index is not None:
+                grant, group = self._ready.pop(index)
+                self._open[grant] -= 1
+                if not self._open[grant]:
+                    del self._open[grant]
+                self._undelivered.discard(group.group_id)
+                return group
+            self._arrived.clear()
+            if on_wait is not None:
+                on_wait()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=poll_s)
+            except TimeoutError:
+                pass
+
+    def _next_ready(self) -> int | None:
+        """Index in `_ready` of the group `get_group` hands out now, or None."""
+        if not self._ready:
+            return None
+        if self._order == "completion":
+            return 0
+        oldest = min(self._open)
+        return next((i for i, (grant, _) in enumerate(self._ready) if grant == oldest), None)
+
+    def _deliver(self, item: tuple[int, Group] | BaseException) -> None:
         if isinstance(item, BaseException):
-            raise item
-        self._undelivered.discard(item.group_id)
-        return item
+            self._failures.append(item)
+        else:
+            self._ready.append(item)
+        self._arrived.set()
 
     def undelivered_group_ids(self) -> list[int]:
         """Ids of groups dispatched or queued for replay but not yet returned by `get_group`
@@ -157,17 +210,18 @@ class Orchestrator:
     async def _dispatch(self) -> None:
         while True:
             await self._tickets.acquire()
+            grant = self._ticket_grant.popleft()
             if self._replay:
                 group_id = self._replay.pop(0)
             else:
                 group_id = self.next_group_id
                 self.next_group_id += 1
                 self._undelivered.add(group_id)
-            task = asyncio.create_task(self._run_group(group_id), name=f"group-{group_id}")
+            task = asyncio.create_task(self._run_group(group_id, grant), name=f"group-{group_id}")
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
 
-    async def _run_group(self, group_id: int) -> None:
+    async def _run_group(self, group_id: int, grant: int) -> None:
         jobs: list[asyncio.Future[Rollout]] = []
         try:
             task = self._tasks_source.get(group_id)
@@ -182,15 +236,15 @@ class Orchestrator:
             await asyncio.gather(*jobs, return_exceptions=True)
             if not isinstance(exc, Exception):
                 raise
-            await self._done.put(exc)  # the consumer re-raises it and stops the run
+            self._deliver(exc)  # the consumer re-raises it and stops the run
             return
         group = Group(group_id=group_id, task_id=task.task_id, rollouts=list(rollouts))
         try:
             group = self._on_group(group) if self._on_group is not None else group
         except Exception as exc:  # noqa: BLE001 - a failing callback stops the run, like a failed group
-            await self._done.put(exc)
+            self._deliver(exc)
             return
-        await self._done.put(group)
+        self._deliver((grant, group))
 
     async def _run_one(self, task: Task, group_id: int, verifier: Verifier) -> Rollout:
         async with self._rollout_slots:

@@ -247,6 +247,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 on_rollout=lambda r: log.info("rollout %d (group %d) %s", orch.rollouts_finished, r.group_id,
                                               rollout_line(r)),
                 on_group=sampling.on_group,
+                order=cfg.train.group_order,
             )
             sampling.bind(orch)
             groups_per_step = cfg.train.groups_per_step
