@@ -234,3 +234,28 @@ async def test_dispatch_order_still_raises_a_failed_group_at_once(tmp_path: Path
         Orchestrator(Tasks(), EchoHarness(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)), Sessions(),
                      lambda task: Verifier(), group_size=2, max_concurrent_rollouts=4,
                      limits=RolloutLimits(10, 10), order="random")  # type: ignore[arg-type]
+
+
+async def test_a_replacement_is_handed_out_in_the_place_of_the_group_it_replaces(tmp_path: Path) -> None:
+    """Grant 1: group 3 (t0, slow); grant 2: group 4. Group 3's completion asks for a
+    replacement (`allow(1, replacing=3)`, as dynamic sampling does): the replacement, group 5,
+    joins grant 1 and comes before group 4 of the later grant."""
+    orch: Orchestrator
+
+    def on_group(group: Group) -> Group:
+        if group.group_id == 3:
+            orch.allow(1, replacing=3)
+        return group
+
+    orch = Orchestrator(Tasks(), SlowOnTaskZero(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)),
+                        Sessions(), lambda task: Verifier(), group_size=2, max_concurrent_rollouts=8,
+                        limits=RolloutLimits(10, 10), first_group_id=3, order="dispatch", on_group=on_group)
+    orch.allow(1)
+    orch.allow(1)
+    orch.start()
+    try:
+        got = [(await orch.get_group()).group_id for _ in range(3)]
+    finally:
+        await orch.close()
+    assert got == [3, 5, 4]
+    assert leftover_sandboxes(tmp_path) == []

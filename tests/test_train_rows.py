@@ -74,9 +74,11 @@ class _Queue:
 
     def __init__(self, groups: list[Group]) -> None:
         self.groups, self.granted, self.pulled = list(groups), 0, 0
+        self.replacing: list[int | None] = []
 
-    def allow(self, n: int) -> None:
+    def allow(self, n: int, replacing: int | None = None) -> None:
         self.granted += n
+        self.replacing.append(replacing)
 
     async def get_group(self) -> Group:
         assert self.granted > self.pulled, "a group pulled without a ticket granted for it"
@@ -124,6 +126,7 @@ def test_a_flat_group_is_replaced_as_it_completes_within_the_bound() -> None:
         ds.on_group(_group(gid, [0.0, 0.0]))
     ds.on_group(_group(4, [1.0, 0.0]))  # a group with signal gets no replacement
     assert orch.granted == 2 and ds.early_grants == 2
+    assert orch.replacing == [0, 1], "each replacement joins the grant of the group it replaces"
     groups = [_group(0, [0.0, 0.0])]
     assert asyncio.run(ds.draw(groups, 1)) == 1
     assert orch.granted == 2 and ds.early_grants == 1, "the draw spent an early grant, granted nothing"

@@ -100,6 +100,7 @@ class Orchestrator:
         self._grants = 0  # `allow` calls so far
         self._ticket_grant: deque[int] = deque()  # the grant of each ticket not yet dispatched
         self._open: Counter[int] = Counter()  # per grant: its groups not yet handed out
+        self._grant_of: dict[int, int] = {}  # group id -> its grant, for `allow(replacing=)`
         self._in_flight: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self.next_group_id = first_group_id
@@ -114,15 +115,21 @@ class Orchestrator:
         self._on_rollout = on_rollout
         self._on_group = on_group
 
-    def allow(self, n_groups: int) -> None:
+    def allow(self, n_groups: int, replacing: int | None = None) -> None:
         """Let `n_groups` more groups be dispatched (one grant: with "dispatch" order, they are
-        handed out after every group of earlier grants)."""
+        handed out after every group of earlier grants). `replacing`: the id of a group these
+        replace (dynamic sampling); they join that group's grant instead, so they are handed
+        out in its place, not after the groups granted since."""
         if n_groups <= 0:
             return
-        self._grants += 1
-        self._open[self._grants] += n_groups
+        if replacing is not None and replacing in self._grant_of:
+            grant = self._grant_of[replacing]
+        else:
+            self._grants += 1
+            grant = self._grants
+        self._open[grant] += n_groups
         for _ in range(n_groups):
-            self._ticket_grant.append(self._grants)
+            self._ticket_grant.append(grant)
             self._tickets.release()
 
     def start(self) -> None:
@@ -150,6 +157,7 @@ class Orchestrator:
                 self._open[grant] -= 1
                 if not self._open[grant]:
                     del self._open[grant]
+                self._grant_of.pop(group.group_id, None)
                 self._undelivered.discard(group.group_id)
                 return group
             self._arrived.clear()
@@ -217,6 +225,7 @@ class Orchestrator:
                 group_id = self.next_group_id
                 self.next_group_id += 1
                 self._undelivered.add(group_id)
+            self._grant_of[group_id] = grant
             task = asyncio.create_task(self._run_group(group_id, grant), name=f"group-{group_id}")
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)

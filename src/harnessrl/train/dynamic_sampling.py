@@ -10,7 +10,9 @@ Responsibility:
     the reward hook (so a stateful hook's value is the one checked, trained and logged). For a
     group without signal, it grants one replacement ticket at once, while fewer than N of these
     early grants are unspent. The replacement then generates while the flat group waits in the
-    queue, instead of after the trainer has pulled it.
+    queue, instead of after the trainer has pulled it. It joins the flat group's grant, so in
+    dispatch order (`train.group_order`) it is handed out in that group's place rather than
+    after the groups granted since, which would make it staler.
   * `draw`, once per step: while fewer than `need` of the step's groups have signal, it pulls
     one more group, at most N a step. Each draw spends one early grant, or grants a ticket.
 
@@ -33,7 +35,7 @@ from harnessrl.types import Group
 
 
 class _Orchestrator(Protocol):
-    def allow(self, n_groups: int) -> None: ...
+    def allow(self, n_groups: int, replacing: int | None = None) -> None: ...
 
     async def get_group(self) -> Group: ...
 
@@ -71,7 +73,7 @@ class DynamicSampling:
         shaped = shape_group(group, self._reward_fn)
         if self.early_grants < self.max_extra and not self.has_signal(shaped):
             assert self._orch is not None, "DynamicSampling.bind was not called"
-            self._orch.allow(1)
+            self._orch.allow(1, replacing=group.group_id)  # handed out in its place, not later
             self.early_grants += 1
         return shaped
 
