@@ -4,6 +4,7 @@ recording failures forever; groups share a task chosen by the seed."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,21 +197,32 @@ class SlowOnTaskZero:
         return HarnessResult(exit_code=0, timed_out=False, final_answer=task.task_id)
 
 
+def _slow_t0(tmp_path: Path, **kwargs: Any) -> Orchestrator:
+    """Groups from 3 on (group 3 is task t0, slow) under `SlowOnTaskZero`."""
+    return Orchestrator(Tasks(), SlowOnTaskZero(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)),
+                        Sessions(), lambda task: Verifier(), group_size=2, max_concurrent_rollouts=8,
+                        limits=RolloutLimits(10, 10), first_group_id=3, **kwargs)
+
+
+async def _hand_out(orch: Orchestrator, grants: list[int], n: int) -> list[int]:
+    """Grant tickets by one `allow` call per entry of `grants`; the ids of the first `n`
+    groups `get_group` hands out."""
+    for k in grants:
+        orch.allow(k)
+    orch.start()
+    try:
+        return [(await orch.get_group()).group_id for _ in range(n)]
+    finally:
+        await orch.close()
+
+
 @pytest.mark.parametrize("order", ["dispatch", "completion"])
 async def test_dispatch_order_never_hands_out_a_later_grant_first(tmp_path: Path, order: str) -> None:
     """Groups 3 (t0, slow) and 4 of one grant, then 5 of a later grant: "dispatch" hands out 4,
     waits for 3, then 5; "completion" hands out 4 and 5 before the slow 3 (which the trainer
     would then train a step later than its dispatch allows)."""
-    orch = Orchestrator(Tasks(), SlowOnTaskZero(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)),
-                        Sessions(), lambda task: Verifier(), group_size=2, max_concurrent_rollouts=8,
-                        limits=RolloutLimits(10, 10), first_group_id=3, order=order)
-    orch.allow(2)
-    orch.allow(1)
-    orch.start()
-    try:
-        got = [(await orch.get_group()).group_id for _ in range(3)]
-    finally:
-        await orch.close()
+    orch = _slow_t0(tmp_path, order=order)
+    got = await _hand_out(orch, [2, 1], 3)
     if order == "dispatch":
         assert got == [4, 3, 5]
     else:
@@ -240,22 +252,36 @@ async def test_a_replacement_is_handed_out_in_the_place_of_the_group_it_replaces
     """Grant 1: group 3 (t0, slow); grant 2: group 4. Group 3's completion asks for a
     replacement (`allow(1, replacing=3)`, as dynamic sampling does): the replacement, group 5,
     joins grant 1 and comes before group 4 of the later grant."""
-    orch: Orchestrator
+    holder: list[Orchestrator] = []
 
     def on_group(group: Group) -> Group:
         if group.group_id == 3:
-            orch.allow(1, replacing=3)
+            holder[0].allow(1, replacing=3)
         return group
 
-    orch = Orchestrator(Tasks(), SlowOnTaskZero(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)),
-                        Sessions(), lambda task: Verifier(), group_size=2, max_concurrent_rollouts=8,
-                        limits=RolloutLimits(10, 10), first_group_id=3, order="dispatch", on_group=on_group)
-    orch.allow(1)
-    orch.allow(1)
+    holder.append(_slow_t0(tmp_path, order="dispatch", on_group=on_group))
+    assert await _hand_out(holder[0], [1, 1], 3) == [3, 5, 4]
+    assert leftover_sandboxes(tmp_path) == []
+
+
+async def test_a_dispatcher_failure_while_waiting_is_raised_not_hung_on(tmp_path: Path) -> None:
+    import asyncio
+
+    class Broken:
+        def append(self, grant: int) -> None:
+            pass
+
+        def popleft(self) -> int:
+            raise RuntimeError("dispatcher broke")
+
+    orch = _slow_t0(tmp_path, order="dispatch")
+    orch._ticket_grant = Broken()  # type: ignore[assignment]
     orch.start()
+    waiting = asyncio.ensure_future(orch.get_group(poll_s=0.05))
+    await asyncio.sleep(0.1)  # get_group is waiting when the dispatcher fails
+    orch.allow(1)
     try:
-        got = [(await orch.get_group()).group_id for _ in range(3)]
+        with pytest.raises(RuntimeError, match="dispatcher broke"):
+            await asyncio.wait_for(waiting, timeout=5)
     finally:
         await orch.close()
-    assert got == [3, 5, 4]
-    assert leftover_sandboxes(tmp_path) == []

@@ -146,9 +146,9 @@ class Orchestrator:
         Raises:
             The error of a group that could not run at all (e.g. `HarnessInstallError`).
         """
-        if self._dispatcher is not None and self._dispatcher.done():
-            self._dispatcher.result()  # re-raise a dispatcher failure instead of hanging
         while True:
+            if self._dispatcher is not None and self._dispatcher.done():
+                self._dispatcher.result()  # re-raise a dispatcher failure instead of hanging
             if self._failures:
                 raise self._failures.pop(0)
             index = self._next_ready()
