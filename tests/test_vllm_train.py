@@ -97,7 +97,11 @@ class _Watcher(threading.Thread):
                 for p in psutil.Process(self.proc.pid).children(recursive=True):
                     if p.pid not in self.children:
                         self.children[p.pid] = p
-                        self.cmdlines[p.pid] = " ".join(cmdline(p))
+                    # re-read while it lives: one seen between fork and exec still shows its
+                    # parent's argv
+                    seen = " ".join(cmdline(p))
+                    if seen:
+                        self.cmdlines[p.pid] = seen
             except psutil.NoSuchProcess:
                 break
             if self.url is None:
