@@ -19,8 +19,8 @@ ceiling ratio it gives: `2N / (N+1)` when g = t + s, lower when the sides are un
 Target: >= 1.8x (needs N >= 9 balanced steps). The async run takes groups in dispatch order
 (`train.group_order`), so none is overtaken and dropped as stale and both runs train the same
 work; `--max-staleness 2 --concurrency 16` lets generation run two steps ahead in one decode
-batch, which absorbs steps whose generation outlasts their training. An untimed 1-step run goes first: without it
-whichever timed run came first trained ~1.5x slower per step (measured both orders: 2.03x
+batch, which absorbs steps whose generation outlasts their training. An untimed 1-step run
+goes first: without it whichever timed run came first trained ~1.5x slower per step (measured both orders: 2.03x
 sync-first, 0.95x async-first on the same workload), so `--order` is there to check it.
 
 Workload (chosen so that both sides take comparable time per step on the CPU default, and

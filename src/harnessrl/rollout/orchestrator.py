@@ -93,14 +93,13 @@ class Orchestrator:
         self._rollout_slots = asyncio.Semaphore(max_concurrent_rollouts)
         self._tickets = asyncio.Semaphore(0)
         self._order = order
-        # completed groups not yet handed out, each with the `allow` call that granted its ticket
-        self._ready: list[tuple[int, Group]] = []
+        self._ready: list[Group] = []  # completed, not yet handed out (in completion order)
         self._failures: list[BaseException] = []
         self._arrived = asyncio.Event()
         self._grants = 0  # `allow` calls so far
         self._ticket_grant: deque[int] = deque()  # the grant of each ticket not yet dispatched
         self._open: Counter[int] = Counter()  # per grant: its groups not yet handed out
-        self._grant_of: dict[int, int] = {}  # group id -> its grant, for `allow(replacing=)`
+        self._grant_of: dict[int, int] = {}  # undelivered group id -> the grant of its ticket
         self._in_flight: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self.next_group_id = first_group_id
@@ -153,11 +152,11 @@ class Orchestrator:
                 raise self._failures.pop(0)
             index = self._next_ready()
             if index is not None:
-                grant, group = self._ready.pop(index)
+                group = self._ready.pop(index)
+                grant = self._grant_of.pop(group.group_id)
                 self._open[grant] -= 1
                 if not self._open[grant]:
                     del self._open[grant]
-                self._grant_of.pop(group.group_id, None)
                 self._undelivered.discard(group.group_id)
                 return group
             self._arrived.clear()
@@ -175,9 +174,9 @@ class Orchestrator:
         if self._order == "completion":
             return 0
         oldest = min(self._open)
-        return next((i for i, (grant, _) in enumerate(self._ready) if grant == oldest), None)
+        return next((i for i, g in enumerate(self._ready) if self._grant_of[g.group_id] == oldest), None)
 
-    def _deliver(self, item: tuple[int, Group] | BaseException) -> None:
+    def _deliver(self, item: Group | BaseException) -> None:
         if isinstance(item, BaseException):
             self._failures.append(item)
         else:
@@ -226,11 +225,11 @@ class Orchestrator:
                 self.next_group_id += 1
                 self._undelivered.add(group_id)
             self._grant_of[group_id] = grant
-            task = asyncio.create_task(self._run_group(group_id, grant), name=f"group-{group_id}")
+            task = asyncio.create_task(self._run_group(group_id), name=f"group-{group_id}")
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
 
-    async def _run_group(self, group_id: int, grant: int) -> None:
+    async def _run_group(self, group_id: int) -> None:
         jobs: list[asyncio.Future[Rollout]] = []
         try:
             task = self._tasks_source.get(group_id)
@@ -253,7 +252,7 @@ class Orchestrator:
         except Exception as exc:  # noqa: BLE001 - a failing callback stops the run, like a failed group
             self._deliver(exc)
             return
-        self._deliver((grant, group))
+        self._deliver(group)
 
     async def _run_one(self, task: Task, group_id: int, verifier: Verifier) -> Rollout:
         async with self._rollout_slots:
