@@ -72,3 +72,28 @@ def test_autocast_unknown_name_is_refused(tiny_model_dir: Path) -> None:
     policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
     with pytest.raises(ValueError, match="float16"):
         autocast_context(policy.model, "float16")
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bfloat16_on_a_cpu_without_it_warns(native: bool, monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """bfloat16 settings on a CPU that emulates bfloat16 are named in a warning; float32 and a
+    CPU with native bfloat16 get none."""
+    import logging
+
+    from harnessrl.config import load_config
+    from harnessrl.train import step
+    from harnessrl.train.run import check_training
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert step.native_cpu_bfloat16() is native
+    with caplog.at_level(logging.WARNING, logger="harnessrl.train.run"):
+        check_training(load_config(None, ['train.autocast="bfloat16"', 'engine.dtype="bfloat16"']))
+        check_training(load_config(None, []))
+    warned = [r.getMessage() for r in caplog.records if "native bfloat16" in r.getMessage()]
+    if native:
+        assert warned == []
+    else:
+        assert len(warned) == 1
+        assert warned[0].startswith('train.autocast and engine.dtype = "bfloat16"')

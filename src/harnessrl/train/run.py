@@ -135,9 +135,21 @@ def check_training(cfg: RunConfig) -> None:
             the kept tokens but the trainer's logprobs are the full softmax at the temperature
             (`train/packing.py`), so the importance ratio would be wrong from the first step
             (0.50 at top_p = 0.5); a lower `sampling.temperature` is exact.
+
+    Warns (log) when a bfloat16 setting runs on a CPU without native bfloat16
+    (`step.native_cpu_bfloat16`): it is emulated, a train step about ten times slower than in float32.
     """
     from harnessrl.errors import ConfigError
+    from harnessrl.train.step import native_cpu_bfloat16
 
+    slow = [name for name, on in (("train.autocast", cfg.train.autocast == "bfloat16" and cfg.train.device == "cpu"),
+                                  ("train.dtype", cfg.train.dtype == "bfloat16" and cfg.train.device == "cpu"),
+                                  ("engine.dtype", cfg.engine.kind == "embedded"
+                                   and cfg.engine.dtype == "bfloat16")) if on]
+    if slow and not native_cpu_bfloat16():
+        log.warning("%s = \"bfloat16\" on a CPU without native bfloat16 (neither AVX512-BF16 nor AMX): "
+                    "torch emulates it, a train step about ten times slower than in float32; use \"float32\" here",
+                    " and ".join(slow))
     s = cfg.sampling
     if s.top_p < 1.0 or s.top_k > 0:
         raise ConfigError(
