@@ -231,6 +231,23 @@ async def test_dispatch_order_never_hands_out_a_later_grant_first(tmp_path: Path
     assert leftover_sandboxes(tmp_path) == []
 
 
+async def test_groups_outstanding_counts_granted_groups_not_yet_handed_out(tmp_path: Path) -> None:
+    """What the training loop tops its allowance up against: tickets queued, groups running
+    and completed groups waiting all count until `get_group` hands them out."""
+    orch = _slow_t0(tmp_path, order="dispatch")
+    orch.allow(2)
+    orch.allow(1)
+    assert orch.groups_outstanding == 3, "queued tickets count"
+    orch.start()
+    try:
+        assert (await orch.get_group()).group_id == 4
+        assert orch.groups_outstanding == 2
+        await orch.get_group()
+        assert orch.groups_outstanding == 1
+    finally:
+        await orch.close()
+
+
 async def test_dispatch_order_still_raises_a_failed_group_at_once(tmp_path: Path) -> None:
     orch = Orchestrator(Tasks(), MissingAgent(), LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)),
                         Sessions(), lambda task: Verifier(), group_size=2, max_concurrent_rollouts=4,

@@ -125,12 +125,45 @@ def test_a_flat_group_is_replaced_as_it_completes_within_the_bound() -> None:
     for gid in (0, 1, 2):  # three flat groups complete; two early grants, the bound
         ds.on_group(_group(gid, [0.0, 0.0]))
     ds.on_group(_group(4, [1.0, 0.0]))  # a group with signal gets no replacement
-    assert orch.granted == 2 and ds.early_grants == 2
+    assert orch.granted == 2 and ds.pending_replacements == 2
     assert orch.replacing == [0, 1], "each replacement joins the grant of the group it replaces"
     groups = [_group(0, [0.0, 0.0])]
     assert asyncio.run(ds.draw(groups, 1)) == 1
-    assert orch.granted == 2 and ds.early_grants == 1, "the draw spent an early grant, granted nothing"
+    assert orch.granted == 2 and ds.pending_replacements == 1, "the draw spent an early grant, granted nothing"
     assert [g.group_id for g in groups] == [0, 3]
+
+
+class _CompletingQueue(_Queue):
+    """A `_Queue` whose groups complete (dynamic sampling's `on_group`) as they are pulled."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        super().__init__(groups)
+        self.ds: DynamicSampling | None = None
+
+    async def get_group(self) -> Group:
+        group = await super().get_group()
+        assert self.ds is not None
+        return self.ds.on_group(group)
+
+
+def test_a_replacement_left_over_at_the_bound_is_not_pending() -> None:
+    """A step holding more flat groups with replacements in flight than it may draw leaves a
+    replacement that stands for no flat group: it is not pending (so the loop's top-up grants
+    one ticket fewer) instead of being counted as an early grant for good."""
+    orch = _CompletingQueue([_group(2, [0.0, 0.0]), _group(3, [0.0, 1.0])])
+    ds = _sampling(2, orch)
+    orch.ds = ds
+    ds.on_group(_group(0, [0.0, 0.0]))
+    ds.on_group(_group(1, [1.0, 1.0]))
+    assert ds.pending_replacements == 2 and orch.granted == 2
+    groups = [_group(0, [0.0, 0.0]), _group(1, [1.0, 1.0])]
+    # both draws are backed by groups 0 and 1's replacements; group 2, flat, completes meanwhile
+    # and is replaced too (pending had dropped to 0), then pulled: its replacement is left over
+    assert asyncio.run(ds.draw(groups, 2)) == 2
+    assert [g.group_id for g in groups] == [0, 1, 2, 3]
+    assert orch.replacing == [0, 1, 2] and orch.granted == 3 and orch.pulled == 2
+    assert ds.pending_replacements == 0, "every replaced flat group was pulled"
+    assert orch.granted - orch.pulled == 1, "one replacement in flight beyond the allowance"
 
 
 _HOOK = """

@@ -204,6 +204,12 @@ class Orchestrator:
     def groups_in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def groups_outstanding(self) -> int:
+        """Groups granted by `allow` and not yet handed out by `get_group`: tickets waiting to
+        be dispatched, groups running, completed groups waiting."""
+        return sum(self._open.values())
+
     async def close(self) -> None:
         """Stop dispatching, cancel in-flight rollouts and wait until each released its resources."""
         if self._dispatcher is not None:

@@ -14,12 +14,23 @@ Responsibility:
     dispatch order (`train.group_order`) it is handed out in that group's place rather than
     after the groups granted since, which would make it staler.
   * `draw`, once per step: while fewer than `need` of the step's groups have signal, it pulls
-    one more group, at most N a step. Each draw spends one early grant, or grants a ticket.
+    one more group, at most N a step. A pull is backed by the early grant of a flat group the
+    step holds (its replacement is already in flight), or by a new ticket.
+  * `pending_replacements`: flat groups given an early replacement and not yet pulled. When a
+    step holds more such flat groups than it may draw (the bound N), their replacements stay
+    in flight with no flat group to stand in for: the loop counts them when it tops up the
+    groups in flight after a weight sync (`train/run.py`), so the surplus takes the place of
+    a new ticket instead of pushing every later group one position back. (Counted with a
+    single counter spent by any pull, such a surplus stayed in flight for good, and from then
+    on one group a step arrived a version too stale and was dropped.)
 
 Invariants:
   * Every pulled group is backed by a ticket granted before it, so no pull waits on a group
     that was never dispatched.
   * Groups running or queued never exceed the base allowance plus N.
+  * A pull backed by an early grant never waits on a group that was never granted: the flat
+    group's replacement was granted, and not pulled before this step (it joined the flat
+    group's grant after the flat group completed, so it is handed out after it).
   * Groups replaced are still returned in the step's groups: they are logged, counted in the
     reward metrics, and their rows are dropped as zero-variance.
   * With N = 0 it only shapes.
@@ -58,8 +69,14 @@ class DynamicSampling:
         self._reward_fn = reward_fn
         self._advantage_fn = advantage_fn
         self._orch: _Orchestrator | None = None
-        self.early_grants = 0
-        """Replacement tickets granted at a flat group's completion and not yet spent by `draw`."""
+        self._replaced: set[int] = set()
+        """Ids of flat groups given a replacement at completion and not yet pulled."""
+
+    @property
+    def pending_replacements(self) -> int:
+        """Flat groups whose replacement was granted at completion and that no step has pulled
+        yet: groups in flight beyond the base allowance, legitimately."""
+        return len(self._replaced)
 
     def bind(self, orch: _Orchestrator) -> None:
         self._orch = orch
@@ -69,24 +86,33 @@ class DynamicSampling:
 
     def on_group(self, group: Group) -> Group:
         """The completed `group`, shaped; grants a replacement at once for one without signal
-        (while fewer than `max_extra` early grants are unspent)."""
+        (while fewer than `max_extra` early grants are pending)."""
         shaped = shape_group(group, self._reward_fn)
-        if self.early_grants < self.max_extra and not self.has_signal(shaped):
+        if len(self._replaced) < self.max_extra and not self.has_signal(shaped):
             assert self._orch is not None, "DynamicSampling.bind was not called"
             self._orch.allow(1, replacing=group.group_id)  # handed out in its place, not later
-            self.early_grants += 1
+            self._replaced.add(group.group_id)
         return shaped
+
+    def _credits(self, groups: list[Group]) -> int:
+        """Early grants of `groups` (now pulled): replacements already in flight for them."""
+        ids = {g.group_id for g in groups} & self._replaced
+        self._replaced -= ids
+        return len(ids)
 
     async def draw(self, groups: list[Group], need: int) -> int:
         """While fewer than `need` of `groups` have signal, append the next completed group (in
         place), at most `max_extra` times; returns the number drawn."""
         assert self._orch is not None, "DynamicSampling.bind was not called"
+        credits = self._credits(groups)
         extra = 0
         while extra < self.max_extra and sum(map(self.has_signal, groups)) < need:
-            if self.early_grants:
-                self.early_grants -= 1  # its ticket was granted when a flat group completed
+            if credits:
+                credits -= 1  # the replacement granted when a flat group of this step completed
             else:
                 self._orch.allow(1)
-            groups.append(await self._orch.get_group())
+            group = await self._orch.get_group()
+            credits += self._credits([group])
+            groups.append(group)
             extra += 1
         return extra

@@ -263,7 +263,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             )
             sampling.bind(orch)
             groups_per_step = cfg.train.groups_per_step
-            orch.allow((cfg.train.max_staleness + 1) * groups_per_step)
+            allowance = (cfg.train.max_staleness + 1) * groups_per_step  # groups granted ahead
+            orch.allow(allowance)
             orch.start()
             nonfinite_skips = 0  # updates skipped for a NaN/inf gradient norm, this process
             if eval_tasks is not None and checkpoint is None:
@@ -321,9 +322,10 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         metrics.update(report.as_metrics())
                     t_synced = time.monotonic()
                     # the engine serves the new version: the groups of a later step may start now
-                    # (none after the last step: they would only be cancelled)
+                    # (none after the last step: they would only be cancelled); topped up to the
+                    # allowance, so a replacement left over by dynamic sampling takes a new one's place
                     if step < cfg.train.steps:
-                        orch.allow(groups_per_step)
+                        orch.allow(allowance + sampling.pending_replacements - orch.groups_outstanding)
                     norm_every = cfg.log.update_norm_every
                     if updated and norm_every and version % norm_every == 0:
                         # how far the update moved the weights, once the engine has them (the
