@@ -25,9 +25,11 @@ steps and 10 minutes at lr 1e-5, 2 prompts x 4 completions per step.
     .venv/bin/python bench/learning.py --harness mini-swe-agent --steps 20   # through the agent
     .venv/bin/python bench/learning.py --lr 3e-5 --bf16 harnessrl   # harnessrl in bfloat16, TRL float32
     .venv/bin/python bench/learning.py --lr 3e-5 --bf16 harnessrl --dynamic-sampling 2   # + DAPO's dynamic sampling
+    .venv/bin/python bench/learning.py --seeds 0,1,2 ...      # the side-by-side at each seed, and a summary
 
 `--bf16 harnessrl` gives harnessrl's engine bfloat16 weights and its trainer `train.autocast`
-(on a CPU with AMX the engine decodes ~1.9x faster); `--bf16 both` also runs TRL with
+(on a CPU with AMX the engine decodes ~1.9x faster; on one without native bfloat16, AVX2 only,
+torch emulates it and a train step is ~10x slower: leave it off there); `--bf16 both` also runs TRL with
 `bf16=True`, which on this CPU path was slower than its float32 (432 vs 393 s, likely because
 its autocast recasts the float32 weights at every decode step), so TRL's fastest arm is its
 float32 one.
@@ -160,6 +162,13 @@ def agent_curve(args: argparse.Namespace, run_dir: Path) -> None:
           f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; curve {run_dir / 'curve.png'}")
 
 
+def _seed_list(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds wants integers separated by commas, got {text!r}") from None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -180,6 +189,9 @@ def main() -> None:
     p.add_argument("--update-norm-every", type=int, default=0, help="harnessrl's log.update_norm_every "
                    "(param_delta_l2 every N updates; 0, the bench default: never, as TRL measures none)")
     p.add_argument("--seed", type=int, default=0, help="both arms' run seed (sampling, TRL's data order)")
+    p.add_argument("--seeds", type=_seed_list, default=[], metavar="S1,S2,...", help="run the side-by-side at each of these "
+                   "seeds in turn (OUT/seed-S/ each) and print a summary: per seed, each arm's pass, time "
+                   "and the ratio; each arm's mean pass; how many seeds meet the goal")
     p.add_argument("--train-threads", type=int, default=1, help="torch threads of harnessrl's trainer")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (it "
                    "generates and trains in turn, so it gets both cores)")
@@ -206,7 +218,22 @@ def main() -> None:
         agent_curve(args, out / "agent")
         return
     model_dir = resolve_model(args.model)
-    results: dict[str, dict] = {"base": asyncio.run(held_out(model_dir, args.eval_prompts, threads=2))}
+    base = asyncio.run(held_out(model_dir, args.eval_prompts, threads=2))
+    seeds = args.seeds or [args.seed]
+    runs = {s: side_by_side(argparse.Namespace(**{**vars(args), "seed": s}), model_dir, base,
+                            out / f"seed-{s}" if len(seeds) > 1 else out) for s in seeds}
+    if len(seeds) > 1:
+        summary(runs)
+    (out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                   "base": base, "seeds": runs}, indent=1))
+    print(f"results: {out / 'learning.json'}")
+
+
+def side_by_side(args: argparse.Namespace, model_dir: Path, base: dict[str, float], out: Path) -> dict:
+    """Both arms (or one, `--arms`) at `args.seed`; prints their table and returns
+    {"held_out": {arm: scores}, "train_s": {arm: s}, "clip": {arm: frac}, "load_avg": {arm: load}}."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {"base": base}
     times: dict[str, float] = {}
     clip: dict[str, float] = {}
     load: dict[str, float] = {}  # 1-minute load average, mean of each arm's start and end values
@@ -228,7 +255,7 @@ def main() -> None:
         results["trl"] = asyncio.run(held_out(model, args.eval_prompts, threads=2))
         fracs = [float(m.get("clip_ratio/region_mean", 0.0)) for m in log]
         clip["trl"] = sum(fracs) / max(len(fracs), 1)
-    print(f"\nlarger-number task, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), "
+    print(f"\nlarger-number task, seed {args.seed}, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), "
           f"bfloat16: {args.bf16}, "
           f"{args.prompts_per_step} prompts x "
           f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
@@ -243,10 +270,29 @@ def main() -> None:
     if "harnessrl" in times and "trl" in times:
         print(f"wall time ratio harnessrl / TRL: {times['harnessrl'] / times['trl']:.2f} "
               f"(goal <= 0.60 with harnessrl >= 90% held-out)")
-    (out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                   "held_out": results, "train_s": times, "clip": clip,
-                                                   "load_avg": load}, indent=1))
-    print(f"results: {out / 'learning.json'}")
+    run = {"held_out": results, "train_s": times, "clip": clip, "load_avg": load}
+    (out / "learning.json").write_text(json.dumps(run, indent=1))
+    return run
+
+
+def summary(runs: dict[int, dict]) -> None:
+    """`--seeds`: one line per seed (each arm's held-out pass and training seconds, the time ratio,
+    whether the goal holds), then each arm's mean pass and the number of seeds meeting the goal."""
+    arms = [a for a in ("harnessrl", "trl") if all(a in r["train_s"] for r in runs.values())]
+    print(f"\n{'seed':>5} " + " ".join(f"{a + ' pass':>15} {a + ' s':>12}" for a in arms)
+          + (f" {'ratio':>6} {'goal':>5}" if len(arms) == 2 else ""))
+    met = 0
+    for seed, r in runs.items():
+        line = f"{seed:>5} " + " ".join(f"{r['held_out'][a]['pass']:15.1%} {r['train_s'][a]:12.0f}" for a in arms)
+        if len(arms) == 2:
+            ratio = r["train_s"]["harnessrl"] / r["train_s"]["trl"]
+            ok = r["held_out"]["harnessrl"]["pass"] >= 0.9 and ratio <= 0.6
+            met += ok
+            line += f" {ratio:6.2f} {'yes' if ok else 'no':>5}"
+        print(line)
+    means = " ".join(f"{a} {sum(r['held_out'][a]['pass'] for r in runs.values()) / len(runs):.1%}" for a in arms)
+    print(f"mean held-out pass over {len(runs)} seeds: {means}"
+          + (f"; goal met at {met} of {len(runs)} seeds" if len(arms) == 2 else ""))
 
 
 if __name__ == "__main__":
