@@ -306,7 +306,7 @@ AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16}
 def native_cpu_bfloat16() -> bool:
     """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX tiles). Without
     either, torch emulates them: on an AVX2-only AMD EPYC a 135M train step under bfloat16
-    autocast took 110-128 s against 3-4 s in float32 (`bench/learning.py --bf16 harnessrl`)."""
+    autocast took 110-128 s against 8-14 s in float32 beside the engine (`bench/learning.py`)."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
