@@ -42,21 +42,8 @@ generation-prompt flag, and the ids of a rendered prompt text by that text (`ren
 `prompt_cache_ids`), so a prompt sent again costs a lookup; what is returned is what the same
 input rendered or encoded before.
 
-Bridged rendering (DESIGN.md §5). The public question "does this request extend an earlier
-turn, and what are its bridged prompt ids" is `find_bridge` / `plan_prompt` /
-`bridged_prompt_ids` (or `render_bridged` from `(messages, prompt_ids, completion_ids)`
-tuples). A finished turn leaves a `BridgePoint` (`bridge_point`: its request messages, the
-reply the agent got, its exact `prompt_ids + completion_ids`). A request extends point P when
-its messages are P's messages, then P's reply as the agent replays it (`same_replay`), then at
-least one new message, with the same tools. Its prompt is then P's ids followed by the
-template's own framing of the new messages (`bridge_suffix`): the conversation is rendered
-with P's reply replaced by a sentinel, and the text after the sentinel, from the end of the
-template's end-of-turn token on, is encoded and appended; a reply that ended without an EOS id
-(cut at `max_tokens` or by a stop string) gets the end-of-turn framing too. So the engine sees
-its own sampled ids whatever the template does to history (reasoning stripped, tool calls
-re-serialised, whitespace normalised), and the next prompt extends the row (CLEAN). A request
-that extends no point (compaction, rewritten history, a sub-agent, other tools) renders
-normally.
+Bridged rendering (DESIGN.md §5) is `engine/bridging.py`'s (`BridgedRendering`, which `ChatLayer`
+extends): a request that extends an earlier turn gets that turn's exact ids as its head.
 
 What this module deliberately does not do: talk HTTP, sample, or build training rows. The
 ids it renders are handed to the engine, which reports the ids it consumed; those are what
@@ -71,11 +58,11 @@ import json
 import re
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from harnessrl.engine.bridging import BridgedRendering, BridgePoint, PromptPlan, json_or_str, same_replay
 from harnessrl.engine.messages import Message, Role, ToolCall, normalize_messages, normalize_tools
 from harnessrl.engine.parse import ParsedAssistant, default_eos, fast_decode, parse_text
 from harnessrl.engine.rendercache import LruCache, render_key
@@ -88,7 +75,7 @@ if TYPE_CHECKING:
 __all__ = ["BridgePoint", "ChatLayer", "Message", "ParsedAssistant", "PromptPlan", "Role", "ToolCall",
            "hermes_tool_call", "normalize_messages", "normalize_tools", "same_replay"]
 """Message records and their validation live in `engine/messages.py`, the meaning of a completion's
-text in `engine/parse.py`; re-exported here."""
+text in `engine/parse.py`, bridging's records in `engine/bridging.py`; re-exported here."""
 
 TOOL_SYSTEM_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -106,47 +93,6 @@ the per-piece cache of `tokencache.py` only."""
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Keys `apply_chat_template` aliases to one another (such messages take its own path)."""
 
-@dataclass(frozen=True, slots=True)
-class BridgePoint:
-    """A finished turn, as bridged rendering needs it (`ChatLayer.bridge_point`)."""
-
-    turn_index: int
-    messages: tuple[Message, ...]
-    """The request's messages."""
-    tools: tuple[dict[str, Any], ...]
-    reply: Message
-    """The assistant message the agent was given."""
-    ids: tuple[int, ...]
-    """`prompt_ids + completion_ids` exactly as the engine consumed and sampled them."""
-    ended: bool
-    """The completion ends with an EOS id (else the bridge adds the end-of-turn framing)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PromptPlan:
-    """Prompt ids of a request are `head_ids + ChatLayer.encode(text)`."""
-
-    head_ids: list[int]
-    """An earlier turn's exact prompt + completion ids (empty unless bridged)."""
-    text: str
-    """Marked text to encode after `head_ids` (the whole render when not bridged)."""
-    bridged_from: int | None
-    """`turn_index` of the turn bridged on, or None."""
-
-
-def same_replay(a: Message, b: Message) -> bool:
-    """Whether `a` is `b` as an agent replays it: equal, or both assistant messages with the
-    same text up to surrounding whitespace and the same tool calls (name, and arguments equal
-    as JSON); reasoning and call ids are not compared (agents drop or rewrite them)."""
-    if a == b:
-        return True
-    if a.role != "assistant" or b.role != "assistant" or a.content.strip() != b.content.strip() \
-            or len(a.tool_calls) != len(b.tool_calls):
-        return False
-    return all(x.name == y.name and (x.arguments == y.arguments or _json_or_str(x.arguments) == _json_or_str(y.arguments))
-               for x, y in zip(a.tool_calls, b.tool_calls))
-
-
 def hermes_tool_call(call: ToolCall) -> str:
     """One call in the hermes convention; arguments as a JSON object when they parse."""
     return _hermes_block(call.name, call.arguments)
@@ -162,7 +108,7 @@ def _hermes_block(name: str, arguments: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
 
-class ChatLayer:
+class ChatLayer(BridgedRendering):
     """Renders messages to prompt ids and parses completion ids, for one tokenizer.
 
     Args:
@@ -432,7 +378,7 @@ class ChatLayer:
             d["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {
                     "name": c.name, "arguments": self.escape(c.arguments) if self.arguments_as_json_string
-                    else _json_or_str(self.escape(c.arguments))}}
+                    else json_or_str(self.escape(c.arguments))}}
                 for c in m.tool_calls
             ]
         if m.tool_call_id is not None:
@@ -476,101 +422,6 @@ class ChatLayer:
                 if has_tools else "")
         return parse_text(text, has_tools, opened=opened, call_id_seed=seed)
 
-    # -- bridged rendering ----------------------------------------------------------------------
-
-    def bridge_point(self, turn_index: int, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
-                     reply: ParsedAssistant, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> BridgePoint:
-        """What a finished turn leaves for bridging: its request, the reply the agent got, and
-        the exact ids the engine consumed and sampled."""
-        return BridgePoint(
-            turn_index=turn_index, messages=tuple(messages), tools=tuple(tools or ()),
-            reply=Message(role="assistant", content=reply.content or "", tool_calls=tuple(reply.tool_calls),
-                          reasoning=reply.reasoning),
-            ids=tuple(prompt_ids) + tuple(completion_ids),  # the engine's tuples: one copy
-            ended=bool(completion_ids) and completion_ids[-1] in self.eos_token_ids)
-
-    def find_bridge(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
-                    points: Sequence[BridgePoint]) -> BridgePoint | None:
-        """The earlier turn that `messages` extend, or None.
-
-        `messages` extend point P when they start with P's request messages, then P's reply as
-        the agent replays it (`same_replay`: same text up to surrounding whitespace, same tool
-        calls up to JSON formatting; reasoning may be dropped), then at least one new message,
-        with the same tools. The longest such P wins (the latest on ties).
-        """
-        tools_t = tuple(tools or ())
-        best: BridgePoint | None = None
-        n = len(messages)
-        for point in points:
-            k = len(point.messages)
-            if k + 2 > n or (best is not None and k < len(best.messages)) or point.tools != tools_t:
-                continue
-            if same_replay(messages[k], point.reply) and all(
-                    same_replay(a, b) for a, b in zip(messages[:k], point.messages)):
-                best = point
-        return best
-
-    def bridge_suffix(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
-                      point: BridgePoint) -> str | None:
-        """The (marked) text that follows `point.ids` for `messages`: the template's framing of
-        the messages after point's reply, and the generation prompt. None when the template
-        cannot say (the request is rendered normally).
-
-        Derived from the template itself: the conversation is rendered with point's reply
-        replaced by a sentinel text; what follows the sentinel, from the end of the template's
-        end-of-turn token on, is the new messages' framing. A reply that ended without an EOS id
-        (cut at `max_tokens`, or by a stop string) gets the whole end-of-turn framing too.
-        """
-        k = len(point.messages)
-        probe = Message(role="assistant", content=self._bridge_sentinel,
-                        tool_calls=point.reply.tool_calls if point.ended else ())
-        try:
-            text = self.render_marked([*messages[:k], probe, *messages[k + 1:]], tools)
-        except RequestError:
-            return None
-        at = text.find(self._bridge_sentinel)
-        if at < 0 or text.find(self._bridge_sentinel, at + 1) >= 0:
-            return None
-        tail = text[at + len(self._bridge_sentinel):]
-        eot = self._eos_text_re.search(tail) if self._eos_text_re is not None else None
-        if eot is None:
-            return tail if point.ended else None
-        return tail[eot.end():] if point.ended else tail[eot.start():]
-
-    def plan_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None,
-                    points: Sequence[BridgePoint] = ()) -> PromptPlan:
-        """How to build the prompt ids of a request: `head_ids + encode(text)`.
-
-        Bridged (`bridged_from` set) when `find_bridge` finds an earlier turn these messages
-        extend and `bridge_suffix` can frame the new messages; else a normal render (empty
-        head). Raises `RequestError` like `render`.
-        """
-        point = self.find_bridge(messages, tools, points) if points else None
-        if point is not None:
-            suffix = self.bridge_suffix(messages, tools, point)
-            if suffix is not None:
-                return PromptPlan(head_ids=list(point.ids), text=suffix, bridged_from=point.turn_index)
-        return PromptPlan(head_ids=[], text=self.render_marked(messages, tools), bridged_from=None)
-
-    def render_bridged(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
-                       prior: Sequence[tuple[Sequence[Message], Sequence[int], Sequence[int]]]) -> list[int]:
-        """Prompt ids of `messages`, bridged on the earlier turns `prior` when they extend one.
-
-        `prior` holds `(messages, prompt_ids, completion_ids)` of earlier turns in order; each
-        reply is what `parse` makes of its completion (the agent replays that). Without a
-        match this is `render(messages, tools)`.
-        """
-        points = [self.bridge_point(i, msgs, tools, self.parse(c, bool(tools)), p, c)
-                  for i, (msgs, p, c) in enumerate(prior)]
-        plan = self.plan_prompt(messages, tools, points)
-        return plan.head_ids + self.encode(plan.text)
-
-    def bridged_prompt_ids(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
-                           points: Sequence[BridgePoint]) -> list[int] | None:
-        """Prompt ids of `messages` bridged on an earlier turn, or None when they extend none."""
-        plan = self.plan_prompt(messages, tools, points)
-        return None if plan.bridged_from is None else plan.head_ids + self.encode(plan.text)
-
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id decoded on its own (the `token` of OpenAI logprobs entries)."""
         return self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
@@ -588,10 +439,3 @@ def _tool_system_prompt(tools: Sequence[dict[str, Any]]) -> str:
 def _described_tools(key: bytes) -> str:
     # Keyed by the tools' exact JSON (orjson keeps key order and round-trips every value).
     return TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in orjson.loads(key)))
-
-
-def _json_or_str(arguments: str) -> object:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
