@@ -24,22 +24,28 @@ steps and 10 minutes at lr 1e-5, 2 prompts x 4 completions per step.
     .venv/bin/python bench/learning.py --arms harnessrl --lr 3e-5 --steps 68
     .venv/bin/python bench/learning.py --harness mini-swe-agent --steps 20   # through the agent
     .venv/bin/python bench/learning.py --lr 3e-5 --bf16 harnessrl   # harnessrl in bfloat16, TRL float32
-    .venv/bin/python bench/learning.py --lr 3e-5 --bf16 harnessrl --dynamic-sampling 2   # + DAPO's dynamic sampling
+    .venv/bin/python bench/learning.py --lr 3e-5 --bf16 harnessrl --dynamic-sampling 6   # + DAPO's dynamic sampling
+    .venv/bin/python bench/learning.py --steps 68 --lr 3e-5 --bf16 harnessrl --dynamic-sampling 6 --seeds 0,1,2
     .venv/bin/python bench/learning.py --seeds 0,1,2 ...      # the side-by-side at each seed, and a summary
 
 `--bf16 harnessrl` gives harnessrl's engine bfloat16 weights and its trainer `train.autocast`
-(on a CPU with AMX the engine decodes ~1.9x faster; on one without native bfloat16, AVX2 only,
-torch emulates it and a train step is ~10x slower: leave it off there); `--bf16 both` also runs TRL with
+(on a CPU with AMX or AVX512-BF16 the engine decodes ~1.9x faster and a train step is several
+times cheaper; on one without native bfloat16, AVX2 only, torch emulates it and a train step is
+~10x slower: leave it off there; `train/step.py:native_cpu_bfloat16` tells which); `--bf16 both` also runs TRL with
 `bf16=True`, which on this CPU path was slower than its float32 (432 vs 393 s, likely because
 its autocast recasts the float32 weights at every decode step), so TRL's fastest arm is its
 float32 one.
 
 `--dynamic-sampling N` turns on harnessrl's `train.dynamic_sampling_max_groups`: a group whose
-four rewards are all equal gives no gradient (in TRL too, where such a step's loss is 0), and
-is replaced by another, at most N a step, so that every update has `--prompts-per-step` groups
-with signal. Each arm still trains on the same number of groups and completions per update.
-harnessrl generates more for it, and TRL has no such option. The harnessrl arm measures no
-update norm (`--update-norm-every 0`), since TRL measures none.
+four rewards are all equal gives no gradient (in TRL too, where such a step's loss is 0), and is
+replaced by another, at most N a step, so that every update has `--prompts-per-step` groups with
+signal. Each arm still trains on the same number of groups and completions per update. harnessrl
+generates more for it, and TRL has no such option. N = 2 is often too few: at seed 0 (51 steps) 13
+of the 51 updates had one group with signal or none, and 20 rows arrived too stale to train
+(likely replacements left over at the bound, generated early and taken by a later step); N = 6
+gave both groups to 49, 35 and 51 of 51 updates at seeds 0, 1, 2 (0, 12, 0 stale rows), the extra
+generation running while the trainer trains. The harnessrl arm measures no update norm
+(`--update-norm-every 0`), since TRL measures none.
 """
 
 from __future__ import annotations
