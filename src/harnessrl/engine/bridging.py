@@ -17,14 +17,15 @@ prompt extends the row (CLEAN). A request that extends no point (compaction, rew
 a sub-agent, other tools) renders normally.
 
 `BridgedRendering` holds these methods; `engine/chat.py`'s `ChatLayer` extends it and supplies
-what they use: `render_marked`, `encode`, `parse`, `eos_token_ids`, and the sentinel text and
-end-of-turn pattern it builds from the tokenizer (`_bridge_sentinel`, `_eos_text_re`).
+what they use: `render_marked`, `encode`, `parse` and `eos_token_ids`, and calls `_init_bridging`
+with its tokenizer once `eos_token_ids` is set.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -87,8 +88,14 @@ class BridgedRendering:
     """The bridging half of `ChatLayer` (module docstring)."""
 
     eos_token_ids: frozenset[int]
-    _bridge_sentinel: str
-    _eos_text_re: re.Pattern[str] | None
+
+    def _init_bridging(self, tokenizer: Any) -> None:
+        """The sentinel `bridge_suffix` renders in place of a reply (random, so no content can
+        hold it) and the pattern of the end-of-turn texts (those of `eos_token_ids`)."""
+        self._bridge_sentinel = "\ue002" + secrets.token_hex(8) + "\ue003"
+        eos_texts = sorted({t for t in tokenizer.convert_ids_to_tokens(sorted(self.eos_token_ids)) if t},
+                           key=len, reverse=True)
+        self._eos_text_re = re.compile("|".join(re.escape(t) for t in eos_texts)) if eos_texts else None
 
     if TYPE_CHECKING:  # supplied by ChatLayer
         def render_marked(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None,

@@ -101,10 +101,7 @@ def hermes_tool_call(call: ToolCall) -> str:
 @functools.lru_cache(maxsize=8192)
 def _hermes_block(name: str, arguments: str) -> str:
     # Cached: an agent re-sends every earlier call on each turn.
-    try:
-        args: object = json.loads(arguments)
-    except ValueError:
-        args = arguments
+    args = json_or_str(arguments)
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
 
@@ -153,10 +150,7 @@ class ChatLayer(BridgedRendering):
         self.prompt_opens_reasoning = self._detect_open_reasoning()
         """The generation prompt ends inside an open `<think>` block (Qwen3-style thinking
         templates): a completion is reasoning until its `</think>`."""
-        self._bridge_sentinel = "\ue002" + secrets.token_hex(8) + "\ue003"
-        eos_texts = sorted({t for t in tokenizer.convert_ids_to_tokens(sorted(self.eos_token_ids)) if t},
-                           key=len, reverse=True)
-        self._eos_text_re = re.compile("|".join(re.escape(t) for t in eos_texts)) if eos_texts else None
+        self._init_bridging(tokenizer)
         self._decode = fast_decode(tokenizer)
         # the probes above rendered uncached (one of them compares two render paths)
         self.renders = LruCache(render_cache_chars, len)
