@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from fakes import FakeEngine, in_process
-from harnessrl.engine import embedded
+from harnessrl.engine import request as engine_request
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.errors import ConfigError, EngineError
 from harnessrl.proxy.capture import REJECTED_BODY_CHARS
@@ -388,14 +388,14 @@ async def test_a_denormal_temperature_neither_hangs_nor_breaks_the_engine(engine
 
 
 async def test_a_sampling_error_fails_only_its_own_request(engine, monkeypatch):
-    real = embedded.sample_next
+    real = engine_request.sample_next
 
     def poisoned(logits, rows, generators):
         if any(r.temperature == 0.777 for r in rows):
             raise ValueError("poisoned row")
         return real(logits, rows, generators)
 
-    monkeypatch.setattr(embedded, "sample_next", poisoned)
+    monkeypatch.setattr(engine_request, "sample_next", poisoned)
     prompt = [1, 2, 3, 4]
     good = [asyncio.create_task(engine.generate(prompt, Sampling(temperature=0.5, max_tokens=6))) for _ in range(3)]
     await asyncio.sleep(0.05)
@@ -416,7 +416,7 @@ async def test_eos_as_the_last_allowed_id_is_stop(engine, monkeypatch):
         calls["n"] += 1
         return [eos if calls["n"] >= 2 else 5] * len(rows), [-0.1] * len(rows)
 
-    monkeypatch.setattr(embedded, "sample_next", eos_second)
+    monkeypatch.setattr(engine_request, "sample_next", eos_second)
     done = await asyncio.wait_for(engine.generate([1, 2, 3], Sampling(temperature=0.0, max_tokens=2)), 60)
     assert done.completion_ids == (5, eos) and done.finish_reason == "stop"
     calls["n"] = 0

@@ -17,9 +17,9 @@ Each loop iteration:
      id sampled, and its KV copied into a free slot of the batch (`KVBatch.add_rows`);
   3) one decode step: a single forward over `[B, 1]` ids (per-row position ids, each row's
      key/value written at its own column, a mask of its valid length; `engine/decode_step.py`
-     for Llama-family models, the model's forward otherwise), sample every row
-     (`engine/sampler.py`), finish rows that hit max_tokens, an EOS id or a stop string, store
-     a finished row's KV (prompt + completion) in the prefix cache, and drop it from the batch.
+     for Llama-family models, the model's forward otherwise), sample every row (`engine/request.py`
+     `sample_requests`), finish rows that hit max_tokens, an EOS id or a stop string (`Request.record`),
+     store a finished row's KV (prompt + completion) in the prefix cache, drop it from the batch.
 A request arriving mid-generation therefore joins at the next step; a finished one leaves.
 An agent's next turn (previous prompt + reply + tool output) and the other rollouts of a group
 (same task prompt; they are prefilled one after another, so the second finds the first's KV)
@@ -71,8 +71,6 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
 import torch
 
 from harnessrl.engine.batch import KVBatch
@@ -80,8 +78,8 @@ from harnessrl.engine.decode_step import DecodeStep
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
 from harnessrl.engine.prefill import Prefilled, PrefillScheduler
 from harnessrl.engine.prefix_cache import PrefixCache
-from harnessrl.engine.request import Deliver, Request
-from harnessrl.engine.sampler import RowSampling, effective_temperature, sample_next
+from harnessrl.engine.request import Deliver, Request, sample_requests
+from harnessrl.engine.sampler import RowSampling, effective_temperature
 from harnessrl.engine.stats import EngineStats, zero_counters
 from harnessrl.engine.stop import StopWatcher
 from harnessrl.errors import ContextLengthError, EngineError
@@ -414,7 +412,7 @@ class EmbeddedEngine:
         """Sample the first id of each prefilled prompt; those not finished by it join the batch."""
         reqs = [p.req for p in prefilled]
         logits_B_V = torch.stack([p.logits_V for p in prefilled])
-        toks, lps, failed = self._sample(logits_B_V, reqs)
+        toks, lps, failed = sample_requests(logits_B_V, reqs)
         joined = []
         for i, (p, req) in enumerate(zip(prefilled, reqs, strict=True)):
             if i in failed or self._append(req, toks[i], lps[i]):
@@ -433,7 +431,7 @@ class EmbeddedEngine:
         else:  # eager attention adds the mask to its scores; sdpa takes it as bool
             inputs = batch.step_inputs(additive_mask=self._model.dtype if self._additive_mask else None)
             logits_B_V = self._model(**inputs, use_cache=True).logits[:, -1, :]
-        ids, lps, failed = self._sample(logits_B_V, self._active)
+        ids, lps, failed = sample_requests(logits_B_V, self._active)
         batch.commit_step(ids)
         B = len(self._active)
         self._stats["decode_steps"] += 1
@@ -461,54 +459,10 @@ class EmbeddedEngine:
             ids = (req.prompt_ids + tuple(req.completion_ids))[:n]
             self._prefix_cache.insert(ids, self._version, kv)
 
-    def _sample(self, logits_B_V: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float], list[int]]:
-        """Sample every row; returns (ids, logprobs, failed rows). When the batch cannot be
-        sampled, rows are sampled one by one and each row that fails is delivered its error
-        alone (its id is a placeholder 0): one bad request never stops the others. (Rows
-        that succeed on the retry draw a fresh uniform, so their seeded stream shifts by one.)
-        """
-        rows = [r.row for r in reqs]
-        gens = [r.generator for r in reqs]
-        try:
-            ids, lps = sample_next(logits_B_V, rows, gens)  # type: ignore[arg-type]
-            return ids, lps, []
-        except Exception:  # noqa: BLE001 - find the rows at fault below
-            log.warning("sampling a batch of %d rows failed; sampling them one by one", len(reqs), exc_info=True)
-        ids, lps, failed = [], [], []
-        for b, req in enumerate(reqs):
-            try:
-                (tok,), (lp,) = sample_next(logits_B_V[b:b + 1], [req.row], [req.generator])  # type: ignore[list-item]
-            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
-                tok, lp = 0, 0.0
-                failed.append(b)
-                req.deliver(EngineError(f"sampling failed for this request ({req.row}): {exc!r}"))
-            ids.append(tok)
-            lps.append(lp)
-        return ids, lps, failed
-
     def _append(self, req: Request, tok: int, lp: float) -> bool:
-        """Record one sampled id; deliver and return True when the request is finished."""
-        req.completion_ids.append(tok)
-        req.logprobs.append(lp)
+        """Record one sampled id; True when the request finished (and was delivered)."""
         self._stats["generated_tokens"] += 1
-        reason: Literal["stop", "length"] | None = None
-        hit_stop = req.stop.push(tok) if req.stop is not None else False
-        if tok in self._eos_token_ids or hit_stop:  # the model stopped, even on its last allowed id
-            reason = "stop"
-        elif len(req.completion_ids) >= req.max_new_tokens:
-            reason = "length"
-        if reason is None:
-            return False
-        req.deliver(
-            Completion(
-                prompt_ids=req.prompt_ids,
-                completion_ids=tuple(req.completion_ids),
-                completion_logprobs=tuple(req.logprobs),
-                finish_reason=reason,
-                policy_version=req.policy_version,
-            )
-        )
-        return True
+        return req.record(tok, lp, self._eos_token_ids)
 
     def _fail_all(self, error: EngineError) -> None:
         for req in [*self._active, *self._prefill.take_all()]:
