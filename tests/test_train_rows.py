@@ -11,7 +11,7 @@ import pytest
 from harnessrl.config import load_config
 from harnessrl.train.advantages import grpo_advantages
 from harnessrl.train.hooks import shape_group
-from harnessrl.train.dynamic_sampling import DynamicSampling, has_signal
+from harnessrl.train.dynamic_sampling import DynamicSampling, has_signal, is_fresh
 from harnessrl.train.run import _rows_for_step
 from harnessrl.types import Group, Rollout, Trace, Turn
 
@@ -131,6 +131,34 @@ def test_a_flat_group_is_replaced_as_it_completes_within_the_bound() -> None:
     assert asyncio.run(ds.draw(groups, 1)) == 1
     assert orch.granted == 2 and ds.pending_replacements == 1, "the draw spent an early grant, granted nothing"
     assert [g.group_id for g in groups] == [0, 3]
+
+
+def _versioned(group_id: int, rewards: list[float], versions: list[int]) -> Group:
+    return Group(group_id=group_id, task_id="t",
+                 rollouts=[_rollout(i, group_id, r, v) for i, (r, v) in enumerate(zip(rewards, versions))])
+
+
+def test_a_group_too_stale_to_train_is_replaced_like_a_flat_one() -> None:
+    """At policy version 5 with max_staleness 1, a group sampled at version 3 would have every
+    row dropped as stale: the draw replaces it, and stops at the fresh group with signal."""
+    stale, fresh = _versioned(0, [1.0, 0.0], [3, 3]), _versioned(1, [1.0, 0.0], [4, 5])
+    half = _versioned(2, [1.0, 0.0], [3, 4])  # one rollout fresh: its rows train
+    assert not is_fresh(stale, 5, 1) and is_fresh(fresh, 5, 1) and is_fresh(half, 5, 1)
+    assert is_fresh(stale, 5, 2) and not is_fresh(_versioned(3, [], []), 5, 1), "no turn: not fresh"
+    orch = _Queue([_versioned(4, [0.0, 1.0], [3, 3]), _versioned(5, [0.0, 1.0], [5, 5]), _group(6, [0.0, 1.0])])
+    ds = DynamicSampling(3, None, grpo_advantages, max_staleness=1)
+    ds.bind(orch)
+    groups = [stale, fresh]
+    assert asyncio.run(ds.draw(groups, 2, version=5)) == 2
+    assert [g.group_id for g in groups] == [0, 1, 4, 5], "group 4 is stale too; group 5 is the second usable"
+    cfg = load_config(None, ["train.max_staleness=1", 'hooks.rollout_reward_fn=""'])
+    rows, m, _ = _rows_for_step(groups, cfg, {}, grpo_advantages, version=5)
+    assert {r.group_id for r in rows} == {1, 5} and m["rows_stale_dropped"] == 4
+    # without a version (or without max_staleness) every group counts as fresh: no draw
+    groups = [stale, fresh]
+    assert asyncio.run(ds.draw(groups, 2)) == 0 and len(groups) == 2
+    ds = _sampling(3, _Queue([]))
+    assert asyncio.run(ds.draw([stale, fresh], 2, version=5)) == 0
 
 
 class _CompletingQueue(_Queue):

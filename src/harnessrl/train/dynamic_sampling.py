@@ -13,8 +13,9 @@ Responsibility:
     queue, instead of after the trainer has pulled it. It joins the flat group's grant, so in
     dispatch order (`train.group_order`) it is handed out in that group's place rather than
     after the groups granted since, which would make it staler.
-  * `draw`, once per step: while fewer than `need` of the step's groups have signal, it pulls
-    one more group, at most N a step. A pull is backed by the early grant of a flat group the
+  * `draw`, once per step: while fewer than `need` of the step's groups are usable (signal,
+    and a rollout recent enough to train at the step's policy version), it pulls one more
+    group, at most N a step. A pull is backed by the early grant of a flat group the
     step holds (its replacement is already in flight), or by a new ticket.
   * `pending_replacements`: flat groups given an early replacement and not yet pulled. When a
     step holds more such flat groups than it may draw (the bound N), their replacements stay
@@ -23,6 +24,11 @@ Responsibility:
     a new ticket instead of pushing every later group one position back. (Counted with a
     single counter spent by any pull, such a surplus stayed in flight for good, and from then
     on one group a step arrived a version too stale and was dropped.)
+  * A group too stale to train counts as one without signal: its rows would all be dropped by
+    `train.max_staleness` (`train/run._rows_for_step`). A replacement left over at the bound
+    is generated early and taken by the next step, which can find it two versions old; counted
+    as usable, such a group made the step train on one group, or on none (at N = 6, lr 5e-5,
+    seed 2: step 58 of 68 dropped all 8 of its rows as stale and skipped its update).
 
 Invariants:
   * Every pulled group is backed by a ticket granted before it, so no pull waits on a group
@@ -51,6 +57,15 @@ class _Orchestrator(Protocol):
     async def get_group(self) -> Group: ...
 
 
+def is_fresh(group: Group, version: int, max_staleness: int) -> bool:
+    """Whether some rollout of `group` has every turn sampled at a policy version within
+    `max_staleness` of `version`, the version it would train at; its rows are then all kept by
+    the staleness check (a row's oldest trained token is no older than its rollout's oldest
+    turn). False for a group with no turn."""
+    return any(rollout.trace.turns and min(t.policy_version for t in rollout.trace.turns) >= version - max_staleness
+               for rollout in group.rollouts)
+
+
 def has_signal(group: Group, advantage_fn: Any) -> bool:
     """Whether the training rewards of the (shaped) `group` give some rollout a non-zero
     advantage under `advantage_fn` (`train/advantages.py`). False for a zero-variance group:
@@ -62,12 +77,16 @@ class DynamicSampling:
     """Shapes groups as they complete and replaces those without signal, at most `max_extra`
     a step (0: off). Call `bind(orchestrator)` before the orchestrator starts."""
 
-    def __init__(self, max_extra: int, reward_fn: Callable[..., Any] | None, advantage_fn: Any) -> None:
+    def __init__(self, max_extra: int, reward_fn: Callable[..., Any] | None, advantage_fn: Any,
+                 max_staleness: int | None = None) -> None:
+        """`max_staleness`: `train.max_staleness`, for `draw` to replace groups too stale to
+        train; None counts every group as fresh."""
         if max_extra < 0:
             raise ValueError(f"train.dynamic_sampling_max_groups must be >= 0, got {max_extra}")
         self.max_extra = max_extra
         self._reward_fn = reward_fn
         self._advantage_fn = advantage_fn
+        self._max_staleness = max_staleness
         self._orch: _Orchestrator | None = None
         self._replaced: set[int] = set()
         """Ids of flat groups given a replacement at completion and not yet pulled."""
@@ -100,13 +119,21 @@ class DynamicSampling:
         self._replaced -= ids
         return len(ids)
 
-    async def draw(self, groups: list[Group], need: int) -> int:
-        """While fewer than `need` of `groups` have signal, append the next completed group (in
-        place), at most `max_extra` times; returns the number drawn."""
+    def usable(self, group: Group, version: int | None = None) -> bool:
+        """Whether `group` gives the update at policy `version` a gradient: it has signal and
+        (given `version` and `max_staleness`) a rollout fresh enough to train (`is_fresh`)."""
+        if not self.has_signal(group):
+            return False
+        return version is None or self._max_staleness is None or is_fresh(group, version, self._max_staleness)
+
+    async def draw(self, groups: list[Group], need: int, version: int | None = None) -> int:
+        """While fewer than `need` of `groups` are usable at policy `version` (`usable`), append
+        the next completed group (in place), at most `max_extra` times; returns the number
+        drawn."""
         assert self._orch is not None, "DynamicSampling.bind was not called"
         credits = self._credits(groups)
         extra = 0
-        while extra < self.max_extra and sum(map(self.has_signal, groups)) < need:
+        while extra < self.max_extra and sum(self.usable(g, version) for g in groups) < need:
             if credits:
                 credits -= 1  # the replacement granted when a flat group of this step completed
             else:

@@ -222,7 +222,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             advantage_fn = advantage_fn_for(cfg.train.advantage)
             hooks = load_hooks(cfg.hooks)
             sampling = DynamicSampling(cfg.train.dynamic_sampling_max_groups, hooks.get("rollout_reward_fn"),
-                                       advantage_fn)
+                                       advantage_fn, cfg.train.max_staleness)
             sync = make_weight_sync(cfg.engine.kind, rt.engine, config=cfg, run_dir=run_dir, model_dir=rt.model_dir)
             if checkpoint is not None:
                 state = await loop.run_in_executor(trainer, group.restore, checkpoint)
@@ -283,7 +283,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                     # (shaped by the reward hook as they completed; groups without signal replaced
                     # by dynamic sampling, when on)
                     groups = await _pull_groups(orch, groups_per_step, console, step, cfg.train.steps)
-                    extra = await sampling.draw(groups, groups_per_step)
+                    extra = await sampling.draw(groups, groups_per_step, version)
                     t_pulled = time.monotonic()
 
                     # 2) group-relative advantages from the (shaped) rewards
