@@ -43,7 +43,8 @@ replaced by another, at most N a step, so that every update has `--prompts-per-s
 signal. Each arm still trains on the same number of groups and completions per update. harnessrl
 generates more for it, and TRL has no such option. N = 2 is often too few: at seed 0 (51 steps) 13
 of the 51 updates had one group with signal or none, and 20 rows arrived too stale to train
-(likely replacements left over at the bound, generated early and taken by a later step); N = 6
+(replacements left over at the bound, generated early and taken by the next step, seen in its
+metrics; such a group now counts as one without signal and is replaced); N = 6
 gave both groups to 49, 35 and 51 of 51 updates at seeds 0, 1, 2 (0, 12, 0 stale rows), the extra
 generation running while the trainer trains.
 
