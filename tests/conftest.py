@@ -8,9 +8,40 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+_REQUIRED_PARTS = {
+    "HARNESSRL_REQUIRE_BWRAP": re.compile(r"(bwrap|bubblewrap)\b.*(not installed|cannot|absent)|no bwrap", re.I),
+    "HARNESSRL_REQUIRE_CHROMIUM": re.compile(r"chromium", re.I),
+    "HARNESSRL_REQUIRE_AGENTS": re.compile(r"harness install", re.I),
+}
+"""A skip whose reason names a missing system part (bubblewrap, Chromium, an agent program) fails
+instead when its variable is 1 (`.ci/run` sets them, as it does HARNESSRL_REQUIRE_PODMAN and
+HARNESSRL_REQUIRE_VLLM, which their own gates read): in CI a missing install step is a failure."""
+
+
+def required_part_missing(reason: str, environ=os.environ) -> str | None:
+    """The HARNESSRL_REQUIRE_* variable (set to 1 in `environ`) whose part a skip `reason` names."""
+    for var, pattern in _REQUIRED_PARTS.items():
+        if environ.get(var) == "1" and pattern.search(reason):
+            return var
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or getattr(report, "wasxfail", None) is not None:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    var = required_part_missing(reason)
+    if var is not None:
+        report.outcome = "failed"
+        report.longrepr = f"{var}=1 but the test skipped: {reason}"
 
 
 @pytest.fixture(scope="session")

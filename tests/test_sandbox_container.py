@@ -1,7 +1,7 @@
 """The podman sandbox backend (`sandbox/podman.py`) for real: the seam, its limits, orphan
 cleanup and a whole rollout (the attack suite runs against podman in `test_sandbox_attacks.py`).
 
-Every test starts real containers of the image `.ci/podman-image` builds (Debian bookworm
+Every test starts real containers of the image `scripts/podman-image` builds (Debian bookworm
 minbase + python3, no registry) in harnessrl's podman store. Skipped where podman cannot run
 (not root, no podman, no image: the reason is printed); `.ci/run` builds the image and sets
 `HARNESSRL_REQUIRE_PODMAN=1`, under which a missing runtime fails instead of skipping.
