@@ -1,26 +1,35 @@
 """Benchmark: the proxy in front of an HTTP engine (a fast stub vLLM server) against OpenEnv's
-interception proxy and a direct call, in one run.
+interception proxy and a direct call, in one run, with the arms' repeats interleaved.
 
-Every server runs in its own child process on a real 127.0.0.1 socket. Two stubs answer
-instantly with vLLM-shaped replies (16 fixed ids, logprobs, usage):
+Every server runs in its own child process on a real 127.0.0.1 socket, all started before the
+first measurement. Two stubs answer instantly with vLLM-shaped replies (16 fixed ids, logprobs,
+usage):
   * completions stub: `/v1/completions` with a token-id prompt, as `VllmEngine` calls vLLM
     (the reply echoes `prompt_token_ids`, as vLLM does with `return_token_ids`);
   * chat stub: `/v1/chat/completions` (`bench/proxy_openenv.py`'s), what OpenEnv forwards to.
 Arms, same bodies (`bench/proxy.py`'s: small ~1 KB chat call; agent ~60 KB, ~12.5k prompt ids):
   * direct-completions: the completions stub called with the token ids the proxy would send
     (the floor of `VllmEngine`'s hop);
-  * harnessrl: `ProxyServer` + `VllmEngine` (aiohttp) in front of the completions stub: auth,
-    validation, chat-template render (message-id cache warm: the same body is re-sent, as an
-    agent re-sends its history), sampling, the upstream call, parse and checks, record;
+  * harnessrl: `ProxyServer` + `VllmEngine` (aiohttp) in front of the completions stub, with the
+    proxy config `harnessrl train` builds for its agents' listener (`runtime.proxy_config_for`
+    of the default run config; only the per-session turn cap is lifted, as one session takes
+    every call) on `run_loop`, as `train` runs it: auth, validation, chat-template render
+    (message-id cache warm: the same body is re-sent, as an agent re-sends its history),
+    sampling, the upstream call, parse and checks, record;
   * direct-chat: the chat stub called with the chat body;
   * openenv: OpenEnv 0.10 `CaptureServer` (FastAPI + httpx) in front of the chat stub.
-Reported per body: p50 at concurrency 1 and the latency added over its own direct arm, and
-requests/s at concurrency 32 (aiohttp client in this process) and with `wrk` (when installed:
-one C thread, 32 connections, its own process). Targets of the proxy's added cost: <= 0.3 ms
-(small) and <= 1 ms (agent), >= 5,000 small req/s.
+Latency: `--pairs` rounds (default 5); each round measures every arm once per body at
+concurrency 1, in an order rotated by one arm per round, so slow phases of a shared machine
+fall on every arm alike. The added latency of a round is the arm's p50 minus its direct arm's
+p50 in the same round; reported as the median over rounds with its range (min-max), with the
+serving process's CPU ms per call (psutil, user + system, over the round's calls warm-up
+included). Throughput, once per arm after the rounds: requests/s at concurrency 32 (aiohttp
+client in this process) and with `wrk` (when installed: one C thread, 32 connections, its own
+process). Goals of the proxy's added cost: p50 <= 0.5 ms (small) and <= 1.5 ms (agent), and
+>= 5,000 small req/s (wrk) through the harnessrl arm.
 
-Usage: `.venv/bin/python bench/proxy_upstream.py [--quick]` (openenv arm: `pip install
-'harnessrl[openenv]'`; skipped without it). A shared machine makes the figures noisy.
+Usage: `.venv/bin/python bench/proxy_upstream.py [--quick] [--pairs N]` (openenv arm: `pip
+install 'harnessrl[openenv]'`; skipped without it). The load average is printed with the figures.
 """
 
 from __future__ import annotations
@@ -91,15 +100,18 @@ async def _serve_harnessrl(stub_port: int, queue: Any) -> None:
     from harnessrl.engine.chat import ChatLayer
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
     from harnessrl.engine.vllm import VllmEngine
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.config import load_config
     from harnessrl.proxy.server import ProxyServer
+    from harnessrl.runtime import proxy_config_for
 
     model_dir = resolve_model(TINY_MODEL)
     engine = VllmEngine([f"http://127.0.0.1:{stub_port}"], served_model="bench", max_context_tokens=32768,
                         model_dir=model_dir, check_processed_logprobs=False)
     chat = ChatLayer(load_tokenizer(model_dir))
-    # one session takes every call of the arm, wrk's included: no per-session turn cap
-    async with ProxyServer(engine, chat, ProxyConfig(port=0, max_tokens_cap=64, max_turns_per_session=10**9)) as proxy:
+    # the agents' listener as `harnessrl train` configures it; one session takes every call of
+    # the arm, wrk's included, so the per-session turn cap is lifted
+    config = proxy_config_for(load_config(None), "bench").model_copy(update={"max_turns_per_session": 10**9})
+    async with ProxyServer(engine, chat, config) as proxy:
         _, key = proxy.open_session("bench")
         queue.put((proxy.port, key))
         await asyncio.Event().wait()
@@ -139,42 +151,46 @@ def _wrk(port: int, path: str, key: str, payload: bytes, seconds: float) -> floa
     return float(m.group(1)) if m else None
 
 
-def _arm(name: str, payloads: dict[str, bytes], plan: dict[str, dict[int, int]], wrk_s: float) -> dict:
+def _start_arm(name: str, procs: list[Any]) -> dict[str, Any]:
+    """Start arm `name`'s stub (and its proxy): its port, key, path and serving process's pid."""
     ctx = mp.get_context("spawn")
-    with bench_proxy.spawned() as procs:
-        stub_port = bench_openenv._free_port()
-        chat_upstream = name in ("direct-chat", "openenv")
-        target = bench_openenv._stub_main if chat_upstream else _completions_stub_main
-        stub = ctx.Process(target=target, args=(stub_port,), daemon=True)
-        stub.start()
-        procs.append(stub)
-        bench_openenv._wait_port(stub_port)
-        path = "/v1/completions" if name == "direct-completions" else "/v1/chat/completions"
-        if name in ("direct-completions", "direct-chat"):
-            port, key = stub_port, "none"
-        else:
-            queue = ctx.Queue()
-            if name == "openenv":
-                proc = ctx.Process(target=bench_openenv._openenv_main, args=(bench_openenv._free_port(), stub_port, queue),
-                                   daemon=True)
-            else:
-                proc = ctx.Process(target=_harnessrl_main, args=(stub_port, queue), daemon=True)
-            proc.start()
-            procs.append(proc)
-            port, key = queue.get(timeout=120)
-        out: dict[Any, Any] = {}
-        print(f"arm {name}: port {port}")
-        for size, by_conc in plan.items():
-            for conc, n in by_conc.items():
-                lat, wall = asyncio.run(bench_proxy._drive(port, key, payloads[size], conc, n, path=path))
-                out[(size, conc)] = {"p50": statistics.median(x * 1e3 for x in lat), "rps": n / wall}
-            out[(size, "wrk")] = _wrk(port, path, key, payloads[size], wrk_s) if wrk_s > 0 else None
-        return out
+    stub_port = bench_openenv._free_port()
+    chat_upstream = name in ("direct-chat", "openenv")
+    target = bench_openenv._stub_main if chat_upstream else _completions_stub_main
+    stub = ctx.Process(target=target, args=(stub_port,), daemon=True)
+    stub.start()
+    procs.append(stub)
+    bench_openenv._wait_port(stub_port)
+    path = "/v1/completions" if name == "direct-completions" else "/v1/chat/completions"
+    if name in ("direct-completions", "direct-chat"):
+        return {"port": stub_port, "key": "none", "path": path, "pid": stub.pid}
+    queue = ctx.Queue()
+    if name == "openenv":
+        proc = ctx.Process(target=bench_openenv._openenv_main, args=(bench_openenv._free_port(), stub_port, queue),
+                           daemon=True)
+    else:
+        proc = ctx.Process(target=_harnessrl_main, args=(stub_port, queue), daemon=True)
+    proc.start()
+    procs.append(proc)
+    port, key = queue.get(timeout=120)
+    return {"port": port, "key": key, "path": path, "pid": proc.pid}
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):7.3f} [{min(values):.3f}, {max(values):.3f}]"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, shorter wrk runs")
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved latency rounds (default 5)")
     args = parser.parse_args()
     import orjson
 
@@ -186,23 +202,61 @@ def main() -> None:
     ids = {k: _prompt_ids(v) for k, v in bodies.items()}
     completion_payloads = {k: orjson.dumps({"model": "bench", "prompt": ids[k], "max_tokens": 16, "temperature": 1.0,
                                             "logprobs": 0, "return_token_ids": True}) for k in bodies}
-    plan = {"small": {1: int(400 * scale), 32: int(2000 * scale)}, "agent": {1: int(100 * scale), 32: int(300 * scale)}}
-    arms = ["direct-completions", "harnessrl", "direct-chat"]
+    one_n = {"small": int(400 * scale), "agent": int(100 * scale)}
+    many_n = {"small": int(2000 * scale), "agent": int(300 * scale)}
+    names = ["direct-completions", "harnessrl", "direct-chat"]
     if importlib.util.find_spec("openenv") is not None:
-        arms.append("openenv")
-    results = {arm: _arm(arm, completion_payloads if arm == "direct-completions" else chat_payloads, plan, wrk_s)
-               for arm in arms}
+        names.append("openenv")
+    payloads = {n: completion_payloads if n == "direct-completions" else chat_payloads for n in names}
     floor = {"harnessrl": "direct-completions", "openenv": "direct-chat"}
-    for size in plan:
-        print(f"\n== {size}: chat body {len(chat_payloads[size]) / 1024:.1f} KB, {len(ids[size])} prompt ids")
-        print(f"{'arm':>18} | {'p50 c=1 ms':>10} {'added ms':>9} | {'req/s c=32':>10} {'req/s wrk':>9}")
-        for arm in arms:
-            one, many, wrk = results[arm][(size, 1)], results[arm][(size, 32)], results[arm][(size, "wrk")]
-            added = one["p50"] - results[floor[arm]][(size, 1)]["p50"] if arm in floor else 0.0
-            print(f"{arm:>18} | {one['p50']:10.3f} {added:9.3f} | {many['rps']:10.0f} "
-                  f"{'-' if wrk is None else f'{wrk:.0f}':>9}")
-    print("\nadded = p50 minus the p50 of the same upstream called directly (harnessrl: the completions stub with "
-          "the rendered ids; openenv: the chat stub with the chat body). The client shares the machine.")
+    p50: dict[tuple[str, str], list[float]] = {(n, size): [] for n in names for size in bodies}
+    cpu_ms: dict[tuple[str, str], list[float]] = {(n, size): [] for n in names for size in bodies}
+    many: dict[tuple[str, str], float] = {}
+    wrk: dict[tuple[str, str], float | None] = {}
+    with bench_proxy.spawned() as procs:
+        arms = {n: _start_arm(n, procs) for n in names}
+        for rnd in range(args.pairs):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            for n in order:
+                a = arms[n]
+                for size in bodies:
+                    cpu0 = _cpu_s(a["pid"])
+                    lat, _ = asyncio.run(bench_proxy._drive(a["port"], a["key"], payloads[n][size], 1, one_n[size],
+                                                            path=a["path"]))
+                    calls = one_n[size] + min(20, one_n[size])
+                    cpu_ms[(n, size)].append((_cpu_s(a["pid"]) - cpu0) * 1e3 / calls)
+                    p50[(n, size)].append(statistics.median(x * 1e3 for x in lat))
+            print(f"round {rnd + 1}/{args.pairs}: " + ", ".join(
+                f"{n} small {p50[(n, 'small')][-1]:.3f} ms" for n in names))
+        for n in names:
+            a = arms[n]
+            for size in bodies:
+                _, wall = asyncio.run(bench_proxy._drive(a["port"], a["key"], payloads[n][size], 32, many_n[size],
+                                                         path=a["path"]))
+                many[(n, size)] = many_n[size] / wall
+                wrk[(n, size)] = _wrk(a["port"], a["path"], a["key"], payloads[n][size], wrk_s) if wrk_s > 0 else None
+    goals = {"small": 0.5, "agent": 1.5}
+    for size in bodies:
+        print(f"\n== {size}: chat body {len(chat_payloads[size]) / 1024:.1f} KB, {len(ids[size])} prompt ids; "
+              f"{args.pairs} interleaved rounds of {one_n[size]} calls")
+        print(f"{'arm':>18} | {'p50 c=1 ms, median [range]':>27} | {'added ms, median [range]':>26} | "
+              f"{'CPU ms/call':>11} | {'req/s c=32':>10} {'req/s wrk':>9}")
+        for n in names:
+            added = ([a - b for a, b in zip(p50[(n, size)], p50[(floor[n], size)], strict=True)]
+                     if n in floor else None)
+            w = wrk[(n, size)]
+            print(f"{n:>18} | {_spread(p50[(n, size)]):>27} | {'-' if added is None else _spread(added):>26} | "
+                  f"{statistics.median(cpu_ms[(n, size)]):11.3f} | {many[(n, size)]:10.0f} "
+                  f"{'-' if w is None else f'{w:.0f}':>9}")
+        added = statistics.median(a - b for a, b in zip(p50[("harnessrl", size)], p50[("direct-completions", size)],
+                                                        strict=True))
+        print(f"goal: harnessrl added p50 <= {goals[size]} ms: {added:.3f} ms -> {'met' if added <= goals[size] else 'NOT met'}")
+    w = wrk[("harnessrl", "small")]
+    if w is not None:
+        print(f"goal: >= 5,000 small req/s (wrk) through harnessrl: {w:.0f} -> {'met' if w >= 5000 else 'NOT met'}")
+    print(f"\nadded = p50 minus the p50 of the same upstream called directly in the same round (harnessrl: the "
+          f"completions stub with the rendered ids; openenv: the chat stub with the chat body). The client shares "
+          f"the machine; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
 
 
 if __name__ == "__main__":
