@@ -379,7 +379,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
         Console().print(final_table(history))
         from harnessrl.train.plot import curve_table, write_curve_png
 
-        curve = write_curve_png(history, run_dir / "curve.png",
+        curve = write_curve_png(history, run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
                                 title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
         Console().print(curve_table(history), markup=False, highlight=False)
         if curve is not None:
