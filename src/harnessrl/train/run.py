@@ -147,7 +147,7 @@ def check_training(cfg: RunConfig) -> None:
     check_sinks(cfg.log.sinks)
     slow = [name for name, on in (("train.autocast", cfg.train.autocast == "bfloat16" and cfg.train.device == "cpu"),
                                   ("train.dtype", cfg.train.dtype == "bfloat16" and cfg.train.device == "cpu"),
-                                  ("engine.dtype", cfg.engine.kind == "embedded"
+                                  ("engine.dtype", cfg.engine.kind == "embedded" and cfg.engine.device == "cpu"
                                    and cfg.engine.dtype == "bfloat16")) if on]
     if slow and not native_cpu_bfloat16():
         log.warning("%s = \"bfloat16\" on a CPU without native bfloat16 (neither AVX512-BF16 nor AMX): "
