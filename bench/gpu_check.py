@@ -475,7 +475,7 @@ def fsdp2_check(model_dir: Path, device: str, run_dir: Path, threads: int) -> di
             "--master-port", str(port), "-m", "harnessrl.cli", "train", "--steps", "1", "--out", str(run_dir),
             *_run_sets(model_dir, device, run_dir, "float32"), "--set", 'train.strategy="fsdp2"',
             "--set", f"train.num_threads={threads}", "--set", f"engine.num_threads={threads}"]
-    out = _run(argv, run_dir, _env(threads), 480)
+    out = _run(argv, run_dir, _env(threads), 240)
     log = (run_dir / "run.log").read_text() if (run_dir / "run.log").is_file() else ""
     backend = "nccl" if device == "cuda" else "gloo"
     out["process_group"] = f"trainer on 1 ranks (fsdp2, {device}" in log
@@ -488,7 +488,7 @@ def train_check(model_dir: Path, device: str, run_dir: Path, threads: int) -> di
     argv = [sys.executable, "-m", "harnessrl.cli", "train", "--steps", "3", "--out", str(run_dir),
             *_run_sets(model_dir, device, run_dir, "float32"), "--set", "train.groups_per_step=2",
             "--set", f"train.num_threads={threads}", "--set", f"engine.num_threads={threads}"]
-    out = _run(argv, run_dir, _env(threads), 480)
+    out = _run(argv, run_dir, _env(threads), 240)
     out["curve_png"] = (run_dir / "curve.png").is_file()
     out["ok"] = out["ok"] and len(out["steps"]) == 3
     return out
