@@ -1,7 +1,7 @@
 """`bench/gpu_check.py --device cpu`: the CUDA check's own run on the CPU (gloo instead of NCCL,
 float32 where bfloat16 is not native, a 2-layer Qwen2): every part runs and its figures hold
 (greedy ids equal to HF `generate`'s, the step-0 checks <= 1e-3, FSDP2 on a 1-rank process
-group under torchrun, a 3-step white-box run)."""
+group under torchrun, a 3-step white-box run); and what its kit for the GPU machine holds."""
 
 from __future__ import annotations
 
@@ -15,9 +15,40 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
-pytestmark = pytest.mark.e2e
+
+def _module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
+def test_kit_holds_the_dependency_closure_without_torch() -> None:
+    reqs = dict(r.split("==") for r in _module().kit_requirements())
+    assert {"transformers", "tokenizers", "matplotlib", "pillow", "pydantic", "uvicorn", "gguf"} <= set(reqs)
+    assert not {"torch", "numpy", "filelock", "typing-extensions", "hf-xet", "kernels", "harnessrl"} & set(reqs)
+    from importlib import metadata
+
+    assert reqs["transformers"] == metadata.version("transformers")  # pinned to what is installed
+
+
+def test_kit_tokenizer_is_unpacked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lzma
+
+    mod = _module()
+    kit = tmp_path / "kit"
+    (kit / "tokenizer").mkdir(parents=True)
+    (kit / "tokenizer" / "tokenizer.json.xz").write_bytes(lzma.compress(b'{"version": "1.0"}'))
+    (kit / "tokenizer" / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setattr(mod, "HERE", kit)
+    got = mod.tokenizer_dir(tmp_path / "out")
+    assert got == tmp_path / "out" and (got / "tokenizer.json").read_bytes() == b'{"version": "1.0"}'
+    assert (got / "tokenizer_config.json").read_text() == "{}" and not (got / "tokenizer.json.xz").exists()
+
+
+@pytest.mark.e2e
 def test_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "figures"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
