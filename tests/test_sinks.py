@@ -154,6 +154,29 @@ def test_wandb_offline_run_read_back(tmp_path: Path, wandb_env: None) -> None:
     assert [r["exit"]["exit_code"] for r in records if r["type"] == "exit"] == [0]
 
 
+def test_a_failing_sink_is_a_warning_not_the_end_of_the_run(caplog: pytest.LogCaptureFixture) -> None:
+    from harnessrl.log import Guarded
+
+    calls = []
+
+    class Broken:
+        def log(self, step: int, metrics: dict) -> None:
+            calls.append(step)
+            raise OSError("wandb-core went away")
+
+        def close(self) -> None:
+            calls.append("close")
+
+    sink = Guarded("wandb", Broken())
+    with caplog.at_level("WARNING"):
+        sink.log(1, {"loss": 1.0})
+        sink.log(2, {"loss": 1.0})
+        sink.close()
+    assert calls == [1, "close"]  # no step after the failure; closed once
+    assert [r.getMessage() for r in caplog.records] == [
+        "log.sinks: wandb failed (OSError: wandb-core went away); it receives nothing more, metrics.jsonl has every step"]
+
+
 def test_a_missing_package_is_refused_naming_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

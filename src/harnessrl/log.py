@@ -12,7 +12,8 @@ evaluation is the step's `eval/*` keys, step 0 before the first update) and, per
 of up to `log.table_rollouts` of that step's rollouts (step, task, status, reward, turns, final
 answer), sampled evenly from what the run appended to `RUN/rollouts.jsonl` since the previous
 step (`RolloutSample`: the run writes a step's rollouts before it logs the step). TensorBoard
-has no table: it gets the config and each table as text (Markdown).
+has no table: it gets the config and each table as text (Markdown). A failing optional sink is
+a warning, never the end of the run (`Guarded`).
 
 What it does not do: compute metrics (each number comes from one tested function elsewhere).
 """
@@ -86,12 +87,37 @@ def make_sinks(sinks: Sequence[str], run_dir: Path, config: dict[str, Any], *, p
     for name in dict.fromkeys(sinks):
         match name:
             case "tensorboard":
-                out.append(TensorBoardSink(run_dir / "tensorboard", config, sample))
+                out.append(Guarded(name, TensorBoardSink(run_dir / "tensorboard", config, sample)))
             case "trackio":
-                out.append(TrackioSink(project, run_dir.name, config, sample))
+                out.append(Guarded(name, TrackioSink(project, run_dir.name, config, sample)))
             case "wandb":
-                out.append(WandbSink(run_dir, project, run_dir.name, config, sample))
+                out.append(Guarded(name, WandbSink(run_dir, project, run_dir.name, config, sample)))
     return out
+
+
+class Guarded:
+    """An optional sink whose failure never stops the run: the first exception of `log` is
+    logged as a warning naming the sink, which then receives no more steps (`metrics.jsonl`
+    keeps every one); `close` is still called once (its exception, too, only a warning)."""
+
+    def __init__(self, name: str, sink: MetricsSink) -> None:
+        self.name, self.sink, self.failed = name, sink, False
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.failed:
+            self._call(self.sink.log, step, metrics)
+
+    def close(self) -> None:
+        self._call(self.sink.close)
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a metrics sink is not worth a training run
+            if not self.failed:
+                logging.getLogger(__name__).warning("log.sinks: %s failed (%s: %s); it receives nothing more, "
+                                                    "metrics.jsonl has every step", self.name, type(exc).__name__, exc)
+            self.failed = True
 
 
 class JsonlSink:
