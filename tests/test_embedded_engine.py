@@ -294,3 +294,14 @@ def test_smollm2_greedy_chat_reply() -> None:
     assert len(text.split()) >= 3 and letters / len(text) > 0.6, text
     assert "Paris" in text, text
     assert c.finish_reason == "length" or c.completion_ids[-1] in eng.eos_token_ids
+
+
+def test_device_is_checked_before_the_model_loads(tiny_model_dir: Path) -> None:
+    with pytest.raises(EngineError, match="device='tpu' is not 'cpu' or 'cuda'"):
+        EmbeddedEngine(tiny_model_dir, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineError, match="device='cuda' but torch sees no CUDA device"):
+            EmbeddedEngine(tiny_model_dir, device="cuda")
+    from harnessrl.config import load_config
+
+    assert load_config(None, ['engine.device="cuda"']).engine.device == "cuda"  # bench/gpu_check.py runs it

@@ -15,7 +15,7 @@ from harnessrl.errors import ConfigError
 from harnessrl.runtime import make_task_source
 from harnessrl.tasks.base import Task
 from harnessrl.train.evaluation import eval_metrics, held_out_split
-from harnessrl.train.plot import SERIES, curve_points, curve_table, write_curve_png
+from harnessrl.train.plot import SERIES, SIZE_PX, curve_figure, curve_points, curve_table, write_curve_png
 from harnessrl.train.run import check_training, train
 from harnessrl.types import Group, Rollout, Trace
 
@@ -83,13 +83,23 @@ HISTORY = [{"step": 0, "policy_version": 0, "eval/pass_rate": 0.25},
 
 
 def test_curve_png_draws_each_series(tmp_path: Path) -> None:
-    path = write_curve_png(HISTORY, tmp_path / "curve.png")
+    history = [*HISTORY, {"step": 3, "eval/tasks": 16.0, "eval/k": 4.0, "eval/pass_at_k": 0.9}]
+    title = "harnessrl train: mini-swe-agent on procedural (smollm2-135m)"
+    path = write_curve_png(history, tmp_path / "curve.png", title=title, tasks_per_step=2)
     assert path == tmp_path / "curve.png"
     img = Image.open(path)
-    assert img.format == "PNG" and img.size == (800, 450)
+    img.load()  # decodes
+    assert img.format == "PNG" and img.size == SIZE_PX == (800, 450)
+    assert 20_000 < path.stat().st_size < 200_000
     colours = {c for _, c in img.convert("RGB").getcolors(maxcolors=1 << 20)}
-    for _, _, rgb in SERIES:
-        assert rgb in colours, rgb
+    for _, _, hex_colour in SERIES:
+        assert tuple(int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)) in colours, hex_colour
+    fig = curve_figure(history, title, tasks_per_step=2)
+    (ax,) = fig.axes
+    assert ax.get_title() == title  # matplotlib text: the word spaces kept
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "verifier reward (2 tasks/step)", "train reward (shaped) (2 tasks/step)",
+        "held-out pass rate (16 tasks)", "held-out pass@4 (16 tasks)"]
     assert write_curve_png([{"step": 1, "skipped": 1.0}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
 
@@ -100,6 +110,8 @@ def test_curve_points_and_table() -> None:
     assert points["reward/verifier_mean"] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     same = [{"step": 1, "reward/verifier_mean": 0.5, "reward/train_mean": 0.5}]
     assert curve_points(same)["reward/train_mean"] == []  # no shaping: one line, not two
+    one = [{"step": 0, "eval/pass_rate": 0.5, "eval/k": 1.0, "eval/pass_at_k": 0.5}]
+    assert curve_points(one)["eval/pass_at_k"] == []  # pass@1: the pass rate again
     lines = curve_table(HISTORY).splitlines()
     assert lines[0].split()[:4] == ["step", "verifier", "train", "eval"]
     assert lines[1].split() == ["0", "-", "-", "0.25"]

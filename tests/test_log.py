@@ -1,4 +1,5 @@
-"""Metrics sinks: JSONL always (non-finite numbers as null), TensorBoard when chosen, unknown names refused."""
+"""Metrics sinks: JSONL always (non-finite numbers as null), TensorBoard when chosen, unknown names refused
+(the other sinks, read back: `test_sinks.py`)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def test_tensorboard_sink_writes_events(tmp_path: Path) -> None:
 
 
 def test_unknown_sink_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="wandb"):
-        make_sinks(["wandb"], tmp_path, {})
+    with pytest.raises(ConfigError, match="mlflow"):
+        make_sinks(["mlflow"], tmp_path, {})
 
 
 def test_off_a_terminal_records_go_to_stderr_and_run_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

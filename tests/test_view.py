@@ -14,7 +14,7 @@ import pytest
 from harnessrl.train.samples import build_rows
 from harnessrl.types import Rollout, Trace, Turn
 from harnessrl.view.detail import rollout_detail
-from harnessrl.view.index import build_index
+from harnessrl.view.index import build_index, index_json
 from harnessrl.view.report import write_report
 from harnessrl.view.server import ViewServer
 
@@ -100,6 +100,22 @@ def test_report_files(run_dir: Path, tokenizer, tmp_path: Path) -> None:
     assert body.startswith("hrlRollout(1, ") and body.rstrip().endswith(");")
     payload = json.loads(body[len("hrlRollout(1, "):body.rstrip().rindex(")")])
     assert payload["summary"]["rollout_id"] == "r1"
+
+
+def test_index_carries_the_runs_matplotlib_curve(run_dir: Path) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    assert index_json(build_index(run_dir))["curve_png"] is None  # no reward or held-out series
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [
+        {"step": 0, "eval/pass_rate": 0.25, "eval/tasks": 4.0, "eval/k": 2.0, "eval/pass_at_k": 0.5},
+        {"step": 1, "reward/verifier_mean": 0.5}, {"step": 2, "reward/verifier_mean": 0.75}]))
+    png = base64.b64decode(index_json(build_index(run_dir))["curve_png"])
+    img = Image.open(io.BytesIO(png))
+    img.load()
+    assert img.format == "PNG" and img.size == (800, 450) and len(png) > 20_000
 
 
 def _get(url: str) -> tuple[int, bytes]:

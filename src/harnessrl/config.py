@@ -30,7 +30,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harnessrl.engine.config import EmbeddedEngineConfig, EngineConfig
 from harnessrl.errors import ConfigError
@@ -249,7 +249,13 @@ class HooksConfig(BaseModel):
 class LogConfig(BaseModel):
     model_config = _FROZEN
 
-    report_to: list[Literal["jsonl", "tensorboard", "trackio"]] = Field(default_factory=lambda: ["jsonl"])
+    sinks: list[Literal["jsonl", "tensorboard", "trackio", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"], validation_alias=AliasChoices("sinks", "report_to"))
+    """Where step metrics go besides `metrics.jsonl` (always); `report_to` is read as this. See `log.py`."""
+    project: str = "harnessrl"
+    """trackio's and W&B's project; the run is named after its directory."""
+    table_rollouts: int = Field(default=8, ge=0)
+    """Rollouts per step in the sinks' rollout table (task, status, reward, turns, answer); 0: none."""
     log_completions: int = Field(default=0, ge=0)
     """Print this many sampled rollouts per step as conversations."""
     level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"

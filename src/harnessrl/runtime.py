@@ -58,6 +58,7 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | N
             return EmbeddedEngine(
                 model_dir,
                 dtype=cfg.dtype,
+                device=cfg.device,
                 num_threads=cfg.num_threads,
                 max_batch_size=cfg.max_batch_size,
                 max_context_tokens=cfg.max_context_tokens,

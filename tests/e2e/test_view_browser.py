@@ -1,7 +1,8 @@
 """The viewer in a real browser: headless Chromium (Debian `chromium`) driven by Playwright, on a
 run that `harnessrl train` makes here (tiny-random, white-box, 2 steps). The static report and
 the served page: open, click a rollout, and the trained tokens shown are exactly the training
-row's trained ids (rebuilt here with the samples builder); curves are drawn; a screenshot."""
+row's trained ids (rebuilt here with the samples builder); curves are drawn (the run's matplotlib
+figure shown at its size, and the SVG charts); a screenshot."""
 
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ def _check_page(page, run: Path, shot: Path) -> None:
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.wait_for_selector("tr.rollout")
+    # the run's matplotlib curve (curve.png), decoded by the browser at its size
+    assert page.eval_on_selector("#curves img#curve-png", "i => [i.complete, i.naturalWidth, i.naturalHeight]") == [True, 800, 450]
+    assert page.eval_on_selector("#curves img#curve-png", "i => i.getBoundingClientRect().height") > 100
     assert page.locator("#curves .chart svg polyline").count() >= 3  # reward, pass rate, CLEAN ...
     assert page.locator("#curves .chart[data-metric*='reward/train_mean'] polyline").count() == 1
     assert page.locator("tr.rollout").count() == 8

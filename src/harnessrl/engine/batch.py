@@ -93,7 +93,9 @@ class SlotLayer(DynamicLayer):
 class KVBatch:
     """Mutable state of the running batch; owned by one thread (the engine's decode thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        """Where the KV buffers and the per-row index tensors live (the model's device)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -102,9 +104,9 @@ class KVBatch:
         self.cache: Cache | None = None
         self.lengths: list[int] = []
         """n_b per row (Python ints: no tensor read per step)."""
-        self.positions_B = torch.zeros((0,), dtype=torch.long)
-        self.last_ids_B = torch.zeros((0,), dtype=torch.long)
-        self._rows_B = torch.zeros((0,), dtype=torch.long)
+        self.positions_B = torch.zeros((0,), dtype=torch.long, device=self.device)
+        self.last_ids_B = torch.zeros((0,), dtype=torch.long, device=self.device)
+        self._rows_B = torch.zeros((0,), dtype=torch.long, device=self.device)
         self._step_cols = 0
 
     @property
@@ -155,9 +157,9 @@ class KVBatch:
                 self._k[i][B + r, :, :n] = k_new[0]
                 self._v[i][B + r, :, :n] = v_new[0]
         self.lengths.extend(n for _, n, _ in rows)
-        self.positions_B = torch.cat([self.positions_B, torch.tensor([n for _, n, _ in rows], dtype=torch.long)])
-        self.last_ids_B = torch.cat([self.last_ids_B, torch.tensor([t for _, _, t in rows], dtype=torch.long)])
-        self._rows_B = torch.arange(self.size)
+        self.positions_B = torch.cat([self.positions_B, self._long([n for _, n, _ in rows])])
+        self.last_ids_B = torch.cat([self.last_ids_B, self._long([t for _, _, t in rows])])
+        self._rows_B = torch.arange(self.size, device=self.device)
 
     def remove(self, rows: list[int]) -> None:
         """Drop the given row indices; the rows after them move down (order kept)."""
@@ -170,16 +172,16 @@ class KVBatch:
             return
         moved = [(j, b) for j, b in enumerate(keep) if j != b]
         if moved:
-            dst = torch.tensor([j for j, _ in moved], dtype=torch.long)
-            src = torch.tensor([b for _, b in moved], dtype=torch.long)
+            dst = self._long([j for j, _ in moved])
+            src = self._long([b for _, b in moved])
             L = max(self.lengths[b] for _, b in moved)
             for buf in (*self._k, *self._v):
                 buf[dst, :, :L] = buf[src, :, :L]  # the right side is gathered first: no overlap
-        keep_t = torch.tensor(keep, dtype=torch.long)
+        keep_t = self._long(keep)
         self.lengths = [self.lengths[b] for b in keep]
         self.positions_B = self.positions_B.index_select(0, keep_t)
         self.last_ids_B = self.last_ids_B.index_select(0, keep_t)
-        self._rows_B = torch.arange(self.size)
+        self._rows_B = torch.arange(self.size, device=self.device)
         slots, cols = self.capacity
         if cols > 2 * (self.length + 1) + _MIN_SPARE_COLS or slots > 2 * max(self.size, _MIN_SLOTS):
             self._resize(max(self.size, _MIN_SLOTS), self.length + 1 + _MIN_SPARE_COLS)
@@ -196,7 +198,7 @@ class KVBatch:
     def step_mask(self) -> torch.Tensor:
         """Bool `[B, 1, 1, L]`, True where row b attends column j (j <= n_b); L = longest row + 1."""
         L = self.length + 1
-        return (torch.arange(L).unsqueeze(0) <= self.positions_B.unsqueeze(1))[:, None, None, :]
+        return (torch.arange(L, device=self.device).unsqueeze(0) <= self.positions_B.unsqueeze(1))[:, None, None, :]
 
     def step_inputs(self, additive_mask: torch.dtype | None = None) -> dict[str, torch.Tensor | Cache]:
         """Model kwargs for one decode step: ids `[B, 1]`, the 4D bool mask of `step_mask` (or,
@@ -209,7 +211,8 @@ class KVBatch:
         self._step_cols = need
         mask = self.step_mask()
         if additive_mask is not None:
-            mask = torch.zeros(mask.shape, dtype=additive_mask).masked_fill(~mask, torch.finfo(additive_mask).min)
+            mask = torch.zeros(mask.shape, dtype=additive_mask, device=self.device).masked_fill(
+                ~mask, torch.finfo(additive_mask).min)
         return {
             "input_ids": self.last_ids_B.unsqueeze(-1),
             "attention_mask": mask,
@@ -221,7 +224,10 @@ class KVBatch:
         """Record that the step consumed one column per row and which ids feed the next step."""
         self.lengths = [n + 1 for n in self.lengths]
         self.positions_B = self.positions_B + 1
-        self.last_ids_B = torch.tensor(next_ids, dtype=torch.long)
+        self.last_ids_B = self._long(next_ids)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     # -- buffers ------------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ class EmbeddedEngineConfig(BaseModel):
     model: str = "smollm2-135m"
     """`smollm2-135m`, `tiny-random`, a local HF directory, or a hub id in the offline cache."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the engine's weights and KV cache live (`cuda`: the current CUDA device); sampling
+    stays on the CPU (the logits of a step are copied back)."""
     num_threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the engine's decode thread."""
     max_batch_size: int = Field(default=16, ge=1)

@@ -113,6 +113,7 @@ class EmbeddedEngine:
         model_dir: Path | str,
         *,
         dtype: str = "float32",
+        device: str = "cpu",
         num_threads: int | None = None,
         max_batch_size: int = 32,
         max_context_tokens: int | None = None,
@@ -126,6 +127,8 @@ class EmbeddedEngine:
         Args:
             model_dir: local HF directory (see `model_store.resolve_model`).
             dtype: `float32` (default), `bfloat16` or `float16`.
+            device: `cpu` (default) or `cuda` (the current CUDA device): where the weights, the
+                KV cache and the forward run; logits are copied to the CPU for sampling.
             num_threads: torch intra-op threads of the decode thread; None leaves torch's default.
             max_batch_size: most sequences decoded together; more requests wait.
             max_context_tokens: cap on `len(prompt) + completion`; default the model's
@@ -141,10 +144,14 @@ class EmbeddedEngine:
                 False, or another architecture: the model's own forward.
 
         Raises:
-            EngineError: unknown dtype or non-positive sizes.
+            EngineError: unknown dtype or device, `cuda` without a CUDA device, or non-positive sizes.
         """
         if dtype not in _DTYPES:
             raise EngineError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        if device not in ("cpu", "cuda"):
+            raise EngineError(f"device={device!r} is not 'cpu' or 'cuda'")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise EngineError("device='cuda' but torch sees no CUDA device")
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size={max_batch_size} must be >= 1")
         if num_threads is not None and num_threads < 1:
@@ -153,7 +160,8 @@ class EmbeddedEngine:
             raise EngineError(f"prefix_cache_tokens={prefix_cache_tokens} must be >= 0")
         if prefill_chunk_tokens < 1:
             raise EngineError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
-        self._model = load_causal_lm(Path(model_dir), dtype=dtype)
+        self._device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self._model = load_causal_lm(Path(model_dir), dtype=dtype).to(self._device)
         self._step = DecodeStep.for_model(self._model) if fast_decode else None
         self._additive_mask = getattr(self._model.config, "_attn_implementation", "sdpa") != "sdpa"
         self._tokenizer = load_tokenizer(Path(model_dir))
@@ -172,7 +180,7 @@ class EmbeddedEngine:
         self._version = 0
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._active: list[Request] = []
-        self._batch = KVBatch()
+        self._batch = KVBatch(self._device)
         self._prefix_cache = PrefixCache(prefix_cache_tokens)
         self._stats = zero_counters()
         self._prefill = PrefillScheduler(self._model, self._prefix_cache, prefill_chunk_tokens, self._stats,
@@ -468,7 +476,7 @@ class EmbeddedEngine:
         for req in [*self._active, *self._prefill.take_all()]:
             req.deliver(error)
         self._active = []
-        self._batch = KVBatch()
+        self._batch = KVBatch(self._device)
         self._prefix_cache.clear()
         while True:
             try:

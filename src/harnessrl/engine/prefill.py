@@ -153,9 +153,10 @@ class PrefillScheduler:
         assert p is not None
         n = min(budget, len(p.req.prompt_ids) - p.done)
         try:
+            dev = _device(self._model)
             out = self._model(
-                input_ids=torch.tensor([p.req.prompt_ids[p.done : p.done + n]], dtype=torch.long),
-                position_ids=torch.arange(p.done, p.done + n).unsqueeze(0),
+                input_ids=torch.tensor([p.req.prompt_ids[p.done : p.done + n]], dtype=torch.long, device=dev),
+                position_ids=torch.arange(p.done, p.done + n, device=dev).unsqueeze(0),
                 cache=p.cache,
                 use_cache=True,
                 logits_to_keep=1,
@@ -274,9 +275,10 @@ def group_forward(
         mask[i, Lc - done : Lc + n[i]] = 1
     positions = torch.tensor(c, dtype=torch.long).unsqueeze(1) + torch.arange(m).unsqueeze(0)
     keep = sorted(set(k - 1 for k in n))
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=torch.tensor(keep))
-    logits_B_V = out.logits[torch.arange(B), torch.tensor([keep.index(k - 1) for k in n])]
+    dev = _device(model)  # built on the CPU, moved once
+    out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev), cache=cache,
+                use_cache=True, logits_to_keep=torch.tensor(keep, device=dev))
+    logits_B_V = out.logits[torch.arange(B, device=dev), torch.tensor([keep.index(k - 1) for k in n], device=dev)]
     row_kv = [
         [(ly.keys[i : i + 1, :, Lc - c[i] : Lc + n[i]], ly.values[i : i + 1, :, Lc - c[i] : Lc + n[i]])
          for ly in cache.layers]
@@ -298,16 +300,17 @@ def packed_forward(model: torch.nn.Module, prompts: list[tuple[int, ...]]) -> tu
     n = [len(p) for p in prompts]
     starts = [sum(n[:i]) for i in range(len(n))]
     total = sum(n)
-    ids = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long)
-    positions = torch.cat([torch.arange(k) for k in n]).unsqueeze(0)
-    segment = torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n))
-    mask = (segment.unsqueeze(1) == segment.unsqueeze(0)) & torch.ones(total, total, dtype=torch.bool).tril()
+    dev = _device(model)
+    ids = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=dev)
+    positions = torch.cat([torch.arange(k, device=dev) for k in n]).unsqueeze(0)
+    segment = torch.repeat_interleave(torch.arange(len(n), device=dev), torch.tensor(n, device=dev))
+    mask = (segment.unsqueeze(1) == segment.unsqueeze(0)) & torch.ones(total, total, dtype=torch.bool, device=dev).tril()
     config = model.config  # type: ignore[attr-defined]
     if getattr(config, "_attn_implementation", "sdpa") != "sdpa":  # eager adds the mask to its scores
         dtype = model.dtype  # type: ignore[attr-defined]
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill(~mask, torch.finfo(dtype).min)
     cache = DynamicCache(config=config)
-    last = torch.tensor([s + k - 1 for s, k in zip(starts, n, strict=True)])
+    last = torch.tensor([s + k - 1 for s, k in zip(starts, n, strict=True)], device=dev)
     out = model(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, cache=cache,
                 use_cache=True, logits_to_keep=last)
     row_kv = [
@@ -320,3 +323,8 @@ def packed_forward(model: torch.nn.Module, prompts: list[tuple[int, ...]]) -> tu
 def _shares_beyond(a: tuple[int, ...], b: tuple[int, ...], k: int) -> bool:
     """Whether `a` and `b` have the same first `k` ids (both at least that long)."""
     return len(a) >= k and len(b) >= k and a[:k] == b[:k]
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    """The device of `model`'s weights (where its inputs go)."""
+    return next(model.parameters()).device

@@ -77,6 +77,7 @@ def sample_requests(logits_B_V: torch.Tensor, reqs: list[Request]) -> tuple[list
     never stops the others. (Rows that succeed on the retry draw a fresh uniform, so their seeded
     stream shifts by one.)
     """
+    logits_B_V = logits_B_V.cpu()  # the rows' generators are CPU generators (a no-op on the CPU)
     rows = [r.row for r in reqs]
     gens = [r.generator for r in reqs]
     try:

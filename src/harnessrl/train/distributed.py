@@ -55,7 +55,9 @@ class Ranks:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     strategy: str = "ddp"
-    """`train.strategy`; used only when `world_size > 1`."""
+    """`train.strategy`; used only when `distributed`."""
+    launched: bool = False
+    """Started by a launcher (`WORLD_SIZE` set): a process group exists even at one rank."""
 
     @property
     def is_main(self) -> bool:
@@ -64,7 +66,9 @@ class Ranks:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """In a process group: several ranks, or one under a launcher (`torchrun
+        --nproc-per-node 1` runs the same wrapped, collective path as N ranks)."""
+        return self.world_size > 1 or self.launched
 
     @property
     def sharded(self) -> bool:
@@ -102,10 +106,11 @@ def launched_ranks(environ: Mapping[str, str] = os.environ) -> tuple[int, int, i
 
 
 def init_ranks(device: str = "cpu", strategy: str = "ddp", environ: Mapping[str, str] = os.environ) -> Ranks:
-    """Join the launcher's process group (when `WORLD_SIZE > 1`) and return this process's place.
+    """Join the launcher's process group (when `WORLD_SIZE` is set, even to 1) and return this
+    process's place.
 
     `device`: `"cpu"` (backend gloo) or `"cuda"` (backend NCCL, device `cuda:LOCAL_RANK`).
-    One process (`WORLD_SIZE` unset or 1) starts no process group.
+    One process without a launcher (`WORLD_SIZE` unset) starts no process group.
 
     Raises:
         ConfigError: an unknown `device` or `strategy`, CUDA asked for but unavailable, or a
@@ -120,13 +125,14 @@ def init_ranks(device: str = "cpu", strategy: str = "ddp", environ: Mapping[str,
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but torch sees no CUDA device")
     rank, world, local = launched_ranks(environ)
+    launched = "WORLD_SIZE" in environ
     where = torch.device("cuda", local) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(where)
-    if world > 1 and not dist.is_initialized():
+    if launched and not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT,
                                 rank=rank, world_size=world)
-    return Ranks(rank=rank, world_size=world, local_rank=local, device=where, strategy=strategy)
+    return Ranks(rank=rank, world_size=world, local_rank=local, device=where, strategy=strategy, launched=launched)
 
 
 def close_ranks(ranks: Ranks) -> None:

@@ -1,30 +1,39 @@
 """The run's learning curve: `curve.png` in the run directory and a compact text table.
 
-Responsibility: from the per-step metrics of a run (`metrics.jsonl` rows), draw three series
-against the step: the verifier's mean reward (`reward/verifier_mean`), the training reward
-(`reward/train_mean`, after shaping; drawn only when it differs from the verifier's somewhere)
-and the held-out pass rate (`eval/pass_rate`, on the steps that evaluated; step 0 is before the
-first update). Values are in [0, 1] for the built-in verifiers; the y axis spans the data's own
-range when a reward leaves [0, 1]. Drawn with Pillow (no plotting library), so it works on any
-machine the trainer runs on.
+Responsibility: from the per-step metrics of a run (`metrics.jsonl` rows), draw against the
+step: the verifier's mean reward on the training rollouts (`reward/verifier_mean`), the training
+reward (`reward/train_mean`, after shaping; drawn only when it differs from the verifier's
+somewhere), the held-out pass rate (`eval/pass_rate`, on the steps that evaluated; step 0 is
+before the first update) and the held-out pass@k (`eval/pass_at_k` at k = `eval/k`, drawn when
+k > 1). The legend names the tasks behind each: training tasks per step (`train.groups_per_step`,
+when given) and held-out tasks (`eval/tasks`). Values are in [0, 1] for the built-in verifiers;
+the y axis widens when a reward leaves [0, 1]. Drawn with matplotlib on its Agg canvas (no
+display, no pyplot state), so it works on any machine the trainer runs on; the viewer embeds the
+same figure (`view/index.index_json`).
 """
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-SERIES = (("reward/verifier_mean", "verifier reward", (31, 119, 180)),
-          ("reward/train_mean", "train reward", (255, 127, 14)),
-          ("eval/pass_rate", "held-out pass", (44, 160, 44)))
-"""(metric key, legend label, RGB) of each drawn series."""
+SERIES = (("reward/verifier_mean", "verifier reward", "#1f77b4"),
+          ("reward/train_mean", "train reward (shaped)", "#ff7f0e"),
+          ("eval/pass_rate", "held-out pass rate", "#2ca02c"),
+          ("eval/pass_at_k", "held-out pass@k", "#9467bd"))
+"""(metric key, legend label, colour) of each drawn series."""
+
+SIZE_PX = (800, 450)
+"""The PNG's width and height in pixels (8 x 4.5 inches at 100 dpi)."""
 
 
 def curve_points(history: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     """Per metric key of `SERIES`: the (step, value) points with a finite value, by step.
-    The training reward is left out (empty) when it equals the verifier's at every step."""
+    The training reward is left out (empty) when it equals the verifier's at every step, and
+    pass@k when k (`eval/k`) is 1 at every step (it is then the pass rate's estimate again)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for key, _, _ in SERIES:
         points = [(int(m["step"]), float(m[key])) for m in history
@@ -32,63 +41,85 @@ def curve_points(history: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int,
         out[key] = sorted(points)
     if dict(out["reward/train_mean"]) == dict(out["reward/verifier_mean"]):
         out["reward/train_mean"] = []
+    if all(m.get("eval/k", 1) == 1 for m in history if "eval/pass_at_k" in m):
+        out["eval/pass_at_k"] = []
     return out
 
 
-def write_curve_png(history: Sequence[dict[str, Any]], path: Path, title: str = "harnessrl train",
-                    size: tuple[int, int] = (800, 450)) -> Path | None:
-    """Draw the curve of `history` (see the module docstring) into the PNG file `path`.
+def curve_labels(history: Sequence[dict[str, Any]], tasks_per_step: int | None = None) -> dict[str, str]:
+    """The legend label of each key of `SERIES`, with the number of tasks behind it: training
+    tasks per step (`tasks_per_step`) for the rewards; held-out tasks (`eval/tasks`, the last
+    evaluation's) and k (`eval/k`) for the held-out series."""
+    last_eval = next((m for m in reversed(history) if "eval/tasks" in m), {})
+    labels = {key: label for key, label, _ in SERIES}
+    if tasks_per_step:
+        per = f"{tasks_per_step} task{'s' if tasks_per_step != 1 else ''}/step"
+        labels["reward/verifier_mean"] += f" ({per})"
+        labels["reward/train_mean"] += f" ({per})"
+    tasks = last_eval.get("eval/tasks")
+    held = f"{int(tasks)} tasks" if isinstance(tasks, (int, float)) and math.isfinite(tasks) else ""
+    k = last_eval.get("eval/k")
+    if isinstance(k, (int, float)) and math.isfinite(k):
+        labels["eval/pass_at_k"] = f"held-out pass@{int(k)}"
+    if held:
+        labels["eval/pass_rate"] += f" ({held})"
+        labels["eval/pass_at_k"] += f" ({held})"
+    return labels
 
-    Returns `path`, or None when no series has a point (nothing is written).
-    """
-    from PIL import Image, ImageDraw
+
+def curve_figure(history: Sequence[dict[str, Any]], title: str = "harnessrl train",
+                 tasks_per_step: int | None = None) -> Any:
+    """The curve of `history` (module docstring) as a `matplotlib.figure.Figure` on an Agg
+    canvas, `SIZE_PX` pixels at 100 dpi; None when no series has a point."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     points = curve_points(history)
     if not any(points.values()):
         return None
-    width, height = size
-    left, right, top, bottom = 60, 20, 40, 70
-    img = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(img)
-    steps = [s for series in points.values() for s, _ in series]
+    labels = curve_labels(history, tasks_per_step)
+    fig = Figure(figsize=(SIZE_PX[0] / 100, SIZE_PX[1] / 100), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key, _, colour in SERIES:
+        if points[key]:
+            steps, values = zip(*points[key])
+            ax.plot(steps, values, marker="o", markersize=5, linewidth=2, color=colour, label=labels[key])
     values = [v for series in points.values() for _, v in series]
-    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
-    y0, y1 = min(0.0, min(values)), max(1.0, max(values))
+    low, high = min(0.0, min(values)), max(1.0, max(values))
+    ax.set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / pass rate")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, color="#e0e0e0")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return fig
 
-    def xy(step: float, value: float) -> tuple[float, float]:
-        x = left + (step - x0) / (x1 - x0) * (width - left - right)
-        y = height - bottom - (value - y0) / (y1 - y0) * (height - top - bottom)
-        return x, y
 
-    draw.text((left, 12), title, fill="black")
-    for i in range(6):  # y grid and labels
-        v = y0 + (y1 - y0) * i / 5
-        _, y = xy(x0, v)
-        draw.line([(left, y), (width - right, y)], fill=(225, 225, 225))
-        draw.text((8, y - 6), f"{v:.2f}", fill="black")
-    n_ticks = min(10, x1 - x0)
-    for i in range(n_ticks + 1):  # x ticks
-        s = x0 + round((x1 - x0) * i / n_ticks)
-        x, y = xy(s, y0)
-        draw.line([(x, y), (x, y + 4)], fill="black")
-        draw.text((x - 6, y + 8), str(s), fill="black")
-    draw.rectangle([left, top, width - right, height - bottom], outline="black")
-    draw.text((width // 2 - 15, height - bottom + 24), "step", fill="black")
-    legend_x = left
-    for key, label, colour in SERIES:
-        series = points[key]
-        if not series:
-            continue
-        coords = [xy(s, v) for s, v in series]
-        if len(coords) > 1:
-            draw.line(coords, fill=colour, width=2)
-        for x, y in coords:
-            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
-        draw.line([(legend_x, height - 18), (legend_x + 20, height - 18)], fill=colour, width=3)
-        draw.text((legend_x + 25, height - 24), label, fill="black")
-        legend_x += 40 + 7 * len(label)
+def curve_png(history: Sequence[dict[str, Any]], title: str = "harnessrl train",
+              tasks_per_step: int | None = None) -> bytes | None:
+    """`curve_figure` as PNG bytes; None when no series has a point."""
+    fig = curve_figure(history, title, tasks_per_step)
+    if fig is None:
+        return None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def write_curve_png(history: Sequence[dict[str, Any]], path: Path, title: str = "harnessrl train",
+                    tasks_per_step: int | None = None) -> Path | None:
+    """Write `curve_png` of `history` to the PNG file `path` (its directory made).
+
+    Returns `path`, or None when no series has a point (nothing is written).
+    """
+    data = curve_png(history, title, tasks_per_step)
+    if data is None:
+        return None
     path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path, format="PNG")
+    path.write_bytes(data)
     return path
 
 

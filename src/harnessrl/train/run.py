@@ -131,6 +131,7 @@ def check_training(cfg: RunConfig) -> None:
     """Checks of a config that only training needs.
 
     Raises:
+        ConfigError: a `log.sinks` package not installed (`log.check_sinks`, naming its extra).
         ConfigError: `sampling.top_p < 1` or `sampling.top_k > 0`: the engine renormalises over
             the kept tokens but the trainer's logprobs are the full softmax at the temperature
             (`train/packing.py`), so the importance ratio would be wrong from the first step
@@ -140,11 +141,13 @@ def check_training(cfg: RunConfig) -> None:
     (`step.native_cpu_bfloat16`): it is emulated, a train step about ten times slower than in float32.
     """
     from harnessrl.errors import ConfigError
+    from harnessrl.log import check_sinks
     from harnessrl.train.step import native_cpu_bfloat16
 
+    check_sinks(cfg.log.sinks)
     slow = [name for name, on in (("train.autocast", cfg.train.autocast == "bfloat16" and cfg.train.device == "cpu"),
                                   ("train.dtype", cfg.train.dtype == "bfloat16" and cfg.train.device == "cpu"),
-                                  ("engine.dtype", cfg.engine.kind == "embedded"
+                                  ("engine.dtype", cfg.engine.kind == "embedded" and cfg.engine.device == "cpu"
                                    and cfg.engine.dtype == "bfloat16")) if on]
     if slow and not native_cpu_bfloat16():
         log.warning("%s = \"bfloat16\" on a CPU without native bfloat16 (neither AVX512-BF16 nor AMX): "
@@ -205,7 +208,8 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
         replay = list(saved.get("replay_group_ids", []))
     if resume:
         drop_lines_after_checkpoint(run_dir, start_step, next_group_id, replay)
-    sinks = make_sinks(list(cfg.log.report_to), run_dir, cfg.model_dump(mode="json"))
+    sinks = make_sinks(cfg.log.sinks, run_dir, cfg.model_dump(mode="json"), project=cfg.log.project,
+                       table_rollouts=cfg.log.table_rollouts)
     from harnessrl.jsonl import repair_torn_tail
 
     repair_torn_tail(run_dir / "rollouts.jsonl")  # a torn line never fuses with the next record
@@ -375,7 +379,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
         Console().print(final_table(history))
         from harnessrl.train.plot import curve_table, write_curve_png
 
-        curve = write_curve_png(history, run_dir / "curve.png",
+        curve = write_curve_png(history, run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
                                 title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
         Console().print(curve_table(history), markup=False, highlight=False)
         if curve is not None:

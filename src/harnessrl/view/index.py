@@ -171,9 +171,18 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
 
 
 def index_json(index: RunIndex) -> dict[str, Any]:
-    """The page's index payload: summaries without offsets, metrics, and run facts."""
+    """The page's index payload: summaries without offsets, metrics, run facts, and the run's
+    curve as `train` draws it (`train/plot.curve_png`, base64 PNG; None without metrics)."""
+    import base64
+
+    from harnessrl.train.plot import curve_png
+
     keep = [{k: v for k, v in s.items() if k not in ("offset", "length")} for s in index.summaries]
+    cfg = index.cfg
+    png = curve_png(index.metrics, f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})",
+                    tasks_per_step=cfg.train.groups_per_step)
     return {
-        "run_dir": str(index.run_dir), "model": index.cfg.engine.model, "harness": index.cfg.harness.kind,
+        "run_dir": str(index.run_dir), "model": cfg.engine.model, "harness": cfg.harness.kind,
         "rollouts": keep, "metrics": index.metrics, "bad_lines": index.bad_lines,
+        "curve_png": base64.b64encode(png).decode() if png else None,
     }

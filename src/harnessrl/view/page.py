@@ -1,7 +1,8 @@
 """The viewer's single HTML page: its script and style inlined, the index embedded as JSON.
 
-No external resource is referenced (the page works offline and from `file://`); curves are
-inline SVG drawn by the page's own script (`assets/report.js`).
+No external resource is referenced (the page works offline and from `file://`): the run's
+curve is the matplotlib figure of `curve.png` inlined as a data URI; the other curves are inline
+SVG drawn by the page's own script (`assets/report.js`).
 """
 
 from __future__ import annotations

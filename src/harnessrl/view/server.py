@@ -35,8 +35,9 @@ class ViewServer:
     def __init__(self, index: RunIndex, tokenizer: Any, hooks: dict[str, Any], port: int = 0) -> None:
         self.index = index
         lock = threading.Lock()  # the tokenizer and builder run one request at a time
-        page = render_page(index_json(index), "server").encode()
-        index_body = orjson.dumps(index_json(index))
+        payload = index_json(index)
+        page = render_page(payload, "server").encode()
+        index_body = orjson.dumps(payload)
 
         @functools.lru_cache(maxsize=64)
         def detail(i: int) -> bytes:

@@ -59,6 +59,7 @@
     const root = document.getElementById("curves");
     root.innerHTML = "";
     if (!DATA.metrics.length) { root.append(el("div", { class: "muted", text: "No metrics.jsonl in this run (an evaluation run): no curves." })); return; }
+    if (DATA.curve_png) root.append(el("img", { class: "figure", id: "curve-png", alt: "learning curve (curve.png)", src: "data:image/png;base64," + DATA.curve_png }));
     const have = new Set(numericKeys());
     for (const [title, keys] of PREFERRED) { const k = keys.filter(x => have.has(x)); if (k.length) root.append(chart(title, k)); }
     const pick = el("select", { id: "metric-pick" }, el("option", { value: "", text: "add a curve…" }));
