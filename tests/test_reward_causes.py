@@ -163,6 +163,20 @@ async def test_only_infrastructure_faults_are_unscored(tmp_path: Path, exc: Exce
     assert limit_cause(full) is not None and limit_cause(SandboxError("x")) is None
 
 
+def test_a_wrapped_verifier_gives_its_own_failure_value() -> None:
+    from harnessrl.rewards.base import failure_value
+    from harnessrl.rewards.select import UserVerifier
+
+    class Signed:
+        failure_value = -1.0
+
+        def score(self, task: Task, sandbox: object, final_answer: str | None) -> Reward:
+            return Reward(value=1.0)
+
+    assert failure_value(UserVerifier(Signed())) == -1.0 and failure_value(UnitTestVerifier()) == 0.0
+    assert failure_value(object()) == 0.0
+
+
 async def test_a_sandbox_recording_a_bound_is_not_verified(tmp_path: Path) -> None:
     class Counting(ExactMatchVerifier):
         failure_value = -1.0

@@ -62,7 +62,10 @@ class Verifier(Protocol):
 
 
 def failure_value(verifier: Any) -> float:
-    """The reward `verifier` gives a failure the agent caused: its `failure_value`, else 0.0."""
+    """The reward `verifier` gives a failure the agent caused: its `failure_value`, else 0.0. A
+    wrapper (a config-named verifier, a Ray node's) answers with its `inner` verifier's."""
+    while not hasattr(verifier, "failure_value") and hasattr(verifier, "inner"):
+        verifier = verifier.inner
     value = getattr(verifier, "failure_value", 0.0)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
