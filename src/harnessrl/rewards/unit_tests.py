@@ -51,7 +51,7 @@ from harnessrl.errors import SandboxError, SandboxLimitError
 from harnessrl.rewards.base import Reward
 from harnessrl.rewards.submission import CopyLimits, code_from_answer, read_submission, stage_verify_dir
 from harnessrl.sandbox.base import Sandbox
-from harnessrl.sandbox.fsread import UnsafePathError, open_root
+from harnessrl.sandbox.fsread import open_root
 from harnessrl.tasks.base import Task
 
 CODEC = r'''
