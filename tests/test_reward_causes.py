@@ -92,12 +92,24 @@ async def test_a_5000_digit_answer_is_scored_not_a_crash(sandbox_root: Path) -> 
     assert (rollout.status, rollout.reward) == ("ok", 1.0), rollout.error
 
 
+def _kit_backend(kit: str, root: Path, **config: object) -> object:
+    """A backend of kind `kit` ("plain", "bwrap", "podman"); skipped where it cannot run."""
+    from sandbox_kits import KITS, kit_available
+
+    kit_available(kit)
+    return KITS[kit].backend(root, kill_grace_s=0.2, **config)
+
+
+KITS_UNDER_TEST = ["plain", "bwrap", "podman"]
+
+
+@pytest.mark.parametrize("kit", KITS_UNDER_TEST)
 @pytest.mark.parametrize("task", [UNIT, STDIO, EXACT], ids=lambda t: t.family)
-async def test_writing_past_disk_bytes_after_submitting_scores_zero(task: Task, sandbox_root: Path) -> None:
+async def test_writing_past_disk_bytes_after_submitting_scores_zero(task: Task, kit: str, sandbox_root: Path) -> None:
     script = SUBMIT[task.family] + ("import time\nwith open('big.bin', 'wb') as f:\n"
                                     "    for _ in range(64):\n        f.write(b'x' * (1 << 16))\n        f.flush()\n"
                                     "time.sleep(30)\n")
-    rollout = await _rollout(task, script, _backend(sandbox_root, disk_bytes=1 << 20, disk_poll_s=0.05))
+    rollout = await _rollout(task, script, _kit_backend(kit, sandbox_root, disk_bytes=1 << 20, disk_poll_s=0.05))
     _failed_by_agent(rollout, "disk_bytes")
 
 
@@ -116,12 +128,13 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.parametrize("kit", KITS_UNDER_TEST)
 @pytest.mark.parametrize("task", [UNIT, STDIO], ids=lambda t: t.family)
-async def test_exhausting_inodes_after_submitting_scores_zero(task: Task, small_fs: Path) -> None:
+async def test_exhausting_inodes_after_submitting_scores_zero(task: Task, kit: str, small_fs: Path) -> None:
     script = SUBMIT[task.family] + ("import itertools, os\nos.mkdir('many')\n"
                                     "for i in itertools.count():\n    try:\n"
                                     "        open(f'many/{i}', 'w').close()\n    except OSError:\n        break\n")
-    rollout = await _rollout(task, script, _backend(small_fs / "sbx"))
+    rollout = await _rollout(task, script, _kit_backend(kit, small_fs / "sbx"))
     _failed_by_agent(rollout, "full")
 
 
