@@ -198,7 +198,8 @@ async def test_verify_dir_is_fresh_and_beside_the_workdir(sandbox_root: Path, us
         made = [p for p in sandbox.root.iterdir() if p.name.startswith("verify-") and not p.is_symlink()]
         assert len(made) == 1
         names = sorted(os.listdir(made[0]))
-        assert names == ["run.py", "solution.py", "tests.py"], names  # nonce consumed; links, fifo skipped
+        # the job (hidden tests) and the report were unlinked by the judge; links, fifo skipped
+        assert names == ["child.py", "run.py", "solution.py"], names
     finally:
         await sandbox.close()
 

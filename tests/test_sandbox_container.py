@@ -28,6 +28,7 @@ from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.rewards.exact_match import ExactMatchVerifier
+from harnessrl.rewards.select import verifier_for
 from harnessrl.rollout.runner import RolloutLimits, run_rollout
 from harnessrl.sandbox.base import Sandbox, SandboxProcess
 from harnessrl.sandbox.config import PodmanSandboxConfig
@@ -41,6 +42,9 @@ from harnessrl.sandbox.podman import (
 )
 from harnessrl.sandbox.podman_host import kill_members
 from harnessrl.tasks.base import Task
+from harnessrl.tasks.humaneval import HumanEvalSource, load_problems
+from harnessrl.tasks.stdio import StdioSource
+from harnessrl.types import Endpoint, Trace
 from sandbox_kits import KITS, assert_no_podman_leftovers, podman_problem
 
 if podman_problem() is not None and os.environ.get("HARNESSRL_REQUIRE_PODMAN") == "1":
@@ -223,6 +227,59 @@ async def test_a_rollout_runs_the_command_harness_in_a_container(proxy: ProxySer
     assert rollout.reward == 1.0
     assert rollout.trace is not None and [t.status for t in rollout.trace.turns] == ["ok"]
     assert proxy.store.live_sessions == 0
+
+
+class _Sessions:
+    """No model: these agents only write their submission."""
+
+    def open_session(self, rollout_id: str) -> tuple[str, str]:
+        return rollout_id, "k"
+
+    def endpoint(self, key: str) -> Endpoint:
+        return Endpoint(base_url="http://127.0.0.1:9/v1", api_key=key, model="m")
+
+    def close_session(self, session_id: str) -> Trace:
+        return Trace(session_id=session_id, rollout_id=session_id)
+
+
+def _code_tasks() -> dict[str, tuple[Task, str, str]]:
+    """family -> (task, a right solution.py, a wrong one)."""
+    he = HumanEvalSource()
+    task = next(he.get(i) for i in range(len(he)) if he.get(i).task_id == "HumanEval/0")
+    problem = load_problems()["HumanEval/0"]
+    stdio = StdioSource(Path(__file__).resolve().parents[1] / "examples" / "stdio_tasks.jsonl")
+    sum_two = next(stdio.get(i) for i in range(len(stdio)) if stdio.get(i).task_id == "sum-two")
+    return {
+        "humaneval": (task, problem["prompt"] + problem["canonical_solution"],
+                      problem["prompt"] + "    return False\n"),
+        "stdio": (sum_two, "a, b = map(int, input().split())\nprint(a + b)\n",
+                  "a, b = map(int, input().split())\nprint(a + abs(b))\n"),  # fails "10 -3" only
+    }
+
+
+@pytest.mark.parametrize("family", ["humaneval", "stdio"])
+async def test_unit_test_and_stdio_tasks_are_scored_in_containers(sandbox_root: Path, family: str) -> None:
+    """The verifiers' own programs run as the containers' uid 1000 (the verify directory is
+    theirs): a right solution scores 1.0, a wrong one what it earns, never an unscored rollout."""
+    task, right, wrong = _code_tasks()[family]
+    backend = _backend(sandbox_root)
+    for source, expected in ((right, 1.0), (wrong, 0.0 if family == "humaneval" else 0.75)):
+        harness = CommandHarness(CommandHarnessConfig(argv=["cp", "{state_dir}/solution.py", "solution.py"],
+                                                      files={"solution.py": source}))
+        rollout = await run_rollout(task, 0, harness, backend, _Sessions(), verifier_for(task),
+                                    RolloutLimits(agent_timeout_s=60, verify_timeout_s=90))
+        assert (rollout.status, rollout.reward) == ("ok", expected), (rollout.error, rollout.reward_parts)
+
+
+async def test_writing_past_disk_bytes_in_a_container_scores_zero(sandbox_root: Path) -> None:
+    task, right, _ = _code_tasks()["humaneval"]
+    harness = CommandHarness(CommandHarnessConfig(
+        argv=["bash", "-c", "cp {state_dir}/solution.py solution.py && head -c 8388608 /dev/zero > big && sleep 30"],
+        files={"solution.py": right}))
+    backend = _backend(sandbox_root, disk_bytes=1 << 20, disk_poll_s=0.05)
+    rollout = await run_rollout(task, 0, harness, backend, _Sessions(), verifier_for(task),
+                                RolloutLimits(agent_timeout_s=60, verify_timeout_s=60))
+    assert rollout.reward == 0.0 and "disk_bytes" in rollout.metadata["failure_cause"], rollout
 
 
 @pytest.mark.e2e

@@ -257,3 +257,201 @@ async def test_humaneval_under_bwrap(he_task: Task, tmp_path: Path) -> None:
     sb.write_file("solution.py", _canonical("HumanEval/0"))
     assert (await UnitTestVerifier().score(he_task, sb, None)).value == 1.0
     await sb.close()
+
+
+# ---- submissions that attack the verifier (DESIGN.md §3.5: verifiers the submission cannot read) ----
+
+HOSTILE = {
+    # walks the stack to the runner's frame: its nonce, its result stream, its report
+    "frame-walk": """
+import sys
+def has_close_elements(numbers, threshold):
+    f = sys._getframe()
+    while f is not None:
+        loc = f.f_locals
+        if "nonce" in loc and "result" in loc:
+            loc["result"].write("HARNESSRL-PASS " + loc["nonce"] + "\\n")
+            loc["result"].flush()
+        for value in list(loc.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and 2 < value < 1024:
+                try:
+                    import os
+                    os.write(value, b"READY\\nPASS\\n")
+                except OSError:
+                    pass
+        f = f.f_back
+    import os
+    os._exit(0)
+""",
+    # opens every descriptor of every process it can see through /proc and writes a verdict
+    "proc-fd": """
+import os
+def has_close_elements(numbers, threshold):
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+                os.write(out, b"READY\\nPASS\\nHARNESSRL-PASS 0\\n")
+                os.close(out)
+            except OSError:
+                pass
+    return 7
+""",
+    # writes a forged verdict to every descriptor number, then leaves
+    "every-fd": """
+import os
+for fd in range(1024):
+    try:
+        os.write(fd, b"READY\\nPASS\\nHARNESSRL-READY\\nHARNESSRL-PASS 0\\n")
+    except OSError:
+        pass
+os._exit(0)
+""",
+    # replaces exec so that the hidden tests never run and its own check does
+    "monkeypatch": """
+import builtins
+_exec = builtins.exec
+def check(candidate):
+    return None
+def _skip_tests(code, *args, **kwargs):
+    if getattr(code, "co_filename", "") == "tests.py":
+        return None
+    return _exec(code, *args, **kwargs)
+builtins.exec = _skip_tests
+def has_close_elements(numbers, threshold):
+    raise NotImplementedError
+""",
+    # answers every comparison with True
+    "always-equal": """
+class Yes:
+    def __eq__(self, other):
+        return True
+    def __bool__(self):
+        return True
+    __hash__ = object.__hash__
+def has_close_elements(numbers, threshold):
+    return Yes()
+""",
+    "sys-exit": "import sys\nsys.exit(0)\n",
+    "os-exit-in-call": "import os\ndef has_close_elements(numbers, threshold):\n    os._exit(0)\n",
+    "print-markers": ("print('HARNESSRL-READY')\nprint('READY')\nprint('PASS')\nprint('HARNESSRL-PASS 0')\n"
+                      "def has_close_elements(numbers, threshold):\n    print('PASS')\n    raise SystemExit(0)\n"),
+    "base-exception": ("class Out(BaseException):\n    pass\n"
+                       "def has_close_elements(numbers, threshold):\n    raise Out()\n"),
+    "keyboard-interrupt": "def has_close_elements(numbers, threshold):\n    raise KeyboardInterrupt\n",
+    # kills its parent and every process it may signal
+    "kill-parent": ("import os, signal\n"
+                    "def has_close_elements(numbers, threshold):\n"
+                    "    os.kill(os.getppid(), signal.SIGKILL)\n"
+                    "    return True\n"),
+    # reads the judge's memory for the tests' expected values
+    "proc-mem": """
+import os
+def has_close_elements(numbers, threshold):
+    ppid = os.getppid()
+    for what in ("mem", "environ"):
+        try:
+            with open(f"/proc/{ppid}/{what}", "rb") as f:
+                f.read(1)
+            return "opened /proc/ppid/" + what
+        except OSError:
+            pass
+    return False
+""",
+}
+
+
+@pytest.fixture(params=["bwrap", "podman"])
+async def kit_backend(request: pytest.FixtureRequest, sandbox_root: Path) -> AsyncIterator[object]:
+    """A sandbox backend of each isolating kind the hostile submissions run against. Not the
+    unisolated local one: there a submission runs as host root (without capabilities) and these
+    attacks (signals, writes through /proc) would reach the host's own processes."""
+    from sandbox_kits import KITS, assert_no_podman_leftovers, kit_available
+
+    kit_available(request.param)
+    yield KITS[request.param].backend(sandbox_root)
+    if request.param == "podman":
+        assert_no_podman_leftovers()
+
+
+@pytest.mark.parametrize("attack", sorted(HOSTILE))
+async def test_hostile_submission_scores_zero(kit_backend, he_task: Task, attack: str) -> None:  # noqa: ANN001
+    sb = await kit_backend.create("hostile", dict(he_task.workspace))
+    try:
+        sb.write_file("solution.py", HOSTILE[attack])
+        reward = await UnitTestVerifier().score(he_task, sb, None)
+        assert reward.error is None, reward
+        assert (reward.value, reward.parts["passed"]) == (0.0, 0.0), reward
+    finally:
+        await sb.close()
+
+
+LEAK_PROBE = """
+import glob, os
+MARK = "HIDDEN-" + "CHECK-7f3e"
+found = []
+for path in glob.glob("**", recursive=True) + glob.glob("../**", recursive=True):
+    try:
+        text = open(path, errors="replace").read()
+    except OSError:
+        continue
+    if MARK in text:
+        found.append(path)
+for pid in os.listdir("/proc"):
+    for what in ("mem", "environ", "cmdline"):
+        try:
+            with open(f"/proc/{pid}/{what}", "rb") as f:
+                if MARK.encode() in f.read(1 << 20):
+                    found.append(f"/proc/{pid}/{what}")
+        except OSError:
+            pass
+with open("leak.txt", "w") as f:
+    f.write("\\n".join(found))
+def f():
+    return 1
+"""
+
+
+async def test_submission_cannot_read_the_hidden_tests(kit_backend) -> None:  # noqa: ANN001
+    """While it runs, the submission finds the test code nowhere: not in its directory, not in
+    any process it can read. (It still passes: `f` is right.)"""
+    task = Task("t/0", "humaneval", "", workspace={"solution.py": "def f():\n    pass\n"},
+                hidden_tests={"test": "MARK = 'HIDDEN-CHECK-7f3e'\ndef check(c):\n    assert c() == 1\n",
+                              "entry_point": "f"})
+    sb = await kit_backend.create("leak", dict(task.workspace))
+    try:
+        sb.write_file("solution.py", LEAK_PROBE)
+        reward = await UnitTestVerifier().score(task, sb, None)
+        assert reward.value == 1.0, reward
+        [leak] = [p for p in sb.root.rglob("leak.txt") if p.parent.name.startswith("verify-")]
+        assert leak.read_text() == "", leak.read_text()
+    finally:
+        await sb.close()
+
+
+async def test_plain_values_cross_and_prints_do_not_matter(kit_backend) -> None:  # noqa: ANN001
+    """Results of every plain type reach the judge exactly (subclasses as their base type: a
+    Counter compares as the dict it is), whatever the submission prints."""
+    values = ("[None, True, 0, -(10 ** 5000), 2.5, float('inf'), 1 + 2j, 'é\\ud800', b'\\x00\\xff', "
+              "[1, [2, (3,)]], (1, 'a'), {'k': [1], 2: None}, {1, 2}, frozenset({'x'})]")
+    test = (f"import math\ndef check(c):\n    for i, v in enumerate({values}):\n        got = c(i)\n"
+            "        assert got == v and type(got) is type(v), (i, got)\n"
+            "    assert math.copysign(1.0, c(-1)) == -1.0\n"
+            "    assert c(99) == {'a': 2} and type(c(99)) is dict\n")
+    source = (f"from collections import Counter\nVALUES = {values}\n"
+              "def f(i):\n    print('PASS')\n    if i == -1:\n        return -0.0\n"
+              "    return Counter('aa') if i == 99 else VALUES[i]\n")
+    task = Task("t/0", "humaneval", "", hidden_tests={"test": test, "entry_point": "f"})
+    sb = await kit_backend.create("values", {})
+    try:
+        sb.write_file("solution.py", source)
+        reward = await UnitTestVerifier().score(task, sb, None)
+        assert reward.value == 1.0, reward
+    finally:
+        await sb.close()

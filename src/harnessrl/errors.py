@@ -35,6 +35,13 @@ class SandboxLostError(SandboxError):
     rollout is `infra_error`, whatever phase it was in."""
 
 
+class SandboxLimitError(SandboxError):
+    """A bound of the sandbox that the agent's own actions went past (its `disk_bytes`, an inode
+    bound, the verifier's workspace-copy bounds, a filesystem it filled): the rollout scores as
+    a failure with this cause (`Reward.agent_failure`), never as an unscored infrastructure
+    fault."""
+
+
 class HarnessInstallError(HarnessRLError):
     """An agent program could not be installed or found."""
 

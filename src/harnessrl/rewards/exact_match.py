@@ -10,13 +10,14 @@ backticks:
   * integer answers: the whole text is one integer (`-?\\d+`, a leading `+` allowed, no
     thousands separators), or its last non-empty line is, or its last line ends in `= N`
     (`5 * 7 = 35` gives 35). Anything else (`The answer is 35`, `API Error: 400`) is not an
-    answer. Compared as integers (`007` = `7`).
+    answer. Compared as integers (`007` = `7`, `-0` = `0`), on the digits, so an answer of any
+    length is compared (a 5,000-digit one included), never a crash.
   * string answers: the whole text is one word (no whitespace inside); compared exactly.
 
 Reward 1.0 / 0.0; parts `correct` (same value) and `format_ok` (1.0 when the text is a
 well-formed answer of the expected kind by the rules above, right or wrong). Nothing the agent
 wrote is run, so this verifier has no timeout and no error path besides a malformed task
-(KeyError).
+(KeyError): whatever the agent wrote is a score.
 """
 
 from __future__ import annotations
@@ -48,15 +49,23 @@ def parse_answer(text: str | None, answer_kind: str) -> str | None:
         return None
     if answer_kind == "int":
         if _INT.fullmatch(stripped):
-            return str(int(stripped))
+            return _canonical_int(stripped)
         last = _unquote(stripped.splitlines()[-1].strip())
         if _INT.fullmatch(last):
-            return str(int(last))
+            return _canonical_int(last)
         equals = _ENDS_IN_EQUALS_INT.search(last)
         if equals is not None:
-            return str(int(equals.group(1)))
+            return _canonical_int(equals.group(1))
         return None
     return stripped if _WORD.fullmatch(stripped) else None
+
+
+def _canonical_int(text: str) -> str:
+    """`str(int(text))` for a `[+-]?\\d+` string, computed on the digits: `int()` refuses more
+    than `sys.get_int_max_str_digits()` (4,300) digits, and an answer of any length must score."""
+    sign = "-" if text[0] == "-" else ""
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return digits if digits == "0" else sign + digits
 
 
 def _unquote(text: str) -> str:
@@ -71,6 +80,8 @@ class ExactMatchVerifier:
     Args:
         answer_file: the file the agent writes, relative to the workdir.
     """
+
+    failure_value = 0.0
 
     def __init__(self, answer_file: str = ANSWER_FILE) -> None:
         self.answer_file = answer_file

@@ -13,8 +13,10 @@ token order and content are not).
 Reward = tests_passed / tests_total, parts `tests_passed`, `tests_total`, `format_ok`
 (a submission was found) and `budget_exhausted` (1.0 when the overall `total_timeout_s` ran
 out and the remaining tests were counted as failed). A program that loops forever fails its
-tests (reward 0 for those), it is not a verifier error. `Reward(value=None, error=...)` only
-when the sandbox cannot run commands or the interpreter does not start (a test exits
+tests (reward 0 for those), it is not a verifier error. A workspace past the copy bounds
+(`CopyLimits`), a filesystem the agent filled, or a sandbox past its `disk_bytes` is the
+agent's failure (`Reward.agent_failure`: 0.0, cause recorded). `Reward(value=None, error=...)`
+only when the sandbox cannot run commands or the interpreter does not start (a test exits
 with status 127 and a probe `python3 -I -c pass` fails too).
 
 Because each test is a separate command, nothing the program does can change this
@@ -27,9 +29,9 @@ import shlex
 import time
 from pathlib import Path
 
-from harnessrl.errors import SandboxError
+from harnessrl.errors import SandboxError, SandboxLimitError
 from harnessrl.rewards.base import Reward
-from harnessrl.rewards.submission import code_from_answer, new_verify_dir, read_submission
+from harnessrl.rewards.submission import CopyLimits, code_from_answer, read_submission, stage_verify_dir
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
 from harnessrl.tasks.stdio import DEFAULT_TIME_LIMIT_S
@@ -49,16 +51,21 @@ class StdioVerifier:
         max_output_bytes: stdout above this fails the test.
         total_timeout_s: wall budget for all tests of one task (keep it below the rollout
             runner's verify timeout); tests not started within it fail.
+        copy_limits: bounds of the workspace copy; past them the rollout is the agent's failure.
     """
+
+    failure_value = 0.0
 
     def __init__(
         self, python: str = "python3", solution_file: str = "solution.py",
         max_output_bytes: int = 1 << 16, total_timeout_s: float = 90.0,
+        copy_limits: CopyLimits = CopyLimits(),
     ) -> None:
         self.python = python
         self.solution_file = solution_file
         self.max_output_bytes = max_output_bytes
         self.total_timeout_s = total_timeout_s
+        self.copy_limits = copy_limits
 
     async def score(self, task: Task, sandbox: Sandbox, final_answer: str | None) -> Reward:
         """Fraction of hidden tests passed.
@@ -77,7 +84,7 @@ class StdioVerifier:
         deadline = time.monotonic() + self.total_timeout_s
         passed, exhausted = 0, False
         try:
-            run_dir = new_verify_dir(sandbox, files)
+            run_dir = await stage_verify_dir(sandbox, files, limits=self.copy_limits)
             for i, expected in enumerate(outputs):
                 if time.monotonic() >= deadline:
                     exhausted = True
@@ -93,6 +100,9 @@ class StdioVerifier:
                     and outputs_match(result.stdout, expected)
                 )
                 passed += ok
+        except SandboxLimitError as e:
+            parts = {"tests_passed": 0.0, "tests_total": float(total), "format_ok": 1.0, "budget_exhausted": 0.0}
+            return Reward.agent_failure(f"stdio verifier refused the workspace: {e}", parts=parts)
         except SandboxError as e:
             return Reward(value=None, error=f"stdio verifier could not run: {e}")
         parts = {

@@ -11,6 +11,14 @@ Invariants (DESIGN.md §3.3, §3.5):
     key; teardown is shielded from cancellation;
   * the agent's processes are dead and its key revoked before the verifier runs; hidden tests
     enter the sandbox only inside the verifier;
+  * no opting out of a reward (DESIGN.md §3.5): a sandbox the agent took past a bound
+    (`disk_bytes`, inodes: `rewards/base.over_limit`) is not verified and scores the verifier's
+    failure value (0.0); a verifier stopped by such a bound (`SandboxLimitError`, a
+    `SandboxError` naming it, a full filesystem: `rewards/base.limit_cause`) or refusing the
+    workspace (`Reward.agent_failure`) scores the same. The cause goes to
+    `Rollout.metadata["failure_cause"]` (and `error` when nothing else is there); the status
+    stays what the agent phase gave. Only verifier crashes, timeouts and a lost sandbox are
+    unscored (reward None);
   * status precedence: infra_error > verifier_error > timeout > agent_error > ok. Timed-out and
     failed agents are still verified, so their reward is known (usually 0). A sandbox whose
     processes survive the kill (`kill_processes` raises) is `infra_error` and is not verified;
@@ -33,7 +41,7 @@ from typing import Protocol
 
 from harnessrl.errors import ConfigError, HarnessInstallError, SandboxLostError
 from harnessrl.harness.base import Harness, HarnessResult
-from harnessrl.rewards.base import Reward, Verifier
+from harnessrl.rewards.base import Reward, Verifier, failure_value, limit_cause, over_limit
 from harnessrl.rollout.cause import explain_agent_error
 from harnessrl.sandbox.base import Sandbox, SandboxBackend
 from harnessrl.tasks.base import Task
@@ -134,13 +142,24 @@ async def run_rollout(
                 # the agent's own message rarely names the cause when it is the proxy's answer
                 status, error = "agent_error", explain_agent_error(result.error, trace)
 
-        # 6) verify (also after a timeout or an agent error: the workspace is still scored)
+        # 6) verify (also after a timeout or an agent error: the workspace is still scored).
+        # A sandbox the agent took past one of its bounds scores as the agent's failure, and
+        # so does a verifier that refused because of one: never an unscored rollout
         if status != "infra_error":
             t_verify = time.monotonic()
-            try:
-                reward = await _verify(verifier, task, sandbox, result, limits.verify_timeout_s)
-            except SandboxLostError as exc:  # the sandbox's machine went away: not the verifier's fault
-                status, error = "infra_error", f"sandbox lost during verification: {exc}"
+            limit = over_limit(sandbox)
+            if limit is not None:
+                reward = Reward.agent_failure(f"the agent took its sandbox past a bound: {limit}",
+                                              value=failure_value(verifier))
+            else:
+                try:
+                    reward = await _verify(verifier, task, sandbox, result, limits.verify_timeout_s)
+                except SandboxLostError as exc:  # the sandbox's machine went away: not the verifier's fault
+                    status, error = "infra_error", f"sandbox lost during verification: {exc}"
+                if reward is not None and reward.error is not None and (limit := over_limit(sandbox)) is not None:
+                    reward = Reward.agent_failure(f"the workspace took the sandbox past a bound during "
+                                                  f"verification: {limit} (verifier: {reward.error})",
+                                                  value=failure_value(verifier))
             timings["verify_s"] = time.monotonic() - t_verify
             if reward is not None and reward.error is not None:
                 status, error = "verifier_error", reward.error
@@ -168,6 +187,9 @@ async def _verify(
     except asyncio.TimeoutError:
         return Reward(value=None, error=f"verifier exceeded {timeout_s:.0f} s")
     except Exception as exc:  # noqa: BLE001 - a verifier crash is this rollout's data
+        cause = limit_cause(exc)
+        if cause is not None:  # a bound the agent filled stopped the verifier: the agent's failure
+            return Reward.agent_failure(f"the verifier refused: {cause}", value=failure_value(verifier))
         return Reward(value=None, error=f"verifier crashed: {_describe(exc)}")
 
 
@@ -200,6 +222,7 @@ def _finish(
 ) -> Rollout:
     timings["total_s"] = time.monotonic() - t0
     scored = reward is not None and reward.error is None and status != "infra_error"
+    cause = reward.cause if reward is not None and scored else None
     return Rollout(
         rollout_id=rollout_id,
         group_id=group_id,
@@ -208,7 +231,7 @@ def _finish(
         status=status,
         reward=reward.value if scored and reward is not None else None,
         reward_parts=dict(reward.parts) if reward is not None else {},
-        error=error,
+        error=error if error is not None or cause is None else cause,
         trace=trace or Trace(session_id="", rollout_id=rollout_id),
         timings_s=timings,
         final_answer=result.final_answer if result is not None else None,
@@ -216,6 +239,7 @@ def _finish(
             "exit_code": result.exit_code if result is not None else None,
             "log_tail": (result.log_tail[-2000:] if result is not None else ""),
             **({"node_id": node_id} if node_id is not None else {}),
+            **({"failure_cause": cause} if cause is not None else {}),
         },
     )
 

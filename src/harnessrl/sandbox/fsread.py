@@ -234,12 +234,16 @@ def write_beneath(root: Path, rel_path: str | os.PathLike[str], data: bytes, mod
         os.close(out)
 
 
-def write_new_file(dir_fd: int, name: str, data: bytes, mode: int = 0o600) -> None:
-    """Create `name` (one component) in `dir_fd` exclusively (never through a link) with `data`."""
+def write_new_file(dir_fd: int, name: str, data: bytes, mode: int = 0o600, *,
+                   owner: tuple[int, int] | None = None) -> None:
+    """Create `name` (one component) in `dir_fd` exclusively (never through a link) with `data`,
+    owned by `owner` (uid, gid) when given."""
     (part,) = _parts(name)
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
                  dir_fd=dir_fd)
     try:
+        if owner is not None:
+            os.fchown(fd, *owner)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
@@ -253,79 +257,140 @@ class CopyReport:
 
     files: int = 0
     bytes: int = 0
+    entries: int = 0
+    """Directory entries looked at (files, directories, links, special files)."""
     skipped: dict[str, str] = field(default_factory=dict)
-    """Relative path -> reason (`symlink`, `special file`, `size bound`, `exists`, ...)."""
+    """Relative path -> reason (`symlink`, `special file`, `size bound`, `exists`, ...); at most
+    `SKIPPED_KEPT` are listed."""
     truncated: bool = False
-    """True when a bound (files, bytes, depth) stopped the copy early."""
+    """True when a bound (entries, files, bytes, depth) left something out."""
+    exceeded: str | None = None
+    """The first bound the tree went past (`max_entries=N`, `max_files=N`, `max_bytes=N`,
+    `max_depth=N`), None when everything fitted."""
+
+    def _skip(self, rel: str, why: str) -> None:
+        if len(self.skipped) < SKIPPED_KEPT:
+            self.skipped[rel] = why
+
+    def _bound(self, rel: str, bound: str) -> None:
+        self._skip(rel, "depth bound" if bound.startswith("max_depth") else "size bound")
+        self.truncated = True
+        self.exceeded = self.exceeded or bound
+
+
+SKIPPED_KEPT = 1000
+"""At most this many skipped paths are listed in a `CopyReport`."""
 
 
 def copy_tree_beneath(
     src_fd: int, dst_fd: int, *, max_files: int = 10_000, max_bytes: int = 64 << 20,
-    max_depth: int = 32, report: CopyReport | None = None, _prefix: str = "", _depth: int = 0,
+    max_depth: int = 32, max_entries: int = 100_000, owner: tuple[int, int] | None = None,
 ) -> CopyReport:
     """Copy the regular files and directories of `src_fd` into `dst_fd`, following no link.
 
     Symlinks and special files (FIFOs, sockets, devices) are skipped and listed; a name that
-    already exists in the destination is kept (the destination's file wins); copying stops at
-    `max_files` files, `max_bytes` bytes, or `max_depth` nested directories (`truncated`).
-    Files are created `O_EXCL | O_NOFOLLOW`, mode 0600 (directories 0700).
+    already exists in the destination is kept (the destination's file wins). Bounds: a file
+    that would pass `max_files` files or `max_bytes` bytes, and a directory deeper than
+    `max_depth`, is skipped; past `max_entries` directory entries looked at (of any kind) the
+    walk stops. Each sets `truncated` and, the first one, `exceeded`. The walk keeps an
+    explicit stack of open descriptors (at most `max_depth` + 1 pairs), never recursion, and
+    reads each directory as a stream, so neither depth nor a directory of millions of entries
+    costs more than the bounds. Files are created `O_EXCL | O_NOFOLLOW`, mode 0600
+    (directories 0700), owned by `owner` (uid, gid) when given.
     """
-    report = report if report is not None else CopyReport()
-    with os.scandir(src_fd) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for entry in entries:
-        rel = f"{_prefix}{entry.name}"
-        st = entry.stat(follow_symlinks=False)
-        if stat.S_ISLNK(st.st_mode):
-            report.skipped[rel] = "symlink"
-        elif stat.S_ISDIR(st.st_mode):
-            if _depth + 1 > max_depth:
-                report.skipped[rel], report.truncated = "depth bound", True
-                continue
+    report = CopyReport()
+    stack: list[tuple[int, int, str, int]] = [(os.dup(src_fd), os.dup(dst_fd), "", 0)]
+    try:
+        while stack:
+            src, dst, prefix, depth = stack.pop()
             try:
-                os.mkdir(entry.name, 0o700, dir_fd=dst_fd)
-            except FileExistsError:
-                report.skipped[rel] = "exists"
-                continue
-            sub_src = _open_component(entry.name, _DIR_FLAGS, src_fd, rel)
-            try:
-                sub_dst = _open_component(entry.name, _DIR_FLAGS, dst_fd, rel)
-                try:
-                    copy_tree_beneath(sub_src, sub_dst, max_files=max_files, max_bytes=max_bytes,
-                                      max_depth=max_depth, report=report, _prefix=f"{rel}/",
-                                      _depth=_depth + 1)
-                finally:
-                    os.close(sub_dst)
+                if not _copy_dir(src, dst, prefix, depth, stack, report, max_files=max_files,
+                                 max_bytes=max_bytes, max_depth=max_depth, max_entries=max_entries,
+                                 owner=owner):
+                    return report
             finally:
-                os.close(sub_src)
-        elif stat.S_ISREG(st.st_mode):
-            if report.files >= max_files or report.bytes + st.st_size > max_bytes:
-                report.skipped[rel], report.truncated = "size bound", True
-                continue
-            try:
-                fd = _open_component(entry.name, _FILE_FLAGS, src_fd, rel)
-            except UnsafePathError:
-                report.skipped[rel] = "symlink"  # replaced between scan and open
-                continue
-            try:
-                data = _read_up_to(fd, max_bytes - report.bytes)
-            finally:
-                os.close(fd)
-            try:
-                write_new_file(dst_fd, entry.name, data)
-            except FileExistsError:
-                report.skipped[rel] = "exists"
-                continue
-            report.files += 1
-            report.bytes += len(data)
-        else:
-            report.skipped[rel] = "special file"
+                os.close(src)
+                os.close(dst)
+    finally:
+        for src, dst, _, _ in stack:
+            os.close(src)
+            os.close(dst)
     return report
 
 
-def make_private_dir(root: Path, prefix: str) -> tuple[Path, int]:
-    """Create a fresh directory `root/<prefix><random hex>` (mode 0700) through the root's
-    descriptor; returns its host path and an open descriptor of it (caller closes).
+def _copy_dir(
+    src: int, dst: int, prefix: str, depth: int, stack: list[tuple[int, int, str, int]], report: CopyReport,
+    *, max_files: int, max_bytes: int, max_depth: int, max_entries: int, owner: tuple[int, int] | None,
+) -> bool:
+    """Copy the entries of one directory, pushing its subdirectories on `stack`; False once
+    `max_entries` stopped the walk."""
+    with os.scandir(src) as it:
+        for entry in it:
+            rel = f"{prefix}{entry.name}"
+            report.entries += 1
+            if report.entries > max_entries:
+                report._bound(rel, f"max_entries={max_entries}")
+                return False
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                report._skip(rel, "symlink")
+            elif stat.S_ISDIR(st.st_mode):
+                if depth + 1 > max_depth:
+                    report._bound(rel, f"max_depth={max_depth}")
+                    continue
+                try:
+                    os.mkdir(entry.name, 0o700, dir_fd=dst)
+                except FileExistsError:
+                    report._skip(rel, "exists")
+                    continue
+                try:
+                    sub_src = _open_component(entry.name, _DIR_FLAGS, src, rel)
+                except (UnsafePathError, FileNotFoundError):
+                    report._skip(rel, "symlink")  # replaced between scan and open
+                    continue
+                try:
+                    sub_dst = _open_component(entry.name, _DIR_FLAGS, dst, rel)
+                    if owner is not None:
+                        os.fchown(sub_dst, *owner)
+                except BaseException:
+                    os.close(sub_src)
+                    raise
+                stack.append((sub_src, sub_dst, f"{rel}/", depth + 1))
+            elif stat.S_ISREG(st.st_mode):
+                if report.files >= max_files:
+                    report._bound(rel, f"max_files={max_files}")
+                    continue
+                if report.bytes + st.st_size > max_bytes:
+                    report._bound(rel, f"max_bytes={max_bytes}")
+                    continue
+                try:
+                    fd = _open_component(entry.name, _FILE_FLAGS, src, rel)
+                except (UnsafePathError, FileNotFoundError):
+                    report._skip(rel, "symlink")  # replaced between scan and open
+                    continue
+                try:
+                    data = _read_up_to(fd, max_bytes - report.bytes)
+                finally:
+                    os.close(fd)
+                try:
+                    write_new_file(dst, entry.name, data, owner=owner)
+                except FileExistsError:
+                    report._skip(rel, "exists")
+                    continue
+                report.files += 1
+                report.bytes += len(data)
+            else:
+                report._skip(rel, "special file")
+    return True
+
+
+def make_private_dir(root: Path, prefix: str, owner: tuple[int, int] | None = None) -> tuple[Path, int]:
+    """Create a fresh directory `root/<prefix><random hex>` (mode 0700, owned by `owner` (uid,
+    gid) when given) through the root's descriptor; returns its host path and an open
+    descriptor of it (caller closes).
 
     The directory is new (`mkdir` fails on any existing name, link or not), so nothing the
     agent planted can redirect what is written into it.
@@ -335,6 +400,23 @@ def make_private_dir(root: Path, prefix: str) -> tuple[Path, int]:
         name = f"{prefix}{secrets.token_hex(8)}"
         os.mkdir(name, 0o700, dir_fd=root_fd)
         fd = _open_component(name, _DIR_FLAGS, root_fd, f"{root}/{name}")
+        if owner is not None:
+            try:
+                os.fchown(fd, *owner)
+            except BaseException:
+                os.close(fd)
+                raise
         return root / name, fd
     finally:
         os.close(root_fd)
+
+
+def owner_of_root(root: Path) -> tuple[int, int]:
+    """(uid, gid) owning the sandbox root directory itself (its last component not followed):
+    the user its commands run as, where the backend gives the sandbox to one."""
+    fd = open_root(root)
+    try:
+        st = os.fstat(fd)
+        return st.st_uid, st.st_gid
+    finally:
+        os.close(fd)

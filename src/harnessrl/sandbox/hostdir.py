@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from harnessrl.errors import SandboxError
+from harnessrl.errors import SandboxError, SandboxLimitError
 from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
 from harnessrl.sandbox.fsread import UnsafePathError, open_file_beneath, read_beneath
 from harnessrl.sandbox.procs import DIR_VAR, MARKER_VAR
@@ -217,11 +217,12 @@ class HostDirSandbox:
         return env
 
     def _check_startable(self, argv0: str) -> None:
-        """Raises SandboxError when the sandbox is closed or over its disk budget."""
+        """Raises SandboxError when the sandbox is closed, SandboxLimitError when it is over its
+        disk budget."""
         if self.closed:
             raise SandboxError(f"sandbox {self.sandbox_id} is closed; cannot run {argv0!r}")
-        if self.disk_exceeded:
-            raise SandboxError(f"sandbox {self.sandbox_id} exceeded disk_bytes="
+        if self.disk_exceeded:  # the agent's doing: its rollout scores as a failure (rewards/base.py)
+            raise SandboxLimitError(f"sandbox {self.sandbox_id} exceeded disk_bytes="
                                f"{self.config.disk_bytes}; cannot run {argv0!r}")
 
     def _run_dir(self, cwd: Path | None) -> Path:

