@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from harnessrl.train.console import FINAL_COLUMNS, final_table, skip_reason, step_line
+from harnessrl.train.console import FINAL_COLUMNS, bound_line, final_table, skip_reason, step_line
 
 
 def test_a_step_that_trains_nothing_says_why() -> None:
@@ -64,3 +64,17 @@ def test_final_table_shows_held_out_pass_and_the_train_reward() -> None:
     assert body[0][:8] == ["0", "0", "-", "-", "-", "-", "0.12", "-"]
     assert body[1][:8] == ["5", "5", "0.50", "0.62", "0.50", "0.00", "0.38", "0.0100"]
     assert "eval 0.38" in step_line(5, 5, row)
+
+
+def test_bound_line_names_the_side_that_bounds_the_run() -> None:
+    steps = [{"step": 1, "time/step_s": 10.0, "time/rollout_wait_s": 7.0, "time/train_s": 2.5, "time/sync_s": 0.5,
+              "engine/busy_frac": 0.9, "time/loop_cpu_s": 1.0, "sandbox_s_mean": 0.05, "verify_s_mean": 0.25},
+             {"step": 2, "time/step_s": 10.0, "time/rollout_wait_s": 5.0, "time/train_s": 4.5, "time/sync_s": 0.5,
+              "engine/busy_frac": 0.7, "time/loop_cpu_s": 2.0, "sandbox_s_mean": 0.15, "verify_s_mean": 0.35},
+             {"step": 2, "eval/pass_rate": 0.5}]  # a held-out evaluation row has no step timings
+    line = bound_line(steps)
+    assert line == ("bound by generation: of 20 s of steps, waiting for rollouts 60%, training 35%, weight sync 5%; "
+                    "engine busy 80%; event loop CPU 1.5 s/step; sandbox start 0.10 s/rollout; verify 0.30 s/rollout")
+    trained = [{"time/step_s": 10.0, "time/rollout_wait_s": 4.0, "time/train_s": 5.5, "time/sync_s": 0.5}]
+    assert bound_line(trained).startswith("bound by training: of 10 s of steps, waiting for rollouts 40%, training 55%")
+    assert bound_line([{"step": 0, "eval/pass_rate": 0.1}]) == ""

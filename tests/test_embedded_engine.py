@@ -305,3 +305,17 @@ def test_device_is_checked_before_the_model_loads(tiny_model_dir: Path) -> None:
     from harnessrl.config import load_config
 
     assert load_config(None, ['engine.device="cuda"']).engine.device == "cuda"  # bench/gpu_check.py runs it
+
+
+async def test_busy_seconds_count_work_not_waiting(engine: EmbeddedEngine) -> None:
+    import time
+
+    before = engine.stats().busy_seconds
+    await asyncio.sleep(0.3)  # idle: the decode thread blocks on its queue
+    assert engine.stats().busy_seconds == before
+    t0 = time.perf_counter()
+    await asyncio.gather(*(engine.generate(p, Sampling(temperature=0.0, max_tokens=8)) for p in PROMPTS))
+    wall = time.perf_counter() - t0
+    busy = engine.stats().busy_seconds - before
+    assert 0.0 < busy <= wall
+    assert engine.stats().step_metrics(engine.stats())["engine/busy_seconds"] == 0.0

@@ -87,3 +87,13 @@ def test_action_format_credit_hand_computed() -> None:
     solved = r.model_copy(update={"reward": 1.0})
     assert action_format_credit(outcome_of(solved)) == 1.0
     assert action_format_credit(outcome_of(r.model_copy(update={"reward": None}))) is None
+
+
+def test_phase_means_cover_only_the_rollouts_that_reached_the_phase() -> None:
+    a, b, c = _rollout(0, 1.0), _rollout(1, 0.0), _rollout(2, None, "infra_error")
+    a.timings_s.update(sandbox_s=0.2, verify_s=1.0)
+    b.timings_s.update(sandbox_s=0.4, verify_s=3.0)
+    c.timings_s.update(sandbox_s=0.6)  # its sandbox came up, it never reached the verifier
+    s = summarize_groups([Group(group_id=0, task_id="a", rollouts=[a, b, c])])
+    assert s["sandbox_s_mean"] == pytest.approx(0.4) and s["verify_s_mean"] == pytest.approx(2.0)
+    assert "verify_s_mean" not in summarize_groups([Group(group_id=0, task_id="a", rollouts=[_rollout(3, 0.0)])])

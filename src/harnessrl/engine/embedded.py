@@ -69,6 +69,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -345,12 +346,17 @@ class EmbeddedEngine:
         try:
             with torch.inference_mode():
                 while self._drain_queue():
+                    t0 = time.perf_counter()
                     self._drop_cancelled()
                     prefilled = self._prefill.run(self._max_batch_size - len(self._active), self._version)
+                    worked = bool(prefilled) or self._prefill.busy  # a prompt (or a chunk of one) ran
                     if prefilled:
                         self._join(prefilled)
                     if self._active:
                         self._decode_step()
+                        worked = True
+                    if worked:
+                        self._stats["busy_seconds"] += time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - a failed forward fails every request, then the engine
             log.exception("embedded engine decode thread failed")
             with self._close_lock:

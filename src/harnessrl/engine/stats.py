@@ -30,6 +30,9 @@ class EngineStats:
     prefix_cache_evictions: int = 0
     prefill_batches: int = 0
     """Prefill forwards that ran several prompts together (counted in `prefill_chunks` too)."""
+    busy_seconds: float = 0.0
+    """Wall seconds the decode thread spent prefilling or decoding (not waiting for work):
+    divided by a step's wall time it is the engine's busy fraction (`engine/busy_frac`)."""
 
     def step_metrics(self, previous: EngineStats | None = None, prefix: str = "engine/") -> dict[str, float]:
         """Flat metrics of the work done since `previous` (a snapshot taken earlier; None: since

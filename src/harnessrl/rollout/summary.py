@@ -61,7 +61,9 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     scored), pass@k for k in 1..(smallest number of scored rollouts of a task that has any),
     reward/verifier_mean and reward/verifier_std (population; over scored rollouts),
     reward/train_mean and reward/train_std (the same for the training reward), status/<name> counts,
-    turns_mean, prompt_tokens, completion_tokens, agent_s_mean, total_s_mean.
+    turns_mean, prompt_tokens, completion_tokens, agent_s_mean, total_s_mean, and
+    sandbox_s_mean / verify_s_mean (seconds to create the sandbox, and to verify, over the
+    rollouts that reached that phase; absent when none did).
     """
     rollouts = [r for g in groups for r in g.rollouts]
     out: dict[str, float] = {"tasks": float(len(groups)), "rollouts": float(len(rollouts))}
@@ -94,6 +96,10 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     out["completion_tokens"] = float(sum(len(t.completion_ids) for r in rollouts for t in r.trace.turns))
     out["agent_s_mean"] = sum(r.timings_s.get("agent_s", 0.0) for r in rollouts) / len(rollouts)
     out["total_s_mean"] = sum(r.timings_s.get("total_s", 0.0) for r in rollouts) / len(rollouts)
+    for phase in ("sandbox_s", "verify_s"):
+        seconds = [r.timings_s[phase] for r in rollouts if phase in r.timings_s]
+        if seconds:
+            out[f"{phase}_mean"] = sum(seconds) / len(seconds)
     return out
 
 

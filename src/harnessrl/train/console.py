@@ -129,6 +129,37 @@ def final_table(history: Sequence[dict[str, Any]]) -> Table:
     return table
 
 
+def bound_line(history: Sequence[dict[str, Any]]) -> str:
+    """Which part bounds the run, from the training steps' metrics (held-out evaluations left
+    out): the shares of the steps' wall time (`time/step_s`) the trainer spent waiting for
+    groups (`time/rollout_wait_s`: generation, sandboxes, agents and verifiers), training
+    (`time/train_s`) and syncing (`time/sync_s`); the engine's busy fraction (`engine/busy_frac`,
+    mean over steps, when the engine reports it); the event loop thread's CPU seconds per step
+    (`time/loop_cpu_s`: the proxy and the orchestrator); and the mean seconds a rollout spent
+    creating its sandbox and being verified. Generation bounds the run when the trainer waited
+    more than it trained and synced, else training does. "" when no step has timings."""
+    steps = [m for m in history if "time/step_s" in m]
+    total = sum(m["time/step_s"] for m in steps)
+    if not steps or total <= 0:
+        return ""
+    share = {k: sum(m.get(f"time/{k}_s", 0.0) for m in steps) / total for k in ("rollout_wait", "train", "sync")}
+    bound = "generation" if share["rollout_wait"] > share["train"] + share["sync"] else "training"
+    parts = [f"bound by {bound}: of {total:.0f} s of steps, waiting for rollouts {share['rollout_wait']:.0%}, "
+             f"training {share['train']:.0%}, weight sync {share['sync']:.0%}"]
+
+    def mean(key: str) -> float | None:
+        values = [m[key] for m in steps if key in m]
+        return sum(values) / len(values) if values else None
+
+    for key, text in (("engine/busy_frac", "engine busy {:.0%}"), ("time/loop_cpu_s", "event loop CPU {:.1f} s/step"),
+                      ("sandbox_s_mean", "sandbox start {:.2f} s/rollout"),
+                      ("verify_s_mean", "verify {:.2f} s/rollout")):
+        value = mean(key)
+        if value is not None:
+            parts.append(text.format(value))
+    return "; ".join(parts)
+
+
 def _fmt(v: Any, fmt: str = ".3f") -> str:
     return "-" if v is None else format(v, fmt)
 

@@ -183,7 +183,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
     from harnessrl.rollout.summary import rollout_line
     from harnessrl.runtime import start_runtime
     from harnessrl.train.advantages import advantage_fn_for
-    from harnessrl.train.console import final_table, print_conversation, skip_reason, step_line
+    from harnessrl.train.console import bound_line, final_table, print_conversation, skip_reason, step_line
     from harnessrl.engine.weight_sync import make_weight_sync
     from harnessrl.train.distributed import SINGLE
     from harnessrl.train.policy import latest_checkpoint
@@ -281,6 +281,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                 # `step` is 1-based: the k-th training step; checkpoints/step-k holds the state after it
                 for step in range(start_step + 1, cfg.train.steps + 1):
                     t_step = time.monotonic()
+                    cpu_before = time.thread_time()  # this (the event loop's) thread: proxy, orchestrator
                     idle_before = orch.idle_seconds
                     engine_before = _engine_stats(rt.engine)
                     # 1) pull the groups of this step (rollouts for later steps keep running)
@@ -348,11 +349,16 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
                         "time/step_s": t_synced - t_step,
                         # the generation side's wait: no rollout running (nothing for the engine)
                         "time/rollouts_idle_s": orch.idle_seconds - idle_before,
+                        # CPU of the event loop's thread: the proxy's HTTP, render and parse, the
+                        # orchestrator and sandbox management (the trainer and the engine have their own)
+                        "time/loop_cpu_s": time.thread_time() - cpu_before,
                         "rollouts_in_flight_groups": orch.groups_in_flight,
                     })
                     engine_now = _engine_stats(rt.engine)  # prefix cache and batching, this step
                     if engine_now is not None:
                         metrics.update(engine_now.step_metrics(engine_before))
+                        # over the same span as the counters (from the step's start to now)
+                        metrics["engine/busy_frac"] = metrics["engine/busy_seconds"] / max(time.monotonic() - t_step, 1e-9)
                     for g in groups:
                         for r in g.rollouts:
                             # the verifier's reward and the training reward (when shaped), both
@@ -377,6 +383,7 @@ async def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console:
             finally:
                 await orch.close()
         Console().print(final_table(history))
+        Console().print(bound_line(history), markup=False, highlight=False)
         from harnessrl.train.plot import curve_table, write_curve_png
 
         curve = write_curve_png(history, run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
@@ -489,7 +496,7 @@ def _rows_for_step(
     summary = summarize_groups(groups)
     for key in ("reward/verifier_mean", "reward/verifier_std", "reward/train_mean", "reward/train_std",
                 "pass_rate", "scored", "errors", "error_rate", "turns_mean",
-                "prompt_tokens", "completion_tokens"):
+                "prompt_tokens", "completion_tokens", "agent_s_mean", "sandbox_s_mean", "verify_s_mean"):
         if key in summary:
             metrics[key] = summary[key]
     metrics.update({k: v for k, v in summary.items() if k.startswith(("status/", "pass@"))})
