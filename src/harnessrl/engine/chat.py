@@ -52,6 +52,7 @@ get recorded, never a re-render (DESIGN.md §9).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -392,7 +393,7 @@ class ChatLayer(BridgedRendering):
 
         Args:
             stop: the request's stop strings; the text ends where the first one found begins
-                (the ids keep everything sampled).
+                (the ids keep everything sampled), and that string is the parse's `stop_sequence`.
             reasoning_open: the prompt ended inside an open `<think>` block; defaults to
                 `prompt_opens_reasoning`. Then the completion is reasoning up to `</think>`.
 
@@ -408,13 +409,16 @@ class ChatLayer(BridgedRendering):
         if ids and ids[-1] in self.eos_token_ids:
             ids.pop()
         text = self._decode(ids)
-        cuts = [i for s in stop if s and (i := text.find(s)) >= 0]
+        matched = None
+        cuts = [(i, n, s) for n, s in enumerate(stop) if s and (i := text.find(s)) >= 0]
         if cuts:
-            text = text[:min(cuts)]
+            at, _, matched = min(cuts)  # the earliest in the text; the first listed on a tie
+            text = text[:at]
         opened = self.prompt_opens_reasoning if reasoning_open is None else reasoning_open
         seed = (call_id_seed or hashlib.blake2b(repr(completion_ids).encode(), digest_size=8).hexdigest()
                 if has_tools else "")
-        return parse_text(text, has_tools, opened=opened, call_id_seed=seed)
+        parsed = parse_text(text, has_tools, opened=opened, call_id_seed=seed)
+        return parsed if matched is None else dataclasses.replace(parsed, stop_sequence=matched)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id decoded on its own (the `token` of OpenAI logprobs entries)."""

@@ -32,7 +32,8 @@ Result: content blocks `thinking` (when the completion had a `<think>` block; em
 `signature`), `text` (when there is text, or nothing else), `tool_use` (input = the parsed
 arguments; a call whose arguments are not a JSON object stays in the text). `stop_reason`:
 `max_tokens` when truncated, `tool_use` when calls were parsed, `stop_sequence` when a
-requested stop sequence ended the text, else `end_turn`. Usage: `input_tokens` = prompt ids
+requested stop sequence ended the text (the chat layer's parse names the one it cut at, the
+chat body's `stop_reason`; `stop_sequence` is that string), else `end_turn`. Usage: `input_tokens` = prompt ids
 consumed, `output_tokens` = ids sampled, cache counts 0.
 
 Stream: `message_start` (with the prompt's `input_tokens`, sent before generation; `ping`
@@ -81,10 +82,9 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     except RequestError as exc:
         return error_response(exc.status_code, exc.message)
     message_id = "msg_" + secrets.token_hex(12)
-    stops = tuple(converted.chat_body.get("stop") or ())
 
     def render(chat: dict[str, Any]) -> dict[str, Any]:
-        return message_body(chat, message_id, stops)
+        return message_body(chat, message_id)
 
     call = native.Call(session, Origin(PROTOCOL, body, headers, converted.notes, render))
     prepared = await native.prepare(call, deps.capture, converted, request.headers)
@@ -289,7 +289,7 @@ def _tool_choice(choice: object) -> str:
 # ---------------------------------------------------------------- chat result -> Messages
 
 
-def message_body(chat: dict[str, Any], message_id: str, stop_sequences: tuple[str, ...] = ()) -> dict[str, Any]:
+def message_body(chat: dict[str, Any], message_id: str) -> dict[str, Any]:
     """The Messages body for a unary chat.completion `chat` (see the module docstring)."""
     choice = chat["choices"][0]
     message = choice["message"]
@@ -309,7 +309,7 @@ def message_body(chat: dict[str, Any], message_id: str, stop_sequences: tuple[st
     if text or not uses:
         content.append({"type": "text", "text": text})
     content.extend(uses)
-    stop_sequence = next((s for s in stop_sequences if s in text), None)
+    stop_sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
     if choice["finish_reason"] == "length":
         stop_reason, stop_sequence = "max_tokens", None
     elif uses:

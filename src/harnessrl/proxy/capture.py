@@ -309,7 +309,10 @@ def _sampling(temperature: float, top_p: float, top_k: int, max_tokens: int, sto
 def build_response(deps: CaptureDeps, request: ChatRequest, completion: Completion,
                    parsed: ParsedAssistant) -> dict[str, Any]:
     """The unary OpenAI chat.completion body. `finish_reason`: `length` when truncated (even
-    with parsed tool calls), `tool_calls` when calls were parsed, else `stop`."""
+    with parsed tool calls), `tool_calls` when calls were parsed, else `stop`; when one of the
+    request's stop strings ended the text (and the reply was not truncated), the choice also
+    carries `stop_reason` = that string, as vLLM's server does (the Messages route reports it
+    as `stop_sequence`)."""
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         message["tool_calls"] = [
@@ -323,13 +326,16 @@ def build_response(deps: CaptureDeps, request: ChatRequest, completion: Completi
     else:
         finish = "tool_calls" if parsed.tool_calls else "stop"
     n_prompt, n_completion = len(completion.prompt_ids), len(completion.completion_ids)
+    choice = {"index": 0, "message": message, "finish_reason": finish,
+              "logprobs": _logprobs(deps.chat, completion) if request.logprobs else None}
+    if parsed.stop_sequence is not None and finish != "length":
+        choice["stop_reason"] = parsed.stop_sequence
     return {
         "id": completion_id(),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model or deps.config.model_name,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                     "logprobs": _logprobs(deps.chat, completion) if request.logprobs else None}],
+        "choices": [choice],
         "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                   "total_tokens": n_prompt + n_completion},
     }
