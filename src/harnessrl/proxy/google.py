@@ -25,6 +25,10 @@ Request conversion (each unsupported field or part -> 400 naming it, in Google's
 * `toolConfig.functionCallingConfig.mode` `AUTO` / `NONE` (`ANY` -> 400: the engine cannot
   force a call); `generationConfig` `maxOutputTokens`, `temperature`, `topP`, `topK`,
   `stopSequences`, `seed` -> chat fields; `candidateCount` above 1 -> 400.
+* Every field of a part (`function_call`, `function_response`, `thought_signature`,
+  `inline_data`, ...), of a call, an answer, a function declaration and `generationConfig` is
+  read in either spelling the API accepts, camelCase or snake_case (`camel_keys`), like the
+  top-level fields.
 * Ignored: `safetySettings`, `labels`, `generationConfig.thinkingConfig` (the chat template
   decides whether the model thinks), `responseMimeType: "text/plain"`.
 
@@ -173,6 +177,28 @@ def to_chat_body(body: dict[str, Any], model: str = "") -> native.Converted:
     return native.Converted(chat, tuple(notes))
 
 
+def camel_keys(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """`obj` with its snake_case keys in Google's camelCase spelling (`function_call` ->
+    `functionCall`, `thought_signature` -> `thoughtSignature`): the API accepts both spellings
+    of every field (proto JSON), so parts, their calls and answers, function declarations and
+    `generationConfig` are read in one. Keys without "_" are kept as they are.
+
+    Raises:
+        RequestError: both spellings of one field are given (`param` names it).
+    """
+    if not any("_" in k for k in obj):
+        return obj
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        head, *rest = key.split("_")
+        name = head + "".join(w[:1].upper() + w[1:] for w in rest)
+        if name in out:
+            raise RequestError(f"{where}.{name} is given twice (as {name} and as a snake_case spelling)",
+                               param=f"{where}.{name}")
+        out[name] = value
+    return out
+
+
 def _system(system: object) -> list[dict[str, Any]]:
     if system is None:
         return []
@@ -206,13 +232,14 @@ def _content(content: object, i: int, pending: list[tuple[str, str]], notes: lis
         at = f"{where}.parts[{j}]"
         if not isinstance(part, dict):
             raise RequestError(f"{at} must be an object", param=at)
+        part = camel_keys(part, at)
         if isinstance(part.get("text"), str):
             if out and out[-1]["role"] == "user":
                 out[-1]["content"] += "\n" + part["text"]
             else:
                 out.append({"role": "user", "content": part["text"]})
         elif isinstance(part.get("functionResponse"), dict):
-            fr = part["functionResponse"]
+            fr = camel_keys(part["functionResponse"], f"{at}.functionResponse")
             if not isinstance(fr.get("name"), str):
                 raise RequestError(f"{at}.functionResponse.name must be a string", param=f"{at}.functionResponse.name")
             call_id = _answer(pending, fr["name"], fr.get("id"))
@@ -233,12 +260,13 @@ def _model(parts: list[Any], i: int, pending: list[tuple[str, str]], notes: list
         at = f"contents[{i}].parts[{j}]"
         if not isinstance(part, dict):
             raise RequestError(f"{at} must be an object", param=at)
+        part = camel_keys(part, at)
         if "thoughtSignature" in part:
             notes.append(f"dropped {at}.thoughtSignature (opaque)")
         if isinstance(part.get("text"), str):
             (thoughts if part.get("thought") is True else texts).append(part["text"])
         elif isinstance(part.get("functionCall"), dict):
-            fc = part["functionCall"]
+            fc = camel_keys(part["functionCall"], f"{at}.functionCall")
             if not isinstance(fc.get("name"), str):
                 raise RequestError(f"{at}.functionCall.name must be a string", param=f"{at}.functionCall.name")
             call_id = fc["id"] if isinstance(fc.get("id"), str) and fc["id"] else f"call_{i}_{j}"
@@ -288,6 +316,7 @@ def _tools(raw: object, notes: list[str]) -> list[dict[str, Any]]:
             at = f"tools[{i}].functionDeclarations[{k}]"
             if not isinstance(decl, dict) or not isinstance(decl.get("name"), str):
                 raise RequestError(f"{at}.name must be a string", param=f"{at}.name")
+            decl = camel_keys(decl, at)
             schema = decl.get("parametersJsonSchema", decl.get("parameters")) or {"type": "object", "properties": {}}
             if not isinstance(schema, dict):
                 raise RequestError(f"{at}.parameters must be an object", param=f"{at}.parameters")
@@ -325,6 +354,7 @@ def _generation(config: object) -> dict[str, Any]:
         return {}
     if not isinstance(config, dict):
         raise RequestError("generationConfig must be an object", param="generationConfig")
+    config = camel_keys(config, "generationConfig")
     out: dict[str, Any] = {}
     for key, value in config.items():
         if key in GENERATION_FIELDS:
