@@ -63,7 +63,7 @@ from harnessrl.engine.chat import ChatLayer, ParsedAssistant
 from harnessrl.errors import ContextLengthError, EngineError, RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import Session
-from harnessrl.proxy.wire import ChatRequest, error_body, parse_chat_request
+from harnessrl.proxy.wire import ChatRequest, error_body, limits_of, parse_chat_request, recorded_body
 from harnessrl.types import (Completion, Reply, ReplyToolCall, Sampling, Turn, check_turn_faithful,
                              effective_temperature)
 
@@ -184,11 +184,19 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
     request: ChatRequest | None = None
     budget = deps.config.max_model_calls
     try:
-        request = parse_chat_request(body)
+        request = parse_chat_request(body, limits_of(deps.config))
+        body = recorded_body(body)  # the fields the proxy ignores are not kept on the turn
         if budget and turn_index >= budget:
             return PreparedChat(session, request, body, kept, [], Sampling(max_tokens=1), turn_index, started_at,
                                 started_perf_s, None, origin, final_stop=f"max_model_calls={budget} reached")
         plan = deps.chat.plan_prompt(request.messages, request.tools, session.bridge_points)
+        if len(plan.text) > OFFLOAD_RENDER_CHARS:  # far past the context: refused untokenised
+            floor = len(plan.head_ids) + deps.chat.min_tokens(plan.text)
+            if floor >= deps.engine.max_context_tokens:
+                raise RequestError(
+                    f"the prompt has at least {floor} tokens ({len(plan.text)} characters) and the context limit "
+                    f"is {deps.engine.max_context_tokens} tokens (max_context_tokens), which leaves no room for "
+                    f"a completion", param="messages", code="context_length_exceeded")
         prompt_ids = deps.chat.encode_within(plan.text, OFFLOAD_RENDER_CHARS)
         if prompt_ids is None:
             prompt_ids = await asyncio.to_thread(deps.chat.encode, plan.text)
@@ -196,6 +204,8 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
             prompt_ids = plan.head_ids + prompt_ids
         sampling = resolve_sampling(deps.config, request, len(prompt_ids), deps.engine.max_context_tokens)
     except RequestError as exc:
+        if request is not None:  # refused after rendering: the render of a refused call is not kept
+            deps.chat.discard_render(request.messages, request.tools)
         if budget and request is not None and exc.code == "context_length_exceeded":
             return PreparedChat(session, request, body, kept, [], Sampling(max_tokens=1), turn_index, started_at,
                                 started_perf_s, None, origin, final_stop=f"context exhausted: {exc}")

@@ -59,9 +59,9 @@ from starlette.responses import Response, StreamingResponse
 from harnessrl.engine.chat import ToolCall, hermes_tool_call, normalize_tools
 from harnessrl.errors import RequestError
 from harnessrl.proxy import native
-from harnessrl.proxy.app import ProxyDeps, json_response, read_json
+from harnessrl.proxy.app import ProxyDeps, json_response, read_session_json
 from harnessrl.proxy.capture import ChatOutcome, Origin
-from harnessrl.proxy.wire import dumps
+from harnessrl.proxy.wire import DEFAULT_LIMITS, RequestLimits, check_stop, dumps, limits_of, recorded_body
 
 PROTOCOL = "google"
 ROUTE = "/v1beta/models/{target}"
@@ -87,8 +87,8 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
                                    "streamGenerateContent")
     headers = native.kept_headers(request.headers, EXTRA_HEADERS)
     try:
-        body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
-        converted = _convert_or_record(session, body, model, headers)
+        body = await read_session_json(request, session, deps)
+        converted = _convert_or_record(session, body, model, headers, limits_of(deps.capture.config))
     except RequestError as exc:
         return error_response(exc.status_code, exc.message)
     response_id = secrets.token_hex(12)
@@ -96,7 +96,8 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     def render(chat: dict[str, Any]) -> dict[str, Any]:
         return response_body(chat, response_id, model)
 
-    call = native.Call(session, Origin(PROTOCOL, body, headers, converted.notes, render))
+    origin = Origin(PROTOCOL, recorded_body(body, IGNORED_FIELDS), headers, converted.notes, render)
+    call = native.Call(session, origin)
     prepared = await native.prepare(call, deps.capture, converted, request.headers)
     if isinstance(prepared, ChatOutcome):
         return error_response(prepared.status_code, _message_of(prepared.body))
@@ -133,9 +134,10 @@ async def _stream(call: native.Call, deps: ProxyDeps, prepared: Any, sse: bool) 
     yield (b"data: " + dumps(outcome.protocol_body) + b"\n\n") if sse else dumps([outcome.protocol_body])
 
 
-def _convert_or_record(session: Any, body: dict[str, Any], model: str, headers: dict[str, str]) -> native.Converted:
+def _convert_or_record(session: Any, body: dict[str, Any], model: str, headers: dict[str, str],
+                       limits: RequestLimits) -> native.Converted:
     try:
-        return to_chat_body(body, model)
+        return to_chat_body(body, model, limits)
     except RequestError as exc:
         native.record_rejected(session, PROTOCOL, body, headers, exc)
         raise
@@ -148,8 +150,9 @@ def _message_of(error: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- request -> chat body
 
 
-def to_chat_body(body: dict[str, Any], model: str = "") -> native.Converted:
-    """Translate a `generateContent` body (see the module docstring).
+def to_chat_body(body: dict[str, Any], model: str = "", limits: RequestLimits = DEFAULT_LIMITS) -> native.Converted:
+    """Translate a `generateContent` body (see the module docstring); `stopSequences` within
+    `limits` (`wire.check_stop`).
 
     Raises:
         RequestError: unsupported field or part, or a malformed one; `param` names it
@@ -173,7 +176,7 @@ def to_chat_body(body: dict[str, Any], model: str = "") -> native.Converted:
     if tools:
         chat["tools"] = tools
         chat["tool_choice"] = _tool_choice(body.get("toolConfig", body.get("tool_config")))
-    chat.update(_generation(body.get("generationConfig", body.get("generation_config"))))
+    chat.update(_generation(body.get("generationConfig", body.get("generation_config")), limits))
     return native.Converted(chat, tuple(notes))
 
 
@@ -349,7 +352,7 @@ def _tool_choice(config: object) -> str:
                        param="toolConfig.functionCallingConfig.mode")
 
 
-def _generation(config: object) -> dict[str, Any]:
+def _generation(config: object, limits: RequestLimits) -> dict[str, Any]:
     if config is None:
         return {}
     if not isinstance(config, dict):
@@ -357,7 +360,11 @@ def _generation(config: object) -> dict[str, Any]:
     config = camel_keys(config, "generationConfig")
     out: dict[str, Any] = {}
     for key, value in config.items():
-        if key in GENERATION_FIELDS:
+        if key == "stopSequences":
+            stop = check_stop(value, "generationConfig.stopSequences", limits)
+            if stop:
+                out["stop"] = list(stop)
+        elif key in GENERATION_FIELDS:
             if value is not None:
                 out[GENERATION_FIELDS[key]] = value
         elif key == "candidateCount":

@@ -15,6 +15,16 @@ same way: no timer is started and cancelled per request.
 
 Invariant: generation time is never limited here; the deadline covers only reading a request.
 
+Connections are bounded in number too (`ConnectionLimits`): the agents' listeners hold at most
+`max_total` connections in all and `max_per_peer` per peer, where a peer is the PID namespace
+of the process that connected to the Unix socket (`SO_PEERCRED`'s pid, then
+`/proc/<pid>/ns/pid`): each sandboxed command runs in a PID namespace of its own, its forwarder
+and every process it starts included, so one flooding agent uses up its own share only. Its
+uid stands in when the namespace cannot be read (the process already exited). TCP connections
+count in all only (agents reach TCP only without a sandbox, or through a Ray node's relay,
+which carries many rollouts). A connection past a bound is closed at once, before a byte is
+read; the admin listener is not counted.
+
 The same protocol writes a response's head together with its first body part: uvicorn writes
 the status line and headers, then the body, as two socket writes (two TCP segments, two
 wake-ups of the client); here the head of a response with a `content-length` is held
@@ -27,6 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -79,15 +93,92 @@ class _HeadHeld:
         return getattr(self.transport, name)
 
 
+_PEERCRED = struct.Struct("3i")
+
+
+def unix_peer(sock: Any) -> str:
+    """Who connected to a Unix socket: `pidns:<namespace>` of the connecting process, else
+    `uid:<uid>` (its PID namespace could not be read), else `unix:unknown`."""
+    try:
+        pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except (OSError, AttributeError, struct.error):
+        return "unix:unknown"
+    try:
+        return "pidns:" + os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return f"uid:{uid}"
+
+
+class ConnectionLimits:
+    """The agents' open connections, in all and per Unix-socket peer (module docstring).
+
+    Args:
+        max_total: connections held at most in all (>= 1).
+        max_per_peer: connections one Unix-socket peer holds at most (>= 1).
+        exempt: True for a listener address (`sockname`) whose connections are not counted
+            (the admin listener).
+
+    Raises ValueError for a bound below 1.
+    """
+
+    def __init__(self, max_total: int, max_per_peer: int, exempt: Callable[[Any], bool] = lambda name: False) -> None:
+        if max_total < 1 or max_per_peer < 1:
+            raise ValueError(f"max_total={max_total} and max_per_peer={max_per_peer} must be >= 1")
+        self.max_total = max_total
+        self.max_per_peer = max_per_peer
+        self.exempt = exempt
+        self.total = 0
+        self.refused = 0
+        """Connections closed at once for being past a bound, since start."""
+        self.peers: dict[str, int] = {}
+
+    def admit(self, transport: asyncio.BaseTransport) -> tuple[bool, str | None]:
+        """Count a new connection: `(True, peer)` when it may stay (`peer` None: counted in all
+        only, "" for an exempt one), `(False, None)` when it must be closed."""
+        if self.exempt(transport.get_extra_info("sockname")):
+            return True, ""
+        sock = transport.get_extra_info("socket")
+        peer = unix_peer(sock) if sock is not None and sock.family == socket.AF_UNIX else None
+        if self.total >= self.max_total or (peer is not None and self.peers.get(peer, 0) >= self.max_per_peer):
+            self.refused += 1
+            if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+                log.warning("closed a new connection from %s: %d open in all (max_connections=%d), %d from "
+                            "this peer (max_connections_per_peer=%d); %d refused so far", peer or "tcp",
+                            self.total, self.max_total, self.peers.get(peer, 0) if peer else 0, self.max_per_peer,
+                            self.refused)
+            return False, None
+        self.total += 1
+        if peer is not None:
+            self.peers[peer] = self.peers.get(peer, 0) + 1
+        return True, peer
+
+    def release(self, peer: str | None) -> None:
+        """A connection admitted with `peer` closed."""
+        if peer == "":
+            return
+        self.total -= 1
+        if peer is not None:
+            left = self.peers[peer] - 1
+            if left:
+                self.peers[peer] = left
+            else:
+                del self.peers[peer]
+
+    def snapshot(self) -> dict[str, int]:
+        """`total`, `peers` (how many hold a connection), `refused` (since start)."""
+        return {"total": self.total, "peers": len(self.peers), "refused": self.refused}
+
+
 def _timeout_body(read_timeout_s: float) -> bytes:
     message = f"request not received within read_timeout_s={read_timeout_s:g}".encode()
     return (b'{"error": {"message": "' + message + b'", "type": "invalid_request_error", "param": null, '
             b'"code": "request_timeout"}}')
 
 
-def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
+def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = None) -> type[asyncio.Protocol]:
     """The httptools protocol with a per-request read deadline of `read_timeout_s` seconds,
-    writing each response's head with its first body part (module docstring).
+    writing each response's head with its first body part, and each new connection counted
+    by `limits` (closed at once past a bound) (module docstring).
 
     Raises:
         ValueError: `read_timeout_s` is not positive.
@@ -110,6 +201,9 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
         """uvicorn's keep-alive deadline (`timeout_keep_alive` after `_idle_since`), kept the
         same way as `_read_timer` instead of a timer per response."""
         _head_held: _HeadHeld | None = None
+        _counted: bool = False
+        """Admitted by `limits` (released when the connection is lost)."""
+        _peer: str | None = None
 
         def data_received(self, data: bytes) -> None:
             self._idle_since = None
@@ -144,6 +238,12 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if limits is not None:
+                admitted, self._peer = limits.admit(transport)
+                if not admitted:
+                    transport.close()  # nothing read or written: the peer sees EOF
+                    return
+                self._counted = True
             self._head_held = _HeadHeld(transport, self)
             self._read_by = self.loop.time() + read_timeout_s
             self._read_timer = self.loop.call_at(self._read_by, self._read_check)
@@ -166,6 +266,9 @@ def guarded_httptools(read_timeout_s: float) -> type[asyncio.Protocol]:
             self._read_by = None
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._counted and limits is not None:
+                self._counted = False
+                limits.release(self._peer)
             self._read_by = self._idle_since = None
             for timer in (self._read_timer, self._idle_timer):
                 if timer is not None:

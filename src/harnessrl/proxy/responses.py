@@ -64,10 +64,10 @@ from starlette.responses import Response, StreamingResponse
 
 from harnessrl.errors import RequestError
 from harnessrl.proxy import native
-from harnessrl.proxy.app import ProxyDeps, json_response, read_json
+from harnessrl.proxy.app import ProxyDeps, json_response, read_session_json
 from harnessrl.proxy.capture import ChatOutcome, Origin
 from harnessrl.proxy.sse import KEEPALIVE
-from harnessrl.proxy.wire import dumps
+from harnessrl.proxy.wire import dumps, recorded_body
 
 PROTOCOL = "responses"
 EXTRA_HEADERS = ("thread-id", "originator", "x-client-request-id", "x-codex-window-id")
@@ -89,7 +89,7 @@ _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     """`POST /v1/responses`: unary JSON, or the Responses event stream."""
-    body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
+    body = await read_session_json(request, session, deps)
     headers = native.kept_headers(request.headers, EXTRA_HEADERS)
     try:
         converted = to_chat_body(body)
@@ -101,7 +101,8 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     def render(chat: dict[str, Any]) -> dict[str, Any]:
         return response_body(chat, body, response_id, created_at)
 
-    call = native.Call(session, Origin(PROTOCOL, body, headers, converted.notes, render))
+    origin = Origin(PROTOCOL, recorded_body(body, IGNORED_FIELDS), headers, converted.notes, render)
+    call = native.Call(session, origin)
     prepared = await native.prepare(call, deps.capture, converted, request.headers)
     if isinstance(prepared, ChatOutcome):
         return json_response(prepared.status_code, prepared.body)
