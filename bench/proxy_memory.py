@@ -163,7 +163,7 @@ def hostile_body(kind: str, index: int, big: bool) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": filler}], "max_tokens": 16}).encode()
 
 
-async def hostile_phase(proxy: Any, kind: str, calls: int, big: bool, tmp: Path) -> dict[str, Any]:
+async def hostile_phase(proxy: Any, kind: str, calls: int, big: bool) -> dict[str, Any]:
     session_id, key = proxy.open_session(f"{kind}-{big}")
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port, limit=2**24)
     statuses: dict[int, int] = {}
@@ -203,10 +203,10 @@ async def run_hostile(calls: int) -> list[dict[str, Any]]:
             else {"max_session_body_bytes": budget}  # (a proxy without the bound runs these phases as they are)
         config = ProxyConfig(port=0, trace_path=tmp / "traces.jsonl", max_tokens_cap=16, **knob)
         async with ProxyServer(engine, chat, config) as proxy:
-            await hostile_phase(proxy, "ignored", 3, False, tmp)  # warm-up: caches, allocator pools
+            await hostile_phase(proxy, "ignored", 3, False)  # warm-up: caches, allocator pools
             for kind, n in phases:
-                rows.append(await hostile_phase(proxy, kind, n, False, tmp))
-                rows.append(await hostile_phase(proxy, kind, n, True, tmp))
+                rows.append(await hostile_phase(proxy, kind, n, False))
+                rows.append(await hostile_phase(proxy, kind, n, True))
     shutil.rmtree(tmp)
     return rows
 

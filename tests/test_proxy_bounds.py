@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import os
 import socket
 import subprocess
 import sys
