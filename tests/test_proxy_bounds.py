@@ -204,20 +204,28 @@ async def test_refused_calls_leave_no_memory_behind(tokenizer):
 
 FLOOD = textwrap.dedent("""
     import socket, sys, time
-    path, n = sys.argv[1], int(sys.argv[2])
-    held, closed = [], 0
+    path, n, kept = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    held = []
     for _ in range(n):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
-        held.append(s)
-    time.sleep(1.0)
-    for s in held:  # the proxy closed the ones past the cap: they read EOF at once
         s.setblocking(False)
-        try:
-            closed += s.recv(1) == b""
-        except BlockingIOError:
-            pass
-    print(closed, flush=True)
+        held.append(s)
+    closed, settled = set(), False
+    deadline = time.monotonic() + 30
+    while True:  # the proxy closes the ones past the cap: they read EOF
+        for i, s in enumerate(held):
+            if i not in closed:
+                try:
+                    if s.recv(1) == b"":
+                        closed.add(i)
+                except BlockingIOError:
+                    pass
+        if len(closed) >= n - kept and settled or time.monotonic() > deadline:
+            break
+        settled = len(closed) >= n - kept
+        time.sleep(0.5)
+    print(len(closed), flush=True)
     sys.stdin.read()  # hold the connections until the test is done
 """)
 
@@ -249,7 +257,7 @@ async def test_a_flooding_peer_is_refused_and_its_siblings_are_served(tokenizer)
         session_id, key = proxy.open_session("sibling")
         flood = await asyncio.create_subprocess_exec(
             "unshare", "--user", "--map-root-user", "--pid", "--fork", sys.executable, "-c", FLOOD,
-            str(proxy.agent_socket_path), "300", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            str(proxy.agent_socket_path), "300", "32", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         try:
             assert flood.stdout is not None
             closed = int(await asyncio.wait_for(flood.stdout.readline(), 60))
@@ -277,16 +285,20 @@ async def test_connections_in_all_stay_below_the_descriptor_limit(tokenizer):
     async with served(tokenizer, max_connections=20, max_connections_per_peer=1000) as (proxy, http):
         _, key = proxy.open_session("tcp")
         held = [await asyncio.open_connection("127.0.0.1", proxy.port) for _ in range(40)]
-        await asyncio.sleep(0.3)
-        eof = 0
-        for reader, _ in held:
-            with contextlib.suppress(TimeoutError):
-                eof += await asyncio.wait_for(reader.read(1), 0.05) == b""
-        for _, writer in held[:30]:
-            writer.close()
+        reads = [asyncio.ensure_future(reader.read(1)) for reader, _ in held]
+        for _ in range(100):  # until the proxy closed the 20 past the cap (EOF), then a little more
+            await asyncio.sleep(0.1)
+            if sum(r.done() for r in reads) >= 20:
+                break
+        await asyncio.sleep(0.5)
+        eof = sum(r.done() and r.result() == b"" for r in reads)
+        for (_, writer), read in zip(held, reads, strict=True):
+            if not read.done():
+                writer.close()
+                read.cancel()
         await asyncio.sleep(0.3)
         ok = await http.post("/v1/chat/completions", json={"messages": USER}, headers=auth(key))
-        for _, writer in held[30:]:
+        for _, writer in held:
             writer.close()
     assert eof == 20
     assert ok.status_code == 200
