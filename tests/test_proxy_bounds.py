@@ -131,7 +131,8 @@ async def test_fields_the_proxy_ignores_are_not_recorded(tokenizer, tmp_path: Pa
     calls = [("/v1/chat/completions", {"model": "m", "messages": [
                  {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "refusal": big},
                  {"role": "user", "content": "more"}], "user": big, "metadata": {"x": big}}),
-             ("/v1/responses", {"model": "m", "input": "hi", "user": big, "prompt_cache_key": big}),
+             ("/v1/responses", {"model": "m", "input": "hi", "user": big, "prompt_cache_key": big,
+                                "metadata": {"x": big}}),  # metadata is echoed by the API: not here
              ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": USER, "metadata": {"user_id": big}}),
              ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"text": "hi"}]}], "labels": {"x": big}})]
     async with served(tokenizer, trace_path=tmp_path / "traces.jsonl") as (proxy, http):
@@ -146,7 +147,7 @@ async def test_fields_the_proxy_ignores_are_not_recorded(tokenizer, tmp_path: Pa
     assert [t.status for t in trace.turns] == ["ok"] * 4
     assert "user" not in chat.request and "metadata" not in chat.request
     assert chat.request["messages"][1] == {"role": "assistant", "content": "ok"}
-    assert responses.raw_request == {"model": "m", "input": "hi"}
+    assert responses.raw_request == {"model": "m", "input": "hi"} and responses.raw_response["metadata"] == {}
     assert "metadata" not in messages.raw_request and messages.raw_request["max_tokens"] == 5
     assert "labels" not in google.raw_request
 
