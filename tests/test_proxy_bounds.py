@@ -152,6 +152,42 @@ async def test_fields_the_proxy_ignores_are_not_recorded(tokenizer, tmp_path: Pa
     assert "labels" not in google.raw_request
 
 
+async def test_headers_are_bounded_and_recorded_cut(tokenizer):
+    """Headers are outside max_body_bytes: a header section past max_header_bytes gets 431, and a
+    recorded header value is cut to RECORDED_HEADER_CHARS."""
+    from harnessrl.proxy.capture import RECORDED_HEADER_CHARS
+
+    async with served(tokenizer) as (proxy, http):
+        session_id, key = proxy.open_session("headers")
+        ok = await http.post("/v1/chat/completions", json={"messages": USER},
+                             headers=auth(key) | {"user-agent": "u" * 20_000, "x-session-id": "s" * 100})
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + key.encode()
+                     + b"\r\nuser-agent: " + b"u" * 80_000 + b"\r\ncontent-length: 2\r\n\r\n{}")
+        answer = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        # one header that never ends: cut off by the bytes buffered, not by the read timeout
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nuser-agent: ")
+        try:  # 1 MiB of one header value: the proxy answers 431 and closes (reset under our writes)
+            for _ in range(64):
+                writer.write(b"u" * 16_384)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            endless = await asyncio.wait_for(reader.read(), 20)
+        except ConnectionError:
+            endless = b"HTTP/1.1 431 (reset while sending)"
+        writer.close()
+        trace = proxy.close_session(session_id)
+    assert ok.status_code == 200
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"max_header_bytes=65536" in answer
+    assert endless.startswith(b"HTTP/1.1 431 ")
+    assert len(trace.turns) == 1, [t.error for t in trace.turns]  # the refused request never became a turn
+    turn = trace.turns[0]
+    assert turn.headers["x-session-id"] == "s" * 100
+    assert turn.headers["user-agent"] == "u" * RECORDED_HEADER_CHARS + "…[20000 chars]"
+
+
 async def test_a_session_has_a_request_byte_budget(tokenizer):
     content = "word " * 4_000
     async with served(tokenizer, max_session_body_bytes=64 * 1024) as (proxy, http):

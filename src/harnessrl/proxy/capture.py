@@ -73,6 +73,9 @@ M = TypeVar("M", bound=BaseModel)
 RECORDED_HEADERS = ("x-session-id", "x-session-affinity", "x-stainless-retry-count", "session-id",
                     "x-codex-turn-metadata", "user-agent")
 """Headers copied into `Turn.headers` (looked up lower-case)."""
+RECORDED_HEADER_CHARS = 2048
+"""A recorded header value longer than this is cut (`recorded_headers`): headers are outside
+`max_body_bytes` and the session's byte budget, and every turn keeps its own."""
 OFFLOAD_RENDER_CHARS = 16_384
 """New (uncached) prompt text above which tokenisation runs in a worker thread."""
 BRIDGE_POINTS_KEPT = 8
@@ -180,7 +183,7 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
     """
     started_at, started_perf_s = time.time(), time.perf_counter()
     turn_index = session.reserve_turn_index()
-    kept = {k: v for k in RECORDED_HEADERS if (v := headers.get(k)) is not None}
+    kept = recorded_headers(headers, RECORDED_HEADERS)
     request: ChatRequest | None = None
     budget = deps.config.max_model_calls
     try:
@@ -402,6 +405,18 @@ def _logprobs(chat: ChatLayer, completion: Completion) -> dict[str, Any]:
         {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
         for s, lp in zip(strings, completion.completion_logprobs, strict=True)
     ]}
+
+
+def recorded_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> dict[str, str]:
+    """The headers of `names` a turn records, each value cut to `RECORDED_HEADER_CHARS`
+    characters (then ending `…[N chars]`, N its length)."""
+    kept: dict[str, str] = {}
+    for name in names:
+        value = headers.get(name)
+        if value is not None:
+            kept[name] = value if len(value) <= RECORDED_HEADER_CHARS else \
+                f"{value[:RECORDED_HEADER_CHARS]}…[{len(value)} chars]"
+    return kept
 
 
 def request_kind(headers: Mapping[str, str]) -> str | None:

@@ -68,6 +68,9 @@ class ProxyConfig(BaseModel):
     """Calls one session may have in flight at once (each holds a connection while it is
     served, a stream until its last event); one more gets 429 (code
     `too_many_concurrent_calls`), counted in `Trace.refused_calls`, not recorded."""
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    """Bytes of one request's header section at most (request line and headers); past it the
+    connection gets 431 and is closed. Headers are outside `max_body_bytes`."""
     max_json_depth: int = Field(default=64, ge=4, le=200)
     """Request bodies nested deeper than this (objects and arrays) get 400 at parse time. At
     most 200, so a recorded body stays below the JSON encoders' 255-level limit."""

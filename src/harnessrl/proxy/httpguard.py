@@ -15,6 +15,11 @@ same way: no timer is started and cancelled per request.
 
 Invariant: generation time is never limited here; the deadline covers only reading a request.
 
+A request's header section (URL and headers) is bounded by `max_header_bytes`: counted per
+header as the parser completes it, and by whole chunks while a section is still open (the
+parser buffers a header until it is complete, so an endless one is cut off too); past it the
+connection gets 431 and is closed.
+
 Connections are bounded in number too (`ConnectionLimits`): the agents' listeners hold at most
 `max_total` connections in all and `max_per_peer` per peer, where a peer is the PID namespace
 of the process that connected to the Unix socket (`SO_PEERCRED`'s pid, then
@@ -91,6 +96,10 @@ class _HeadHeld:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop reading a header section past its bound."""
 
 
 _PEERCRED = struct.Struct("3i")
@@ -175,10 +184,12 @@ def _timeout_body(read_timeout_s: float) -> bytes:
             b'"code": "request_timeout"}}')
 
 
-def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = None) -> type[asyncio.Protocol]:
+def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = None,
+                      max_header_bytes: int = 64 * 1024) -> type[asyncio.Protocol]:
     """The httptools protocol with a per-request read deadline of `read_timeout_s` seconds,
-    writing each response's head with its first body part, and each new connection counted
-    by `limits` (closed at once past a bound) (module docstring).
+    writing each response's head with its first body part, each new connection counted by
+    `limits` (closed at once past a bound), and a request whose header section grows past
+    `max_header_bytes` answered 431 and closed (module docstring).
 
     Raises:
         ValueError: `read_timeout_s` is not positive.
@@ -188,6 +199,10 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
     body = _timeout_body(read_timeout_s)
     head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+    big_body = (b'{"error": {"message": "request header section exceeds max_header_bytes=%d", '
+                b'"type": "invalid_request_error", "param": null, "code": "headers_too_large"}}' % max_header_bytes)
+    big_head = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: " + str(len(big_body)).encode() + b"\r\n\r\n")
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _read_by: float | None = None
@@ -201,6 +216,15 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
         """uvicorn's keep-alive deadline (`timeout_keep_alive` after `_idle_since`), kept the
         same way as `_read_timer` instead of a timer per response."""
         _head_held: _HeadHeld | None = None
+        _head_bytes: int = 0
+        """Bytes of the request line's URL and the headers read so far (names, values, 4 per
+        header for its separators)."""
+        _head_too_big: bool = False
+        _head_open: bool = False
+        """A request's header section is being read (from its first byte to its end)."""
+        _head_chunks: int = 0
+        """Bytes of the chunks that ended while `_head_open` (a bound on the bytes the parser
+        holds for the header section)."""
         _counted: bool = False
         """Admitted by `limits` (released when the connection is lost)."""
         _peer: str | None = None
@@ -208,6 +232,37 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
         def data_received(self, data: bytes) -> None:
             self._idle_since = None
             super().data_received(data)
+            if self._head_open and not self._head_too_big:
+                # the chunk ended inside a header section, which the parser buffers until each
+                # header is whole: counted by chunks, so one endless header is cut off too
+                self._head_chunks += len(data)
+                if self._head_chunks > max_header_bytes:
+                    self._head_too_big = True
+                    self.send_400_response("")
+
+        def on_url(self, url: bytes) -> None:
+            self._count_head(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_head(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count_head(self, size: int) -> None:
+            self._head_bytes += size
+            if self._head_bytes > max_header_bytes:
+                self._head_too_big = True
+                raise _HeadTooLarge  # the parser stops; uvicorn answers through `send_400_response`
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._head_too_big:
+                super().send_400_response(msg)
+                return
+            log.info("closing a connection from %s: header section past max_header_bytes=%d", self.client,
+                     max_header_bytes)
+            if not self.transport.is_closing():
+                self.transport.write(big_head + big_body)
+                self.transport.close()
 
         def on_response_complete(self) -> None:
             # uvicorn's (0.30-0.54), with the keep-alive deadline kept by `_idle_timer`
@@ -249,12 +304,14 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
             self._read_timer = self.loop.call_at(self._read_by, self._read_check)
 
         def on_headers_complete(self) -> None:
+            self._head_open, self._head_chunks = False, 0
             super().on_headers_complete()
             cycle = self.cycle  # the new request's (its task has not run yet)
             if cycle is not None and cycle.transport is self.transport and self._head_held is not None:
                 cycle.transport = self._head_held  # type: ignore[assignment]
 
         def on_message_begin(self) -> None:
+            self._head_bytes, self._head_open = 0, True
             super().on_message_begin()
             if self._read_by is None:
                 self._read_by = self.loop.time() + read_timeout_s

@@ -199,7 +199,7 @@ class ProxyServer:
         # The httptools protocol with a read deadline (`httpguard`); idle keep-alive bounded too.
         self.connection_limits = connection_limits(
             self.config, lambda name: isinstance(name, tuple) and name[:2] == self._admin_name)
-        http = guarded_httptools(self.config.read_timeout_s, self.connection_limits)
+        http = guarded_httptools(self.config.read_timeout_s, self.connection_limits, self.config.max_header_bytes)
         uv_config = uvicorn.Config(self._route, http=http, log_level="warning",
                                    access_log=False, timeout_keep_alive=self.config.keepalive_timeout_s,
                                    proxy_headers=False, server_header=False, lifespan="off", interface="asgi3",
