@@ -18,8 +18,23 @@ RSS (VmRSS, after `gc.collect()`) is read after a warm-up of `--warmup` sessions
 caches, allocator pools) and at the end; the growth is reported in total and per session,
 with the ratio keep/evict per session.
 
+Hostile bodies (`--hostile`, its own process, same server, tokenizer and raw-socket client):
+  * `ignored`: `--hostile-calls` (30) ok calls of one session, each with a 6 MiB `user`
+    field (a field the proxy ignores); the session is closed and its trace written;
+  * `rejected`: 20 calls of another session, each replaying a tool call whose arguments are
+    6 MiB, refused (the prompt exceeds the engine's context: 400);
+    (these two with `max_session_body_bytes` at 1 GiB, so that bound does not hide them)
+  * `budget`: calls of 6 MiB message content in a third session until the proxy refuses them
+    (`max_session_body_bytes`).
+RSS (after `gc.collect()`) before each phase, after its calls with the session still open (what
+the trainer holds while the rollout runs) and after the close, the trace line the session wrote
+(what `rollouts.jsonl` would hold) and, as the baseline measured in the same run, the same
+figures for the same number of calls with the same bodies minus the large field (growth below
+1 MB counts as 1 MB in the ratio).
+
 Usage: `.venv/bin/python bench/proxy_memory.py [--sessions 5000] [--turns 20]
-[--baseline-sessions 1000] [--concurrency 32]`. The baseline runs fewer sessions by default
+[--baseline-sessions 1000] [--concurrency 32]`; `.venv/bin/python bench/proxy_memory.py
+--hostile [--hostile-calls 30]`. The baseline runs fewer sessions by default
 (its memory grows with every turn kept); its per-session figure is what is compared.
 """
 
@@ -123,22 +138,106 @@ async def run(mode: str, sessions: int, turns: int, concurrency: int, warmup: in
             "closed_sessions_remembered": remembered}
 
 
-def _child(args: tuple[str, int, int, int, int], queue: Any) -> None:
+def raw_request(key: str, body: bytes) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer " + key.encode() + b"\r\ncontent-length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
+
+
+BIG = 6 * 1024 * 1024
+"""Bytes of the large field of a hostile call."""
+
+
+def hostile_body(kind: str, index: int, big: bool) -> bytes:
+    """A chat body of phase `kind` (module docstring); `big=False` is its baseline (the same call
+    without the large field). Each body differs (`index`), as an attacker's would."""
+    filler = (f"{index:08d}" + "x" * 56) * (BIG // 64) if big else f"{index:08d}"
+    user = [{"role": "user", "content": f"Task {index}: make the tests pass."}]
+    if kind == "ignored":
+        return json.dumps({"model": "m", "messages": user, "max_tokens": 16, "user": filler}).encode()
+    if kind == "rejected":
+        call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": filler})}}
+        messages = [*user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+        return json.dumps({"model": "m", "messages": messages, "max_tokens": 16}).encode()
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": filler}], "max_tokens": 16}).encode()
+
+
+async def hostile_phase(proxy: Any, kind: str, calls: int, big: bool) -> dict[str, Any]:
+    session_id, key = proxy.open_session(f"{kind}-{big}")
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port, limit=2**24)
+    statuses: dict[int, int] = {}
+    before = rss_mb()
+    try:
+        for i in range(calls):
+            writer.write(raw_request(key, hostile_body(kind, i, big)))
+            status, _ = await read_response(reader)
+            statuses[status] = statuses.get(status, 0) + 1
+    finally:
+        writer.close()
+    live = rss_mb()  # what the trainer holds while the rollout runs
+    path = proxy.config.trace_path
+    offset = path.stat().st_size if path.exists() else 0
+    trace = proxy.close_session(session_id)
+    line_mb = (path.stat().st_size - offset) / 2**20
+    del trace
+    after = rss_mb()
+    return {"kind": kind, "big": big, "calls": calls, "statuses": statuses, "live_mb": live - before,
+            "growth_mb": after - before, "trace_line_mb": line_mb}
+
+
+async def run_hostile(calls: int) -> list[dict[str, Any]]:
+    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
+    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.server import ProxyServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="proxy-memory-"))
+    engine = InstantEngine()
+    engine.max_context_tokens = 8192  # a 6 MiB argument is far past it: the call is refused
+    chat = ChatLayer(load_tokenizer(resolve_model(TINY_MODEL)), eos_token_ids=(2,))
+    rows = []
+    for phases, budget in (((("ignored", calls), ("rejected", 20)), 2**30), ((("budget", 24),), None)):
+        # the first two phases without the session budget (what they measure is not that bound)
+        knob = {} if budget is None or "max_session_body_bytes" not in ProxyConfig.model_fields \
+            else {"max_session_body_bytes": budget}  # (a proxy without the bound runs these phases as they are)
+        config = ProxyConfig(port=0, trace_path=tmp / "traces.jsonl", max_tokens_cap=16, **knob)
+        async with ProxyServer(engine, chat, config) as proxy:
+            await hostile_phase(proxy, "ignored", 3, False)  # warm-up: caches, allocator pools
+            for kind, n in phases:
+                rows.append(await hostile_phase(proxy, kind, n, False))
+                rows.append(await hostile_phase(proxy, kind, n, True))
+    shutil.rmtree(tmp)
+    return rows
+
+
+def _child(args: tuple[Any, ...], queue: Any) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from harnessrl.proxy.server import run_loop
 
-    queue.put(run_loop(run(*args)))
+    queue.put(run_loop(run_hostile(*args[1:]) if args[0] == "hostile" else run(*args)))
 
 
-def in_child(mode: str, sessions: int, turns: int, concurrency: int, warmup: int) -> dict[str, float]:
+def in_child(mode: str, *args: int) -> Any:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=((mode, sessions, turns, concurrency, warmup), queue))
+    proc = ctx.Process(target=_child, args=((mode, *args), queue))
     proc.start()
     result = queue.get()
     proc.join()
     return result
+
+
+def hostile_main(calls: int) -> None:
+    rows = in_child("hostile", calls)
+    print(f"{'phase':9} {'calls':>5} {'statuses':>18} {'RSS open':>9} {'closed':>9} {'trace line':>11}"
+          f"   baseline (no large field): open, closed, line")
+    for base, big in zip(rows[::2], rows[1::2], strict=True):
+        status = ",".join(f"{k}x{v}" for k, v in sorted(big["statuses"].items()))
+        print(f"{big['kind']:9} {big['calls']:5d} {status:>18} {big['live_mb']:7.1f}MB {big['growth_mb']:7.1f}MB "
+              f"{big['trace_line_mb']:9.2f}MB   {base['live_mb']:6.1f}MB {base['growth_mb']:6.1f}MB "
+              f"{base['trace_line_mb']:6.2f}MB; open ratio {big['live_mb'] / max(base['live_mb'], 1.0):.1f}x")
 
 
 def main() -> None:
@@ -149,7 +248,12 @@ def main() -> None:
                         help="sessions of the keep-everything baseline (0 skips it)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--hostile", action="store_true", help="the hostile-body phases instead (module docstring)")
+    parser.add_argument("--hostile-calls", type=int, default=30)
     args = parser.parse_args()
+    if args.hostile:
+        hostile_main(args.hostile_calls)
+        return
     rows = [("evict", in_child("evict", args.sessions, args.turns, args.concurrency, args.warmup))]
     if args.baseline_sessions > 0:
         rows.append(("keep", in_child("keep", args.baseline_sessions, args.turns, args.concurrency, args.warmup)))

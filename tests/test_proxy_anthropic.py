@@ -152,3 +152,25 @@ async def test_count_tokens_matches_the_recorded_prompt(engine, chat):
     assert r.status_code == 200
     assert counted.json() == {"input_tokens": len(session.trace.turns[0].prompt_ids)}
     assert r.json()["usage"]["input_tokens"] == counted.json()["input_tokens"]
+
+
+async def test_a_stop_sequence_is_reported_unary_and_streamed(tokenizer):
+    """The text is cut where the stop sequence begins, and the reply says which one ended it."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampled = [*tokenizer.encode("The answer is 4.\nObservation: nothing more", add_special_tokens=False), im_end]
+    engine = FakeEngine(completion_ids=sampled)
+    async with ProxyServer(engine, ChatLayer(tokenizer, eos_token_ids=[im_end]), ProxyConfig(port=0)) as proxy:
+        session_id, key = proxy.open_session("stop")
+        client = anthropic.AsyncAnthropic(base_url=proxy.base_url.removesuffix("/v1"), api_key=key, max_retries=0)
+        kwargs = {"model": "m", "max_tokens": 100, "messages": MESSAGES, "stop_sequences": ["never", "Obs"]}
+        unary = await client.messages.create(**kwargs)
+        async with client.messages.stream(**kwargs) as stream:
+            final = await stream.get_final_message()
+        plain = await client.messages.create(**(kwargs | {"stop_sequences": ["absent"]}))
+        trace = proxy.close_session(session_id)
+    for reply in (unary, final):
+        assert reply.content[0].text == "The answer is 4.\n"
+        assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "Obs")
+    assert (plain.stop_reason, plain.stop_sequence) == ("end_turn", None)
+    assert trace.turns[0].raw_response["stop_sequence"] == "Obs"
+    assert trace.turns[0].completion_ids == sampled  # the ids keep every sampled token

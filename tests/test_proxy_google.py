@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import httpx
+
 import pytest
 from fakes import FakeEngine, in_process
 
@@ -135,3 +137,48 @@ def test_unsupported_input_is_rejected_naming_the_field(body: dict, param: str) 
     with pytest.raises(RequestError) as info:
         to_chat_body(body)
     assert info.value.param == param
+
+
+def _snake(obj: object) -> object:
+    """`obj` with every key of parts, calls, answers, declarations and generationConfig in snake_case."""
+    import re
+
+    if isinstance(obj, list):
+        return [_snake(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    return {re.sub(r"(?<!^)([A-Z])", r"_\1", k).lower(): (v if k in ("parameters", "response", "args") else _snake(v))
+            for k, v in obj.items()}
+
+
+async def test_snake_case_part_fields_are_read_like_camel_case(tokenizer) -> None:
+    camel = {"contents": [{"role": "user", "parts": [{"text": "Weather?"}]},
+                          {"role": "model", "parts": [{"functionCall": {"name": "get_weather", "id": "c7",
+                                                                        "args": {"city": "Paris"}},
+                                                       "thoughtSignature": "c2ln"}]},
+                          {"role": "user", "parts": [{"functionResponse": {"name": "get_weather", "id": "c7",
+                                                                           "response": {"t": 21}}}]}],
+             "tools": [{"functionDeclarations": [{"name": "get_weather", "parametersJsonSchema": {
+                 "type": "object", "properties": {"city": {"type": "string"}}}}]}],
+             "generationConfig": {"maxOutputTokens": 4, "stopSequences": ["END"]}}
+    snake = _snake(camel)
+    assert "function_call" in snake["contents"][1]["parts"][0] and "thought_signature" in snake["contents"][1]["parts"][0]
+    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), ProxyConfig(port=0)) as proxy:
+        root = proxy.base_url.removesuffix("/v1")
+        (id1, k1), (id2, k2) = proxy.open_session("camel"), proxy.open_session("snake")
+        async with httpx.AsyncClient(base_url=root) as http:
+            r1 = await http.post("/v1beta/models/m:generateContent", json=camel, headers={"x-goog-api-key": k1})
+            r2 = await http.post("/v1beta/models/m:generateContent", json=snake, headers={"x-goog-api-key": k2})
+            image = {"contents": [{"parts": [{"inline_data": {"mime_type": "image/png", "data": "eA=="}}]}]}
+            r3 = await http.post("/v1beta/models/m:generateContent", json=image, headers={"x-goog-api-key": k2})
+            twice = {"contents": [{"parts": [{"text": "a"}]}],
+                     "generationConfig": {"maxOutputTokens": 4, "max_output_tokens": 5}}
+            r4 = await http.post("/v1beta/models/m:generateContent", json=twice, headers={"x-goog-api-key": k2})
+        a, b = proxy.close_session(id1).turns[0], proxy.close_session(id2).turns
+    assert r1.status_code == r2.status_code == 200, (r1.text, r2.text)
+    assert a.request == b[0].request and a.prompt_ids == b[0].prompt_ids and a.notes == b[0].notes
+    assert a.request["stop"] == ["END"] and a.request["max_tokens"] == 4
+    assert any("thoughtSignature" in n for n in a.notes)
+    # an unsupported part is refused by the same rule whichever spelling names it
+    assert r3.status_code == 400 and "inlineData" in r3.json()["error"]["message"]
+    assert r4.status_code == 400 and "generationConfig.maxOutputTokens" in r4.json()["error"]["message"]

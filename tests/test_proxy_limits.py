@@ -54,12 +54,13 @@ async def test_deep_nesting_is_refused_at_parse_naming_the_limit(tokenizer, path
     r = await http.post(path, content=content, headers=auth(session.key) | {"content-type": "application/json"})
     assert r.status_code == 400
     assert "deeper than 64 levels" in r.text and "max_json_depth=64" in r.text
-    ok = await http.post("/v1/chat/completions", json={"messages": USER, "metadata": {"x": nested(40)}},
-                         headers=auth(session.key))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"x": nested(40)}}}
+    ok = await http.post("/v1/chat/completions", json={"messages": USER, "tools": [tool]}, headers=auth(session.key))
     assert ok.status_code == 200
     trace = store.close(session.session_id)
     assert [t.status for t in trace.turns] == ["ok"]  # the refused body never became a turn
-    assert Trace.model_validate_json(trace.model_dump_json()).turns[0].request["metadata"]["x"] == nested(40)
+    reloaded = Trace.model_validate_json(trace.model_dump_json()).turns[0].request
+    assert reloaded["tools"][0]["function"]["parameters"]["x"] == nested(40)
 
 
 async def test_depth_limit_is_a_config_knob(tokenizer):

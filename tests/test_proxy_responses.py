@@ -15,7 +15,7 @@ from fakes import CAPTURES_DIR, FakeEngine, broken_engine, in_process
 from harnessrl.engine.chat import ChatLayer, normalize_messages
 from harnessrl.errors import RequestError
 from harnessrl.proxy.config import ProxyConfig
-from harnessrl.proxy.responses import to_chat_body
+from harnessrl.proxy.responses import IGNORED_FIELDS, to_chat_body
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.types import check_turn_faithful
 
@@ -112,7 +112,9 @@ async def test_captured_codex_requests_stream_and_record(engine, chat, capture: 
                                                                              "response.incomplete")
     (turn,) = session.trace.turns
     assert turn.protocol == "responses" and turn.status == "ok" and check_turn_faithful(turn) is None
-    assert turn.raw_request == recorded["body"] and turn.raw_response == events[-1]["response"]
+    # the body as received, less the fields the proxy ignores (client_metadata, prompt_cache_key, ...)
+    assert turn.raw_request == {k: v for k, v in recorded["body"].items() if k not in IGNORED_FIELDS}
+    assert set(recorded["body"]) - set(turn.raw_request) and turn.raw_response == events[-1]["response"]
     assert turn.request["messages"][0]["role"] in ("system", "developer") and turn.request["stream"] is False
     assert turn.reply is not None and turn.reply.content == "".join(
         e["delta"] for e in events if e["type"] == "response.output_text.delta")

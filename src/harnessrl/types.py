@@ -258,7 +258,8 @@ class Trace(BaseModel):
     rejected_calls: int = 0
     """Calls that arrived with this session's key after it was revoked."""
     refused_calls: int = 0
-    """Calls refused (429, no turn) because the session had reached `max_turns_per_session`."""
+    """Calls refused without a turn: past `max_turns_per_session` (429), past
+    `max_session_body_bytes` (413) or past `max_concurrent_calls_per_session` (429)."""
 
 
 class Rollout(BaseModel):

@@ -26,9 +26,11 @@ because they decide which tokens the model sees:
   detected once from the template (`arguments_as_json_string`): a probe call is rendered
   with a mapping and with a JSON string; a template that iterates the mapping or writes it
   with `tojson` gets the mapping, one that writes or concatenates the string gets the string.
-* Content never becomes control tokens: special-token text (`<|im_end|>`, `<|im_start|>`, ...)
-  inside content, reasoning or tool-call arguments is replaced by a marker holding a random
-  nonce before the template runs (`render_marked`) and encoded as plain text
+* Nothing the agent wrote becomes control tokens: special-token text (`<|im_end|>`,
+  `<|im_start|>`, ...) inside content, reasoning, tool-call arguments, names and ids, a
+  message's `name` and `tool_call_id`, and every string of the tool definitions (names,
+  descriptions, parameter names, enum values, ...: `escape_json`) is replaced by a marker
+  holding a random nonce before the template runs (`render_marked`) and encoded as plain text
   (`SegmentEncoder`, special tokens not extracted), so a tool result cannot forge a system
   turn. Control tokens the template writes stay control tokens; ids the model sampled are
   reused as sampled through bridging. `render_text` returns the real text.
@@ -52,6 +54,7 @@ get recorded, never a re-render (DESIGN.md §9).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -93,14 +96,31 @@ the per-piece cache of `tokencache.py` only."""
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Keys `apply_chat_template` aliases to one another (such messages take its own path)."""
 
+CACHED_CALL_CHARS = 4096
+"""Longest tool call (name + arguments) whose hermes block is cached (`_hermes_block`); the
+cache holds 8,192 entries, so it stays under ~70 MB whatever calls an agent replays."""
+CACHED_TOOLS_BYTES = 65_536
+"""Longest tool list (its JSON) whose system-prompt description is cached (256 entries)."""
+
+
 def hermes_tool_call(call: ToolCall) -> str:
     """One call in the hermes convention; arguments as a JSON object when they parse."""
     return _hermes_block(call.name, call.arguments)
 
 
-@functools.lru_cache(maxsize=8192)
 def _hermes_block(name: str, arguments: str) -> str:
-    # Cached: an agent re-sends every earlier call on each turn.
+    # Cached: an agent re-sends every earlier call on each turn; a long call is not kept.
+    if len(name) + len(arguments) <= CACHED_CALL_CHARS:
+        return _cached_hermes_block(name, arguments)
+    return _render_hermes_block(name, arguments)
+
+
+@functools.lru_cache(maxsize=8192)
+def _cached_hermes_block(name: str, arguments: str) -> str:
+    return _render_hermes_block(name, arguments)
+
+
+def _render_hermes_block(name: str, arguments: str) -> str:
     args = json_or_str(arguments)
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
@@ -139,6 +159,8 @@ class ChatLayer(BridgedRendering):
         self.segments = SegmentEncoder(backend, encode_cache_tokens, marker=self._marker,
                                        restore=self.unescape) if backend is not None else None
         """Piecewise encoder with a cache of message ids (None for slow tokenizers)."""
+        self._max_token_chars: int | None = None
+        """Most characters one id decodes to (`min_tokens`); computed at first need."""
         self._template_kwargs: dict[str, Any] = {}
         self._compiled: Any = None
         self.arguments_as_json_string = False
@@ -176,6 +198,27 @@ class ChatLayer(BridgedRendering):
         if self._escape_re is None or not text:
             return text
         return self._escape_re.sub(lambda m: self._escape_to[m.group()], text)
+
+    def escape_json(self, value: Any) -> Any:
+        """`value` (decoded JSON: a tool definition) with `escape` applied to every string in it,
+        keys included; `value` itself when no string in it holds special-token text."""
+        if self._escape_re is None:
+            return value
+        try:
+            if self._escape_re.search(orjson.dumps(value).decode()) is None:
+                return value
+        except TypeError:  # not plain JSON (ints past 64 bits): walked whole
+            pass
+        return self._escape_value(value)
+
+    def _escape_value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, dict):
+            return {self.escape(k) if isinstance(k, str) else k: self._escape_value(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._escape_value(v) for v in value]
+        return value
 
     def unescape(self, text: str) -> str:
         """Inverse of `escape` (markers back to the special-token strings)."""
@@ -272,10 +315,19 @@ class ChatLayer(BridgedRendering):
             self.renders.put(key, text)
         return text
 
+    def discard_render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> None:
+        """Drop the cached render of this input (`renders`), e.g. of a call that was refused
+        after rendering (its prompt too long for the context): a refused call keeps nothing."""
+        if self.renders.max_size:
+            key = render_key(messages, tools, True,
+                             (self.arguments_as_json_string, self.template_has_tools, self.template_has_reasoning))
+            if key is not None:
+                self.renders.discard(key)
+
     def _render_marked(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None,
                        add_generation_prompt: bool) -> str:
         dicts = self._template_messages(messages, tools or [])
-        template_tools = list(tools) if tools and self.template_has_tools else None
+        template_tools = [self.escape_json(t) for t in tools] if tools and self.template_has_tools else None
         try:
             if self._compiled is not None and not any(k in d for d in dicts for k in _REASONING_KEYS):
                 text = self._compiled.render(messages=dicts, tools=template_tools, documents=None,
@@ -334,6 +386,24 @@ class ChatLayer(BridgedRendering):
             self.encoded.put(text, tuple(out))
         return out
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` without encoding: the characters of `text` over
+        the most characters one id can stand for (the longest entry of the vocabulary, added
+        tokens included: a byte-level or sentencepiece token decodes to at most that many
+        characters). 0 (no bound) for a tokenizer with a normalizer, which may drop characters,
+        or without a Rust backend. So a prompt far past the context is refused before it is
+        tokenised (seconds of CPU and memory the allocator keeps, for a 6 MiB prompt)."""
+        if self._max_token_chars is None:
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            chars = 0
+            if backend is not None and backend.normalizer is None:
+                try:
+                    chars = max(map(len, backend.get_vocab(with_added_tokens=True)), default=0)
+                except Exception:  # noqa: BLE001 - no bound rather than a wrong one
+                    chars = 0
+            self._max_token_chars = chars
+        return len(text) // self._max_token_chars if self._max_token_chars else 0
+
     def uncached_chars(self, text: str) -> int:
         """Characters of `text` that `encode` would still have to tokenise."""
         return self.segments.uncached_chars(text) if self.segments is not None else len(text)
@@ -350,7 +420,7 @@ class ChatLayer(BridgedRendering):
                 else:
                     out.append({"role": "user", "content": block, "_tool_responses": True})
             elif m.role == "assistant" and m.tool_calls:
-                blocks = "\n".join(_hermes_block(c.name, self.escape(c.arguments)) for c in m.tool_calls)
+                blocks = "\n".join(_hermes_block(self.escape(c.name), self.escape(c.arguments)) for c in m.tool_calls)
                 out.append(self._with_reasoning({"role": "assistant",
                                                  "content": (self.escape(m.content) + "\n" if m.content else "")
                                                  + blocks}, m))
@@ -359,7 +429,7 @@ class ChatLayer(BridgedRendering):
         for d in out:
             d.pop("_tool_responses", None)
         if tools and not self.template_has_tools:
-            described = _tool_system_prompt(tools)
+            described = TOOL_SYSTEM_PROMPT.format(tools=self.escape(_tools_text(tools)))
             if out and out[0]["role"] == "system":
                 out[0]["content"] = out[0]["content"] + "\n\n" + described
             else:
@@ -367,18 +437,19 @@ class ChatLayer(BridgedRendering):
         return out
 
     def _native_message(self, m: Message) -> dict[str, Any]:
-        d: dict[str, Any] = {"role": m.role, "content": self.escape(m.content)}
+        esc = self.escape
+        d: dict[str, Any] = {"role": m.role, "content": esc(m.content)}
         if m.tool_calls:
             d["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {
-                    "name": c.name, "arguments": self.escape(c.arguments) if self.arguments_as_json_string
-                    else json_or_str(self.escape(c.arguments))}}
+                {"id": esc(c.id), "type": "function", "function": {
+                    "name": esc(c.name), "arguments": esc(c.arguments) if self.arguments_as_json_string
+                    else json_or_str(esc(c.arguments))}}
                 for c in m.tool_calls
             ]
         if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
+            d["tool_call_id"] = esc(m.tool_call_id)
         if m.name is not None:
-            d["name"] = m.name
+            d["name"] = esc(m.name)
         return self._with_reasoning(d, m)
 
     def _with_reasoning(self, d: dict[str, Any], m: Message) -> dict[str, Any]:
@@ -392,7 +463,7 @@ class ChatLayer(BridgedRendering):
 
         Args:
             stop: the request's stop strings; the text ends where the first one found begins
-                (the ids keep everything sampled).
+                (the ids keep everything sampled), and that string is the parse's `stop_sequence`.
             reasoning_open: the prompt ended inside an open `<think>` block; defaults to
                 `prompt_opens_reasoning`. Then the completion is reasoning up to `</think>`.
 
@@ -408,28 +479,34 @@ class ChatLayer(BridgedRendering):
         if ids and ids[-1] in self.eos_token_ids:
             ids.pop()
         text = self._decode(ids)
-        cuts = [i for s in stop if s and (i := text.find(s)) >= 0]
+        matched = None
+        cuts = [(i, n, s) for n, s in enumerate(stop) if s and (i := text.find(s)) >= 0]
         if cuts:
-            text = text[:min(cuts)]
+            at, _, matched = min(cuts)  # the earliest in the text; the first listed on a tie
+            text = text[:at]
         opened = self.prompt_opens_reasoning if reasoning_open is None else reasoning_open
         seed = (call_id_seed or hashlib.blake2b(repr(completion_ids).encode(), digest_size=8).hexdigest()
                 if has_tools else "")
-        return parse_text(text, has_tools, opened=opened, call_id_seed=seed)
+        parsed = parse_text(text, has_tools, opened=opened, call_id_seed=seed)
+        return parsed if matched is None else dataclasses.replace(parsed, stop_sequence=matched)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id decoded on its own (the `token` of OpenAI logprobs entries)."""
         return self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
 
 
-def _tool_system_prompt(tools: Sequence[dict[str, Any]]) -> str:
+def _tools_text(tools: Sequence[dict[str, Any]]) -> str:
+    """The tool list as `TOOL_SYSTEM_PROMPT` shows it: one JSON object per line."""
     try:
         key = orjson.dumps(list(tools))
     except TypeError:  # not plain JSON (e.g. ints above 64 bits): described without the cache
-        return TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        key = None
+    if key is None or len(key) > CACHED_TOOLS_BYTES:  # a long list is not kept
+        return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return _described_tools(key)
 
 
 @functools.lru_cache(maxsize=256)
 def _described_tools(key: bytes) -> str:
     # Keyed by the tools' exact JSON (orjson keeps key order and round-trips every value).
-    return TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in orjson.loads(key)))
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in orjson.loads(key))

@@ -23,6 +23,8 @@ _MESSAGE_KEYS = frozenset(
 )
 """Accepted message keys; `refusal`, `annotations`, `cache_control` are ignored (they do not
 change what the model sees)."""
+IGNORED_MESSAGE_KEYS = frozenset({"refusal", "annotations", "cache_control"})
+"""The accepted message keys that change nothing the model sees (not recorded, `wire.recorded_body`)."""
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
 

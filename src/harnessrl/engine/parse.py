@@ -40,6 +40,9 @@ class ParsedAssistant:
     """Assistant text; None when the reply is only tool calls."""
     tool_calls: list[ToolCall]
     reasoning: str | None
+    stop_sequence: str | None = None
+    """The request's stop string at which the text was cut (`ChatLayer.parse`); None when none was
+    found (the Messages API reports it as `stop_sequence`)."""
 
 
 def parse_text(text: str, has_tools: bool, *, opened: bool, call_id_seed: str) -> ParsedAssistant:

@@ -70,6 +70,13 @@ class LruCache(Generic[V]):
                 _, (_, dropped) = self._items.popitem(last=False)
                 self._size -= dropped
 
+    def discard(self, key: Hashable) -> None:
+        """Drop `key`'s entry, if any."""
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._size -= old[1]
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

@@ -36,6 +36,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+MAX_CACHED_PIECE_CHARS = 262_144
+"""Longest piece whose ids are cached: the cache is bounded by ids, and a long piece of few ids
+(a run of one character) would otherwise keep its whole text as the key."""
+
+
 class SegmentEncoder:
     """Encodes text with a `tokenizers.Tokenizer`, caching ids per piece between added tokens.
 
@@ -131,7 +136,7 @@ class SegmentEncoder:
             ids = self.encode_plain(self._restore(piece))
         else:
             ids = self.backend.encode(piece, add_special_tokens=False).ids
-        if len(ids) <= self.max_cached_tokens:
+        if len(ids) <= self.max_cached_tokens and len(piece) <= MAX_CACHED_PIECE_CHARS:
             with self._lock:
                 if piece not in self._cache:
                     self._cache[piece] = ids

@@ -20,6 +20,11 @@ Invariants:
   * When `run_cli_agent` returns or raises, no process of the agent's tree is alive (or
     `SandboxError` was raised because one survived SIGKILL).
   * The harness never touches host pids or host paths.
+  * Agent output that goes into a message the run logs (`HarnessResult.error`, which becomes
+    the rollout's error and its line in `run.log`; the warning about an unsafe file) has its
+    control characters written as escapes (`printable`): an agent cannot clear the terminal
+    of whoever reads the log, move its cursor or rewrite earlier lines. The log tail itself
+    is kept as read (`HarnessResult.log_tail`, JSON in `rollouts.jsonl`).
 
 What this module deliberately does not do: know any agent's output format (the spec's
 `interpret` does), or remove files (the sandbox owns its directory).
@@ -28,6 +33,7 @@ What this module deliberately does not do: know any agent's output format (the s
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +45,16 @@ from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
 log = logging.getLogger(__name__)
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+"""C0 controls but tab and newline, DEL, and the C1 controls (U+0080-U+009F: 8-bit CSI, ...)."""
+
+
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab written as its `\\xNN` escape
+    (ESC -> `\\x1b`, CR -> `\\x0d`, CSI U+009B -> `\\x9b`): what a terminal would act on is
+    shown, and no character is lost (each escape names its code point)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 """PATH for agents: system directories only (not the project's venv)."""
@@ -165,7 +181,7 @@ def read_text(sandbox: Sandbox, base: Base, rel_path: str, max_bytes: int = AGEN
     except FileNotFoundError:
         return None
     except SandboxError as e:
-        log.warning("agent file not read: %s", e)
+        log.warning("agent file not read: %s", printable(str(e)))
         return None
     return data.decode("utf-8", errors="replace")
 
@@ -178,7 +194,7 @@ def read_log_tail(sandbox: Sandbox, paths: AgentPaths, max_bytes: int = LOG_TAIL
     except FileNotFoundError:
         return ""
     except SandboxError as e:
-        return f"[harnessrl: agent log not read: {e}]"
+        return f"[harnessrl: agent log not read: {printable(str(e))}]"
     return data.decode("utf-8", errors="replace")
 
 
@@ -199,7 +215,7 @@ def collect_result(sandbox: Sandbox, spec: AgentSpec, paths: AgentPaths, exit_co
         if detail is None:
             lines = [ln for ln in log_tail.splitlines() if ln.strip()]
             detail = lines[-1] if lines else "no output"
-        error = f"{spec.label or label} exited with code {exit_code}: {detail[:500]}"
+        error = f"{spec.label or label} exited with code {exit_code}: {printable(detail[:500])}"
     return HarnessResult(exit_code=None if timed_out else exit_code, timed_out=timed_out,
                          final_answer=outcome.final_answer, error=error, log_tail=log_tail)
 

@@ -32,7 +32,8 @@ Result: content blocks `thinking` (when the completion had a `<think>` block; em
 `signature`), `text` (when there is text, or nothing else), `tool_use` (input = the parsed
 arguments; a call whose arguments are not a JSON object stays in the text). `stop_reason`:
 `max_tokens` when truncated, `tool_use` when calls were parsed, `stop_sequence` when a
-requested stop sequence ended the text, else `end_turn`. Usage: `input_tokens` = prompt ids
+requested stop sequence ended the text (the chat layer's parse names the one it cut at, the
+chat body's `stop_reason`; `stop_sequence` is that string), else `end_turn`. Usage: `input_tokens` = prompt ids
 consumed, `output_tokens` = ids sampled, cache counts 0.
 
 Stream: `message_start` (with the prompt's `input_tokens`, sent before generation; `ping`
@@ -58,9 +59,9 @@ from starlette.responses import Response, StreamingResponse
 from harnessrl.engine.chat import ToolCall, hermes_tool_call, normalize_messages, normalize_tools
 from harnessrl.errors import RequestError
 from harnessrl.proxy import native
-from harnessrl.proxy.app import ProxyDeps, json_response, read_json
+from harnessrl.proxy.app import ProxyDeps, json_response, read_session_json
 from harnessrl.proxy.capture import ChatOutcome, Origin
-from harnessrl.proxy.wire import dumps
+from harnessrl.proxy.wire import DEFAULT_LIMITS, RequestLimits, check_stop, dumps, limits_of, recorded_body
 
 PROTOCOL = "messages"
 EXTRA_HEADERS = ("anthropic-version", "anthropic-beta", "x-app", "x-claude-code-session-id")
@@ -76,17 +77,17 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     """`POST /v1/messages`: unary JSON, or the Messages event stream."""
     headers = native.kept_headers(request.headers, EXTRA_HEADERS)
     try:
-        body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
-        converted = _convert_or_record(session, body, headers)
+        body = await read_session_json(request, session, deps)
+        converted = _convert_or_record(session, body, headers, limits_of(deps.capture.config))
     except RequestError as exc:
         return error_response(exc.status_code, exc.message)
     message_id = "msg_" + secrets.token_hex(12)
-    stops = tuple(converted.chat_body.get("stop") or ())
 
     def render(chat: dict[str, Any]) -> dict[str, Any]:
-        return message_body(chat, message_id, stops)
+        return message_body(chat, message_id)
 
-    call = native.Call(session, Origin(PROTOCOL, body, headers, converted.notes, render))
+    origin = Origin(PROTOCOL, recorded_body(body, IGNORED_FIELDS), headers, converted.notes, render)
+    call = native.Call(session, origin)
     prepared = await native.prepare(call, deps.capture, converted, request.headers)
     if isinstance(prepared, ChatOutcome):
         return error_response(prepared.status_code, _message_of(prepared.body))
@@ -103,9 +104,9 @@ async def count_tokens(request: Request, session: Any, deps: ProxyDeps) -> Respo
     """`POST /v1/messages/count_tokens`: `{"input_tokens": N}` as the chat layer would render
     the request (no generation, no turn recorded)."""
     try:
-        body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
+        body = await read_session_json(request, session, deps)
         body = {k: v for k, v in body.items() if k != "max_tokens"} | {"max_tokens": 1}
-        chat = to_chat_body(body).chat_body
+        chat = to_chat_body(body, limits_of(deps.capture.config)).chat_body
         ids = deps.capture.chat.render(normalize_messages(chat["messages"]), chat.get("tools"))
     except RequestError as exc:
         return error_response(exc.status_code, exc.message)
@@ -118,9 +119,10 @@ def error_response(status_code: int, message: str) -> Response:
     return json_response(status_code, {"type": "error", "error": {"type": kind, "message": message}})
 
 
-def _convert_or_record(session: Any, body: dict[str, Any], headers: dict[str, str]) -> native.Converted:
+def _convert_or_record(session: Any, body: dict[str, Any], headers: dict[str, str],
+                       limits: RequestLimits) -> native.Converted:
     try:
-        return to_chat_body(body)
+        return to_chat_body(body, limits)
     except RequestError as exc:
         native.record_rejected(session, PROTOCOL, body, headers, exc)
         raise
@@ -133,8 +135,9 @@ def _message_of(error: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- request -> chat body
 
 
-def to_chat_body(body: dict[str, Any]) -> native.Converted:
-    """Translate a Messages request body (see the module docstring).
+def to_chat_body(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> native.Converted:
+    """Translate a Messages request body (see the module docstring); `stop_sequences` within
+    `limits` (`wire.check_stop`).
 
     Raises:
         RequestError: unsupported field or block type, or a malformed one; `param` names it
@@ -159,7 +162,8 @@ def to_chat_body(body: dict[str, Any]) -> native.Converted:
         chat["tools"] = tools
         chat["tool_choice"] = _tool_choice(body.get("tool_choice"))
     optional = {"max_tokens": body.get("max_tokens"), "temperature": body.get("temperature"),
-                "top_p": body.get("top_p"), "top_k": body.get("top_k"), "stop": body.get("stop_sequences")}
+                "top_p": body.get("top_p"), "top_k": body.get("top_k"),
+                "stop": list(check_stop(body.get("stop_sequences"), "stop_sequences", limits)) or None}
     chat.update({k: v for k, v in optional.items() if v is not None})
     return native.Converted(chat, tuple(notes))
 
@@ -289,7 +293,7 @@ def _tool_choice(choice: object) -> str:
 # ---------------------------------------------------------------- chat result -> Messages
 
 
-def message_body(chat: dict[str, Any], message_id: str, stop_sequences: tuple[str, ...] = ()) -> dict[str, Any]:
+def message_body(chat: dict[str, Any], message_id: str) -> dict[str, Any]:
     """The Messages body for a unary chat.completion `chat` (see the module docstring)."""
     choice = chat["choices"][0]
     message = choice["message"]
@@ -309,7 +313,7 @@ def message_body(chat: dict[str, Any], message_id: str, stop_sequences: tuple[st
     if text or not uses:
         content.append({"type": "text", "text": text})
     content.extend(uses)
-    stop_sequence = next((s for s in stop_sequences if s in text), None)
+    stop_sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
     if choice["finish_reason"] == "length":
         stop_reason, stop_sequence = "max_tokens", None
     elif uses:

@@ -13,7 +13,8 @@ Routes:
     `models` (GET), plus any handler passed in `protocols` (how `/v1/responses`,
     `/v1/messages` and Google's `/v1beta/models/{target}` plug in; a sub-path with a leading
     `/` is served at that path instead of under `/v1`: a `ProtocolHandler` gets the request, the session its key
-    addresses, and the deps; `read_json` and `json_response` are the shared helpers).
+    addresses, and the deps; `read_session_json` (the body, charged to the session) and
+    `json_response` are the shared helpers).
 
 Invariants: an unknown or revoked key gets 401 with an OpenAI-style body, and a revoked
 key's call is counted on its trace; bodies above `max_body_bytes` get 413; malformed bodies
@@ -185,6 +186,19 @@ async def read_json(request: Request, max_body_bytes: int, max_depth: int = MAX_
     return loads(await read_body(request, max_body_bytes), max_depth)
 
 
+async def read_session_json(request: Request, session: Session, deps: ProxyDeps) -> dict[str, Any]:
+    """`read_json` with the config's bounds, the body's bytes charged to `session`
+    (`Session.charge_body`) before it is decoded.
+
+    Raises:
+        RequestError: as `read_json`, and 413 (`session_body_budget`) past the session's budget.
+    """
+    config = deps.capture.config
+    raw = await read_body(request, config.max_body_bytes)
+    session.charge_body(len(raw))
+    return loads(raw, config.max_json_depth)
+
+
 def request_headers(request: Request) -> dict[str, str]:
     """The request's headers as a dict with lower-case names (ASGI sends them lower-case; a
     repeated header gives its first value, as `request.headers.get` does), built once per
@@ -211,7 +225,7 @@ def session_key(request: Request) -> str | None:
 
 async def chat_completions(request: Request, session: Session, deps: ProxyDeps) -> Response:
     """`POST /v1/chat/completions`: unary JSON, or SSE synthesised from the complete result."""
-    body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
+    body = await read_session_json(request, session, deps)
     prepared = await prepare_chat(deps.capture, session, body, request_headers(request))
     if isinstance(prepared, ChatOutcome):
         return json_response(prepared.status_code, prepared.body)
@@ -254,14 +268,40 @@ def _keyed(deps: ProxyDeps, handler: ProtocolHandler) -> Callable[[Request], Awa
         if session is None:
             return json_response(401, error_body("unknown or revoked API key", param=None, code="invalid_api_key"))
         try:
-            return await handler(request, session, deps)
+            session.begin_call()
         except RequestError as exc:
             return json_response(exc.status_code, error_body(exc.message, param=exc.param, code=exc.code))
+        try:
+            response = await handler(request, session, deps)
+        except RequestError as exc:
+            response = json_response(exc.status_code, error_body(exc.message, param=exc.param, code=exc.code))
         except Exception as exc:  # noqa: BLE001 - a proxy bug answers JSON and is logged, never a bare 500
             log.exception("proxy failed on %s for session %s", request.url.path, session.session_id)
-            return json_response(500, error_body(f"internal proxy error: {type(exc).__name__}",
-                                                 type_="server_error", code="internal_error"))
+            response = json_response(500, error_body(f"internal proxy error: {type(exc).__name__}",
+                                                     type_="server_error", code="internal_error"))
+        except BaseException:  # cancelled: the call is over
+            session.end_call()
+            raise
+        return _CallEnd(response, session)
     return endpoint
+
+
+class _CallEnd(Response):
+    """`response`, after which the session's call ends (`Session.end_call`): sent, failed or
+    dropped, a stream at its last event."""
+
+    def __init__(self, response: Response, session: Session) -> None:
+        self.response = response
+        self.session = session
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.response, name)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.session.end_call()
 
 
 def _admin(deps: ProxyDeps, token: str, handler: Callable[[Request, ProxyDeps], Awaitable[Response]]

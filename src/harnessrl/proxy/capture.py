@@ -63,7 +63,7 @@ from harnessrl.engine.chat import ChatLayer, ParsedAssistant
 from harnessrl.errors import ContextLengthError, EngineError, RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import Session
-from harnessrl.proxy.wire import ChatRequest, error_body, parse_chat_request
+from harnessrl.proxy.wire import ChatRequest, error_body, limits_of, parse_chat_request, recorded_body
 from harnessrl.types import (Completion, Reply, ReplyToolCall, Sampling, Turn, check_turn_faithful,
                              effective_temperature)
 
@@ -73,6 +73,9 @@ M = TypeVar("M", bound=BaseModel)
 RECORDED_HEADERS = ("x-session-id", "x-session-affinity", "x-stainless-retry-count", "session-id",
                     "x-codex-turn-metadata", "user-agent")
 """Headers copied into `Turn.headers` (looked up lower-case)."""
+RECORDED_HEADER_CHARS = 2048
+"""A recorded header value longer than this is cut (`recorded_headers`): headers are outside
+`max_body_bytes` and the session's byte budget, and every turn keeps its own."""
 OFFLOAD_RENDER_CHARS = 16_384
 """New (uncached) prompt text above which tokenisation runs in a worker thread."""
 BRIDGE_POINTS_KEPT = 8
@@ -180,15 +183,23 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
     """
     started_at, started_perf_s = time.time(), time.perf_counter()
     turn_index = session.reserve_turn_index()
-    kept = {k: v for k in RECORDED_HEADERS if (v := headers.get(k)) is not None}
+    kept = recorded_headers(headers, RECORDED_HEADERS)
     request: ChatRequest | None = None
     budget = deps.config.max_model_calls
     try:
-        request = parse_chat_request(body)
+        request = parse_chat_request(body, limits_of(deps.config))
+        body = recorded_body(body)  # the fields the proxy ignores are not kept on the turn
         if budget and turn_index >= budget:
             return PreparedChat(session, request, body, kept, [], Sampling(max_tokens=1), turn_index, started_at,
                                 started_perf_s, None, origin, final_stop=f"max_model_calls={budget} reached")
         plan = deps.chat.plan_prompt(request.messages, request.tools, session.bridge_points)
+        if len(plan.text) > OFFLOAD_RENDER_CHARS:  # far past the context: refused untokenised
+            floor = len(plan.head_ids) + deps.chat.min_tokens(plan.text)
+            if floor >= deps.engine.max_context_tokens:
+                raise RequestError(
+                    f"the prompt has at least {floor} tokens ({len(plan.text)} characters) and the context limit "
+                    f"is {deps.engine.max_context_tokens} tokens (max_context_tokens), which leaves no room for "
+                    f"a completion", param="messages", code="context_length_exceeded")
         prompt_ids = deps.chat.encode_within(plan.text, OFFLOAD_RENDER_CHARS)
         if prompt_ids is None:
             prompt_ids = await asyncio.to_thread(deps.chat.encode, plan.text)
@@ -196,6 +207,8 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
             prompt_ids = plan.head_ids + prompt_ids
         sampling = resolve_sampling(deps.config, request, len(prompt_ids), deps.engine.max_context_tokens)
     except RequestError as exc:
+        if request is not None:  # refused after rendering: the render of a refused call is not kept
+            deps.chat.discard_render(request.messages, request.tools)
         if budget and request is not None and exc.code == "context_length_exceeded":
             return PreparedChat(session, request, body, kept, [], Sampling(max_tokens=1), turn_index, started_at,
                                 started_perf_s, None, origin, final_stop=f"context exhausted: {exc}")
@@ -309,7 +322,10 @@ def _sampling(temperature: float, top_p: float, top_k: int, max_tokens: int, sto
 def build_response(deps: CaptureDeps, request: ChatRequest, completion: Completion,
                    parsed: ParsedAssistant) -> dict[str, Any]:
     """The unary OpenAI chat.completion body. `finish_reason`: `length` when truncated (even
-    with parsed tool calls), `tool_calls` when calls were parsed, else `stop`."""
+    with parsed tool calls), `tool_calls` when calls were parsed, else `stop`; when one of the
+    request's stop strings ended the text (and the reply was not truncated), the choice also
+    carries `stop_reason` = that string, as vLLM's server does (the Messages route reports it
+    as `stop_sequence`)."""
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         message["tool_calls"] = [
@@ -323,13 +339,16 @@ def build_response(deps: CaptureDeps, request: ChatRequest, completion: Completi
     else:
         finish = "tool_calls" if parsed.tool_calls else "stop"
     n_prompt, n_completion = len(completion.prompt_ids), len(completion.completion_ids)
+    choice = {"index": 0, "message": message, "finish_reason": finish,
+              "logprobs": _logprobs(deps.chat, completion) if request.logprobs else None}
+    if parsed.stop_sequence is not None and finish != "length":
+        choice["stop_reason"] = parsed.stop_sequence
     return {
         "id": completion_id(),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model or deps.config.model_name,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                     "logprobs": _logprobs(deps.chat, completion) if request.logprobs else None}],
+        "choices": [choice],
         "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                   "total_tokens": n_prompt + n_completion},
     }
@@ -386,6 +405,18 @@ def _logprobs(chat: ChatLayer, completion: Completion) -> dict[str, Any]:
         {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
         for s, lp in zip(strings, completion.completion_logprobs, strict=True)
     ]}
+
+
+def recorded_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> dict[str, str]:
+    """The headers of `names` a turn records, each value cut to `RECORDED_HEADER_CHARS`
+    characters (then ending `…[N chars]`, N its length)."""
+    kept: dict[str, str] = {}
+    for name in names:
+        value = headers.get(name)
+        if value is not None:
+            kept[name] = value if len(value) <= RECORDED_HEADER_CHARS else \
+                f"{value[:RECORDED_HEADER_CHARS]}…[{len(value)} chars]"
+    return kept
 
 
 def request_kind(headers: Mapping[str, str]) -> str | None:

@@ -36,6 +36,41 @@ class ProxyConfig(BaseModel):
     `max_completion_tokens` can only lower it. The context left also caps it."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """Request bodies above this get 413."""
+    max_stop_strings: int = Field(default=16, ge=0, le=1024)
+    """Stop strings one call may send (`stop`, Messages `stop_sequences`, Google
+    `generationConfig.stopSequences`); more get 400 naming the field. Every stop string is
+    searched in each reply, so a long list costs CPU on the event loop per call."""
+    max_stop_bytes: int = Field(default=256, ge=1, le=65536)
+    """UTF-8 bytes of one stop string at most; a longer one gets 400 naming the field."""
+    max_messages: int = Field(default=4096, ge=1)
+    """Messages one call may send (after a protocol's conversion to chat messages); more get
+    400 (`messages`). The template renders every message, on the event loop."""
+    max_tool_calls_per_message: int = Field(default=128, ge=1)
+    """Replayed tool calls one assistant message may hold; more get 400 naming the message."""
+    max_tools: int = Field(default=256, ge=0)
+    """Tool definitions one call may send; more get 400 (`tools`)."""
+    max_tools_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """Bytes of the JSON of all tool definitions of one call together; more get 400 (`tools`)."""
+    max_session_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Request-body bytes one session may send in all (every call counted as it arrives, refused
+    ones too); past it, calls get 413 (code `session_body_budget`), are counted in
+    `Trace.refused_calls` and not recorded, so one session cannot grow the trainer's memory or
+    `rollouts.jsonl` without bound. At the default max_body_bytes this is 8 full bodies."""
+    max_connections: int = Field(default=1024, ge=1)
+    """Open connections the agents' listeners (TCP and Unix socket) hold at most; one past it is
+    closed at once, before any byte is read. Kept below the process's descriptor limit at start
+    (`ProxyServer.start` lowers it there and logs why)."""
+    max_connections_per_peer: int = Field(default=64, ge=1)
+    """Open connections one peer may hold: a TCP client address, a session key (while a call
+    holds it), or one Unix-socket connection's sender (pid and uid, `SO_PEERCRED`). One past
+    it is closed; its siblings are served."""
+    max_concurrent_calls_per_session: int = Field(default=64, ge=1)
+    """Calls one session may have in flight at once (each holds a connection while it is
+    served, a stream until its last event); one more gets 429 (code
+    `too_many_concurrent_calls`), counted in `Trace.refused_calls`, not recorded."""
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    """Bytes of one request's header section at most (request line and headers); past it the
+    connection gets 431 and is closed. Headers are outside `max_body_bytes`."""
     max_json_depth: int = Field(default=64, ge=4, le=200)
     """Request bodies nested deeper than this (objects and arrays) get 400 at parse time. At
     most 200, so a recorded body stays below the JSON encoders' 255-level limit."""

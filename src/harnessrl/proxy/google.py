@@ -25,6 +25,10 @@ Request conversion (each unsupported field or part -> 400 naming it, in Google's
 * `toolConfig.functionCallingConfig.mode` `AUTO` / `NONE` (`ANY` -> 400: the engine cannot
   force a call); `generationConfig` `maxOutputTokens`, `temperature`, `topP`, `topK`,
   `stopSequences`, `seed` -> chat fields; `candidateCount` above 1 -> 400.
+* Every field of a part (`function_call`, `function_response`, `thought_signature`,
+  `inline_data`, ...), of a call, an answer, a function declaration and `generationConfig` is
+  read in either spelling the API accepts, camelCase or snake_case (`camel_keys`), like the
+  top-level fields.
 * Ignored: `safetySettings`, `labels`, `generationConfig.thinkingConfig` (the chat template
   decides whether the model thinks), `responseMimeType: "text/plain"`.
 
@@ -55,9 +59,9 @@ from starlette.responses import Response, StreamingResponse
 from harnessrl.engine.chat import ToolCall, hermes_tool_call, normalize_tools
 from harnessrl.errors import RequestError
 from harnessrl.proxy import native
-from harnessrl.proxy.app import ProxyDeps, json_response, read_json
+from harnessrl.proxy.app import ProxyDeps, json_response, read_session_json
 from harnessrl.proxy.capture import ChatOutcome, Origin
-from harnessrl.proxy.wire import dumps
+from harnessrl.proxy.wire import DEFAULT_LIMITS, RequestLimits, check_stop, dumps, limits_of, recorded_body
 
 PROTOCOL = "google"
 ROUTE = "/v1beta/models/{target}"
@@ -83,8 +87,8 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
                                    "streamGenerateContent")
     headers = native.kept_headers(request.headers, EXTRA_HEADERS)
     try:
-        body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
-        converted = _convert_or_record(session, body, model, headers)
+        body = await read_session_json(request, session, deps)
+        converted = _convert_or_record(session, body, model, headers, limits_of(deps.capture.config))
     except RequestError as exc:
         return error_response(exc.status_code, exc.message)
     response_id = secrets.token_hex(12)
@@ -92,7 +96,8 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     def render(chat: dict[str, Any]) -> dict[str, Any]:
         return response_body(chat, response_id, model)
 
-    call = native.Call(session, Origin(PROTOCOL, body, headers, converted.notes, render))
+    origin = Origin(PROTOCOL, recorded_body(body, IGNORED_FIELDS), headers, converted.notes, render)
+    call = native.Call(session, origin)
     prepared = await native.prepare(call, deps.capture, converted, request.headers)
     if isinstance(prepared, ChatOutcome):
         return error_response(prepared.status_code, _message_of(prepared.body))
@@ -129,9 +134,10 @@ async def _stream(call: native.Call, deps: ProxyDeps, prepared: Any, sse: bool) 
     yield (b"data: " + dumps(outcome.protocol_body) + b"\n\n") if sse else dumps([outcome.protocol_body])
 
 
-def _convert_or_record(session: Any, body: dict[str, Any], model: str, headers: dict[str, str]) -> native.Converted:
+def _convert_or_record(session: Any, body: dict[str, Any], model: str, headers: dict[str, str],
+                       limits: RequestLimits) -> native.Converted:
     try:
-        return to_chat_body(body, model)
+        return to_chat_body(body, model, limits)
     except RequestError as exc:
         native.record_rejected(session, PROTOCOL, body, headers, exc)
         raise
@@ -144,8 +150,9 @@ def _message_of(error: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- request -> chat body
 
 
-def to_chat_body(body: dict[str, Any], model: str = "") -> native.Converted:
-    """Translate a `generateContent` body (see the module docstring).
+def to_chat_body(body: dict[str, Any], model: str = "", limits: RequestLimits = DEFAULT_LIMITS) -> native.Converted:
+    """Translate a `generateContent` body (see the module docstring); `stopSequences` within
+    `limits` (`wire.check_stop`).
 
     Raises:
         RequestError: unsupported field or part, or a malformed one; `param` names it
@@ -169,8 +176,30 @@ def to_chat_body(body: dict[str, Any], model: str = "") -> native.Converted:
     if tools:
         chat["tools"] = tools
         chat["tool_choice"] = _tool_choice(body.get("toolConfig", body.get("tool_config")))
-    chat.update(_generation(body.get("generationConfig", body.get("generation_config"))))
+    chat.update(_generation(body.get("generationConfig", body.get("generation_config")), limits))
     return native.Converted(chat, tuple(notes))
+
+
+def camel_keys(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """`obj` with its snake_case keys in Google's camelCase spelling (`function_call` ->
+    `functionCall`, `thought_signature` -> `thoughtSignature`): the API accepts both spellings
+    of every field (proto JSON), so parts, their calls and answers, function declarations and
+    `generationConfig` are read in one. Keys without "_" are kept as they are.
+
+    Raises:
+        RequestError: both spellings of one field are given (`param` names it).
+    """
+    if not any("_" in k for k in obj):
+        return obj
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        head, *rest = key.split("_")
+        name = head + "".join(w[:1].upper() + w[1:] for w in rest)
+        if name in out:
+            raise RequestError(f"{where}.{name} is given twice (as {name} and as a snake_case spelling)",
+                               param=f"{where}.{name}")
+        out[name] = value
+    return out
 
 
 def _system(system: object) -> list[dict[str, Any]]:
@@ -206,13 +235,14 @@ def _content(content: object, i: int, pending: list[tuple[str, str]], notes: lis
         at = f"{where}.parts[{j}]"
         if not isinstance(part, dict):
             raise RequestError(f"{at} must be an object", param=at)
+        part = camel_keys(part, at)
         if isinstance(part.get("text"), str):
             if out and out[-1]["role"] == "user":
                 out[-1]["content"] += "\n" + part["text"]
             else:
                 out.append({"role": "user", "content": part["text"]})
         elif isinstance(part.get("functionResponse"), dict):
-            fr = part["functionResponse"]
+            fr = camel_keys(part["functionResponse"], f"{at}.functionResponse")
             if not isinstance(fr.get("name"), str):
                 raise RequestError(f"{at}.functionResponse.name must be a string", param=f"{at}.functionResponse.name")
             call_id = _answer(pending, fr["name"], fr.get("id"))
@@ -233,12 +263,13 @@ def _model(parts: list[Any], i: int, pending: list[tuple[str, str]], notes: list
         at = f"contents[{i}].parts[{j}]"
         if not isinstance(part, dict):
             raise RequestError(f"{at} must be an object", param=at)
+        part = camel_keys(part, at)
         if "thoughtSignature" in part:
             notes.append(f"dropped {at}.thoughtSignature (opaque)")
         if isinstance(part.get("text"), str):
             (thoughts if part.get("thought") is True else texts).append(part["text"])
         elif isinstance(part.get("functionCall"), dict):
-            fc = part["functionCall"]
+            fc = camel_keys(part["functionCall"], f"{at}.functionCall")
             if not isinstance(fc.get("name"), str):
                 raise RequestError(f"{at}.functionCall.name must be a string", param=f"{at}.functionCall.name")
             call_id = fc["id"] if isinstance(fc.get("id"), str) and fc["id"] else f"call_{i}_{j}"
@@ -288,6 +319,7 @@ def _tools(raw: object, notes: list[str]) -> list[dict[str, Any]]:
             at = f"tools[{i}].functionDeclarations[{k}]"
             if not isinstance(decl, dict) or not isinstance(decl.get("name"), str):
                 raise RequestError(f"{at}.name must be a string", param=f"{at}.name")
+            decl = camel_keys(decl, at)
             schema = decl.get("parametersJsonSchema", decl.get("parameters")) or {"type": "object", "properties": {}}
             if not isinstance(schema, dict):
                 raise RequestError(f"{at}.parameters must be an object", param=f"{at}.parameters")
@@ -320,14 +352,19 @@ def _tool_choice(config: object) -> str:
                        param="toolConfig.functionCallingConfig.mode")
 
 
-def _generation(config: object) -> dict[str, Any]:
+def _generation(config: object, limits: RequestLimits) -> dict[str, Any]:
     if config is None:
         return {}
     if not isinstance(config, dict):
         raise RequestError("generationConfig must be an object", param="generationConfig")
+    config = camel_keys(config, "generationConfig")
     out: dict[str, Any] = {}
     for key, value in config.items():
-        if key in GENERATION_FIELDS:
+        if key == "stopSequences":
+            stop = check_stop(value, "generationConfig.stopSequences", limits)
+            if stop:
+                out["stop"] = list(stop)
+        elif key in GENERATION_FIELDS:
             if value is not None:
                 out[GENERATION_FIELDS[key]] = value
         elif key == "candidateCount":

@@ -30,7 +30,7 @@ from typing import Any
 
 from harnessrl.errors import RequestError
 from harnessrl.proxy.capture import (RECORDED_HEADERS, CaptureDeps, ChatOutcome, Origin, PreparedChat,
-                                     generate_chat, prepare_chat, request_kind, summarize_body)
+                                     generate_chat, prepare_chat, recorded_headers, request_kind, summarize_body)
 from harnessrl.proxy.sessions import Session
 from harnessrl.types import Turn
 
@@ -63,8 +63,9 @@ class Call:
 
 
 def kept_headers(headers: Mapping[str, str], extra: tuple[str, ...]) -> dict[str, str]:
-    """The headers recorded on a turn: `capture.RECORDED_HEADERS` plus `extra` (lower-case names)."""
-    return {k: v for k in (*RECORDED_HEADERS, *extra) if (v := headers.get(k)) is not None}
+    """The headers recorded on a turn: `capture.RECORDED_HEADERS` plus `extra` (lower-case names),
+    each cut to `capture.RECORDED_HEADER_CHARS`."""
+    return recorded_headers(headers, (*RECORDED_HEADERS, *extra))
 
 
 def record_rejected(session: Session, protocol: str, body: dict[str, Any], headers: dict[str, str],

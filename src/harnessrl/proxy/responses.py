@@ -32,7 +32,9 @@ Request conversion (each unsupported field or item type -> 400 naming it):
   `reasoning`, `service_tier`, `safety_identifier`, `stream_options`, `max_tool_calls`,
   `prompt_cache_retention`. Neutral values only: `text` (format `text`; `verbosity` ignored),
   `truncation` (`disabled`), `background` (false), `top_logprobs` (0),
-  `previous_response_id` / `conversation` (null: nothing is stored server-side).
+  `previous_response_id` / `conversation` (null: nothing is stored server-side). The ignored
+  fields are neither recorded nor echoed: a reply's `metadata` is `{}` and its
+  `parallel_tool_calls` the default (an agent's large field never enters `raw_response`).
 
 Result: output items in order reasoning (when the completion had a `<think>` block), message
 (when there is text, or nothing else), function calls. A completion cut at the token cap is
@@ -64,10 +66,10 @@ from starlette.responses import Response, StreamingResponse
 
 from harnessrl.errors import RequestError
 from harnessrl.proxy import native
-from harnessrl.proxy.app import ProxyDeps, json_response, read_json
+from harnessrl.proxy.app import ProxyDeps, json_response, read_session_json
 from harnessrl.proxy.capture import ChatOutcome, Origin
 from harnessrl.proxy.sse import KEEPALIVE
-from harnessrl.proxy.wire import dumps
+from harnessrl.proxy.wire import dumps, recorded_body
 
 PROTOCOL = "responses"
 EXTRA_HEADERS = ("thread-id", "originator", "x-client-request-id", "x-codex-window-id")
@@ -89,7 +91,7 @@ _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
     """`POST /v1/responses`: unary JSON, or the Responses event stream."""
-    body = await read_json(request, deps.capture.config.max_body_bytes, deps.capture.config.max_json_depth)
+    body = await read_session_json(request, session, deps)
     headers = native.kept_headers(request.headers, EXTRA_HEADERS)
     try:
         converted = to_chat_body(body)
@@ -98,10 +100,13 @@ async def handle(request: Request, session: Any, deps: ProxyDeps) -> Response:
         raise
     response_id, created_at = "resp_" + secrets.token_hex(12), native.now_s()
 
-    def render(chat: dict[str, Any]) -> dict[str, Any]:
-        return response_body(chat, body, response_id, created_at)
+    kept = recorded_body(body, IGNORED_FIELDS)  # what the turn keeps, and what the reply echoes
 
-    call = native.Call(session, Origin(PROTOCOL, body, headers, converted.notes, render))
+    def render(chat: dict[str, Any]) -> dict[str, Any]:
+        return response_body(chat, kept, response_id, created_at)
+
+    origin = Origin(PROTOCOL, kept, headers, converted.notes, render)
+    call = native.Call(session, origin)
     prepared = await native.prepare(call, deps.capture, converted, request.headers)
     if isinstance(prepared, ChatOutcome):
         return json_response(prepared.status_code, prepared.body)

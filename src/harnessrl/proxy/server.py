@@ -26,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
+import resource
 import secrets
 import shutil
 import socket
 import tempfile
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -45,11 +47,12 @@ from harnessrl.proxy import anthropic, google, responses
 from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app, serve_post
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
-from harnessrl.proxy.httpguard import guarded_httptools
+from harnessrl.proxy.httpguard import ConnectionLimits, guarded_httptools
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.types import Endpoint, Trace
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 SERVING_GC_THRESHOLD0 = 20_000
@@ -119,7 +122,9 @@ class ProxyServer:
         self.config = config or ProxyConfig()
         self.store = SessionStore(self.config.trace_path, max_closed_traces=self.config.max_closed_traces,
                                   max_revoked_keys=self.config.max_revoked_keys,
-                                  max_turns_per_session=self.config.max_turns_per_session)
+                                  max_turns_per_session=self.config.max_turns_per_session,
+                                  max_session_body_bytes=self.config.max_session_body_bytes,
+                                  max_concurrent_calls=self.config.max_concurrent_calls_per_session)
         self.deps = ProxyDeps(CaptureDeps(engine, chat, self.config), self.store)
         self.app = make_app(self.deps, protocols=native_protocols())
         self.admin_token = admin_token or secrets.token_urlsafe(32)
@@ -134,6 +139,8 @@ class ProxyServer:
         self._requested_admin_port = admin_port
         self.port = 0
         self.admin_port = 0
+        self.connection_limits = connection_limits(self.config)
+        """Bounds on the agents' connections (set again at `start`, with the admin listener exempt)."""
 
     @property
     def agent_socket_path(self) -> Path:
@@ -190,7 +197,10 @@ class ProxyServer:
         # httptools parser, no access log, no X-Forwarded-For rewriting (a middleware hop
         # per call saved; the peer address is never trusted for anything).
         # The httptools protocol with a read deadline (`httpguard`); idle keep-alive bounded too.
-        uv_config = uvicorn.Config(self._route, http=guarded_httptools(self.config.read_timeout_s), log_level="warning",
+        self.connection_limits = connection_limits(
+            self.config, lambda name: isinstance(name, tuple) and name[:2] == self._admin_name)
+        http = guarded_httptools(self.config.read_timeout_s, self.connection_limits, self.config.max_header_bytes)
+        uv_config = uvicorn.Config(self._route, http=http, log_level="warning",
                                    access_log=False, timeout_keep_alive=self.config.keepalive_timeout_s,
                                    proxy_headers=False, server_header=False, lifespan="off", interface="asgi3",
                                    timeout_graceful_shutdown=self.shutdown_timeout_s, backlog=2048)
@@ -203,6 +213,12 @@ class ProxyServer:
             await asyncio.sleep(0.01)
         if _serving:  # a serving process (`run_loop`): what it loaded so far lives as long as it
             freeze_startup_heap()
+
+    @property
+    def open_connections(self) -> dict[str, int]:
+        """The agents' listeners' connections now: `total`, `peers` holding one, `refused`
+        since start (`ConnectionLimits.snapshot`)."""
+        return self.connection_limits.snapshot()
 
     def open_session(self, rollout_id: str | None = None) -> tuple[str, str]:
         """Open a session; returns `(session_id, key)`."""
@@ -249,6 +265,24 @@ class ProxyServer:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.aclose()
+
+
+DESCRIPTORS_KEPT_FREE = 0.5
+"""Share of the process's descriptor limit (RLIMIT_NOFILE, soft) that the agents'
+connections never take: the trainer keeps descriptors for its files, sandboxes and engine."""
+
+
+def connection_limits(config: ProxyConfig, exempt: Callable[[Any], bool] = lambda name: False) -> ConnectionLimits:
+    """`ConnectionLimits` of `config`: `max_connections` in all, lowered (and logged) to
+    `DESCRIPTORS_KEPT_FREE` of the soft descriptor limit below it, and
+    `max_connections_per_peer` per Unix-socket peer."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    total = config.max_connections
+    if soft != resource.RLIM_INFINITY and total > soft * (1 - DESCRIPTORS_KEPT_FREE):
+        total = max(1, int(soft * (1 - DESCRIPTORS_KEPT_FREE)))
+        log.info("proxy: max_connections=%d lowered to %d, half the process's descriptor limit (%d)",
+                 config.max_connections, total, soft)
+    return ConnectionLimits(total, config.max_connections_per_peer, exempt)
 
 
 def _bind_tcp(host: str, port: int, what: str, *opened: socket.socket) -> socket.socket:

@@ -18,9 +18,10 @@ Invariants:
     recently closed traces stay in memory. At most `max_revoked_keys` revoked keys are
     remembered for counting late calls (older ones still get 401, uncounted; keys are never
     reused).
-  * A session records at most `max_turns_per_session` turns; later calls are answered 429
-    and counted in `Trace.refused_calls` (with error bodies truncated, a live session's memory
-    is then bounded too).
+  * A session records at most `max_turns_per_session` turns and receives at most
+    `max_session_body_bytes` of request bodies; later calls are answered 429 / 413 and counted
+    in `Trace.refused_calls` (with error bodies truncated, a live session's memory is then
+    bounded too).
   * The store is used from one event loop; it holds no locks.
 
 What this module deliberately does not do: talk HTTP or call engines.
@@ -53,6 +54,14 @@ class Session:
     revoked: bool = False
     max_turns: int = 4096
     """Calls recorded at most; later calls are refused (`reserve_turn_index`)."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Request-body bytes the session may send in all (`charge_body`)."""
+    body_bytes: int = 0
+    """Request-body bytes received so far (calls refused by `charge_body` not counted)."""
+    in_flight: int = 0
+    """Calls of this session being served now (`begin_call` / `end_call`)."""
+    max_in_flight: int = 64
+    """Calls served at once at most (`begin_call`)."""
     _next_index: int = field(default=0, repr=False)
     bridge_points: list[BridgePoint] = field(default_factory=list, repr=False)
     """Recent finished turns a later request may bridge on (`capture.py`, `chat.plan_prompt`)."""
@@ -71,6 +80,38 @@ class Session:
                                code="too_many_turns", status_code=429)
         self._next_index += 1
         return index
+
+    def begin_call(self) -> None:
+        """Count a call being served (until `end_call`).
+
+        Raises:
+            RequestError: 429 (code `too_many_concurrent_calls`) when `max_in_flight` calls are
+                being served already; counted in `Trace.refused_calls`, not in `in_flight`.
+        """
+        if self.in_flight >= self.max_in_flight:
+            self.trace.refused_calls += 1
+            raise RequestError(f"this session already has {self.in_flight} calls in flight "
+                               f"(max_concurrent_calls_per_session={self.max_in_flight})",
+                               code="too_many_concurrent_calls", status_code=429)
+        self.in_flight += 1
+
+    def end_call(self) -> None:
+        self.in_flight -= 1
+
+    def charge_body(self, size: int) -> None:
+        """Count a request body of `size` bytes against `max_body_bytes`.
+
+        Raises:
+            RequestError: 413 (code `session_body_budget`) when it would exceed the budget; the
+                call is counted in `Trace.refused_calls`, gets no turn, and its bytes are not
+                counted.
+        """
+        if self.body_bytes + size > self.max_body_bytes:
+            self.trace.refused_calls += 1
+            raise RequestError(f"this session already sent {self.body_bytes} bytes of request bodies; a body of "
+                               f"{size} bytes would exceed max_session_body_bytes={self.max_body_bytes}",
+                               code="session_body_budget", status_code=413)
+        self.body_bytes += size
 
     def record(self, turn: Turn) -> bool:
         """Append `turn`, keeping turns ordered by `turn_index`.
@@ -112,18 +153,26 @@ class SessionStore:
         max_revoked_keys: closed sessions (key, late-call count, file offset) remembered (>= 1).
         max_turns_per_session: calls a session may make (>= 1); later ones get 429, counted
             in `Trace.refused_calls`, unrecorded.
+        max_session_body_bytes: request-body bytes a session may send in all (>= 1); a call
+            past it gets 413, counted in `Trace.refused_calls`, unrecorded.
+        max_concurrent_calls: calls a session may have in flight at once; one more gets 429,
+            counted in `Trace.refused_calls`, unrecorded.
 
     Raises:
         ConfigError: a bound is out of range.
     """
 
     def __init__(self, trace_path: Path | None = None, *, max_closed_traces: int = 64,
-                 max_revoked_keys: int = 100_000, max_turns_per_session: int = 4096) -> None:
-        if max_closed_traces < 0 or max_revoked_keys < 1 or max_turns_per_session < 1:
+                 max_revoked_keys: int = 100_000, max_turns_per_session: int = 4096,
+                 max_session_body_bytes: int = 64 * 1024 * 1024, max_concurrent_calls: int = 64) -> None:
+        if max_closed_traces < 0 or max_revoked_keys < 1 or max_turns_per_session < 1 or max_session_body_bytes < 1:
             raise ConfigError(f"max_closed_traces={max_closed_traces} must be >= 0, "
-                              f"max_revoked_keys={max_revoked_keys} and "
-                              f"max_turns_per_session={max_turns_per_session} >= 1")
+                              f"max_revoked_keys={max_revoked_keys}, "
+                              f"max_turns_per_session={max_turns_per_session} and "
+                              f"max_session_body_bytes={max_session_body_bytes} >= 1")
         self.max_turns_per_session = max_turns_per_session
+        self.max_session_body_bytes = max_session_body_bytes
+        self.max_concurrent_calls = max(1, max_concurrent_calls)
         self.trace_path = trace_path
         self.max_closed_traces = max_closed_traces
         self.max_revoked_keys = max_revoked_keys
@@ -141,6 +190,8 @@ class SessionStore:
             key="hrl-" + secrets.token_urlsafe(24),
             trace=Trace(session_id="", rollout_id=rollout_id),
             max_turns=self.max_turns_per_session,
+            max_body_bytes=self.max_session_body_bytes,
+            max_in_flight=self.max_concurrent_calls,
         )
         session.trace.session_id = session.session_id
         self._by_id[session.session_id] = session

@@ -54,7 +54,8 @@ def body_chunks(response_id: str, body: dict[str, Any], include_usage: bool) -> 
         for d in deltas
     ]
     out.append(event(_chunk(response_id, created, model,
-                            [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}])))
+                            [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+                             | ({"stop_reason": choice["stop_reason"]} if "stop_reason" in choice else {})])))
     if include_usage:
         out.append(event(_chunk(response_id, created, model, [], usage=body["usage"])))
     out.append(DONE)

@@ -10,7 +10,12 @@ Request fields:
   `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `logprobs`.
 * accepted and ignored, because they do not change what the model sees: `store`, `user`,
   `metadata`, `parallel_tool_calls`, `prompt_cache_key`, `reasoning_effort`, `service_tier`,
-  `safety_identifier`.
+  `safety_identifier`; they (and the ignored message keys `refusal`, `annotations`,
+  `cache_control`) are not recorded on the turn (`recorded_body`).
+* list fields are bounded (`RequestLimits`, from `ProxyConfig`): `stop` (`max_stop_strings`
+  strings of at most `max_stop_bytes` bytes), `messages` (`max_messages`), replayed
+  `tool_calls` per message (`max_tool_calls_per_message`), `tools` (`max_tools`, and
+  `max_tools_bytes` of JSON in all); beyond, 400 naming the field and the knob.
 * accepted only at their neutral value (else 400 naming the field): `n` (1),
   `frequency_penalty` / `presence_penalty` (0), `logit_bias` (empty), `response_format`
   (`{"type": "text"}`), `modalities` (`["text"]`), `top_logprobs` (0).
@@ -22,12 +27,15 @@ What this module deliberately does not do: render, sample, or decide sampling ov
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from harnessrl.engine.chat import Message, normalize_messages, normalize_tools
+from harnessrl.engine.messages import IGNORED_MESSAGE_KEYS
 from harnessrl.errors import RequestError
 
 USED_FIELDS = frozenset(
@@ -69,6 +77,82 @@ class ChatRequest:
     seed: int | None
     stop: tuple[str, ...]
     logprobs: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on the list fields whose size drives a call's CPU on the event loop (every stop
+    string is searched in each reply and by the engine; every message and tool is rendered by
+    the template), from `ProxyConfig` (`limits_of`); beyond one, 400 naming the field."""
+
+    max_stop_strings: int = 16
+    max_stop_bytes: int = 256
+    max_messages: int = 4096
+    max_tool_calls_per_message: int = 128
+    max_tools: int = 256
+    max_tools_bytes: int = 1024 * 1024
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+@functools.lru_cache(maxsize=16)
+def limits_of(config: Any) -> RequestLimits:
+    """The `RequestLimits` of a `ProxyConfig` (one instance per config)."""
+    return RequestLimits(config.max_stop_strings, config.max_stop_bytes, config.max_messages,
+                         config.max_tool_calls_per_message, config.max_tools, config.max_tools_bytes)
+
+
+def check_stop(value: object, field: str, limits: RequestLimits) -> tuple[str, ...]:
+    """Stop strings as a tuple: a string or an array of at most `max_stop_strings` strings of
+    at most `max_stop_bytes` UTF-8 bytes each (a string of more than a quarter of that many
+    characters is measured; none shorter can exceed it).
+
+    Raises:
+        RequestError: the value has the wrong type or exceeds a bound; `param` is `field`.
+    """
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    elif not isinstance(value, list):
+        raise RequestError(f"'{field}' must be a string or an array of strings", param=field)
+    if len(value) > limits.max_stop_strings:
+        raise RequestError(f"'{field}' has {len(value)} strings; at most {limits.max_stop_strings} are accepted "
+                           f"(max_stop_strings)", param=field, code="too_many_stop_strings")
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise RequestError(f"'{field}' must be a string or an array of strings", param=field)
+        if len(s) * 4 > limits.max_stop_bytes and len(s.encode("utf-8", "surrogatepass")) > limits.max_stop_bytes:
+            raise RequestError(f"'{field}'[{i}] has {len(s.encode('utf-8', 'surrogatepass'))} bytes; at most "
+                               f"{limits.max_stop_bytes} are accepted (max_stop_bytes)", param=field,
+                               code="stop_string_too_long")
+    return tuple(value)
+
+
+def check_sizes(messages: list[Any], tools: list[dict[str, Any]], limits: RequestLimits) -> None:
+    """Refuse more than `max_tool_calls_per_message` replayed calls on one message, and tool
+    definitions whose JSON exceeds `max_tools_bytes` in all (the counts of messages and tools
+    are checked before they are validated, in `parse_chat_request`).
+
+    Raises:
+        RequestError: naming the field and the knob.
+    """
+    cap = limits.max_tool_calls_per_message
+    for i, m in enumerate(messages):
+        if len(m.tool_calls) > cap:
+            raise RequestError(f"messages[{i}] has {len(m.tool_calls)} tool calls; at most {cap} are accepted "
+                               f"(max_tool_calls_per_message)", param=f"messages[{i}].tool_calls",
+                               code="too_many_tool_calls")
+    if not tools:
+        return
+    try:
+        size = len(orjson.dumps(tools))
+    except TypeError:  # not plain JSON (an int past 64 bits): measured the slow way
+        size = len(json.dumps(tools).encode())
+    if size > limits.max_tools_bytes:
+        raise RequestError(f"the tool definitions have {size} bytes of JSON; at most {limits.max_tools_bytes} are "
+                           f"accepted (max_tools_bytes)", param="tools", code="tools_too_large")
 
 
 MAX_JSON_DEPTH = 64
@@ -135,12 +219,13 @@ def error_body(message: str, *, type_: str = "invalid_request_error", param: str
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
-    """Validate a chat-completions body.
+def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
+    """Validate a chat-completions body, its list fields within `limits` (`check_stop`,
+    `check_sizes`).
 
     Raises:
-        RequestError: a field has the wrong type, is unsupported, or asks for something
-            the proxy cannot honour; `param` names it.
+        RequestError: a field has the wrong type, is unsupported, exceeds a limit, or asks for
+            something the proxy cannot honour; `param` names it.
     """
     for key, value in body.items():
         if key in USED_FIELDS or key in IGNORED_FIELDS:
@@ -161,10 +246,22 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
+    stop = check_stop(body.get("stop"), "stop", limits)  # first: a long list costs before anything else
+    raw_messages = body.get("messages")
+    if isinstance(raw_messages, list) and len(raw_messages) > limits.max_messages:
+        raise RequestError(f"the request has {len(raw_messages)} messages; at most {limits.max_messages} are "
+                           f"accepted (max_messages)", param="messages", code="too_many_messages")
+    raw_tools = body.get("tools")
+    if isinstance(raw_tools, list) and len(raw_tools) > limits.max_tools:
+        raise RequestError(f"the request has {len(raw_tools)} tools; at most {limits.max_tools} are accepted "
+                           f"(max_tools)", param="tools", code="too_many_tools")
+    messages = normalize_messages(raw_messages)
+    tools = _tools(body)
+    check_sizes(messages, tools, limits)
     return ChatRequest(
         model=model,
-        messages=normalize_messages(body.get("messages")),
-        tools=_tools(body),
+        messages=messages,
+        tools=tools,
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
@@ -172,9 +269,25 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         top_p=_opt_float(body, "top_p", 0.0, 1.0),
         top_k=_top_k(body),
         seed=_seed(body),
-        stop=_stop(body.get("stop")),
+        stop=stop,
         logprobs=_opt(body, "logprobs", bool) or False,
     )
+
+
+def recorded_body(body: dict[str, Any], ignored: frozenset[str] = IGNORED_FIELDS) -> dict[str, Any]:
+    """What a turn records of a request body: `body` without its top-level fields in `ignored`
+    and, for a chat body, without the message keys that change nothing the model sees
+    (`messages.IGNORED_MESSAGE_KEYS`), so a large field the proxy never reads is not kept in
+    the trace (memory, `rollouts.jsonl`). `body` itself is unchanged; returned as is when
+    nothing is dropped."""
+    if not ignored.isdisjoint(body):
+        body = {k: v for k, v in body.items() if k not in ignored}
+    messages = body.get("messages") if ignored is IGNORED_FIELDS else None
+    if type(messages) is list and any(type(m) is dict and not IGNORED_MESSAGE_KEYS.isdisjoint(m) for m in messages):
+        kept = [{k: v for k, v in m.items() if k not in IGNORED_MESSAGE_KEYS} if type(m) is dict else m
+                for m in messages]
+        body = {**body, "messages": kept}
+    return body
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -224,13 +337,3 @@ def _seed(body: dict[str, Any]) -> int | None:
 def _top_k(body: dict[str, Any]) -> int | None:
     value = _opt_int(body, "top_k", -1)
     return None if value is None else max(value, 0)
-
-
-def _stop(value: object) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    raise RequestError("'stop' must be a string or an array of strings", param="stop")
