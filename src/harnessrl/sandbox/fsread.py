@@ -234,7 +234,7 @@ def write_beneath(root: Path, rel_path: str | os.PathLike[str], data: bytes, mod
         os.close(out)
 
 
-def write_new_file(dir_fd: int, name: str, data: bytes, mode: int = 0o600) -> None:
+def write_new_file(dir_fd: int, name: str, data: bytes, mode: int = 0o640) -> None:
     """Create `name` (one component) in `dir_fd` exclusively (never through a link) with `data`."""
     (part,) = _parts(name)
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
@@ -268,7 +268,8 @@ def copy_tree_beneath(
     Symlinks and special files (FIFOs, sockets, devices) are skipped and listed; a name that
     already exists in the destination is kept (the destination's file wins); copying stops at
     `max_files` files, `max_bytes` bytes, or `max_depth` nested directories (`truncated`).
-    Files are created `O_EXCL | O_NOFOLLOW`, mode 0600 (directories 0700).
+    Files are created `O_EXCL | O_NOFOLLOW`, mode 0640 (directories 0770: the destination's
+    group, see `make_private_dir`).
     """
     report = report if report is not None else CopyReport()
     with os.scandir(src_fd) as it:
@@ -283,7 +284,7 @@ def copy_tree_beneath(
                 report.skipped[rel], report.truncated = "depth bound", True
                 continue
             try:
-                os.mkdir(entry.name, 0o700, dir_fd=dst_fd)
+                os.mkdir(entry.name, 0o770, dir_fd=dst_fd)
             except FileExistsError:
                 report.skipped[rel] = "exists"
                 continue
@@ -324,17 +325,27 @@ def copy_tree_beneath(
 
 
 def make_private_dir(root: Path, prefix: str) -> tuple[Path, int]:
-    """Create a fresh directory `root/<prefix><random hex>` (mode 0700) through the root's
-    descriptor; returns its host path and an open descriptor of it (caller closes).
+    """Create a fresh directory `root/<prefix><random hex>` through the root's descriptor;
+    returns its host path and an open descriptor of it (caller closes).
 
     The directory is new (`mkdir` fails on any existing name, link or not), so nothing the
-    agent planted can redirect what is written into it.
+    agent planted can redirect what is written into it. It belongs to this process's user and
+    to the group of `root` (the sandbox owner's group, `sandbox/owner.py`), mode 2770: the
+    verifier's commands, run as the sandbox's owner, may read it and create or remove files in
+    it (files written with the default modes are 0640 and inherit the group); no other host
+    user may enter it.
     """
     root_fd = open_root(root)
     try:
         name = f"{prefix}{secrets.token_hex(8)}"
         os.mkdir(name, 0o700, dir_fd=root_fd)
         fd = _open_component(name, _DIR_FLAGS, root_fd, f"{root}/{name}")
+        try:
+            os.fchown(fd, -1, os.fstat(root_fd).st_gid)
+            os.fchmod(fd, 0o2770)
+        except BaseException:
+            os.close(fd)
+            raise
         return root / name, fd
     finally:
         os.close(root_fd)
