@@ -341,6 +341,7 @@ async def test_proxy_socket_cannot_be_changed_by_an_agent(kit: Kit, proxy: Proxy
     attacker = await backend.create("chmod-sock", {})
     try:
         r = await attacker.exec(f"chmod 000 /run/harnessrl/proxy.sock; touch -d @12345 /run/harnessrl/proxy.sock; "
+                                "sleep 1.1; touch /run/harnessrl/proxy.sock; "
                                 "stat -c %a /run/harnessrl/proxy.sock", 30)
         assert _stat(socket_path) == before, r
         # the next rollout still reaches the proxy

@@ -2,17 +2,23 @@
 
 Responsibility: turn "run argv with this sandbox directory writable" into a `bwrap` argv.
 
-Who the command is: an unprivileged user (uid/gid `SANDBOX_UID` inside a new user namespace,
-mapped to our own uid outside) with no capabilities at all (`--cap-drop ALL`: CapEff,
-CapPrm, CapBnd and CapAmb are 0), unable to create further user namespaces
-(`--disable-userns`), in a new session (`--new-session`: no TIOCSTI into our terminal).
+Who the command is. Started by root (`owner` given): the sandbox's own unprivileged host
+uid/gid (`sandbox/owner.py`); bubblewrap makes no user namespace (root sets up the mounts,
+reaching any host path), keeps only CAP_SETUID / CAP_SETGID / CAP_SETPCAP, and `setpriv`
+drops to the owner with no supplementary group, every capability set and the bounding set
+empty and no_new_privs before the command (`owner_prefix`). Started by anyone else: uid/gid
+`SANDBOX_UID` inside a new user namespace, mapped to the calling uid outside,
+`--cap-drop ALL`, `--disable-userns`. Either way CapEff, CapPrm, CapBnd and CapAmb are 0, a
+seccomp filter (`sandbox/seccomp.py`) refuses kernel surface, ptrace and new user namespaces,
+and the command is in a new session (`--new-session`: no TIOCSTI into our terminal).
 Without CAP_SYS_ADMIN, CAP_DAC_READ_SEARCH and the rest it cannot mount or remount (and
 bind mounts made by a more privileged namespace are locked read-only anyway), cannot use
 `open_by_handle_at`, and cannot ptrace or signal anything outside its PID namespace.
 
-The namespaces a command gets: user, PID (`/proc` shows only its own processes), mount, IPC,
+The namespaces a command gets: user (when not started by root), PID (`/proc` shows only its own processes), mount, IPC,
 UTS and network. The network namespace holds only `lo`: nothing is routed, no DNS. When a
-`ProxyRoute` is given, the proxy's agent Unix socket is bound at `INNER_SOCKET` and the
+`ProxyRoute` is given, the proxy's agent Unix socket is bound read-only at `INNER_SOCKET`
+(connect works; chmod and utime do not), a copy of `forward.py` is placed beside it, and the
 command runs under `sandbox/forward.py`, which listens on `127.0.0.1:<port>` inside the
 namespace and relays to that socket: the agent's one reachable address is its proxy endpoint
 (the admin listener and every other host port stay out of reach).
@@ -21,16 +27,19 @@ The mount namespace a command sees:
   * read-only: the system directories in `system_paths` that exist (symlinks such as
     `/bin -> usr/bin` are recreated as symlinks), every path of `ro_binds` (an agent's install
     tree), the running interpreter's `sys.prefix` / `sys.base_prefix` when asked, `/dev`
-    (a minimal device set), the root directory and the sandbox root;
+    (a minimal device set: started by root, the sandbox's own nodes, see `make_devices`),
+    the root directory and the sandbox root;
   * writable: the sandbox directory only, at the same absolute path as outside (so paths
     printed by the agent mean the same thing to the verifier), a private `/tmp` and a
     private `/dev/shm`, each a tmpfs of at most `tmp_bytes`;
   * invisible: everything else of the host filesystem, including other sandboxes (the
     sandbox root is covered by a tmpfs before this sandbox's directory is bound back).
 
-Not isolated here: CPU and memory beyond the rlimits, process count and disk use (bounded by
-the local sandbox: a pids cgroup and a disk watchdog, see `sandbox/local.py`), and the host
-kernel itself (a kernel exploit crosses any namespace).
+Not isolated here: CPU, memory, process count and disk use (bounded by the local sandbox:
+pids and memory cgroups and a disk watchdog, see `sandbox/local.py`), and the host kernel
+itself (a kernel exploit crosses any namespace). `/proc/self/mountinfo` names the host
+paths of what is bound at its own path (the sandbox directory, agent trees) and of the proxy
+socket.
 
 `--die-with-parent` kills the command when the process that started bwrap dies;
 `--unshare-pid` makes bwrap's child the namespace's init, so every process left in the
@@ -157,6 +166,20 @@ def setpriv_path() -> str | None:
     return None
 
 
+def _mount_parents(targets: Sequence[Path], system_paths: Sequence[str]) -> list[str]:
+    """The directories above `targets` that bubblewrap creates in its new root (not `/`,
+    `/tmp` or anything under a bound system path), outermost first, each once."""
+    covered = [p.rstrip("/") for p in system_paths]
+    out: list[str] = []
+    for target in targets:
+        for parent in reversed(Path(target).parents):
+            text = str(parent)
+            if text in ("/", "/tmp") or any(text == c or text.startswith(c + "/") for c in covered) or text in out:
+                continue
+            out.append(text)
+    return out
+
+
 def owner_prefix(owner: int, cwd: Path) -> list[str]:
     """What a root-started bubblewrap runs first: become host uid/gid `owner` with no
     supplementary group, every capability set and the bounding set empty, no_new_privs, then
@@ -220,6 +243,11 @@ def bwrap_argv(
     args += ["--size", size, "--tmpfs", "/dev/shm", "--size", size, "--tmpfs", "/tmp"]
     if owner is not None:  # root made them 0755
         args += ["--chmod", "1777", "/dev/shm", "--chmod", "1777", "/tmp"]
+    if owner is not None:
+        # bubblewrap gives the directories it creates for a mount point the host's modes (a
+        # 0700 /root above an agent tree): open them for the owner, read-only like the rest
+        for parent in _mount_parents([sandbox_root, *ro_binds], system_paths):
+            args += ["--perms", "0755", "--dir", parent]
     args += ["--tmpfs", str(sandbox_root)]
     args += ["--bind", str(sandbox_dir), str(sandbox_dir)]
     for p in ro_binds:

@@ -87,6 +87,7 @@ from harnessrl.sandbox import owner as owners
 from harnessrl.sandbox import seccomp
 from harnessrl.sandbox.bwrap import (
     FORWARDER_SCRIPT,
+    SANDBOX_UID,
     ProxyRoute,
     bwrap_argv,
     bwrap_path,
@@ -474,7 +475,7 @@ class LocalSandboxBackend:
                      "privileges (commands keep this user's capabilities)"]
         elif not self.owned:
             gaps.append("owner (not run as root: sandboxes run as this process's user, mapped to uid "
-                        f"{1000} inside, and can read and change what that user can)")
+                        f"{SANDBOX_UID} inside, and can read and change what that user can)")
         if self.bwrap is not None:
             try:
                 seccomp.program()
