@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -66,9 +67,12 @@ def loopback_endpoint(endpoint: Endpoint) -> Endpoint:
     return dataclasses.replace(endpoint, base_url=loopback_url(endpoint.base_url), keyed_base_url=keyed)
 
 
-MAX_WALK_DEPTH = 1024
+MAX_WALK_DEPTH = 256
 """Deepest directory level `tree_usage` descends to; a tree deeper than this counts as over
 every bound (`Usage.too_deep`): no task needs it, and it would cost a descriptor per level."""
+_WALKS = threading.BoundedSemaphore(4)
+"""Walks of this process at once (each holds up to `MAX_WALK_DEPTH` descriptors): many
+sandboxes' deep trees cannot take the process to its descriptor limit together."""
 _DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -90,8 +94,14 @@ def tree_usage(root: Path, setid_strip: bool = False) -> Usage:
     bits are cleared from every regular file met (`fchmod` through a descriptor opened
     without following links) and nothing is counted past `MAX_WALK_DEPTH` (`strip_setid`).
 
-    Holds one descriptor per level of the current branch (at most `MAX_WALK_DEPTH`).
+    Holds one descriptor per level of the current branch (at most `MAX_WALK_DEPTH`); at most
+    four walks run at once in a process (the others wait).
     """
+    with _WALKS:
+        return _tree_usage(root, setid_strip)
+
+
+def _tree_usage(root: Path, setid_strip: bool) -> Usage:
     usage = Usage()
     try:
         top = os.open(root, _DIR_OPEN)
