@@ -23,6 +23,7 @@ What it does not do: limit CPU, or create a hierarchy where none is writable (th
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -144,14 +145,22 @@ class PidsGroup:
             time.sleep(0.01)
         return self.pids()
 
-    def remove(self) -> None:
-        """Remove the group(s) (they must be empty; a group with members is left in place)."""
+    def remove(self, timeout_s: float = 1.0) -> None:
+        """Remove the group(s) (they must be empty; a group with members is left in place).
+        A group still busy (EBUSY: its last members are exiting; the memory group may lag the
+        pids group) is retried every 10 ms for `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
         for directory in (self.path, self.memory):
-            if directory is not None:
+            while directory is not None:
                 try:
                     directory.rmdir()
-                except OSError:
-                    pass
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
 
 
 def _limit_memory(directory: Path | None, memory_bytes: int | None) -> None:
