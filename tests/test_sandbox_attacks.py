@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import socket
+import stat
 import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -298,3 +300,282 @@ def _daemons(token: str) -> list[psutil.Process]:
         if p.info["cmdline"] == ["sleep", token] and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(p)
     return found
+
+
+# --- the unprivileged owner, the syscall filter and every resource bounded (issue 32) ---------
+
+def _stat(path: str) -> tuple[int, int, float]:
+    st = os.stat(path)
+    return st.st_mode, st.st_uid, st.st_mtime
+
+
+@pytest.mark.parametrize("kit", ["bwrap"], indirect=True)
+async def test_root_only_host_files_are_unreadable(kit: Kit, sandbox_root: Path) -> None:
+    sb = await kit.backend(sandbox_root).create("shadow", {})
+    try:
+        r = await sb.exec("cat /etc/shadow; cat /etc/gshadow; echo done", 30)
+        assert r.stdout.strip() == "done", r  # nothing of either file
+        assert r.stderr.count("Permission denied") == 2, r
+    finally:
+        await sb.close()
+
+
+async def test_host_device_nodes_cannot_be_changed(kit: Kit, sandbox_root: Path) -> None:
+    before = {d: _stat(d) for d in ("/dev/null", "/dev/zero", "/dev/urandom")}
+    sb = await kit.backend(sandbox_root).create("devices", {})
+    try:
+        r = await sb.exec("for d in /dev/null /dev/zero /dev/urandom; do chmod 600 $d; touch -d @1 $d; touch $d; "
+                          "done; echo x > /dev/null && echo written", 30)
+        assert r.stdout.strip() == "written", r  # still usable
+        assert {d: _stat(d) for d in before} == before, r
+    finally:
+        await sb.close()
+        for d, (mode, _, _) in before.items():  # put the host back should the attack have worked
+            os.chmod(d, stat.S_IMODE(mode))
+
+
+async def test_proxy_socket_cannot_be_changed_by_an_agent(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
+    socket_path = str(proxy.agent_socket_path)
+    backend = kit.backend(sandbox_root, proxy)
+    before = _stat(socket_path)
+    attacker = await backend.create("chmod-sock", {})
+    try:
+        r = await attacker.exec(f"chmod 000 /run/harnessrl/proxy.sock; touch -d @12345 /run/harnessrl/proxy.sock; "
+                                "sleep 1.1; touch /run/harnessrl/proxy.sock; "
+                                "stat -c %a /run/harnessrl/proxy.sock", 30)
+        assert _stat(socket_path) == before, r
+        # the next rollout still reaches the proxy
+        sibling = await backend.create("sibling", {})
+        session_id, key = proxy.open_session("sibling")
+        endpoint = sibling.agent_endpoint(proxy.endpoint(key))
+        try:
+            out = await _py(sibling, f"""
+                import json, urllib.request
+                body = json.dumps({{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
+                req = urllib.request.Request("{endpoint.base_url}/chat/completions", data=body,
+                                             headers={{"Authorization": "Bearer {key}", "Content-Type": "application/json"}})
+                print(json.dumps({{"status": urllib.request.urlopen(req, timeout=30).status}}))
+            """)
+            assert out["status"] == 200
+            proxy.close_session(session_id)
+        finally:
+            await sibling.close()
+    finally:
+        await attacker.close()
+        os.chmod(socket_path, stat.S_IMODE(before[0]))
+
+
+async def test_setuid_files_are_stripped_before_the_host_touches_them(kit: Kit, sandbox_root: Path) -> None:
+    sb = await kit.backend(sandbox_root).create("suid", {})
+    try:
+        r = await sb.exec("cp /usr/bin/id suid && chmod 6755 suid && mkdir -p d && cp /usr/bin/id d/sgid && "
+                          "chmod 2755 d/sgid && stat -c %a suid d/sgid", 30)
+        assert r.stdout.split() == ["6755", "2755"], r
+        await sb.kill_processes()  # what a verifier does before it reads or runs anything
+        for rel in ("suid", "d/sgid"):
+            st = os.stat(sb.workdir / rel)
+            assert st.st_mode & (stat.S_ISUID | stat.S_ISGID) == 0, (rel, oct(st.st_mode))
+            assert st.st_uid != 0, rel  # never a root-owned file
+    finally:
+        await sb.close()
+
+
+async def test_disk_watchdog_counts_past_path_max(kit: Kit, sandbox_root: Path) -> None:
+    limit = 32 << 20
+    sb = await kit.backend(sandbox_root, disk_bytes=limit, disk_poll_s=0.05).create("deepfill", {})
+    try:
+        r = await sb.exec(["python3", "-c", textwrap.dedent("""
+            import os, time
+            for _ in range(40):  # 40 x 201 bytes: far past PATH_MAX (4096)
+                os.mkdir("d" * 200)
+                os.chdir("d" * 200)
+            for i in range(32):  # 128 MiB if nothing stops it
+                with open(f"f{i}", "wb") as f:
+                    f.write(b"x" * (4 << 20))
+                time.sleep(0.05)
+            print("finished")
+        """)], 120)
+        assert "finished" not in r.stdout and sb.disk_exceeded, r
+    finally:
+        await sb.close()
+
+
+async def test_inodes_are_bounded(kit: Kit, sandbox_root: Path) -> None:
+    sb = await kit.backend(sandbox_root, disk_inodes=2000, disk_poll_s=0.05).create("inodes", {})
+    try:
+        r = await sb.exec(["python3", "-c", textwrap.dedent("""
+            import os, time
+            for i in range(40):
+                for j in range(500):  # 20,000 empty files: no block, every one an inode
+                    open(f"f{i}-{j}", "w").close()
+                time.sleep(0.02)
+            print("finished")
+        """)], 120)
+        assert "finished" not in r.stdout and sb.disk_exceeded, r
+    finally:
+        await sb.close()
+
+
+async def test_teardown_removes_any_depth(kit: Kit, sandbox_root: Path) -> None:
+    # no watchdog: it would kill a chain deeper than MAX_WALK_DEPTH before it is built
+    sb = await kit.backend(sandbox_root, disk_bytes=None, disk_inodes=None).create("deep", {})
+    r = await sb.exec(["python3", "-c", "import os\nfor _ in range(1500):\n    os.mkdir('d'); os.chdir('d')\n"
+                       "open('leaf', 'w').close()\nprint('built')"], 120)
+    assert r.stdout.strip() == "built", r
+    state = getattr(sb, "_state", None)
+    await sb.close()
+    assert not sb.root.exists()
+    if state is not None:
+        assert not state.exists()  # podman's state directory (its .env files) goes too
+    assert list(Path("/sys/fs/cgroup").glob(f"*/harnessrl*/{sb.sandbox_id}")) == []
+
+
+async def test_no_nested_user_namespace(kit: Kit, sandbox_root: Path) -> None:
+    sb = await kit.backend(sandbox_root).create("userns", {})
+    try:
+        out = await _py(sb, """
+            import ctypes, json, os
+            libc = ctypes.CDLL(None, use_errno=True)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if libc.unshare(0x10000000) == 0 else 1)  # CLONE_NEWUSER
+            unshared = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+            print(json.dumps({"unshared": unshared}))
+        """)
+        assert out["unshared"] is False
+        r = await sb.exec("unshare -U -r true && echo nested", 30)
+        assert "nested" not in r.stdout, r
+    finally:
+        await sb.close()
+
+
+@pytest.mark.parametrize("kit", ["bwrap"], indirect=True)
+async def test_seccomp_refuses_kernel_surface(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
+    sb = await kit.backend(sandbox_root, proxy).create("seccomp", {})
+    try:
+        out = await _py(sb, """
+            import ctypes, json, os, platform
+            libc = ctypes.CDLL(None, use_errno=True)
+            x86 = platform.machine() == "x86_64"
+            nr = dict(keyctl=250, add_key=248, request_key=249, perf_event_open=298, userfaultfd=323, bpf=321,
+                      io_uring_setup=425, ptrace=101) if x86 else dict(keyctl=219, add_key=217, request_key=218,
+                      perf_event_open=241, userfaultfd=282, bpf=280, io_uring_setup=425, ptrace=117)
+            libc.syscall.restype = ctypes.c_long
+            def call(name, *args):
+                ctypes.set_errno(0)
+                r = libc.syscall(nr[name], *[ctypes.c_long(a) for a in args])
+                return [r, ctypes.get_errno()]
+            attr = (ctypes.c_ubyte * 128)()
+            ctypes.c_uint32.from_buffer(attr, 4).value = 128  # perf_event_attr.size; type 1 = software
+            ctypes.c_uint32.from_buffer(attr, 0).value = 1
+            params = (ctypes.c_ubyte * 120)()
+            forwarder = os.getppid()  # the proxy forwarder runs this command as its child
+            print(json.dumps({
+                "keyctl": call("keyctl", 0, -3, 0),  # KEYCTL_GET_KEYRING_ID of the session keyring
+                "add_key": call("add_key", ctypes.addressof(ctypes.create_string_buffer(b"user")),
+                                ctypes.addressof(ctypes.create_string_buffer(b"x")), 0, 0, -3),
+                "perf_event_open": call("perf_event_open", ctypes.addressof(attr), 0, -1, -1, 0),
+                "userfaultfd": call("userfaultfd", 0),
+                "io_uring_setup": call("io_uring_setup", 4, ctypes.addressof(params)),
+                "bpf": call("bpf", 0, 0, 0),
+                "ptrace": call("ptrace", 16, forwarder, 0, 0),  # PTRACE_ATTACH
+            }))
+        """)
+        assert all(r == [-1, 1] for r in out.values()), out  # every one EPERM
+    finally:
+        await sb.close()
+
+
+@pytest.mark.parametrize("kit", ["bwrap"], indirect=True)
+async def test_inotify_instances_are_not_host_roots(kit: Kit, sandbox_root: Path) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    sb = await kit.backend(sandbox_root).create("inotify", {})
+    try:
+        agent = await sb.spawn(["python3", "-c", textwrap.dedent("""
+            import ctypes, time
+            libc = ctypes.CDLL(None, use_errno=True)
+            fds = []
+            while len(fds) < 100_000 and (fd := libc.inotify_init1(0)) >= 0:
+                fds.append(fd)
+            open("taken", "w").write(str(len(fds)))
+            time.sleep(60)
+        """)])
+        for _ in range(300):
+            if (sb.workdir / "taken").exists() and (sb.workdir / "taken").read_text():
+                break
+            await asyncio.sleep(0.05)
+        assert int((sb.workdir / "taken").read_text()) > 0
+        fd = libc.inotify_init1(0)
+        assert fd >= 0, f"host root's inotify_init1 failed: errno {ctypes.get_errno()}"
+        os.close(fd)
+        await agent.kill_tree()
+    finally:
+        await sb.close()
+
+
+async def test_no_lock_channel_between_sandboxes(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
+    backend = kit.backend(sandbox_root, proxy)
+    sender = await backend.create("sender", {})
+    receiver = await backend.create("receiver", {})
+    shared = ["/run/harnessrl/forward.py", "/usr/bin/python3"]
+    try:
+        await sender.spawn(["python3", "-c", textwrap.dedent(f"""
+            import fcntl, time
+            held = []
+            for path in {shared!r}:
+                f = open(path, "rb")
+                fcntl.flock(f, fcntl.LOCK_EX)
+                fcntl.lockf(f, fcntl.LOCK_SH)
+                held.append(f)
+            open("locked", "w").close()
+            time.sleep(60)
+        """)])
+        for _ in range(300):
+            if (sender.workdir / "locked").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert (sender.workdir / "locked").exists()
+        out = await _py(receiver, f"""
+            import fcntl, json
+            seen = {{}}
+            for path in {shared!r}:
+                f = open(path, "rb")
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    seen[path] = "free"
+                except OSError:
+                    seen[path] = "locked"
+            print(json.dumps(seen))
+        """)
+        assert set(out.values()) == {"free"}, out  # the sender's locks carry nothing across
+    finally:
+        await receiver.close()
+        await sender.close()
+
+
+@pytest.mark.parametrize("kit", ["bwrap"], indirect=True)
+async def test_agent_memory_is_bounded(kit: Kit, sandbox_root: Path) -> None:
+    sb = await kit.backend(sandbox_root, memory_bytes=64 << 20).create("memory", {})
+    try:
+        agent = await sb.spawn(["python3", "-c", "b = bytearray(512 << 20)\nb[::4096] = b'x' * len(b[::4096])\n"
+                                "open('survived', 'w').close()"])
+        code = await agent.wait(60)
+        assert code is not None and code != 0, code  # OOM-killed
+        assert not (sb.workdir / "survived").exists()
+    finally:
+        await sb.close()
+
+
+async def test_mount_table_names_no_checkout_path(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
+    import harnessrl
+
+    checkout = str(Path(harnessrl.__file__).resolve().parents[1])
+    sb = await kit.backend(sandbox_root, proxy).create("mountinfo", {})
+    try:
+        r = await sb.exec("cat /proc/self/mountinfo", 30)
+        assert r.returncode == 0 and "/run/harnessrl" in r.stdout, r
+        assert checkout not in r.stdout, r.stdout
+    finally:
+        await sb.close()

@@ -308,3 +308,41 @@ def test_disk_usage_counts_blocks_without_following_links(tmp_path: Path) -> Non
     os.symlink("/usr", tmp_path / "d" / "link")
     used = disk_usage(tmp_path / "d")
     assert (1 << 20) <= used < (1 << 20) + (64 << 10)
+
+
+def test_remove_tree_goes_past_one_error_and_any_depth(tmp_path: Path) -> None:
+    """An entry that cannot be removed (an immutable file) is reported; everything else, a
+    2,000-deep chain included, is removed."""
+    import shutil
+    import subprocess
+
+    from harnessrl.sandbox.hostdir import remove_tree, tree_usage
+
+    if os.geteuid() != 0 or shutil.which("chattr") is None:
+        pytest.skip("needs root and chattr for an entry nothing can remove")
+    root = tmp_path / "victim"
+    (root / "a").mkdir(parents=True)
+    stuck = root / "a" / "stuck"
+    stuck.write_text("x")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("this filesystem has no immutable attribute")
+    try:
+        (root / "b.txt").write_text("y")
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for _ in range(2000):  # built by descriptors: the path is far past PATH_MAX
+                os.mkdir("d", dir_fd=fd)
+                sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = sub
+            os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+        finally:
+            os.close(fd)
+        assert tree_usage(root).too_deep
+        errors = remove_tree(root)
+        assert len(errors) >= 1 and any("stuck" in e for e in errors), errors
+        assert sorted(p.name for p in root.iterdir()) == ["a"]  # the chain and b.txt are gone
+        assert [p.name for p in (root / "a").iterdir()] == ["stuck"]
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], capture_output=True)
+    assert remove_tree(root) == [] and not root.exists()

@@ -2,17 +2,23 @@
 
 Responsibility: turn "run argv with this sandbox directory writable" into a `bwrap` argv.
 
-Who the command is: an unprivileged user (uid/gid `SANDBOX_UID` inside a new user namespace,
-mapped to our own uid outside) with no capabilities at all (`--cap-drop ALL`: CapEff,
-CapPrm, CapBnd and CapAmb are 0), unable to create further user namespaces
-(`--disable-userns`), in a new session (`--new-session`: no TIOCSTI into our terminal).
+Who the command is. Started by root (`owner` given): the sandbox's own unprivileged host
+uid/gid (`sandbox/owner.py`); bubblewrap makes no user namespace (root sets up the mounts,
+reaching any host path), keeps only CAP_SETUID / CAP_SETGID / CAP_SETPCAP, and `setpriv`
+drops to the owner with no supplementary group, every capability set and the bounding set
+empty and no_new_privs before the command (`owner_prefix`). Started by anyone else: uid/gid
+`SANDBOX_UID` inside a new user namespace, mapped to the calling uid outside,
+`--cap-drop ALL`, `--disable-userns`. Either way CapEff, CapPrm, CapBnd and CapAmb are 0, a
+seccomp filter (`sandbox/seccomp.py`) refuses kernel surface, ptrace and new user namespaces,
+and the command is in a new session (`--new-session`: no TIOCSTI into our terminal).
 Without CAP_SYS_ADMIN, CAP_DAC_READ_SEARCH and the rest it cannot mount or remount (and
 bind mounts made by a more privileged namespace are locked read-only anyway), cannot use
 `open_by_handle_at`, and cannot ptrace or signal anything outside its PID namespace.
 
-The namespaces a command gets: user, PID (`/proc` shows only its own processes), mount, IPC,
+The namespaces a command gets: user (when not started by root), PID (`/proc` shows only its own processes), mount, IPC,
 UTS and network. The network namespace holds only `lo`: nothing is routed, no DNS. When a
-`ProxyRoute` is given, the proxy's agent Unix socket is bound at `INNER_SOCKET` and the
+`ProxyRoute` is given, the proxy's agent Unix socket is bound read-only at `INNER_SOCKET`
+(connect works; chmod and utime do not), a copy of `forward.py` is placed beside it, and the
 command runs under `sandbox/forward.py`, which listens on `127.0.0.1:<port>` inside the
 namespace and relays to that socket: the agent's one reachable address is its proxy endpoint
 (the admin listener and every other host port stay out of reach).
@@ -21,16 +27,19 @@ The mount namespace a command sees:
   * read-only: the system directories in `system_paths` that exist (symlinks such as
     `/bin -> usr/bin` are recreated as symlinks), every path of `ro_binds` (an agent's install
     tree), the running interpreter's `sys.prefix` / `sys.base_prefix` when asked, `/dev`
-    (a minimal device set), the root directory and the sandbox root;
+    (a minimal device set: started by root, the sandbox's own nodes, see `make_devices`),
+    the root directory and the sandbox root;
   * writable: the sandbox directory only, at the same absolute path as outside (so paths
     printed by the agent mean the same thing to the verifier), a private `/tmp` and a
     private `/dev/shm`, each a tmpfs of at most `tmp_bytes`;
   * invisible: everything else of the host filesystem, including other sandboxes (the
     sandbox root is covered by a tmpfs before this sandbox's directory is bound back).
 
-Not isolated here: CPU and memory beyond the rlimits, process count and disk use (bounded by
-the local sandbox: a pids cgroup and a disk watchdog, see `sandbox/local.py`), and the host
-kernel itself (a kernel exploit crosses any namespace).
+Not isolated here: CPU, memory, process count and disk use (bounded by the local sandbox:
+pids and memory cgroups and a disk watchdog, see `sandbox/local.py`), and the host kernel
+itself (a kernel exploit crosses any namespace). `/proc/self/mountinfo` names the host
+paths of what is bound at its own path (the sandbox directory, agent trees) and of the proxy
+socket.
 
 `--die-with-parent` kills the command when the process that started bwrap dies;
 `--unshare-pid` makes bwrap's child the namespace's init, so every process left in the
@@ -44,6 +53,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -131,6 +141,56 @@ def forwarder_python(system_paths: Sequence[str]) -> tuple[str, list[Path]]:
     return str(base / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"), [base]
 
 
+DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
+"""The device nodes of `bwrap --dev` (name -> major, minor). A root-started sandbox gets its
+own nodes of them (`make_devices`), so `utime` on one changes nothing of the host's or another
+sandbox's (a read-only remount would also make them `nodev`, unusable)."""
+
+
+def make_devices(directory: Path) -> None:
+    """Create `directory` (root's, 0755) holding a node of each of `DEVICES`, mode 0666, owned
+    by root. Needs root (CAP_MKNOD)."""
+    directory.mkdir(mode=0o755)
+    for name, (major, minor) in DEVICES.items():
+        node = directory / name
+        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
+        os.chmod(node, 0o666)
+
+
+@functools.cache
+def setpriv_path() -> str | None:
+    """util-linux `setpriv` under /usr (it drops a root-started command to its owner's uid)."""
+    for candidate in ("/usr/bin/setpriv", "/bin/setpriv"):
+        if os.path.exists(candidate) and os.path.realpath(candidate).startswith("/usr/"):
+            return os.path.realpath(candidate)
+    return None
+
+
+def _mount_parents(targets: Sequence[Path], system_paths: Sequence[str]) -> list[str]:
+    """The directories above `targets` that bubblewrap creates in its new root (not `/`,
+    `/tmp` or anything under a bound system path), outermost first, each once."""
+    covered = [p.rstrip("/") for p in system_paths]
+    out: list[str] = []
+    for target in targets:
+        for parent in reversed(Path(target).parents):
+            text = str(parent)
+            if text in ("/", "/tmp") or any(text == c or text.startswith(c + "/") for c in covered) or text in out:
+                continue
+            out.append(text)
+    return out
+
+
+def owner_prefix(owner: int, cwd: Path) -> list[str]:
+    """What a root-started bubblewrap runs first: become host uid/gid `owner` with no
+    supplementary group, every capability set and the bounding set empty, no_new_privs, then
+    change to `cwd` (as `owner`, who may enter directories root without capabilities may
+    not) and exec the rest."""
+    setpriv = setpriv_path()
+    assert setpriv is not None, "checked by owner_supported()"
+    return [setpriv, "--reuid", str(owner), "--regid", str(owner), "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs", "--", "/usr/bin/env", "-C", str(cwd), "--"]
+
+
 def bwrap_argv(
     bwrap: str,
     argv: Sequence[str],
@@ -142,35 +202,70 @@ def bwrap_argv(
     system_paths: Sequence[str] = DEFAULT_SYSTEM_PATHS,
     tmp_bytes: int = 256 << 20,
     proxy: ProxyRoute | None = None,
+    owner: int | None = None,
+    seccomp_fd: int | None = None,
+    forwarder_fd: int | None = None,
+    devices: Path | None = None,
 ) -> list[str]:
     """The full argv running `argv` inside bubblewrap for the sandbox at `sandbox_dir`.
 
     `tmp_bytes` bounds each of the private `/tmp` and `/dev/shm` (bytes). With `proxy`, the
     command runs under the forwarder (see the module docstring), so `127.0.0.1:proxy.port`
-    inside reaches the proxy's agent socket.
+    inside reaches the proxy's agent socket; `forwarder_fd` then holds `forward.py`'s text
+    (a memfd), copied into the sandbox, so no host file is shared or named.
+
+    `owner`: when bubblewrap is started by root, the unprivileged host uid (and gid) the
+    command runs as; bubblewrap then makes no user namespace (root sets the mounts up) and
+    `owner_prefix` drops to `owner` before the command. None: bubblewrap runs as the calling
+    user and maps it to `SANDBOX_UID` in a new user namespace. `seccomp_fd`: a descriptor
+    holding `sandbox/seccomp.py`'s filter (bubblewrap loads it before the command).
+    `devices`: a `make_devices` directory whose nodes replace the host's in `/dev`.
 
     The environment is not touched (bwrap passes its own environment to the command), so the
     caller builds it. Mount order matters: later mounts cover earlier ones, so the tmpfs over
     `sandbox_root` comes before the bind of `sandbox_dir`, `ro_binds` come after, and the
-    read-only remounts of `/dev`, the sandbox root and `/` come last.
+    read-only remounts of `/dev` (and each device node), the sandbox root and `/` come last.
     """
-    uid = str(SANDBOX_UID)
-    args = [bwrap, "--die-with-parent", "--new-session", "--unshare-user", "--uid", uid, "--gid", uid,
-            "--disable-userns", "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
-            "--cap-drop", "ALL"]
+    args = [bwrap, "--die-with-parent", "--new-session"]
+    if owner is None:
+        uid = str(SANDBOX_UID)
+        args += ["--unshare-user", "--uid", uid, "--gid", uid, "--disable-userns"]
+    args += ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--cap-drop", "ALL"]
+    if owner is not None:
+        # only what setpriv needs to drop to the owner; it then empties every set
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
     args += _system_args(system_paths)
     size = str(tmp_bytes)
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
-    args += ["--size", size, "--tmpfs", "/tmp"]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    if devices is not None:
+        for name in DEVICES:
+            args += ["--dev-bind", str(devices / name), f"/dev/{name}"]
+    args += ["--size", size, "--tmpfs", "/dev/shm", "--size", size, "--tmpfs", "/tmp"]
+    if owner is not None:  # root made them 0755
+        args += ["--chmod", "1777", "/dev/shm", "--chmod", "1777", "/tmp"]
+    if owner is not None:
+        # bubblewrap gives the directories it creates for a mount point the host's modes (a
+        # 0700 /root above an agent tree): open them for the owner, read-only like the rest
+        for parent in _mount_parents([sandbox_root, *ro_binds], system_paths):
+            args += ["--perms", "0755", "--dir", parent]
     args += ["--tmpfs", str(sandbox_root)]
     args += ["--bind", str(sandbox_dir), str(sandbox_dir)]
     for p in ro_binds:
         args += ["--ro-bind", str(p), str(p)]
     prefix: list[str] = []
     if proxy is not None:
-        args += ["--ro-bind", str(FORWARDER_SCRIPT), INNER_FORWARDER]
-        args += ["--bind", str(proxy.socket_path), INNER_SOCKET]
+        if forwarder_fd is not None:
+            args += ["--perms", "0444", "--ro-bind-data", str(forwarder_fd), INNER_FORWARDER]
+        else:
+            args += ["--ro-bind", str(FORWARDER_SCRIPT), INNER_FORWARDER]
+        # read-only: the agent can connect, never chmod it or carry a value in its times
+        args += ["--ro-bind", str(proxy.socket_path), INNER_SOCKET]
         prefix = [proxy.python, "-I", "-S", INNER_FORWARDER, str(proxy.port), INNER_SOCKET, "--"]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     args += ["--remount-ro", "/dev", "--remount-ro", str(sandbox_root), "--remount-ro", "/"]
-    args += ["--chdir", str(cwd), "--", *prefix, *argv]
+    if owner is not None:
+        args += ["--chdir", "/", "--", *owner_prefix(owner, cwd), *prefix, *argv]
+    else:
+        args += ["--chdir", str(cwd), "--", *prefix, *argv]
     return args

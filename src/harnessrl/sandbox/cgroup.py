@@ -11,12 +11,19 @@ environment or working directory: the kernel refuses `fork`/`clone` beyond `pids
 Why a cgroup and not RLIMIT_NPROC: that rlimit counts processes per real user and the kernel
 ignores it for root, and sandboxed commands are root outside their user namespace.
 
-What it does not do: limit memory or CPU, or create a hierarchy where none is writable (then
-`available()` is None and the sandbox says what is not bounded).
+Memory: where a memory controller is writable (`memory_available()`: cgroup v1's
+`/sys/fs/cgroup/memory`, or v2's `memory.max`), the sandbox also gets
+`<memory root>/harnessrl/<sandbox id>` with its limit (`memory.limit_in_bytes` and, with swap
+accounting, `memory.memsw.limit_in_bytes`; v2 `memory.max` and `memory.swap.max = 0`): past it
+the kernel OOM-kills inside the sandbox. Every command joins both groups before it execs.
+
+What it does not do: limit CPU, or create a hierarchy where none is writable (then
+`available()` / `memory_available()` is None and the sandbox says what is not bounded).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -26,6 +33,8 @@ from pathlib import Path
 PARENT = "harnessrl"
 """Group under the pids root holding one group per sandbox."""
 _CANDIDATES = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
+_MEMORY_V1 = (Path("/sys/fs/cgroup/memory"),)
+_MEMORY_V2 = (Path("/sys/fs/cgroup"),)
 
 
 @functools.cache
@@ -34,7 +43,18 @@ def available() -> Path | None:
 
     Probed once per process by creating (and removing) a group and checking it has `pids.max`.
     """
-    for root in _CANDIDATES:
+    return _probe(_CANDIDATES, "pids.max")
+
+
+@functools.cache
+def memory_available() -> Path | None:
+    """The directory sandbox memory groups are created in (v1 `memory.limit_in_bytes` or v2
+    `memory.max`), or None when no memory cgroup is writable. Probed once per process."""
+    return _probe(_MEMORY_V1, "memory.limit_in_bytes") or _probe(_MEMORY_V2, "memory.max")
+
+
+def _probe(candidates: tuple[Path, ...], control: str) -> Path | None:
+    for root in candidates:
         parent = root / PARENT
         probe = parent / f"probe-{os.getpid()}"
         try:
@@ -43,7 +63,7 @@ def available() -> Path | None:
         except OSError:
             continue
         try:
-            usable = (probe / "pids.max").exists() and (probe / "cgroup.procs").exists()
+            usable = (probe / control).exists() and (probe / "cgroup.procs").exists()
         finally:
             try:
                 probe.rmdir()
@@ -57,34 +77,50 @@ def available() -> Path | None:
 class PidsGroup:
     """The pids cgroup of one sandbox. Create with `PidsGroup.create`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None, memory: Path | None = None) -> None:
         self.path = path
-        self._procs = str(path / "cgroup.procs")
+        """The pids group (None: only memory is bounded)."""
+        self.memory = memory
+        """The memory group when it is a directory of its own (v1, or memory without pids)."""
+        dirs = [d for d in (path, memory) if d is not None]
+        self._procs = str(dirs[0] / "cgroup.procs")
+        self._joins = [str(d / "cgroup.procs") for d in dirs]
 
     @classmethod
-    def create(cls, parent: Path, name: str, max_tasks: int | None) -> PidsGroup:
-        """Make `parent/name` and set its `pids.max` (None = unlimited).
+    def create(cls, parent: Path | None, name: str, max_tasks: int | None,
+               memory_parent: Path | None = None, memory_bytes: int | None = None) -> PidsGroup:
+        """Make `parent/name` and set its `pids.max` (None = unlimited); with `memory_parent`
+        and `memory_bytes`, also bound its memory (and swap) to `memory_bytes` bytes, in the
+        same directory when both controllers share it (v2), else in `memory_parent/name`.
 
-        Raises OSError when the group cannot be created or limited.
+        Raises OSError when a group cannot be created or limited.
         """
-        path = parent / name
-        path.mkdir()
-        group = cls(path)
+        path = parent / name if parent is not None else None
+        bounded = memory_parent is not None and memory_bytes is not None
+        memory = memory_parent / name if bounded and memory_parent != parent else None
+        group = cls(path, memory)
         try:
-            (path / "pids.max").write_text(str(max_tasks) if max_tasks is not None else "max")
+            if path is not None:
+                path.mkdir()
+                (path / "pids.max").write_text(str(max_tasks) if max_tasks is not None else "max")
+            if memory is not None:
+                memory.mkdir()
+            if bounded:
+                _limit_memory(memory or path, memory_bytes)
         except OSError:
             group.remove()
             raise
         return group
 
     def join(self) -> None:
-        """Move the calling process into the group. Safe in a `preexec_fn` (no allocation-heavy
-        work): the child is a member before it execs anything."""
-        fd = os.open(self._procs, os.O_WRONLY)
-        try:
-            os.write(fd, str(os.getpid()).encode())
-        finally:
-            os.close(fd)
+        """Move the calling process into the group(s). Safe in a `preexec_fn` (no
+        allocation-heavy work): the child is a member before it execs anything."""
+        for procs in self._joins:
+            fd = os.open(procs, os.O_WRONLY)
+            try:
+                os.write(fd, str(os.getpid()).encode())
+            finally:
+                os.close(fd)
 
     def pids(self) -> list[int]:
         """Pids of the group's processes (empty when the group is gone)."""
@@ -109,9 +145,34 @@ class PidsGroup:
             time.sleep(0.01)
         return self.pids()
 
-    def remove(self) -> None:
-        """Remove the group (it must be empty; a group with members is left in place)."""
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass
+    def remove(self, timeout_s: float = 1.0) -> None:
+        """Remove the group(s) (they must be empty; a group with members is left in place).
+        A group still busy (EBUSY: its last members are exiting; the memory group may lag the
+        pids group) is retried every 10 ms for `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
+        for directory in (self.path, self.memory):
+            while directory is not None:
+                try:
+                    directory.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+
+
+def _limit_memory(directory: Path | None, memory_bytes: int | None) -> None:
+    """Write the memory (and swap) limit of `directory` (v1 or v2 files, whichever exist)."""
+    assert directory is not None and memory_bytes is not None, "only called when bounded"
+    if (directory / "memory.limit_in_bytes").exists():
+        (directory / "memory.limit_in_bytes").write_text(str(memory_bytes))
+        memsw = directory / "memory.memsw.limit_in_bytes"
+        if memsw.exists():
+            memsw.write_text(str(memory_bytes))
+    else:
+        (directory / "memory.max").write_text(str(memory_bytes))
+        swap = directory / "memory.swap.max"
+        if swap.exists():
+            swap.write_text("0")

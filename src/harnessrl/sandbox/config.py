@@ -57,8 +57,17 @@ class SandboxConfig(BaseModel):
     """Most bytes (allocated blocks) the sandbox directory may hold. A watchdog sums it every
     `disk_poll_s` while commands run; past the limit every process of the sandbox is killed
     and no further command starts. None = unbounded (RLIMIT_FSIZE still caps each file)."""
+    disk_inodes: int | None = Field(default=1 << 18, ge=64)
+    """Most files and directories (inodes) the sandbox directory may hold, counted by the same
+    watchdog walk as `disk_bytes`; past it the same kill. None = unbounded."""
     disk_poll_s: float = Field(default=0.5, gt=0.0)
     """Seconds between two disk-usage checks of the watchdog."""
+    memory_bytes: int | None = Field(default=4 << 30, ge=8 << 20)
+    """Memory (and swap) of the whole sandbox, bytes: `memory.max` (v2) or
+    `memory.limit_in_bytes` (v1) of its memory cgroup, where one is writable; past it the
+    kernel OOM-kills inside the sandbox. Where none is, RLIMIT_AS of spawned agents whose
+    `spawn_address_space_bytes` is None (Node/Bun agents reserve more virtual memory than
+    they use: raise it for them there). None = unbounded."""
     output_cap_bytes: int = Field(default=1 << 20, ge=1)
     """Captured bytes kept of each of stdout and stderr of `exec`; the rest is counted, dropped."""
     kill_grace_s: float = Field(default=0.5, ge=0.0)
@@ -129,6 +138,8 @@ class PodmanSandboxConfig(BaseModel):
     """Size of each container's private `/tmp` and `/dev/shm` tmpfs, bytes."""
     disk_bytes: int | None = Field(default=4 << 30, ge=1 << 20)
     """Most bytes the sandbox directory may hold (the same watchdog as `local`); None = unbounded."""
+    disk_inodes: int | None = Field(default=1 << 18, ge=64)
+    """Most files and directories the sandbox directory may hold (the same watchdog as `local`)."""
     disk_poll_s: float = Field(default=0.5, gt=0.0)
     output_cap_bytes: int = Field(default=1 << 20, ge=1)
     """Captured bytes kept of each of stdout and stderr of `exec`."""

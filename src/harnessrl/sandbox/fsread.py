@@ -393,7 +393,11 @@ def make_private_dir(root: Path, prefix: str, owner: tuple[int, int] | None = No
     descriptor of it (caller closes).
 
     The directory is new (`mkdir` fails on any existing name, link or not), so nothing the
-    agent planted can redirect what is written into it.
+    agent planted can redirect what is written into it. It belongs to this process's user and
+    to the group of `root` (the sandbox owner's group, `sandbox/owner.py`), mode 2770: the
+    verifier's commands, run as the sandbox's owner, may read it and create or remove files in
+    it (files written with the default modes are 0640 and inherit the group); no other host
+    user may enter it.
     """
     root_fd = open_root(root)
     try:

@@ -18,7 +18,8 @@ import asyncio
 import dataclasses
 import logging
 import os
-import shutil
+import stat
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -27,7 +28,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from harnessrl.errors import SandboxError, SandboxLimitError
 from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
-from harnessrl.sandbox.fsread import UnsafePathError, open_file_beneath, read_beneath
+from harnessrl.sandbox.fsread import (
+    UnsafePathError,
+    open_dir_beneath,
+    open_file_beneath,
+    open_root,
+    read_beneath,
+)
 from harnessrl.sandbox.procs import DIR_VAR, MARKER_VAR
 from harnessrl.sandbox.spawn import DEVNULL, Child
 from harnessrl.types import Endpoint
@@ -60,25 +67,225 @@ def loopback_endpoint(endpoint: Endpoint) -> Endpoint:
     return dataclasses.replace(endpoint, base_url=loopback_url(endpoint.base_url), keyed_base_url=keyed)
 
 
+MAX_WALK_DEPTH = 256
+"""Deepest directory level `tree_usage` descends to; a tree deeper than this counts as over
+every bound (`Usage.too_deep`): no task needs it, and it would cost a descriptor per level."""
+_WALKS = threading.BoundedSemaphore(4)
+"""Walks of this process at once (each holds up to `MAX_WALK_DEPTH` descriptors): many
+sandboxes' deep trees cannot take the process to its descriptor limit together."""
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclasses.dataclass
+class Usage:
+    """What `tree_usage` counted: allocated bytes (st_blocks * 512), inodes (entries, the top
+    directory included), and whether a level deeper than `MAX_WALK_DEPTH` exists."""
+
+    bytes: int = 0
+    inodes: int = 0
+    too_deep: bool = False
+
+
+def tree_usage(root: Path, setid_strip: bool = False) -> Usage:
+    """Count every file and directory under `root` by walking directory descriptors
+    (`openat` / `fstatat` relative to the parent's descriptor), so no path is ever longer
+    than one name: a tree deeper than PATH_MAX is counted like any other. Links are not
+    followed; entries vanishing mid-walk are skipped. With `setid_strip`, setuid / setgid
+    bits are cleared from every regular file met (`fchmod` through a descriptor opened
+    without following links) and nothing is counted past `MAX_WALK_DEPTH` (`strip_setid`).
+
+    Holds one descriptor per level of the current branch (at most `MAX_WALK_DEPTH`); at most
+    four walks run at once in a process (the others wait).
+    """
+    with _WALKS:
+        return _tree_usage(root, setid_strip)
+
+
+def _tree_usage(root: Path, setid_strip: bool) -> Usage:
+    usage = Usage()
+    try:
+        top = os.open(root, _DIR_OPEN)
+    except OSError:
+        return usage
+    usage.inodes, usage.bytes = 1, os.fstat(top).st_blocks * 512
+    stack: list[tuple[int, Any]] = [(top, os.scandir(top))]
+    try:
+        while stack:
+            fd, entries = stack[-1]
+            entry = next(entries, None)
+            if entry is None:
+                entries.close()
+                os.close(fd)
+                stack.pop()
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            usage.inodes += 1
+            usage.bytes += st.st_blocks * 512
+            if setid_strip and stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                _strip(fd, entry.name)
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            if len(stack) >= MAX_WALK_DEPTH:
+                usage.too_deep = True
+                continue
+            try:
+                sub = os.open(entry.name, _DIR_OPEN, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                stack.append((sub, os.scandir(sub)))
+            except OSError:
+                os.close(sub)
+    finally:
+        for fd, entries in stack:
+            entries.close()
+            os.close(fd)
+    return usage
+
+
+def _strip(dir_fd: int, name: str) -> None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def strip_setid(root: Path) -> Usage:
+    """Clear setuid / setgid bits of every regular file under `root` (no link followed), so
+    that nothing an agent planted runs with its owner's ids for a host user; called once the
+    sandbox's processes are dead, before the host reads or runs anything of it. A tree deeper
+    than `MAX_WALK_DEPTH` is stripped to that depth (the levels below are out of every host
+    reader's reach: they copy and read at most 32 levels)."""
+    return tree_usage(root, setid_strip=True)
+
+
 def disk_usage(root: Path) -> int:
     """Allocated bytes (st_blocks * 512) of every file and directory under `root`, symlinks not
-    followed; entries vanishing mid-walk are skipped."""
-    total = 0
-    stack = [str(root)]
-    while stack:
+    followed (`tree_usage`)."""
+    return tree_usage(root).bytes
+
+
+def remove_tree(root: Path) -> list[str]:
+    """Remove `root` and everything under it, at any depth, without recursion and holding at
+    most two descriptors: descend through `openat`, climb back through `..` (checked to be the
+    directory descended from, by device and inode), `unlinkat` on the way. A directory that
+    cannot be read is made 0700 first (a non-root host user owns what it removes). An entry
+    that cannot be removed is recorded and skipped; the rest is still removed. Returns the
+    errors (empty when `root` is gone or never existed). Call it once no process writes there.
+    """
+    errors: list[str] = []
+    try:
+        cur = os.open(root, _DIR_OPEN)
+    except FileNotFoundError:
+        return errors
+    except OSError as e:
         try:
-            entries = os.scandir(stack.pop())
+            os.chmod(root, 0o700, follow_symlinks=False)
+            cur = os.open(root, _DIR_OPEN)
         except OSError:
-            continue
-        with entries:
-            for entry in entries:
-                try:
-                    total += entry.stat(follow_symlinks=False).st_blocks * 512
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                except OSError:
+            return [f"{root}: {e}"]
+    names: list[str] = []  # the branch below root, by name
+    idents: list[tuple[int, int]] = [_ident(cur)]
+    skipped: list[set[str]] = [set()]
+    try:
+        while True:
+            descended = False
+            try:
+                with os.scandir(cur) as entries:
+                    listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+            except OSError as e:
+                errors.append(f"{'/'.join([str(root), *names])}: {e}")
+                listed = []
+            for name, is_dir in listed:
+                if name in skipped[-1]:
                     continue
-    return total
+                if not is_dir:
+                    try:
+                        os.unlink(name, dir_fd=cur)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as e:
+                        errors.append(f"{'/'.join([str(root), *names, name])}: {e}")
+                        skipped[-1].add(name)
+                    continue
+                try:
+                    os.rmdir(name, dir_fd=cur)  # an empty directory goes at once
+                    continue
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    pass
+                try:
+                    sub = _open_dir_for_removal(name, cur)
+                except OSError as e:
+                    errors.append(f"{'/'.join([str(root), *names, name])}: {e}")
+                    skipped[-1].add(name)
+                    continue
+                os.close(cur)
+                cur = sub
+                names.append(name)
+                idents.append(_ident(cur))
+                skipped.append(set())
+                descended = True
+                break
+            if descended:
+                continue
+            if not names:
+                break
+            # this level is as empty as it gets: climb back and remove it
+            parent = os.open("..", _DIR_OPEN, dir_fd=cur)
+            os.close(cur)
+            cur = parent
+            name = names.pop()
+            idents.pop()
+            skipped.pop()
+            if _ident(cur) != idents[-1]:
+                errors.append(f"{root}: a directory moved during removal; stopped")
+                return errors
+            try:
+                os.rmdir(name, dir_fd=cur)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                errors.append(f"{'/'.join([str(root), *names, name])}: {e}")
+                skipped[-1].add(name)
+    finally:
+        os.close(cur)
+    try:
+        os.rmdir(root)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        errors.append(f"{root}: {e}")
+    return errors
+
+
+def _ident(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _open_dir_for_removal(name: str, dir_fd: int) -> int:
+    try:
+        return os.open(name, _DIR_OPEN, dir_fd=dir_fd)
+    except PermissionError:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            os.chmod(f"/proc/self/fd/{fd}", 0o700)
+        finally:
+            os.close(fd)
+        return os.open(name, _DIR_OPEN, dir_fd=dir_fd)
 
 
 def resolve_inside(base: Path, rel_path: str | Path) -> Path:
@@ -150,8 +357,8 @@ class HostProcess:
 
 class HostDirSandbox:
     """A sandbox whose directory `root` (`work/`, `home/`, `tmp/`) is on the host at the same
-    path its processes see. `config` needs `path`, `output_cap_bytes`, `disk_bytes` and
-    `disk_poll_s`."""
+    path its processes see. `config` needs `path`, `output_cap_bytes`, `disk_bytes`,
+    `disk_inodes` and `disk_poll_s`."""
 
     _disk_action = "killing its processes"
     """What the disk watchdog's warning says it does."""
@@ -222,8 +429,8 @@ class HostDirSandbox:
         if self.closed:
             raise SandboxError(f"sandbox {self.sandbox_id} is closed; cannot run {argv0!r}")
         if self.disk_exceeded:  # the agent's doing: its rollout scores as a failure (rewards/base.py)
-            raise SandboxLimitError(f"sandbox {self.sandbox_id} exceeded disk_bytes="
-                               f"{self.config.disk_bytes}; cannot run {argv0!r}")
+            raise SandboxLimitError(f"sandbox {self.sandbox_id} exceeded disk_bytes={self.config.disk_bytes} "
+                                    f"or disk_inodes={self.config.disk_inodes}; cannot run {argv0!r}")
 
     def _run_dir(self, cwd: Path | None) -> Path:
         """Where a command runs: `cwd` (inside the sandbox directory), else the workdir."""
@@ -231,19 +438,28 @@ class HostDirSandbox:
 
     def _started(self) -> None:
         """Called after each command started: starts the disk watchdog once, when bounded."""
-        if self.config.disk_bytes is not None and self._watchdog is None:
-            self._watchdog = asyncio.ensure_future(self._watch_disk(self.config.disk_bytes))
+        bounded = self.config.disk_bytes is not None or self.config.disk_inodes is not None
+        if bounded and self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch_disk())
 
-    async def _watch_disk(self, limit: int) -> None:
-        """Every `disk_poll_s`, sum the sandbox directory's allocated bytes; past `limit`, kill
-        every process of the sandbox and refuse further commands."""
+    async def _watch_disk(self) -> None:
+        """Every `disk_poll_s`, count the sandbox directory's allocated bytes and inodes
+        (`tree_usage`, by descriptors: any depth); past `disk_bytes` or `disk_inodes`, or
+        deeper than `MAX_WALK_DEPTH`, kill every process of the sandbox and refuse further
+        commands (`disk_exceeded`)."""
+        cfg = self.config
         while not self.closed:
-            await asyncio.sleep(self.config.disk_poll_s)
-            used = await asyncio.to_thread(disk_usage, self._root)
-            if used > limit:
+            await asyncio.sleep(cfg.disk_poll_s)
+            used = await asyncio.to_thread(tree_usage, self._root)
+            over = [f"{used.bytes} bytes > disk_bytes={cfg.disk_bytes}"
+                    if cfg.disk_bytes is not None and used.bytes > cfg.disk_bytes else "",
+                    f"{used.inodes} inodes > disk_inodes={cfg.disk_inodes}"
+                    if cfg.disk_inodes is not None and used.inodes > cfg.disk_inodes else "",
+                    f"directories deeper than {MAX_WALK_DEPTH} levels" if used.too_deep else ""]
+            if any(over):
                 self.disk_exceeded = True
-                log.warning("sandbox %s holds %d bytes > disk_bytes=%d: %s",
-                            self.sandbox_id, used, limit, self._disk_action)
+                log.warning("sandbox %s holds %s: %s", self.sandbox_id, ", ".join(o for o in over if o),
+                            self._disk_action)
                 await self._disk_stop()
                 return
 
@@ -354,12 +570,55 @@ class HostDirSandbox:
 
     async def _teardown(self) -> None:
         if self._watchdog is not None:
-            self._watchdog.cancel()
+            self._watchdog.cancel()  # and let a kill in progress unwind before ours starts
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         try:
             await self.kill_processes()
         finally:
-            await asyncio.to_thread(shutil.rmtree, self._root, ignore_errors=True)
-            await self._remove_rest()
+            try:
+                errors = await asyncio.to_thread(remove_tree, self._root)
+                if errors:
+                    log.warning("sandbox %s: %d entries not removed: %s", self.sandbox_id, len(errors),
+                                "; ".join(errors[:3]))
+            finally:
+                await self._remove_rest()
+
+    def _strip_setid(self) -> None:
+        """Clear setuid / setgid bits under the sandbox directory (`strip_setid`); called by
+        `kill_processes` once no process of the sandbox is left."""
+        strip_setid(self._root)
+
+    def _write_owned(self, rel: str, raw: bytes, mode: int, owner: tuple[int, int] | None) -> None:
+        """Write `rel` (relative to the root, no link followed); with `owner` (uid, gid), the
+        file and every directory of `rel` below the root belong to it. Raises UnsafePathError."""
+        out = open_file_beneath(self._root, rel, mode)
+        try:
+            if owner is not None:
+                os.fchown(out, *owner)
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(out, view):]
+        finally:
+            os.close(out)
+        if owner is not None:
+            self._own_parents(rel, owner)
+
+    def _own_parents(self, rel: str, owner: tuple[int, int]) -> None:
+        """chown to `owner` every directory of `rel` below the root, through descriptors
+        opened without following links."""
+        parts = rel.split("/")[:-1]
+        root_fd = open_root(self._root)
+        try:
+            for depth in range(1, len(parts) + 1):
+                fd = open_dir_beneath(root_fd, "/".join(parts[:depth]), shown=str(self._root))
+                try:
+                    st = os.fstat(fd)
+                    if (st.st_uid, st.st_gid) != owner:
+                        os.fchown(fd, *owner)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root_fd)
 
     async def close(self) -> None:
         """Kill every process, remove the directory; idempotent and shielded from cancellation

@@ -60,7 +60,6 @@ import os
 import re
 import resource
 import secrets
-import shutil
 import time
 from subprocess import SubprocessError
 from collections.abc import Awaitable, Callable, Sequence
@@ -82,8 +81,26 @@ from harnessrl.sandbox.hostdir import (
     complete_shielded,
     disk_usage,
     loopback_endpoint,
+    remove_tree,
 )
-from harnessrl.sandbox.bwrap import ProxyRoute, bwrap_argv, bwrap_path, forwarder_python
+from harnessrl.sandbox import owner as owners
+from harnessrl.sandbox import seccomp
+from harnessrl.sandbox.bwrap import (
+    FORWARDER_SCRIPT,
+    SANDBOX_UID,
+    ProxyRoute,
+    bwrap_argv,
+    bwrap_path,
+    forwarder_python,
+    make_devices,
+    setpriv_path,
+)
+
+def devices_dir(root: Path) -> Path:
+    """Where a root-started sandbox at `root` keeps its own device nodes (`bwrap.make_devices`):
+    beside it, `<root_dir>/.dev-<sandbox id>`, out of the agent's reach (bubblewrap, as root,
+    binds them: nothing under the agent's control may name a path it binds)."""
+    return root.parent / f".dev-{root.name}"
 from harnessrl.sandbox.cgroup import PidsGroup
 from harnessrl.sandbox.procs import (
     SPAWN_VAR,
@@ -149,8 +166,13 @@ class LocalSandbox(HostDirSandbox):
     def __init__(
         self, sandbox_id: str, root: Path, config: SandboxConfig, bwrap: str | None,
         ro_binds: Sequence[Path], proxy: ProxyRoute | None = None, group: PidsGroup | None = None,
+        owner: int | None = None, memory_rlimit: bool = False,
     ) -> None:
         super().__init__(sandbox_id, root, config)
+        self.owner = owner
+        """Host uid (= gid) of this sandbox's commands and files (`sandbox/owner.py`), or None
+        when they run as this process's user."""
+        self._memory_rlimit = memory_rlimit
         self.config: SandboxConfig = config
         self._bwrap = bwrap
         self._ro_binds = tuple(ro_binds)
@@ -174,7 +196,7 @@ class LocalSandbox(HostDirSandbox):
             return endpoint
         return loopback_endpoint(endpoint)
 
-    def _argv(self, argv: Sequence[str], cwd: Path) -> list[str]:
+    def _argv(self, argv: Sequence[str], cwd: Path, fds: dict[str, int]) -> list[str]:
         if self._bwrap is None:
             return list(argv)
         ro = list(self._ro_binds)
@@ -187,8 +209,27 @@ class LocalSandbox(HostDirSandbox):
         return bwrap_argv(
             self._bwrap, argv, sandbox_dir=self._root, sandbox_root=self._root.parent,
             cwd=cwd, ro_binds=ro, system_paths=self.config.system_paths,
-            tmp_bytes=self.config.tmp_bytes, proxy=self._proxy,
+            tmp_bytes=self.config.tmp_bytes, proxy=self._proxy, owner=self.owner,
+            seccomp_fd=fds.get("seccomp"), forwarder_fd=fds.get("forwarder"),
+            devices=devices_dir(self._root) if self.owner is not None else None,
         )
+
+    def _bwrap_fds(self) -> dict[str, int]:
+        """Descriptors one bubblewrap start reads: its seccomp filter and the forwarder's text
+        (memfds; the caller closes them once it started)."""
+        if self._bwrap is None:
+            return {}
+        fds: dict[str, int] = {}
+        try:
+            fds["seccomp"] = seccomp.program_fd()
+        except seccomp.UnsupportedArch:
+            pass
+        if self._proxy is not None:
+            fd = os.memfd_create("harnessrl-forward", os.MFD_CLOEXEC)
+            os.write(fd, FORWARDER_SCRIPT.read_bytes())
+            os.lseek(fd, 0, os.SEEK_SET)
+            fds["forwarder"] = fd
+        return fds
 
     @property
     def _proxy_binds(self) -> list[Path]:
@@ -198,6 +239,8 @@ class LocalSandbox(HostDirSandbox):
 
     def _limits(self, address_space_bytes: int | None) -> dict[int, int]:
         cfg = self.config
+        if address_space_bytes is None and self._memory_rlimit:
+            address_space_bytes = cfg.memory_bytes  # no memory cgroup here: the fallback bound
         limits = {
             resource.RLIMIT_CPU: cfg.cpu_s,
             resource.RLIMIT_AS: address_space_bytes,
@@ -214,16 +257,21 @@ class LocalSandbox(HostDirSandbox):
     ) -> Child:
         self._check_startable(argv[0])
         run_dir = self._run_dir(cwd)
+        fds = self._bwrap_fds()
         try:
             proc = await spawn.start(
-                self._argv(argv, run_dir), cwd=run_dir, env=self._env(env),
-                stdout=stdout, stderr=stderr, start_new_session=True,
+                self._argv(argv, run_dir, fds), cwd=run_dir if self.owner is None else self._root,
+                env=self._env(env), stdout=stdout, stderr=stderr, start_new_session=True,
                 preexec_fn=_child_setup(self._limits(address_space_bytes), self._group),
+                pass_fds=tuple(fds.values()),
             )
         except FileNotFoundError:
             raise
         except (OSError, SubprocessError) as e:  # SubprocessError: the preexec_fn failed
             raise SandboxError(f"sandbox {self.sandbox_id} cannot start {argv[0]!r}: {e}") from e
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         self._pgids.add(proc.pid)
         self._started()
         return proc
@@ -288,9 +336,12 @@ class LocalSandbox(HostDirSandbox):
         """Write `rel_path` under `base` (file mode `mode`), creating parents, no symlink
         followed at any component. Raises SandboxError for a symlink, a non-directory parent
         or a `..` component."""
+        raw = data.encode() if isinstance(data, str) else data
         try:
-            write_beneath(self._root, self._rel(base, rel_path),
-                          data.encode() if isinstance(data, str) else data, mode)
+            if self.owner is None:
+                write_beneath(self._root, self._rel(base, rel_path), raw, mode)
+            else:
+                self._write_owned(self._rel(base, rel_path), raw, mode, (self.owner, self.owner))
         except UnsafePathError as e:
             raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not written (escapes the {base} dir "
                                f"or crosses a link): {e.strerror}") from None
@@ -314,7 +365,9 @@ class LocalSandbox(HostDirSandbox):
         """Kill every process of the sandbox (its groups and stragglers), keep the directory.
 
         Returns how many live processes were found. Raises SandboxError when some survive
-        SIGKILL. Called before verification, so hidden tests never meet a live agent process.
+        SIGKILL. Called before verification, so hidden tests never meet a live agent process;
+        once none is left, setuid / setgid bits of every file of the sandbox are cleared
+        (`strip_setid`), before anything of the host reads or runs them.
         """
         if not self._pgids:
             return 0
@@ -329,11 +382,18 @@ class LocalSandbox(HostDirSandbox):
                 await proc.wait()
         if survivors:
             raise SandboxError(f"sandbox {self.sandbox_id}: pids {survivors} survived SIGKILL")
+        await asyncio.to_thread(self._strip_setid)
         return found
 
     async def _remove_rest(self) -> None:
-        if self._group is not None:
-            await asyncio.to_thread(self._remove_group)
+        try:
+            if self.owner is not None:
+                await asyncio.to_thread(remove_tree, devices_dir(self._root))
+            if self._group is not None:
+                await asyncio.to_thread(self._remove_group)
+        finally:
+            if self.owner is not None and not self.root.exists():
+                owners.release(self.owner)
 
     def _remove_group(self) -> None:
         assert self._group is not None, "only called with a group"
@@ -395,7 +455,14 @@ class LocalSandboxBackend:
             python = forwarder_python(self.config.system_paths)[0]
             self.proxy = ProxyRoute(proxy_port, Path(proxy_socket), python)
         self.cgroup_root = cgroup.available() if self.config.max_processes is not None else None
-
+        self.memory_root = cgroup.memory_available() if self.config.memory_bytes is not None else None
+        self.owned = self.bwrap is not None and owners.owned_sandboxes() and setpriv_path() is not None
+        """Each sandbox runs as an unprivileged host uid of its own (`sandbox/owner.py`): this
+        process is root and bubblewrap is used."""
+        if self.owned and self.proxy is not None:
+            # every sandbox uid connects through its read-only bind of the socket file; the
+            # socket's own 0700 directory keeps every other host user out
+            os.chmod(self.proxy.socket_path, 0o666)
     def unisolated(self) -> list[str]:
         """What this backend's sandboxes do NOT isolate or bound, one phrase each (empty when
         every boundary of `sandbox/bwrap.py` holds and the process count is bounded)."""
@@ -406,6 +473,16 @@ class LocalSandboxBackend:
                      "processes (other agents' /proc, environments and keys are visible)",
                      "network (every host port is reachable, including the proxy's admin listener)",
                      "privileges (commands keep this user's capabilities)"]
+        elif not self.owned:
+            gaps.append("owner (not run as root: sandboxes run as this process's user, mapped to uid "
+                        f"{SANDBOX_UID} inside, and can read and change what that user can)")
+        if self.bwrap is not None:
+            try:
+                seccomp.program()
+            except seccomp.UnsupportedArch as e:
+                gaps.append(f"syscall filter ({e})")
+        if self.config.memory_bytes is not None and self.memory_root is None:
+            gaps.append("memory (no writable memory cgroup: RLIMIT_AS of spawned agents only)")
         if self.config.max_processes is not None and self.cgroup_root is None:
             gaps.append("process count (no writable pids cgroup"
                         + (": RLIMIT_NPROC is ignored for root)" if os.geteuid() == 0 else ")"))
@@ -434,25 +511,43 @@ class LocalSandboxBackend:
         sandbox_id = f"{_UNSAFE.sub('_', rollout_id)[:64]}-{secrets.token_hex(4)}"
         root = self.config.root_dir.resolve() / sandbox_id
         group: PidsGroup | None = None
+        owner = owners.allocate() if self.owned else None
         try:
             root.mkdir(parents=True)
+            if owner is not None:
+                # the sandbox root is root's and 0700: no other host user reaches any sandbox
+                # (the agent may open up its own directory, not the way to it)
+                root_dir = root.parent
+                if os.stat(root_dir).st_uid == 0:
+                    os.chmod(root_dir, 0o700)
+                os.chown(root, owner, owner)
+                os.chmod(root, 0o700)
             for sub in ("work", "home", "tmp"):
                 (root / sub).mkdir(mode=0o700)
-            if self.cgroup_root is not None:
+                if owner is not None:
+                    os.chown(root / sub, owner, owner)
+            if owner is not None:
+                make_devices(devices_dir(root))
+            if self.cgroup_root is not None or self.memory_root is not None:
                 try:
-                    group = PidsGroup.create(self.cgroup_root, sandbox_id, self.config.max_processes)
+                    group = PidsGroup.create(self.cgroup_root, sandbox_id, self.config.max_processes,
+                                             self.memory_root, self.config.memory_bytes)
                 except OSError as exc:
-                    raise SandboxError(f"sandbox {sandbox_id}: cannot create its pids cgroup: {exc}") from exc
+                    raise SandboxError(f"sandbox {sandbox_id}: cannot create its cgroups: {exc}") from exc
             sandbox = LocalSandbox(sandbox_id, root, self.config, self.bwrap, self.ro_binds,
-                                   self.proxy, group)
+                                   self.proxy, group, owner,
+                                   memory_rlimit=self.memory_root is None and self.config.memory_bytes is not None)
             for rel_path, text in workspace.items():
                 if Path(rel_path).is_absolute():
                     raise SandboxError(f"workspace path {rel_path!r} is absolute")
                 sandbox.write_file(rel_path, text)  # refuses absolute and `..` paths
         except BaseException:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
+            remove_tree(devices_dir(root))
             if group is not None:
                 group.remove()
+            if owner is not None:
+                owners.release(owner)
             raise
         return sandbox
 

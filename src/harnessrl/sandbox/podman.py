@@ -52,11 +52,11 @@ on cgroup v1 (hybrid layout) only; the v2 paths (`pids_hierarchy`) are unexercis
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
 import secrets
-import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Sequence
@@ -67,9 +67,9 @@ from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, INNER_SOCKET, SANDBOX_UID
 from harnessrl.sandbox.config import PodmanSandboxConfig
-from harnessrl.sandbox.fsread import UnsafePathError, open_dir_beneath, open_file_beneath, open_root
+from harnessrl.sandbox.fsread import UnsafePathError
 from harnessrl.sandbox import spawn
-from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint
+from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint, remove_tree
 from harnessrl.sandbox.spawn import Child
 from harnessrl.sandbox.local import _UNSAFE
 from harnessrl.sandbox.podman_host import (
@@ -181,8 +181,16 @@ class PodmanSandbox(HostDirSandbox):
             args += ["-v", f"{path}:{path}:ro"]
         prefix: list[str] = []
         proxy = self._backend.proxy
+        if self._backend.seccomp_profile is not None:
+            args += ["--security-opt", f"seccomp={self._backend.seccomp_profile}"]
         if proxy is not None:
-            args += ["-v", f"{FORWARDER_SCRIPT}:{INNER_FORWARDER}:ro", "-v", f"{proxy[1]}:{INNER_SOCKET}"]
+            # the forwarder is this sandbox's own copy (no inode shared with another sandbox);
+            # the socket is bound read-only (connect works, chmod and utime do not)
+            forwarder = self._state / "forward.py"
+            if not forwarder.exists():
+                forwarder.write_bytes(FORWARDER_SCRIPT.read_bytes())
+                forwarder.chmod(0o644)
+            args += ["-v", f"{forwarder}:{INNER_FORWARDER}:ro", "-v", f"{proxy[1]}:{INNER_SOCKET}:ro"]
             prefix = [cfg.python, "-I", "-S", INNER_FORWARDER, str(proxy[0]), INNER_SOCKET, "--"]
         # the environment goes through a file in the host-private state directory, not argv
         # (a process's argv is readable by every host user); a value with a newline, which
@@ -289,34 +297,10 @@ class PodmanSandbox(HostDirSandbox):
         rel = self._rel(base, rel_path)
         raw = data.encode() if isinstance(data, str) else data
         try:
-            out = open_file_beneath(self._root, rel, mode)
-            try:
-                os.fchown(out, SANDBOX_UID, SANDBOX_UID)
-                view = memoryview(raw)
-                while view:
-                    view = view[os.write(out, view):]
-            finally:
-                os.close(out)
-            self._own_parents(rel)
+            self._write_owned(rel, raw, mode, (SANDBOX_UID, SANDBOX_UID))
         except UnsafePathError as e:
             raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not written (escapes the {base} dir "
                                f"or crosses a link): {e.strerror}") from None
-
-    def _own_parents(self, rel: str) -> None:
-        """chown to `SANDBOX_UID` every directory of `rel` below the root, through descriptors
-        opened without following links."""
-        parts = rel.split("/")[:-1]
-        root_fd = open_root(self._root)
-        try:
-            for depth in range(1, len(parts) + 1):
-                fd = open_dir_beneath(root_fd, "/".join(parts[:depth]), shown=str(self._root))
-                try:
-                    if os.fstat(fd).st_uid != SANDBOX_UID:
-                        os.fchown(fd, SANDBOX_UID, SANDBOX_UID)
-                finally:
-                    os.close(fd)
-        finally:
-            os.close(root_fd)
 
     async def kill_processes(self) -> int:
         """Stop every container of the sandbox, keep the directory; returns how many processes
@@ -326,6 +310,7 @@ class PodmanSandbox(HostDirSandbox):
         found, survivors = await self._stop(list(self._clients), self.config.kill_grace_s)
         if survivors:
             raise SandboxError(f"sandbox {self.sandbox_id}: pids {survivors} survived SIGKILL")
+        await asyncio.to_thread(self._strip_setid)  # before the host reads or runs anything
         return found
 
     async def _disk_stop(self) -> None:
@@ -336,10 +321,52 @@ class PodmanSandbox(HostDirSandbox):
         await self.kill_processes()
 
     async def _remove_rest(self) -> None:
-        await asyncio.to_thread(shutil.rmtree, self._state, ignore_errors=True)
-        left = await asyncio.to_thread(remove_cgroups, self.sandbox_id)
+        try:
+            errors = await asyncio.to_thread(remove_tree, self._state)
+            if errors:
+                log.warning("sandbox %s: state not removed: %s", self.sandbox_id, "; ".join(errors[:3]))
+        finally:
+            left = await asyncio.to_thread(remove_cgroups, self.sandbox_id)
         if left:
             log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
+
+
+DEFAULT_SECCOMP = Path("/usr/share/containers/seccomp.json")
+"""podman's default seccomp profile (containers-common)."""
+_CLONE_NEWUSER = 0x10000000
+
+
+def seccomp_profile(config: PodmanSandboxConfig, default: Path = DEFAULT_SECCOMP) -> Path | None:
+    """podman's default profile with `unshare`, `setns` and `clone3` no longer allowed (the
+    profile's default action refuses them: EPERM; `clone3` gets ENOSYS, so glibc falls back to
+    `clone`) and `clone` allowed only without `CLONE_NEWUSER`: no nested user namespace, hence
+    no capability in one. Written once to `<storage_dir>/seccomp-harnessrl.json` (same text
+    each time); None when `default` is missing."""
+    try:
+        profile = json.loads(default.read_text())
+    except (OSError, ValueError):
+        return None
+    dropped = {"clone", "clone3", "unshare", "setns"}
+    rules = []
+    for rule in profile.get("syscalls", []):
+        names = [n for n in rule.get("names", []) if n not in dropped]
+        if names:
+            rules.append({**rule, "names": names})
+    rules.append({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+                  "args": [{"index": 0, "value": _CLONE_NEWUSER, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]})
+    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38})
+    profile["syscalls"] = rules
+    text = json.dumps(profile, indent=1, sort_keys=True)
+    path = config.storage_dir / "seccomp-harnessrl.json"
+    try:
+        if not path.exists() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+    except OSError:
+        return None
+    return path
 
 
 class PodmanSandboxBackend:
@@ -367,12 +394,19 @@ class PodmanSandboxBackend:
         self.proxy: tuple[int, Path] | None = None
         if proxy_port is not None and proxy_socket is not None:
             self.proxy = (proxy_port, Path(proxy_socket))
+        self.seccomp_profile = seccomp_profile(config)
+        """podman's default seccomp profile with new user namespaces refused (or None when
+        the default profile is not found: then `unisolated` names the gap)."""
+        if self.proxy is not None and proxy_socket is not None:
             # the unprivileged container user connects through the bound socket file itself
             os.chown(proxy_socket, -1, SANDBOX_UID)
             os.chmod(proxy_socket, 0o660)
 
     def unisolated(self) -> list[str]:
-        """Gaps of isolation: none when podman runs (see `check_isolation`)."""
+        """Gaps of isolation: none when podman runs (see `check_isolation`) with its default
+        seccomp profile found (else nested user namespaces are not refused)."""
+        if self.seccomp_profile is None:
+            return [f"nested user namespaces ({DEFAULT_SECCOMP} not found: podman's built-in profile is used)"]
         return []
 
     def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
@@ -382,6 +416,8 @@ class PodmanSandboxBackend:
         problem = podman_problem(self.config)
         if problem is not None:
             raise SandboxError(f"sandbox.kind = 'podman' cannot run here: {problem}")
+        for gap in self.unisolated():
+            log.warning("podman sandboxes do not isolate: %s", gap)
         removed = remove_orphans(self.config)
         if removed:
             log.warning("removed %d podman sandbox containers left by runs that are gone", removed)
@@ -405,7 +441,7 @@ class PodmanSandboxBackend:
                     raise SandboxError(f"workspace path {rel_path!r} is absolute")
                 sandbox.write_file(rel_path, text)
         except BaseException:
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.rmtree(state, ignore_errors=True)
+            remove_tree(root)
+            remove_tree(state)
             raise
         return sandbox

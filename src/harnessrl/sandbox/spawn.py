@@ -118,11 +118,12 @@ async def start(
     argv: Sequence[str], *, cwd: Path | str | None = None, env: dict[str, str] | None = None,
     stdin: int = DEVNULL, stdout: int = DEVNULL, stderr: int = DEVNULL,
     start_new_session: bool = False, preexec_fn: Callable[[], None] | None = None,
-    limit: int = 1 << 16,
+    limit: int = 1 << 16, pass_fds: Sequence[int] = (),
 ) -> Child:
     """Start `argv` with only descriptors 0, 1 and 2 (`stdin` / `stdout` / `stderr`: PIPE,
     DEVNULL, STDOUT for stderr, or an open descriptor the caller closes afterwards); piped
     outputs become `Child.stdout` / `Child.stderr` stream readers (buffer `limit` bytes).
+    `pass_fds`: descriptors the child keeps besides those (e.g. for `bwrap --seccomp FD`).
 
     Raises what `subprocess.Popen` raises (FileNotFoundError for a missing executable,
     PermissionError, OSError, or `preexec_fn`'s failure as `SubprocessError`).
@@ -131,6 +132,7 @@ async def start(
     popen = subprocess.Popen(
         list(argv), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
         close_fds=True, start_new_session=start_new_session, preexec_fn=preexec_fn,
+        pass_fds=tuple(pass_fds),
     )
     child = Child(popen, loop)
     try:
