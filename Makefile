@@ -15,7 +15,7 @@ EVAL ?= --set train.eval_every=$(STEPS) --set train.eval_size=16 --set train.eva
 OUT ?= runs/default
 # the multi-turn job: `make train` with examples/train_agent.toml (procedural lookup tasks,
 # mini-swe-agent with step_limit = 3 and its multiturn prompt, 2 groups of 4 a step, lr 3e-5)
-AGENT_STEPS ?= 12
+AGENT_STEPS ?= 8
 AGENT_RECIPE ?= --config examples/train_agent.toml
 AGENT_OUT ?= runs/agent
 
