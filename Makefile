@@ -13,6 +13,11 @@ RECIPE ?= --set train.groups_per_step=2 --set train.learning_rate=2e-5
 # EVAL= turns it off (CI's short run)
 EVAL ?= --set train.eval_every=$(STEPS) --set train.eval_size=16 --set train.eval_samples=1
 OUT ?= runs/default
+# the multi-turn job: `make train` with examples/train_agent.toml (procedural lookup tasks,
+# mini-swe-agent with step_limit = 3 and its multiturn prompt, 2 groups of 4 a step, lr 3e-5)
+AGENT_STEPS ?= 8
+AGENT_RECIPE ?= --config examples/train_agent.toml
+AGENT_OUT ?= runs/agent
 
 # Debian packages, each with the command that shows it is installed (package:command).
 # train: the defaults' sandbox.isolation = "required" runs agents under bubblewrap
@@ -39,7 +44,7 @@ define system_packages
 	$${sudo}apt-get update -qq && DEBIAN_FRONTEND=noninteractive $${sudo}$$cmd -qq >/dev/null
 endef
 
-.PHONY: setup system train train-ci test agents browser podman vllm bench clean
+.PHONY: setup system train train-ci train-agent train-agent-ci test agents browser podman vllm bench clean
 
 setup: system $(VENV)/.installed
 
@@ -66,6 +71,13 @@ train: setup
 # the main job in its short form (one step, no held-out evaluation), as CI runs it
 train-ci:
 	$(MAKE) train STEPS=1 EVAL= OUT=runs/ci
+
+# the multi-turn job (README, "The multi-turn job"), and its short form as CI runs it
+train-agent:
+	$(MAKE) train STEPS=$(AGENT_STEPS) RECIPE="$(AGENT_RECIPE)" OUT=$(AGENT_OUT)
+
+train-agent-ci:
+	$(MAKE) train-agent AGENT_STEPS=1 EVAL= AGENT_OUT=runs/ci-agent
 
 # Headless Chromium (Debian package) for tests/e2e/test_view_browser.py.
 browser:

@@ -75,6 +75,52 @@ def test_compact_examples_are_actions_that_answer_in_the_procedural_form(tmp_pat
     assert COMPACT_INSTANCE.rstrip().endswith("Task: {{task}}")
 
 
+def test_multiturn_templates_show_look_then_answer_and_set_the_observation_and_stop(tmp_path) -> None:
+    """`templates = "multiturn"`: each worked example is a lookup task, a command that reads a
+    file, its output in the observation's own `Output: ...` form, then a command that writes
+    that output's answer; run with bash on the example's file, both commands do what is shown.
+    The observation template and the stop string reach mini's model config; explicit ones win."""
+    import json
+    import subprocess
+
+    import jinja2
+
+    from harnessrl.harness.mini_swe_agent import (MULTITURN_FORMAT_ERROR, MULTITURN_INSTANCE, MULTITURN_OBSERVATION,
+                                                  MULTITURN_STOP, MULTITURN_SYSTEM)
+    from harnessrl.rewards.exact_match import parse_answer
+
+    cfg = _config(templates="multiturn", step_limit=3)
+    assert cfg["agent"]["system_template"] == MULTITURN_SYSTEM
+    assert cfg["agent"]["instance_template"] == MULTITURN_INSTANCE
+    assert cfg["model"]["observation_template"] == MULTITURN_OBSERVATION
+    assert cfg["model"]["model_kwargs"]["stop"] == MULTITURN_STOP == "Output:"
+    assert cfg["model"]["format_error_template"] == MULTITURN_FORMAT_ERROR and len(MULTITURN_FORMAT_ERROR) < 100
+    assert "format_error_template" not in _config()["model"]
+    assert cfg["model"]["action_regex"] == COMPACT_ACTION_REGEX and cfg["agent"]["step_limit"] == 3
+    mine = _config(templates="multiturn", observation_template="out: {{output.output}}",
+                   model_kwargs={"stop": "###"})
+    assert mine["model"]["observation_template"] == "out: {{output.output}}"
+    assert mine["model"]["model_kwargs"]["stop"] == "###"
+    assert "observation_template" not in _config()["model"] and "stop" not in _config()["model"]["model_kwargs"]
+    assert _config(observation_template="o")["model"]["observation_template"] == "o"
+
+    examples = re.findall(r"Task: (.*?)\n(```bash\n.*?\n```)\n(Output: .*?)\n(```bash\n.*?\n```)",
+                          MULTITURN_INSTANCE, re.DOTALL)
+    assert len(examples) == 2 and MULTITURN_INSTANCE.rstrip().endswith("Task: {{task}}")
+    files = {"kiwi.txt": "64\n", "box.json": json.dumps({"width": 12, "depth": 37}) + "\n"}
+    for (question, look, shown, answer), (name, text), expected in zip(examples, files.items(), ["64", "37"]):
+        assert name in question and question.endswith("Write the answer to answer.txt.")
+        (tmp_path / name).write_text(text)
+        [look_cmd] = re.findall(COMPACT_ACTION_REGEX, look, re.DOTALL)
+        out = subprocess.run(["bash", "-c", look_cmd], cwd=tmp_path, check=True, timeout=10,
+                             capture_output=True, text=True)
+        rendered = jinja2.Template(MULTITURN_OBSERVATION).render(output={"output": out.stdout, "returncode": 0})
+        assert rendered == shown  # the observation the agent will get is the one the example shows
+        [answer_cmd] = re.findall(COMPACT_ACTION_REGEX, answer, re.DOTALL)
+        subprocess.run(["bash", "-c", answer_cmd], cwd=tmp_path, check=True, timeout=10)
+        assert parse_answer((tmp_path / "answer.txt").read_text(), "int") == expected
+
+
 def test_default_recipe_is_the_measured_one() -> None:
     """The main job's defaults: repeat tasks through mini-swe-agent's compact prompt, one
     step, temperature 0.4 (README, "Measured": held-out 0.44 -> 0.94 in 8 steps)."""
@@ -84,3 +130,20 @@ def test_default_recipe_is_the_measured_one() -> None:
     assert (cfg.harness.kind, cfg.tasks.kind, cfg.tasks.kinds) == ("mini-swe-agent", "procedural", ["repeat"])
     assert cfg.sampling.temperature == 0.4 and (cfg.sampling.top_p, cfg.sampling.top_k) == (1.0, 0)
     assert cfg.harness.options["step_limit"] == 1 and cfg.harness.options["templates"] == "compact"
+
+
+def test_multiturn_job_config_is_the_lookup_recipe() -> None:
+    """`make train-agent`'s config (examples/train_agent.toml): lookup tasks, mini-swe-agent
+    with three calls and the multiturn prompt, no shaping, and the Makefile runs it."""
+    from pathlib import Path
+
+    from harnessrl.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples" / "train_agent.toml")
+    assert (cfg.tasks.kind, cfg.tasks.kinds) == ("procedural", ["lookup"])
+    assert cfg.harness.options["step_limit"] >= 3 and cfg.harness.options["templates"] == "multiturn"
+    assert cfg.hooks.rollout_reward_fn == "" and cfg.sampling.temperature == 0.4
+    makefile = (root / "Makefile").read_text()
+    assert "AGENT_RECIPE ?= --config examples/train_agent.toml" in makefile
+    assert "train-agent-ci:\n\t$(MAKE) train-agent AGENT_STEPS=1 EVAL=" in makefile

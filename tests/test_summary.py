@@ -48,6 +48,19 @@ def test_summarize_groups_counts_and_rewards() -> None:
     assert s["prompt_tokens"] == 18 and s["completion_tokens"] == 12
 
 
+def test_turns_passing_mean_is_over_passing_scored_rollouts_only() -> None:
+    def with_turns(i: int, reward: float | None, turns: int, status: str = "ok") -> Rollout:
+        r = _rollout(i, reward, status)
+        return r.model_copy(update={"trace": Trace(session_id=f"s{i}", turns=r.trace.turns * turns)})
+
+    g = Group(group_id=0, task_id="a", rollouts=[
+        with_turns(0, 1.0, 2), with_turns(1, 1.0, 3), with_turns(2, 0.0, 1), with_turns(3, 1.0, 5, "agent_error")])
+    s = summarize_groups([g])
+    assert s["turns_passing_mean"] == pytest.approx(2.5)  # the errored 5-turn rollout is not scored
+    assert s["turns_mean"] == pytest.approx(11 / 4)
+    assert "turns_passing_mean" not in summarize_groups([Group(group_id=1, task_id="b", rollouts=[_rollout(4, 0.0)])])
+
+
 def test_agent_errors_are_counted_apart_from_scores() -> None:
     # an agent that crashed still gets a reward from its (empty) workspace; it is an error, not a 0
     g = Group(group_id=0, task_id="a", rollouts=[

@@ -60,7 +60,10 @@ def test_ci_installs_nothing_of_its_own_and_runs_the_main_job() -> None:
     code = "\n".join(line for line in ci.splitlines() if not line.lstrip().startswith("#"))
     for step in ("apt-get", "pip install", "pip3", "engine install", "npm", "podman-image", "debootstrap"):
         assert step not in code, f".ci/run runs {step!r} itself; it belongs in the Makefile"
-    assert re.search(r"^make test$", code, re.M) and re.search(r"^make train-ci$", code, re.M)
+    assert re.search(r"^make test$", code, re.M)
+    assert re.search(r"^for job in train-ci train-agent-ci; do", code, re.M) and 'make "$job"' in code
+    for job in ("train-ci", "train-agent-ci"):
+        _prerequisites(job)  # both short forms are Makefile targets
     for var in ("BWRAP", "CHROMIUM", "PODMAN", "VLLM", "AGENTS"):
         assert f"HARNESSRL_REQUIRE_{var}=1" in code
 

@@ -9,7 +9,7 @@ import pytest
 
 from harnessrl.errors import TaskError
 from harnessrl.tasks.humaneval import HumanEvalSource, load_problems
-from harnessrl.tasks.procedural import KINDS, ProceduralSource
+from harnessrl.tasks.procedural import KINDS, LOOKUP_KINDS, ProceduralSource
 from harnessrl.tasks.stdio import StdioSource
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "stdio_tasks.jsonl"
@@ -121,9 +121,12 @@ def test_procedural_is_deterministic_and_correct() -> None:
     for i in range(50):
         task = source.get(i)
         question, answer = task.metadata["question"], task.hidden_tests["answer"]
-        assert task.workspace == {} and "answer.txt" in task.instruction
-        assert task.instruction.startswith(question)
-        _check_answer(task.metadata["kind"], question, answer)
+        assert "answer.txt" in task.instruction and task.instruction.startswith(question)
+        if task.metadata["kind"] in LOOKUP_KINDS:
+            assert task.workspace and answer not in task.instruction
+        else:
+            assert task.workspace == {}
+            _check_answer(task.metadata["kind"], question, answer)
 
 
 def _check_answer(kind: str, question: str, answer: str) -> None:
@@ -158,3 +161,93 @@ def test_procedural_rejects_bad_arguments() -> None:
         ProceduralSource(kinds=("add", "divide"))
     with pytest.raises(TaskError, match="difficulty must be >= 1, got 0"):
         ProceduralSource(difficulty=0)
+
+
+# The shell command a lookup phrase asks for (what an agent would run), applied to real files.
+_LOOKUP_PHRASES = [
+    (r"the number in (\w+\.txt)", lambda m: ["cat", m[1]]),
+    (r"the number of lines of (\w+\.txt) that contain '(\w+)'", lambda m: ["grep", "-c", m[2], m[1]]),
+    (r'the value of "(\w+)" in (\w+\.json)',
+     lambda m: ["python3", "-c", f"import json; print(json.load(open({m[2]!r}))[{m[1]!r}])"]),
+]
+
+
+def _observe(question: str, workdir: Path) -> int:
+    """The answer of a lookup question found by running, in `workdir`, the command each of its
+    phrases asks for (cat / grep -c / a JSON read), summed over the phrases."""
+    import re
+    import subprocess
+
+    total, found = 0, 0
+    for pattern, argv in _LOOKUP_PHRASES:
+        for m in re.finditer(pattern, question):
+            out = subprocess.run(argv(m), cwd=workdir, capture_output=True, text=True, timeout=10, check=True)
+            total += int(out.stdout.strip())
+            found += 1
+    assert found, question
+    return total
+
+
+@pytest.mark.parametrize("difficulty", [1, 2])
+@pytest.mark.parametrize("kind", LOOKUP_KINDS)
+async def test_lookup_answer_is_in_the_workspace_only_and_the_verifier_checks_it(
+    tmp_path: Path, kind: str, difficulty: int
+) -> None:
+    """Each lookup task's answer is found by running the command its question asks for on the
+    real workspace files of a real sandbox (d lookups summed at difficulty d), is not in the
+    instruction, and the exact-match verifier scores it 1 and a near miss 0."""
+    import re
+
+    from harnessrl.rewards.exact_match import ExactMatchVerifier
+    from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig
+
+    backend = LocalSandboxBackend(SandboxConfig(root_dir=tmp_path / "sbx"))
+    source = ProceduralSource(kinds=(kind,), difficulty=difficulty, size=100)
+    verifier = ExactMatchVerifier()
+    for seed in range(6):
+        task = source.get(seed)
+        assert task.metadata["kind"] == kind and task.task_id.endswith(f"/d={difficulty}")
+        assert task.instruction.count(" plus ") == difficulty - 1
+        assert len(task.workspace) == difficulty + 2  # the asked files and two distractors
+        assert not re.search(rf"\b{task.hidden_tests['answer']}\b", task.instruction)
+        sb = await backend.create(f"{kind}-{difficulty}-{seed}", dict(task.workspace))
+        try:
+            answer = _observe(task.metadata["question"], sb.workdir)
+            assert str(answer) == task.hidden_tests["answer"]
+            sb.write_file("answer.txt", f"{answer + 1}\n")
+            assert (await verifier.score(task, sb, None)).parts == {"correct": 0.0, "format_ok": 1.0}
+            sb.write_file("answer.txt", f"{answer}\n")
+            assert (await verifier.score(task, sb, None)).value == 1.0
+        finally:
+            await sb.close()
+
+
+@pytest.mark.parametrize(("kind", "stated"), [("lookup", 1 / 90), ("lookup_count", 1 / 20), ("lookup_json", 1 / 90)])
+@pytest.mark.parametrize("difficulty", [1, 2])
+def test_lookup_chance_rate_is_the_stated_one(kind: str, difficulty: int, stated: float) -> None:
+    """The best constant answer (a rollout that never looks) passes at most the chance rate the
+    module docstring states, measured over 2,000 tasks (+1.5 points of sampling slack)."""
+    from collections import Counter
+
+    source = ProceduralSource(kinds=(kind,), difficulty=difficulty, size=2000)
+    answers = Counter(source.get(i).hidden_tests["answer"] for i in range(2000))
+    best = answers.most_common(1)[0][1] / 2000
+    assert best <= stated + 0.015, (kind, difficulty, answers.most_common(3))
+    assert len(answers) >= 0.7 / stated  # spread over the range, not a few values
+
+
+def test_lookup_held_out_tasks_come_from_another_seed_range() -> None:
+    """The held-out split of a lookup run draws other seeds: no held-out task id, and no
+    held-out workspace, equals a training one."""
+    from harnessrl.runtime import make_task_source
+    from harnessrl.tasks.config import ProceduralTasks
+    from harnessrl.train.evaluation import held_out_split
+
+    cfg = ProceduralTasks(kinds=["lookup"])
+    train, held_out = held_out_split(cfg, make_task_source(cfg), 16)
+    train_tasks = [train.get(i) for i in range(300)]
+    held = [held_out.get(i) for i in range(16)]
+    assert len({t.task_id for t in held}) == 16
+    assert {t.task_id for t in held}.isdisjoint({t.task_id for t in train_tasks})
+    assert all(t.metadata["kind"] == "lookup" and t.workspace for t in held)
+    assert not {tuple(t.workspace.items()) for t in held} & {tuple(t.workspace.items()) for t in train_tasks}

@@ -25,8 +25,13 @@ for a small model: a one-line system message and two worked examples, each a one
 and its one-command reply, followed by the task in the same form (`COMPACT_SYSTEM`,
 `COMPACT_INSTANCE`; a 135M model continues a pattern it has just seen, where it ignores a
 paragraph of rules), and with the text protocol an action block whose fence may be tagged
-`mswea_bash_command`, `bash`, `shell`, `sh` or nothing (`COMPACT_ACTION_REGEX`). The compact
-prompt does not teach mini's submit command: with `step_limit` > 1 a run on it ends at the limit
+`mswea_bash_command`, `bash`, `shell`, `sh` or nothing (`COMPACT_ACTION_REGEX`). `multiturn`
+is the compact prompt for tasks that need a look first (the `lookup` procedural kinds): worked
+examples of two commands each (`cat kiwi.txt`, its output on an `Output: 64` line, then `echo 64
+> answer.txt`), mini's observation shortened to that same `Output: ...` line
+(`MULTITURN_OBSERVATION`), a one-line format error (`MULTITURN_FORMAT_ERROR`), and `Output:` as
+the request's stop string (`MULTITURN_STOP`). The
+compact prompts do not teach mini's submit command: with `step_limit` > 1 a run on it ends at the limit
 (a task is scored from the workspace either way). `system_template` / `instance_template` / `action_regex` replace
 either (mini's Jinja templates: `{{task}}` is the task's instruction).
 `HarnessResult.final_answer` is that submission exactly as mini recorded it (trailing newline
@@ -70,6 +75,42 @@ echo 14 > answer.txt
 
 Task: {{task}}
 """
+MULTITURN_SYSTEM = """\
+You are a shell agent. You reply with exactly one bash command in a ```bash code block. \
+You see its output, then you reply again."""
+MULTITURN_INSTANCE = """\
+Task: What is the number in kiwi.txt? Write the answer to answer.txt.
+```bash
+cat kiwi.txt
+```
+Output: 64
+```bash
+echo 64 > answer.txt
+```
+
+Task: What is the value of "depth" in box.json? Write the answer to answer.txt.
+```bash
+cat box.json
+```
+Output: {"width": 12, "depth": 37}
+```bash
+echo 37 > answer.txt
+```
+
+Task: {{task}}
+"""
+MULTITURN_STOP = "Output:"
+"""The `multiturn` prompt's stop string (sent as the request's `stop` unless `model_kwargs` sets
+one): its examples show `Output:` after each command, and a small model goes on to write the
+output and a next command itself, two actions in one reply, which mini rejects."""
+MULTITURN_FORMAT_ERROR = "Format error: reply with exactly one bash command in a ```bash code block."
+"""The `multiturn` prompt's reply to a reply without exactly one action (mini's
+`model.format_error_template`; mini's own is ~300 tokens of advice, context every later call
+and every trained row carries)."""
+MULTITURN_OBSERVATION = "Output: {{ output.output | trim }}"
+"""The `multiturn` prompt's observation (mini's `model.observation_template`): the command's
+output after `Output: `, the form its worked examples show (mini's own wraps it in
+`<returncode>` / `<output>` tags)."""
 COMPACT_ACTION_REGEX = r"```(?:mswea_bash_command|bash|shell|sh)?[ \t]*\n(.*?)\n```"
 """The compact prompt's action block: a fence tagged `mswea_bash_command`, `bash`, `shell`,
 `sh` or untagged (mini's own only accepts `mswea_bash_command`)."""
@@ -103,14 +144,19 @@ class MiniSweAgentConfig(BaseModel):
     sampling parameters take precedence anyway."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `mini` arguments, appended last (e.g. `["-c", "agent.wall_time_limit_seconds=60"]`)."""
-    templates: Literal["compact", "bundled"] = "compact"
-    """`compact`: a short example-led prompt for small models; `bundled`: mini's own (module
-    docstring)."""
+    templates: Literal["compact", "multiturn", "bundled"] = "compact"
+    """`compact`: a short example-led prompt for small models; `multiturn`: the same with
+    worked two-command examples (look, then answer) and a one-line observation; `bundled`:
+    mini's own (module docstring)."""
     system_template: str | None = None
     """mini's `agent.system_template` (Jinja); unset: the one `templates` picks."""
     instance_template: str | None = None
     """mini's `agent.instance_template` (Jinja, `{{task}}` is the instruction); unset: the one
     `templates` picks."""
+    observation_template: str | None = None
+    """mini's `model.observation_template` (Jinja, `output.output` / `output.returncode`): the
+    message that carries a command's output to the next call; unset: the one `templates` picks
+    (mini's own with `compact` and `bundled`)."""
     action_regex: str | None = None
     """Text protocol only: mini's `model.action_regex` (one group: the command); unset: the one
     `templates` picks (mini's own with `bundled`)."""
@@ -171,12 +217,21 @@ class MiniSweAgentHarness(CliAgentHarness):
         }
         if not cfg.tool_calls:
             model["model_class"] = "litellm_textbased"
-            regex = cfg.action_regex or (COMPACT_ACTION_REGEX if cfg.templates == "compact" else None)
+            regex = cfg.action_regex or (COMPACT_ACTION_REGEX if cfg.templates != "bundled" else None)
             if regex is not None:
                 model["action_regex"] = regex
         templates: dict[str, str] = {}
         if cfg.templates == "compact":
             templates = {"system_template": COMPACT_SYSTEM, "instance_template": COMPACT_INSTANCE}
+        elif cfg.templates == "multiturn":
+            templates = {"system_template": MULTITURN_SYSTEM, "instance_template": MULTITURN_INSTANCE}
+        if cfg.templates == "multiturn":
+            model["model_kwargs"].setdefault("stop", MULTITURN_STOP)
+            if not cfg.tool_calls:
+                model["format_error_template"] = MULTITURN_FORMAT_ERROR
+        observation = cfg.observation_template or (MULTITURN_OBSERVATION if cfg.templates == "multiturn" else None)
+        if observation is not None:
+            model["observation_template"] = observation
         if cfg.system_template is not None:
             templates["system_template"] = cfg.system_template
         if cfg.instance_template is not None:

@@ -61,9 +61,10 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     scored), pass@k for k in 1..(smallest number of scored rollouts of a task that has any),
     reward/verifier_mean and reward/verifier_std (population; over scored rollouts),
     reward/train_mean and reward/train_std (the same for the training reward), status/<name> counts,
-    turns_mean, prompt_tokens, completion_tokens, agent_s_mean, total_s_mean, and
-    sandbox_s_mean / verify_s_mean (seconds to create the sandbox, and to verify, over the
-    rollouts that reached that phase; absent when none did).
+    turns_mean, turns_passing_mean (the mean turns of the scored rollouts that passed; absent
+    when none did: how many model calls a solved task took), prompt_tokens, completion_tokens,
+    agent_s_mean, total_s_mean, and sandbox_s_mean / verify_s_mean (seconds to create the
+    sandbox, and to verify, over the rollouts that reached that phase; absent when none did).
     """
     rollouts = [r for g in groups for r in g.rollouts]
     out: dict[str, float] = {"tasks": float(len(groups)), "rollouts": float(len(rollouts))}
@@ -92,6 +93,9 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     for status, count in Counter(r.status for r in rollouts).items():
         out[f"status/{status}"] = float(count)
     out["turns_mean"] = sum(len(r.trace.turns) for r in rollouts) / len(rollouts)
+    passing = [r for r in scored if _passed(r, pass_threshold)]
+    if passing:
+        out["turns_passing_mean"] = sum(len(r.trace.turns) for r in passing) / len(passing)
     out["prompt_tokens"] = float(sum(len(t.prompt_ids) for r in rollouts for t in r.trace.turns))
     out["completion_tokens"] = float(sum(len(t.completion_ids) for r in rollouts for t in r.trace.turns))
     out["agent_s_mean"] = sum(r.timings_s.get("agent_s", 0.0) for r in rollouts) / len(rollouts)

@@ -44,7 +44,9 @@ class ProceduralTasks(_TasksBase):
     mini-swe-agent: what it has to learn is the agent's action. With the compact prompt at
     temperature 0.4 it answered 7 of 16 held-out `repeat` tasks before any training, and
     `make train` raised the verifier's reward to 0.88; `compare` replies stayed prose (0 of
-    40 solved in a mixed run), so a mix of the two trains on half its groups only."""
+    40 solved in a mixed run), so a mix of the two trains on half its groups only. The
+    `lookup` kinds (`lookup`, `lookup_count`, `lookup_json`) need a look at the workspace before
+    the answer: the multi-turn family (`make train-agent`)."""
     difficulty: int = Field(default=1, ge=1)
     """Difficulty knob of the generator."""
     seed_offset: int = 0

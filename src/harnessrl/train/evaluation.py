@@ -84,6 +84,8 @@ def eval_metrics(groups: list[Group], seconds: float) -> dict[str, float]:
         out["eval/pass_rate"] = summary["pass_rate"]
     if "reward/verifier_mean" in summary:
         out["eval/reward_mean"] = summary["reward/verifier_mean"]
+    if "turns_passing_mean" in summary:
+        out["eval/turns_passing_mean"] = summary["turns_passing_mean"]
     ks = sorted(int(key.removeprefix("pass@")) for key in summary if key.startswith("pass@"))
     for k in ks:
         out[f"eval/pass@{k}"] = summary[f"pass@{k}"]

@@ -495,7 +495,7 @@ def _rows_for_step(
     metrics.setdefault("rows_stale_dropped", 0.0)
     summary = summarize_groups(groups)
     for key in ("reward/verifier_mean", "reward/verifier_std", "reward/train_mean", "reward/train_std",
-                "pass_rate", "scored", "errors", "error_rate", "turns_mean",
+                "pass_rate", "scored", "errors", "error_rate", "turns_mean", "turns_passing_mean",
                 "prompt_tokens", "completion_tokens", "agent_s_mean", "sandbox_s_mean", "verify_s_mean"):
         if key in summary:
             metrics[key] = summary[key]
