@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harnessrl.config import RunConfig
-from harnessrl.engine.vllm_sync import (DirectoryWeightSync, LoraWeightSync, NcclWeightSync, adapter_name,
+from harnessrl.engine.vllm_sync import (DirectoryWeightSync, LoraWeightSync, NcclWeightSync,
                                         untied_copy, write_weights)
 from harnessrl.engine.weight_sync import make_weight_sync
 from harnessrl.errors import ConfigError, EngineError
@@ -159,6 +159,73 @@ def test_untied_copy_materialises_the_head(tmp_path: Path) -> None:
     w = load_file(str(out / "model.safetensors"))
     assert torch.equal(w["lm_head.weight"], emb) and torch.equal(w["model.embed_tokens.weight"], emb)
     assert untied_copy(_model_dir(tmp_path, tied=False), tmp_path / "x") == tmp_path / "untied"
+
+
+class _LoraServer(BaseHTTPRequestHandler):
+    """vLLM's adapter routes as 0.32 answers them: a name loaded twice without `load_inplace` is
+    400 "already loaded"; `/v1/models` lists the loaded adapters."""
+
+    loaded: dict[str, str]
+    calls: list[str]
+
+    def _send(self, status: int, payload: dict[str, Any]) -> None:
+        raw = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self) -> None:  # noqa: N802
+        models = [{"id": "base", "parent": None}] + [{"id": n, "parent": "base"} for n in self.loaded]
+        self._send(200, {"data": models})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        self.calls.append(self.path.split("?")[0])
+        name = body.get("lora_name")
+        if self.path == "/v1/load_lora_adapter":
+            if name in self.loaded and not body.get("load_inplace"):
+                self._send(400, {"error": {"message": f"The lora adapter '{name}' has already been loaded."}})
+                return
+            self.loaded[name] = body["lora_path"]
+        elif self.path == "/v1/unload_lora_adapter":
+            self.loaded.pop(name, None)
+        self._send(200, {"success": True})
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_resumed_lora_run_loads_names_of_its_own_and_unloads_the_earlier_ones(tiny_model_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    """A run resumed in a new process against the same server (a new `LoraWeightSync` on the
+    same sync directory) republishes the checkpoint's version: vLLM refuses a name it holds
+    (400), so the names are unique per run and process; the earlier process's adapters are
+    unloaded; another run's are left alone; a version republished by the same process is
+    reloaded in place with the prefix cache reset."""
+    from harnessrl.train.policy import load_policy
+
+    handler = type("L", (_LoraServer,), {"loaded": {"harnessrl-otherrun-abcdef-v1": "/x"}, "calls": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = _FakeEngine((f"http://127.0.0.1:{server.server_address[1]}",))
+        policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=4)
+        first = LoraWeightSync(engine, tmp_path / "w", keep=2)
+        for v in (1, 2, 3):
+            first.publish(policy, v)
+        resumed = LoraWeightSync(engine, tmp_path / "w", keep=2)  # the new process, after the checkpoint at v3
+        resumed.publish(policy, 3)
+        assert resumed.run_tag == first.run_tag and resumed.adapter_name(3) != first.adapter_name(3)
+        assert engine.policy[-1] == (3, resumed.adapter_name(3))
+        assert set(handler.loaded) == {"harnessrl-otherrun-abcdef-v1", resumed.adapter_name(3)}
+        handler.calls.clear()
+        resumed.publish(policy, 3)  # the same process again: in place, and no stale KV
+        assert handler.calls == ["/v1/load_lora_adapter", "/reset_prefix_cache"]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_lora_sync_config_errors_name_both_fields(tmp_path: Path) -> None:
@@ -346,7 +413,7 @@ def test_lora_sync_serves_the_adapter_and_keeps_the_newest_versions(vllm: Any, m
         report = sync.publish(policy, version)
         assert report.version == version and 0 < report.bytes < 20e6 and report.pause_seconds == 0.0
         want_ids, want_lps = _hf(policy.model, PROMPT, 8)
-        ids, lps = _complete(url, adapter_name(version), PROMPT, 8)
+        ids, lps = _complete(url, sync.adapter_name(version), PROMPT, 8)
         assert max(abs(a - b) for a, b in zip(want_lps, base_lps)) > 0.05, "the adapter changes the model"
         assert ids == want_ids, (version, ids, want_ids)
         assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-3, (version, lps, want_lps)
@@ -357,6 +424,18 @@ def test_lora_sync_serves_the_adapter_and_keeps_the_newest_versions(vllm: Any, m
     assert list(done.completion_ids) == want_ids and done.policy_version == 3
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
         served = {m["id"] for m in json.loads(resp.read())["data"]}
-    assert {adapter_name(2), adapter_name(3)} <= served and adapter_name(1) not in served
+    assert {sync.adapter_name(2), sync.adapter_name(3)} <= served and sync.adapter_name(1) not in served
     assert sync.loaded_versions == (2, 3)
     assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["lora-v2", "lora-v3"]
+    # the run resumed in a new process against the same server republishes version 3: a name
+    # of its own (no 400 "already loaded"), the earlier process's adapters unloaded
+    _perturb((p for n, p in policy.model.named_parameters() if "lora_B" in n), 0.1, seed=4)
+    resumed = LoraWeightSync(vllm, tmp_path / "lora", keep=KEEP)
+    assert resumed.adapter_name(3) != sync.adapter_name(3)
+    resumed.publish(policy, 3)
+    want_ids, want_lps = _hf(policy.model, PROMPT, 8)
+    ids, lps = _complete(url, resumed.adapter_name(3), PROMPT, 8)
+    assert ids == want_ids and max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-3, "not the old adapter's KV"
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
+        served = {m["id"] for m in json.loads(resp.read())["data"] if m.get("parent")}
+    assert served == {resumed.adapter_name(3)}

@@ -295,7 +295,7 @@ async def test_a_request_in_flight_across_an_update_keeps_its_older_version(fake
     _, _, trace = await one_call(engine, tokenizer)
     engine.close()
     assert trace.turns[0].policy_version == 5 and not trace.turns[0].notes
-    assert handler.calls[-1]["model"] == "adapter-5" and handler.calls[-1]["cache_salt"] == "v5"
+    assert handler.calls[-1]["model"] == "adapter-5" and handler.calls[-1]["cache_salt"] == "v5-adapter-5"
 
 
 async def test_rollouts_stick_to_one_replica_and_spread_across_replicas(fake_servers, tokenizer) -> None:

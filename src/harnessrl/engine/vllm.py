@@ -6,7 +6,8 @@ distribution, labelled with the policy version the request was sent under.
 
 * Requests: `POST /v1/completions` with `prompt` = the ids, `logprobs: 0`,
   `return_token_ids: true`, the `Sampling` values (top_k/top_p/seed/stop only when set), and
-  `cache_salt = "v<policy version>"` so KV computed under older weights is never reused.
+  `cache_salt = "v<policy version>"` (`"v<version>-<adapter name>"` under a LoRA adapter) so KV
+  computed under older weights or another adapter is never reused.
   One aiohttp session (keep-alive) per event loop; non-streaming only (DESIGN.md §4).
 * Processed logprobs: at construction a probe (greedy-by-top_k=1, 4 tokens at T=1) must come
   back with logprob exactly 0.0 for every token, which only `--logprobs-mode processed_logprobs`
@@ -176,7 +177,9 @@ class VllmEngine:
             version, model = self._version, self._model
         replica = self._pick(affinity)
         url = self.replica_urls[replica]
-        body = request_body(model or self.served_model, prompt_ids, sampling, max_tokens, version)
+        # a LoRA adapter's name joins the salt: KV of another adapter is never reused
+        body = request_body(model or self.served_model, prompt_ids, sampling, max_tokens, version,
+                            f"v{version}" if model is None else f"v{version}-{model}")
         task = asyncio.get_running_loop().create_task(self._post(url, body))
         self._inflight.add(task)
         self._busy[replica] += 1
@@ -475,12 +478,13 @@ def _served_dir(cfg: VllmEngineConfig, model_dir: Path) -> Path:
 
 
 def request_body(model: str, prompt_ids: Sequence[int], sampling: Sampling, max_tokens: int,
-                 version: int) -> dict[str, Any]:
-    """The `/v1/completions` body for one generation (module docstring)."""
+                 version: int, cache_salt: str | None = None) -> dict[str, Any]:
+    """The `/v1/completions` body for one generation (module docstring); `cache_salt`
+    defaults to `v<version>`."""
     body: dict[str, Any] = {
         "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": sampling.temperature,
         "logprobs": 0, "return_token_ids": True, "stream": False, "skip_special_tokens": False,
-        "cache_salt": f"v{version}",
+        "cache_salt": cache_salt if cache_salt is not None else f"v{version}",
     }
     if sampling.top_p < 1.0:
         body["top_p"] = sampling.top_p
