@@ -217,9 +217,12 @@ def main() -> None:
                 lambda: full.model.parameters(), engine, args, first=1)
         del full
         lora = load_policy(model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=args.rank)
+        # the base weights back on the server (the directory arm synced perturbed ones; B = 0, so
+        # the merge is the base): without this the canary stops the LoRA arm at its first sync
+        DirectoryWeightSync(engine, work / "base", model_dir=served).publish(lora, args.syncs + 1)
         measure("lora", wrap(LoraWeightSync(engine, work / "lora", keep=2)), lora,
                 lambda: (p for n, p in lora.model.named_parameters() if "lora_B" in n), engine, args,
-                first=args.syncs + 1)
+                first=args.syncs + 2)
     finally:
         engine.close()
 

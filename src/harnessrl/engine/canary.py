@@ -270,9 +270,11 @@ class CanarySync:
         report = self.inner.publish(policy, version)
         t0 = time.perf_counter()
         ids = policy_probe(policy)
-        # the trainer's forward on this thread while the replicas score theirs
-        dev = check_replicas(self._engine, ids, lambda seq: trainer_logprobs(policy, seq), version=version,
-                             bound=self.bound)
+        # the trainer's forward on this thread while the replicas score theirs; under fsdp2 the
+        # forward is a collective the other ranks join once (`TrainerGroup.follow`), so only the probe
+        sharded = getattr(policy.ranks, "sharded", False)
+        reference = trainer_logprobs(policy, ids) if sharded else (lambda seq: trainer_logprobs(policy, seq))
+        dev = check_replicas(self._engine, ids, reference, version=version, bound=self.bound)
         return replace(report, canary_abs_dev=dev, canary_seconds=time.perf_counter() - t0)
 
     def __getattr__(self, name: str) -> Any:  # the inner sync's own attributes (sync_dir, loaded_versions)
