@@ -10,9 +10,18 @@ transfer + swap), bytes, the server pause (`sync/pause_seconds`: from `/pause` t
 and what the requests saw: the median latency of requests that overlapped no sync versus the
 worst latency of one that straddled a sync (the stall a rollout's turn absorbs).
 
-Run: `.venv/bin/python bench/sync.py [--syncs 3] [--streams 4] [--max-tokens 16] [--rank 8]`.
-Needs vLLM installed (`harnessrl engine install vllm`). The machine is shared: figures are of
-one run under whatever load there is.
+With `--canary` every sync is wrapped in the weight-sync canary (`engine/canary.py`, on by
+default in runs: `train.sync_canary`) and its cost is reported beside the sync it follows, measured
+in the same run: `canary_s` (the trainer's and the replica's scoring of the 256-id probe) and
+its ratio to the sync's own seconds, and `dev` (the max abs logprob deviation it read). First the
+embedded engine (SmolLM2-135M, fp32, 1 thread each side, `InProcessWeightSync`): the sync alone,
+then with the canary; then the embedded engine in bfloat16 against the fp32 trainer (the
+deviation a bf16 run's canary reads on correct syncs, and on a sync that left a tensor behind:
+the evidence for `canary.BF16_BOUND`). `--no-vllm` stops there.
+
+Run: `.venv/bin/python bench/sync.py [--syncs 3] [--streams 4] [--max-tokens 16] [--rank 8]
+[--canary] [--no-vllm]`. Needs vLLM installed (`harnessrl engine install vllm`) unless
+`--no-vllm`. The machine is shared: figures are of one run under whatever load there is.
 """
 
 from __future__ import annotations
@@ -91,9 +100,82 @@ def measure(name: str, sync, policy, params, engine: VllmEngine, args: argparse.
     clear = [e - s for s, e in load.spans if not any(s < w1 and e > w0 for w0, w1 in windows)]
     secs = [r.seconds for r in reports]
     pauses = [r.pause_seconds or 0.0 for r in reports]
+    canary = [r.canary_seconds for r in reports if r.canary_seconds is not None]
+    devs = [r.canary_abs_dev for r in reports if r.canary_abs_dev is not None]
+    tail = (f" {statistics.mean(canary):>8.2f} {statistics.mean(canary) / statistics.mean(secs):>6.2f}x "
+            f"{max(devs):>8.1e}" if canary else "")
     print(f"{name:<9} {statistics.mean(secs):>7.2f} {max(secs):>7.2f} {reports[0].bytes / 1e6:>9.1f} "
           f"{statistics.mean(pauses):>8.2f} {statistics.median(clear) if clear else float('nan'):>10.2f} "
-          f"{max(straddled) if straddled else float('nan'):>13.2f} {len(load.spans):>5}")
+          f"{max(straddled) if straddled else float('nan'):>13.2f} {len(load.spans):>5}{tail}")
+
+
+def embedded_canary(model_dir: Path, syncs: int) -> None:
+    """The canary's cost after in-process syncs (fp32), and what it reads with a bf16 engine."""
+    from harnessrl.engine.canary import BF16_BOUND, FP32_BOUND, CanarySync
+    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.weight_sync import InProcessWeightSync, SyncReport
+    from harnessrl.train.policy import export_weights
+
+    policy = load_policy(model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
+    print("embedded engine, SmolLM2-135M, 1 torch thread each side")
+    print(f"{'arm':<26} {'sync_s':>7} {'canary_s':>9} {'ratio':>7} {'max_dev':>9}")
+    with EmbeddedEngine(model_dir, num_threads=1) as engine:
+        plain, checked = InProcessWeightSync(engine), CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND)
+        base, with_canary = [], []
+        for k in range(syncs):  # interleaved: the same load for both arms
+            perturb(policy.model.parameters(), 1e-3, seed=k)
+            base.append(plain.publish(policy, 2 * k + 1))
+            perturb(policy.model.parameters(), 1e-3, seed=100 + k)
+            with_canary.append(checked.publish(policy, 2 * k + 2))
+        sync_s = statistics.mean(r.seconds for r in base)
+        canary_s = statistics.mean(r.canary_seconds or 0.0 for r in with_canary)
+        print(f"{'fp32 sync alone':<26} {sync_s:>7.2f}")
+        print(f"{'fp32 sync + canary':<26} {statistics.mean(r.seconds for r in with_canary):>7.2f} {canary_s:>9.2f} "
+              f"{canary_s / sync_s:>6.2f}x {max(r.canary_abs_dev or 0.0 for r in with_canary):>9.1e}")
+        # each side alone, and a training step of 8 rows x 256 ids (2,048 tokens, 1,024 trained)
+        # as the baseline a step's canary adds to
+        from harnessrl.engine.canary import policy_probe, trainer_logprobs
+        from harnessrl.train.losses import loss_fn_for
+        from harnessrl.train.step import optimizer_step
+        from harnessrl.types import Row
+
+        ids = policy_probe(policy)
+        t0 = time.perf_counter()
+        trainer_logprobs(policy, ids)
+        t1 = time.perf_counter()
+        engine.prompt_logprobs(ids)
+        t2 = time.perf_counter()
+        g = torch.Generator().manual_seed(0)
+        rows = [Row(tuple(int(i) for i in torch.randint(256, 4096, (256,), generator=g)), (0,) * 128 + (1,) * 128,
+                    (0.0,) * 128 + (-2.0,) * 128, (-1,) * 128 + (0,) * 128, f"r{k}", 0, 1.0 - 2 * (k % 2))
+                for k in range(8)]
+        t3 = time.perf_counter()
+        optimizer_step(policy.model, policy.optimizer, rows, loss_fn_for("ppo_clip"), temperature=1.0,
+                       token_budget=4096, max_grad_norm=1.0)
+        step_s = time.perf_counter() - t3
+        print(f"trainer side alone {t1 - t0:.2f} s, engine side alone {t2 - t1:.2f} s; a train step of 8 x 256 ids "
+              f"{step_s:.2f} s: the canary is {canary_s / step_s:.2f}x of it")
+    with EmbeddedEngine(model_dir, num_threads=1, dtype="bfloat16") as engine:
+        checked = CanarySync(InProcessWeightSync(engine), engine, bound=float("inf"))
+        devs = []
+        for k in range(syncs):
+            perturb(policy.model.parameters(), 1e-3, seed=200 + k)
+            devs.append(checked.publish(policy, 100 + k).canary_abs_dev or 0.0)
+        print(f"{'bf16 engine, good sync':<26} {'':>7} {'':>9} {'':>7} {max(devs):>9.3f}  (each: "
+              f"{', '.join(f'{d:.3f}' for d in devs)})")
+
+        class LeftBehind(InProcessWeightSync):
+            def publish(self, policy, version):  # noqa: ANN001, ANN202
+                weights = {k: v for k, v in export_weights(policy).items() if "layers.0.mlp.down_proj" not in k}
+                self._engine.load_weights(weights, version)
+                return SyncReport(version=version, seconds=0.0, bytes=0)
+
+        broken = CanarySync(LeftBehind(engine), engine, bound=float("inf"))
+        for scale in (1e-3, 2e-2):
+            perturb(policy.model.parameters(), scale, seed=300)
+            dev = broken.publish(policy, 200).canary_abs_dev or 0.0
+            print(f"{'bf16, a tensor left, ' + format(scale, 'g'):<26} {'':>7} {'':>9} {'':>7} {dev:>9.3f}")
+    print(f"bounds: fp32 {FP32_BOUND:g}, bf16 {BF16_BOUND:g} nats")
 
 
 def main() -> None:
@@ -103,30 +185,44 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer side")
+    parser.add_argument("--canary", action="store_true", help="wrap every sync in the weight-sync canary")
+    parser.add_argument("--no-vllm", action="store_true", help="only the embedded engine's canary arms")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model("smollm2-135m")
+    if args.canary:
+        embedded_canary(model_dir, args.syncs)
+    if args.no_vllm:
+        return
     served = serving_dir(model_dir)
     cfg = VllmEngineConfig(weight_sync="lora", max_lora_rank=args.rank, dtype="float32", kv_cache_gib=2,
                            max_context_tokens=2048, extra_args=["--max-loras", "2"])
     t0 = time.perf_counter()
     servers = launch_servers(cfg, served, Path(tempfile.mkdtemp(prefix="bench-sync-")), served_model=SERVED_MODEL)
     engine = VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers, model_dir=model_dir,
-                        max_context_tokens=2048)
+                        max_context_tokens=2048, lora=True)
     print(f"server ready in {time.perf_counter() - t0:.0f} s; syncs={args.syncs} streams={args.streams} "
           f"max_tokens={args.max_tokens} lora rank={args.rank}")
     work = Path(tempfile.mkdtemp(prefix="bench-sync-w-"))
     try:
+        from harnessrl.engine.canary import FP32_BOUND, CanarySync
+
+        def wrap(sync):  # noqa: ANN001, ANN202
+            return CanarySync(sync, engine, bound=FP32_BOUND) if args.canary else sync
+
         print(f"{'sync':<9} {'mean_s':>7} {'max_s':>7} {'MB':>9} {'pause_s':>8} {'p50_req_s':>10} "
-              f"{'max_straddle':>13} {'reqs':>5}")
+              f"{'max_straddle':>13} {'reqs':>5}" + (f" {'canary_s':>8} {'ratio':>7} {'dev':>8}" if args.canary else ""))
         full = load_policy(model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
-        measure("directory", DirectoryWeightSync(engine, work / "weights", model_dir=served), full,
+        measure("directory", wrap(DirectoryWeightSync(engine, work / "weights", model_dir=served)), full,
                 lambda: full.model.parameters(), engine, args, first=1)
         del full
         lora = load_policy(model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=args.rank)
-        measure("lora", LoraWeightSync(engine, work / "lora", keep=2), lora,
+        # the base weights back on the server (the directory arm synced perturbed ones; B = 0, so
+        # the merge is the base): without this the canary stops the LoRA arm at its first sync
+        DirectoryWeightSync(engine, work / "base", model_dir=served).publish(lora, args.syncs + 1)
+        measure("lora", wrap(LoraWeightSync(engine, work / "lora", keep=2)), lora,
                 lambda: (p for n, p in lora.model.named_parameters() if "lora_B" in n), engine, args,
-                first=args.syncs + 1)
+                first=args.syncs + 2)
     finally:
         engine.close()
 

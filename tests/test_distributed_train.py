@@ -88,6 +88,7 @@ def test_two_rank_train_ends_cleanly(launcher: str, strategy: str, tmp_path: Pat
     for m in rows:
         assert m["tokens_trained"] > 0 and m["param_delta_l2"] > 0
         assert m["invariant/untraceable_trained_tokens"] == 0
+        assert m["sync/canary_abs_dev"] < 1e-3, "the canary after each sync (a collective forward under fsdp2)"
     assert rows[0]["step0/ratio_abs_dev"] < 1e-3, "trainer ranks and engine disagree at step 0"
     assert (run_dir / "checkpoints" / "step-2" / "model.safetensors").exists()
     state = json.loads((run_dir / "checkpoints" / "step-2" / "state.json").read_text())

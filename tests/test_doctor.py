@@ -170,3 +170,39 @@ def test_white_box_rollout_part(tmp_path, tiny_model_dir) -> None:
     assert r is not None and r["harness"] == "white_box" and r["turns"] == 1
     assert 0 < r["sampled"] <= 16 and r["untrained_sampled_tokens"] == 0
     assert "rollout (white_box): 1 turns" in "\n".join(report.lines())
+
+
+# -- `harnessrl doctor --engine URL` against small fake servers (the real server passes it in
+# `tests/test_vllm_canary.py`)
+
+def test_engine_doctor_says_what_is_wrong_with_a_server(tiny_model_dir) -> None:
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from test_vllm_upstream import FakeVllm
+
+    from harnessrl.engine.vllm_doctor import diagnose_engine
+
+    unreachable = diagnose_engine("http://127.0.0.1:9", tiny_model_dir)
+    assert [(c.name, c.ok) for c in unreachable.checks] == [("server", False)] and unreachable.exit_code == 1
+    handler = type("Fake", (FakeVllm,), {"calls": [], "scales_temperature": False})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        report = diagnose_engine(url, tiny_model_dir)
+        checks = {c.name: c for c in report.checks}
+        assert list(checks) == ["server", "logprob mode", "temperature", "tied head", "canary"]
+        assert checks["logprob mode"].ok, "its top_k=1 logprobs are processed"
+        assert not checks["temperature"].ok and "does not scale its processed logprobs" in checks["temperature"].detail
+        assert checks["tied head"].ok and "not readable here" in checks["tied head"].detail
+        assert not checks["canary"].ok and "could not score the probe" in checks["canary"].detail
+        assert report.exit_code == 1
+        lines = "\n".join(report.lines())
+        assert "PROBLEM temperature" in lines and "verdict: a run attached" in lines
+        result = CliRunner().invoke(app, ["doctor", "--model", str(tiny_model_dir), "--engine", url])
+        assert result.exit_code == 1 and "PROBLEM temperature" in result.output
+    finally:
+        server.shutdown()
+        server.server_close()

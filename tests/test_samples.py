@@ -82,6 +82,8 @@ def test_divergence_inside_a_trained_completion_ends_the_row_and_forks() -> None
     assert rows[0].input_ids == tuple(p0 + [10, 11, 12]) and rows[0].completion_mask[43:] == (1, 1, 1)
     assert rows[1].input_ids == tuple(p0 + [10, 99, 20, 30]) and rows[1].completion_mask[43:] == (0, 0, 0, 1)
     assert stats.tokens_trained == 4 == stats.main_sampled_tokens and stats.untrained_sampled_tokens == 0
+    # the row metadata says where: turn 1's prompt leaves turn 0's ids at position 44 (11 -> 99)
+    assert rows[0].divergences == () and rows[1].divergences == ((1, 44),)
 
 
 def test_realign_only_overwrites_context() -> None:
@@ -94,6 +96,7 @@ def test_realign_only_overwrites_context() -> None:
     assert row.input_ids == tuple(p0 + [10, 11, 12, 20, 30, 99, 21, 40])
     assert row.completion_mask[43:] == (1, 1, 1, 0, 0, 0, 0, 1)
     assert stats.untrained_sampled_tokens == 0 and stats.main_sampled_tokens == 4
+    assert row.divergences == ((2, 48),), "turn 2 overwrites from position 48 (31 -> 99)"
 
 
 def test_history_rewrite_before_last_completion_forks() -> None:
@@ -107,6 +110,7 @@ def test_history_rewrite_before_last_completion_forks() -> None:
     assert (stats.num_clean, stats.num_realign, stats.num_fork) == (2, 0, 1)
     assert [sum(r.completion_mask) for r in rows] == [4, 1]
     assert rows[1].input_ids == tuple(p0 + [20, 30, 40, 50, 60, 70])
+    assert rows[1].divergences == ((3, 43),), "turn 3 rewrites the history right after the task prompt"
 
 
 def test_error_and_unfaithful_turns_never_train_and_are_counted() -> None:

@@ -161,6 +161,27 @@ def test_a_group_too_stale_to_train_is_replaced_like_a_flat_one() -> None:
     assert asyncio.run(ds.draw([stale, fresh], 2, version=5)) == 0
 
 
+def test_a_group_whose_only_fresh_rollout_has_advantage_0_is_replaced() -> None:
+    """Rewards 1, 0.5, 0 give GRPO advantages +1.22, 0, -1.22: at version 5 with max_staleness 1
+    only the middle rollout (advantage 0) is fresh, so the group would train one zero-advantage
+    row and nothing else; the draw replaces it, and the step trains the replacement."""
+    group = _versioned(0, [1.0, 0.5, 0.0], [3, 5, 3])
+    assert has_signal(group, grpo_advantages) and is_fresh(group, 5, 1)
+    orch = _Queue([_versioned(1, [1.0, 0.5, 0.0], [5, 5, 5])])
+    ds = DynamicSampling(2, None, grpo_advantages, max_staleness=1)
+    ds.bind(orch)
+    assert not ds.usable(group, 5), "its only fresh rollout has advantage 0"
+    assert ds.usable(group, 4), "at version 4 the rewarded rollouts are fresh"
+    groups = [group]
+    assert asyncio.run(ds.draw(groups, 1, version=5)) == 1
+    assert [g.group_id for g in groups] == [0, 1]
+    cfg = load_config(None, ["train.max_staleness=1", 'hooks.rollout_reward_fn=""'])
+    rows, _, _ = _rows_for_step(groups, cfg, {}, grpo_advantages, version=5)
+    assert {r.group_id for r in rows if r.advantage != 0.0} == {1}
+    # a group with no scored rollout has no signal either
+    assert not has_signal(_versioned(2, [], []), grpo_advantages)
+
+
 class _CompletingQueue(_Queue):
     """A `_Queue` whose groups complete (dynamic sampling's `on_group`) as they are pulled."""
 

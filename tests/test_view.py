@@ -85,6 +85,10 @@ def test_detail_rows_are_the_builders_rows(run_dir: Path, tokenizer) -> None:
     assert clean["context_start"] == len(t0.prompt_ids) + len(t0.completion_ids)
     assert d["stats"] == stats.as_metrics()
     assert d["vocab"][str(2)] == "<|im_end|>"
+    # where turn 2's prompt left turn 1's ids: 2 ids into turn 1's reply (the builder's row metadata)
+    t1 = index.read(1).trace.turns[1]
+    where = {"turn_index": 2, "position": len(t1.prompt_ids) + 2}
+    assert [dv for r in d["rows"] for dv in r["divergences"]] == [where]
 
 
 def test_report_files(run_dir: Path, tokenizer, tmp_path: Path) -> None:
@@ -100,6 +104,8 @@ def test_report_files(run_dir: Path, tokenizer, tmp_path: Path) -> None:
     assert body.startswith("hrlRollout(1, ") and body.rstrip().endswith(");")
     payload = json.loads(body[len("hrlRollout(1, "):body.rstrip().rindex(")")])
     assert payload["summary"]["rollout_id"] == "r1"
+    assert [dv["turn_index"] for r in payload["rows"] for dv in r["divergences"]] == [2]
+    assert "diverges from the previous turn's ids at position" in page, "the rollout page shows it"
 
 
 def test_index_carries_the_runs_matplotlib_curve(run_dir: Path) -> None:

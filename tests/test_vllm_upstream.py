@@ -84,6 +84,7 @@ class FakeVllm(BaseHTTPRequestHandler):
     delay_s = 0.0
     calls: list[dict[str, Any]]
     processed = True
+    scales_temperature = True
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args: Any) -> None:
@@ -107,6 +108,17 @@ class FakeVllm(BaseHTTPRequestHandler):
             lp = 0.0 if self.processed else -0.31
             self._send(200, json.dumps({"choices": [{"token_ids": [5, 6, 7, 8], "finish_reason": "length",
                                                      "logprobs": {"token_logprobs": [lp] * 4}}]}).encode())
+            return
+        if body.get("logprobs") == 5 and body["max_tokens"] == 1:  # the temperature probe
+            # processed logprobs of five candidates: log_softmax(z / T), or of z when the
+            # server skips the temperature
+            t = body["temperature"] if self.scales_temperature else 1.0
+            z = [v / t for v in (2.0, 1.0, 0.5, 0.0, -1.0)]
+            lse = math.log(sum(math.exp(v) for v in z))
+            top = {f"token_id:{10 + i}": v - lse for i, v in enumerate(z)}
+            self._send(200, json.dumps({"choices": [{"token_ids": [10], "finish_reason": "length",
+                                                     "logprobs": {"token_logprobs": [z[0] - lse],
+                                                                  "top_logprobs": [top]}}]}).encode())
             return
         mode = type(self).mode
         if type(self).delay_s:
@@ -230,6 +242,20 @@ def test_a_server_in_raw_logprobs_mode_is_refused(fake_servers) -> None:
         VllmEngine([url])
 
 
+def test_a_server_whose_processed_logprobs_skip_the_temperature_is_refused(fake_servers) -> None:
+    """It passes the top_k=1 probe (its processed logprobs are 0 there) but its logprobs at
+    T=0.5 are those of T=1: the two-temperature probe refuses it; a scaling server passes."""
+    from harnessrl.engine.vllm import check_temperature_scaling
+
+    handler, url = fake_servers[0]
+    VllmEngine([url]).close()  # scales the temperature: accepted
+    handler.scales_temperature = False
+    with pytest.raises(EngineError, match=r"does not scale its processed logprobs by the temperature.*a ratio of "
+                                          r"1\.000 where sampling at T=0\.5 gives 2"):
+        VllmEngine([url])
+    assert check_temperature_scaling("u", {1.0: {1: -0.5, 2: -1.5}, 0.5: {1: -0.2, 2: -2.2}}) == pytest.approx(2.0)
+
+
 def test_an_unreachable_or_wrong_server_is_refused_at_start(fake_servers) -> None:
     _, url = fake_servers[0]
     with pytest.raises(EngineError, match="does not serve model 'other'"):
@@ -269,7 +295,7 @@ async def test_a_request_in_flight_across_an_update_keeps_its_older_version(fake
     _, _, trace = await one_call(engine, tokenizer)
     engine.close()
     assert trace.turns[0].policy_version == 5 and not trace.turns[0].notes
-    assert handler.calls[-1]["model"] == "adapter-5" and handler.calls[-1]["cache_salt"] == "v5"
+    assert handler.calls[-1]["model"] == "adapter-5" and handler.calls[-1]["cache_salt"] == "v5-adapter-5"
 
 
 async def test_rollouts_stick_to_one_replica_and_spread_across_replicas(fake_servers, tokenizer) -> None:

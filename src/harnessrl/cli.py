@@ -147,14 +147,29 @@ def _toml_string(text: str) -> str:
 def doctor(
     model: Annotated[str, typer.Option(help="Model as engine.model takes it: smollm2-135m, tiny-random, a local HF directory, a cached hub id.")] = "smollm2-135m",
     harness: Annotated[Optional[str], typer.Option(help="Also run one short real rollout of this harness on the model (white_box, mini-swe-agent, opencode, ...).")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="Instead, check a running vLLM server at this base URL for attaching --model's training to it: logprob mode, temperature scaling, its (tied) LM head, one weight-sync canary.")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Preflight a model's chat template (and a harness): prefix stability of re-rendered history, bridging, EOS ids, generation prompt, tool-call round trip, expected CLEAN fraction. Exits 1 when training would lose or misalign tokens."""
+    """Preflight a model's chat template (and a harness): prefix stability of re-rendered history, bridging, EOS ids, generation prompt, tool-call round trip, expected CLEAN fraction. Exits 1 when training would lose or misalign tokens. With --engine URL: check that running vLLM server instead (exit 1 on a problem)."""
     from harnessrl.config import load_config
     from harnessrl.doctor import diagnose_model, diagnose_rollout
     from harnessrl.errors import HarnessRLError
 
+    if engine is not None:
+        from harnessrl.engine.model_store import resolve_model
+        from harnessrl.engine.vllm_doctor import diagnose_engine
+
+        try:
+            cfg = load_config(config, list(set_ or []))
+            found = diagnose_engine(engine, resolve_model(model), model=model,
+                                    engine_dtype=getattr(cfg.engine, "dtype", "float32"),
+                                    lora=getattr(cfg.engine, "weight_sync", None) == "lora")
+        except HarnessRLError as exc:
+            raise _fail(exc) from None
+        for line in found.lines():
+            typer.echo(line)
+        raise typer.Exit(found.exit_code)
     try:
         report = diagnose_model(model)
         if harness is not None:

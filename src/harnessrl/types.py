@@ -315,6 +315,11 @@ class Row:
     rollout_id: str
     group_id: int
     advantage: float = 0.0
+    divergences: tuple[tuple[int, int], ...] = ()
+    """Row metadata from the samples builder: `(turn_index, position)` for each turn whose
+    prompt diverged from the ids before it (its parent turn's prompt + completion), `position`
+    being the first index where they differ. A REALIGN merged into this row overwrites from
+    `position`; a FORK starts this row with that turn's prompt (the previous row ends before)."""
 
     @property
     def num_trained_tokens(self) -> int:

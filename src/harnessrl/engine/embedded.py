@@ -70,6 +70,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -101,6 +102,12 @@ class _WeightLoad:
     state_dict: dict[str, torch.Tensor]
     version: int
     done: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Score:
+    ids: tuple[int, ...]
+    done: concurrent.futures.Future[list[float]]
 
 
 _STOP = object()
@@ -291,6 +298,24 @@ class EmbeddedEngine:
         self._submit(_WeightLoad(state_dict, version, done))
         done.result()
 
+    replica_names = ("embedded",)
+    """One replica (the weight-sync canary names it in errors)."""
+
+    def prompt_logprobs(self, ids: Sequence[int], replica: int = 0) -> list[float]:
+        """Logprob at temperature 1 of `ids[t]` given `ids[:t]`, t = 1..len(ids)-1, under the
+        weights served now: one forward of the engine's model on the decode thread, between two
+        steps and after every weight load queued before (`canary.sequence_logprobs`). Blocking.
+
+        Raises:
+            EngineError: an id outside the vocabulary, fewer than 2 ids, or the engine is closed.
+        """
+        prompt = self._check_prompt(list(ids))
+        if len(prompt) < 2:
+            raise EngineError("prompt_logprobs needs at least 2 ids")
+        done: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
+        self._submit(_Score(prompt, done))
+        return done.result()
+
     def close(self) -> None:
         """Stop the decode thread and fail requests still pending; idempotent."""
         with self._close_lock:
@@ -380,6 +405,8 @@ class EmbeddedEngine:
                 keep_running = False
             elif isinstance(item, _WeightLoad):
                 self._apply_weights(item)
+            elif isinstance(item, _Score):
+                _score(self._model, item)
             else:
                 assert isinstance(item, Request), f"unexpected queue item {item!r}"
                 if keep_running:
@@ -491,8 +518,17 @@ class EmbeddedEngine:
                 return
             if isinstance(item, Request):
                 item.deliver(error)
-            elif isinstance(item, _WeightLoad):
+            elif isinstance(item, (_WeightLoad, _Score)):
                 item.done.set_exception(error)
+
+
+def _score(model: torch.nn.Module, item: _Score) -> None:
+    from harnessrl.engine.canary import sequence_logprobs
+
+    try:
+        item.done.set_result(sequence_logprobs(model, item.ids))
+    except Exception as exc:  # noqa: BLE001 - reported to the caller
+        item.done.set_exception(EngineError(f"prompt_logprobs failed: {exc!r}"))
 
 
 def _resolve_async(fut: asyncio.Future[Completion], result: Completion | BaseException) -> None:

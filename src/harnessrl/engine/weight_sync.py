@@ -62,13 +62,23 @@ class SyncReport:
     pause_seconds: float | None = None
     """Wall seconds the engine admitted no new token (server paused); None when the sync
     does not pause the engine the same way (the in-process swap waits for one decode step)."""
+    canary_abs_dev: float | None = None
+    """Max |trainer - engine| per-token logprob (nats) over the canary's probe and every
+    replica, after the publish (`engine/canary.py`); None when the canary is off."""
+    canary_seconds: float | None = None
+    """Wall seconds of the canary (both sides' scoring, after the publish; not in `seconds`);
+    None when off."""
 
     def as_metrics(self) -> dict[str, float]:
-        """`sync/seconds` and `sync/bytes` (and `sync/pause_seconds` when measured), for the
-        step metrics."""
+        """`sync/seconds` and `sync/bytes` (and `sync/pause_seconds`, `sync/canary_abs_dev`,
+        `sync/canary_seconds` when measured), for the step metrics."""
         out = {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes)}
         if self.pause_seconds is not None:
             out["sync/pause_seconds"] = self.pause_seconds
+        if self.canary_abs_dev is not None:
+            out["sync/canary_abs_dev"] = self.canary_abs_dev
+        if self.canary_seconds is not None:
+            out["sync/canary_seconds"] = self.canary_seconds
         return out
 
 
@@ -122,22 +132,31 @@ def make_weight_sync(engine_kind: str, engine: Any, *, config: RunConfig | None 
     trainer's model directory): the sync named
     by `engine.weight_sync` (`engine/vllm_sync.py`): `directory` writes into
     `engine.sync_dir` (default `<run_dir>/weights`), `lora` keeps `train.max_staleness + 1`
-    adapters loaded, `nccl` needs CUDA.
+    adapters loaded, `nccl` needs CUDA. With `config.train.sync_canary` (the default) the
+    sync is wrapped in the weight-sync canary (`engine/canary.py`: after every publish the
+    trainer and each replica score a fixed sequence; a deviation above the bound stops the run).
 
     Raises:
-        ConfigError: no sync is known for that engine kind; `engine.weight_sync = "lora"` with
+        ConfigError: no sync is known for that engine kind; the canary is on and the engine
+            cannot score a sequence; `engine.weight_sync = "lora"` with
             `train.lora_rank = 0` or `train.lora_rank > engine.max_lora_rank`; `nccl` without CUDA.
         ValueError: `vllm` without `config` or `run_dir`.
     """
+    sync: WeightSync
     match engine_kind:
         case "embedded":
-            return InProcessWeightSync(engine)
+            sync = InProcessWeightSync(engine)
         case "vllm":
             if config is None or run_dir is None or model_dir is None:
                 raise ValueError("make_weight_sync('vllm', ...) needs config=, run_dir= and model_dir=")
-            return _vllm_sync(engine, config, Path(run_dir), Path(model_dir))
+            sync = _vllm_sync(engine, config, Path(run_dir), Path(model_dir))
         case _:
             raise ConfigError(f"engine.kind={engine_kind!r} has no weight sync")
+    if config is not None and config.train.sync_canary:
+        from harnessrl.engine.canary import with_canary
+
+        sync = with_canary(sync, engine, trainer_dtype=config.train.dtype, engine_dtype=config.engine.dtype)
+    return sync
 
 
 def check_vllm_sync(config: RunConfig) -> None:
@@ -172,7 +191,7 @@ def _vllm_sync(engine: Any, config: RunConfig, run_dir: Path, model_dir: Path) -
     match eng.weight_sync:
         case "directory":
             # launched servers start from `serving_dir` (untied embeddings); an attached one from
-            # whatever its owner gave it, assumed to be `model_dir`
+            # whatever its owner gave it (tied or not: the head is written either way, `write_weights`)
             served = model_dir if eng.attached else vllm_sync.serving_dir(model_dir)
             return vllm_sync.DirectoryWeightSync(engine, sync_dir, model_dir=served)
         case "lora":

@@ -24,6 +24,9 @@ Responsibility:
     a new ticket instead of pushing every later group one position back. (Counted with a
     single counter spent by any pull, such a surplus stayed in flight for good, and from then
     on one group a step arrived a version too stale and was dropped.)
+  * Signal is per rollout: a group is usable only when a rollout fresh enough to train carries
+    a non-zero advantage (`usable`). A group with signal whose only fresh rollout has advantage
+    0 (GRPO's mean reward) would train a zero-advantage row and nothing else.
   * A group too stale to train counts as one without signal: its rows would all be dropped by
     `train.max_staleness` (`train/run._rows_for_step`). A replacement left over at the bound
     is generated early and taken by the next step, which can find it two versions old; counted
@@ -57,20 +60,31 @@ class _Orchestrator(Protocol):
     async def get_group(self) -> Group: ...
 
 
+def _fresh(rollout: Any, version: int, max_staleness: int) -> bool:
+    turns = rollout.trace.turns
+    return bool(turns) and min(t.policy_version for t in turns) >= version - max_staleness
+
+
 def is_fresh(group: Group, version: int, max_staleness: int) -> bool:
     """Whether some rollout of `group` has every turn sampled at a policy version within
     `max_staleness` of `version`, the version it would train at; its rows are then all kept by
     the staleness check (a row's oldest trained token is no older than its rollout's oldest
     turn). False for a group with no turn."""
-    return any(rollout.trace.turns and min(t.policy_version for t in rollout.trace.turns) >= version - max_staleness
-               for rollout in group.rollouts)
+    return any(_fresh(rollout, version, max_staleness) for rollout in group.rollouts)
+
+
+def signal_mask(group: Group, advantage_fn: Any) -> list[bool]:
+    """Per rollout of the (shaped) `group`: whether its advantage under `advantage_fn`
+    (`train/advantages.py`) is non-zero, so that its rows carry a gradient. All False for a
+    zero-variance group (all rewards equal, or fewer than two scored) and for rollouts without
+    a reward (advantage None)."""
+    advantages = advantage_fn([training_reward(r) for r in group.rollouts]).advantages_G
+    return [a is not None and a != 0.0 for a in advantages]
 
 
 def has_signal(group: Group, advantage_fn: Any) -> bool:
-    """Whether the training rewards of the (shaped) `group` give some rollout a non-zero
-    advantage under `advantage_fn` (`train/advantages.py`). False for a zero-variance group:
-    all rewards equal, or fewer than two scored."""
-    return not advantage_fn([training_reward(r) for r in group.rollouts]).zero_variance
+    """Whether some rollout of the (shaped) `group` has a non-zero advantage (`signal_mask`)."""
+    return any(signal_mask(group, advantage_fn))
 
 
 class DynamicSampling:
@@ -120,11 +134,15 @@ class DynamicSampling:
         return len(ids)
 
     def usable(self, group: Group, version: int | None = None) -> bool:
-        """Whether `group` gives the update at policy `version` a gradient: it has signal and
-        (given `version` and `max_staleness`) a rollout fresh enough to train (`is_fresh`)."""
-        if not self.has_signal(group):
-            return False
-        return version is None or self._max_staleness is None or is_fresh(group, version, self._max_staleness)
+        """Whether `group` gives the update at policy `version` a gradient: one of its rollouts
+        carries a non-zero advantage (`signal_mask`) and (given `version` and
+        `max_staleness`) is fresh enough to train (every turn within `max_staleness`, as in
+        `is_fresh`). A group whose only fresh rollout has advantage 0 trains a zero-advantage
+        row and nothing else: not usable."""
+        mask = signal_mask(group, self._advantage_fn)
+        if version is None or self._max_staleness is None:
+            return any(mask)
+        return any(sig and _fresh(r, version, self._max_staleness) for sig, r in zip(mask, group.rollouts))
 
     async def draw(self, groups: list[Group], need: int, version: int | None = None) -> int:
         """While fewer than `need` of `groups` are usable at policy `version` (`usable`), append

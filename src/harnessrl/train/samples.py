@@ -181,6 +181,8 @@ class _RowBuilder:
     of that turn, so its children's prefix match (from `_parents_and_matches`) applies."""
     main_spans: list[tuple[int, int]] = field(default_factory=list)
     """(start, length) of each trained main-chain completion appended (for accounting)."""
+    divergences: list[tuple[int, int]] = field(default_factory=list)
+    """`Row.divergences`: (turn_index, first differing position) of each REALIGN / FORK."""
 
     @classmethod
     def from_context(cls, prompt_ids: list[int]) -> _RowBuilder:
@@ -217,7 +219,8 @@ def _merge_turn(builder: _RowBuilder, turn: Turn, known_match: int) -> tuple[Mer
 
     `known_match` is the common prefix length of `turn.prompt_ids` and `builder.tokens` when
     already known, else -1. The returned row is `builder` (CLEAN, REALIGN) or a new row
-    (FORK). A REALIGN never overwrites a trained token.
+    (FORK). A REALIGN never overwrites a trained token. A REALIGN or FORK notes
+    `(turn.turn_index, first differing position)` in the returned row's `divergences`.
     """
     prompt = turn.prompt_ids
     n_row = len(builder.tokens)
@@ -228,8 +231,11 @@ def _merge_turn(builder: _RowBuilder, turn: Turn, known_match: int) -> tuple[Mer
     if matched >= builder.last_completion_start and not any(builder.mask[matched:]):
         builder.truncate(matched)
         builder.append_context(prompt[matched:])
+        builder.divergences.append((turn.turn_index, matched))
         return "realign", builder
-    return "fork", _RowBuilder.from_context(prompt)
+    forked = _RowBuilder.from_context(prompt)
+    forked.divergences.append((turn.turn_index, matched))
+    return "fork", forked
 
 
 def _eligible_turns(turns: Sequence[Turn], stats: MergeStats) -> list[Turn]:
@@ -404,6 +410,7 @@ def _finish_rows(builders: list[_RowBuilder], rollout: Rollout, stats: MergeStat
                 policy_versions=tuple(b.versions),
                 rollout_id=rollout.rollout_id,
                 group_id=rollout.group_id,
+                divergences=tuple(b.divergences),
             )
         )
     stats.num_rows += len(rows)

@@ -87,7 +87,8 @@ class TrainerGroup:
     def publish(self, sync: WeightSync, version: int) -> SyncReport:
         """Publish the full weights through `sync` from rank 0 (under fsdp2 gathered from every
         rank: the other ranks call `policy.export_weights` once, a collective, so `sync.publish`
-        must call it exactly once too; every `WeightSync` here does)."""
+        must call it exactly once too; every `WeightSync` here does; with `train.sync_canary` they
+        then join the canary's forward, `engine/canary.CanarySync`)."""
         if self.ranks.sharded:
             self._send("export")
         return sync.publish(self._policy(), version)
@@ -136,6 +137,11 @@ class TrainerGroup:
                     from harnessrl.train.policy import export_weights
 
                     export_weights(self._policy())
+                    if self.ranks.sharded and self.cfg.train.sync_canary:
+                        from harnessrl.engine.canary import policy_probe, trainer_logprobs
+
+                        # the canary's trainer forward after the publish (`CanarySync`): collective
+                        trainer_logprobs(self._policy(), policy_probe(self._policy()))
                 case "save":
                     self._save(None, *args)
                 case "restore":

@@ -6,7 +6,8 @@ and stamp the rollout's advantage, so what is shown is what trains. Per turn: th
 agent sent (those new since its previous call), the reply it got, status, and why a turn never
 trains (`error`, `unfaithful` with `check_turn_faithful`'s reason, `retry_superseded`,
 `auxiliary`). Per row: every token id with its mask (context 0 / trained 1), sampler logprob
-and policy version, and the turns merged into it with the kind of each merge.
+and policy version, the turns merged into it with the kind of each merge, and where a REALIGN
+or FORK turn's prompt diverged from the ids before it (`Row.divergences`, the builder's own).
 
 Merge kinds are the builder's own counts: turn j's kind is the counter (`num_clean`,
 `num_realign`, `num_fork`) that building the eligible turns up to j adds over building those up
@@ -203,6 +204,8 @@ def _row(k: int, row: Row, eligible: Sequence[Turn], parents: Sequence[int | Non
         "advantage": row.advantage,
         "trained_ids": [t for t, m in zip(row.input_ids, row.completion_mask) if m],
         "segments": segments,
+        # the builder's row metadata: where each REALIGN / FORK turn's prompt left the ids before it
+        "divergences": [{"turn_index": t, "position": pos} for t, pos in row.divergences],
     }
 
 

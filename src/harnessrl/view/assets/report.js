@@ -165,6 +165,11 @@
     const sign = r.advantage > 0 ? "pos" : (r.advantage < 0 ? "neg" : "zero");
     const box = el("div", { class: "row", "data-row": k, "data-trained-ids": r.trained_ids.join(",") },
       el("div", { class: "head", text: "row " + k + " · " + r.ids.length + " tokens, " + r.trained_ids.length + " trained · advantage " + fmt(r.advantage) }));
+    for (const dv of r.divergences || []) {
+      const sg = r.segments.find(s => s.turn_index === dv.turn_index);
+      box.append(el("div", { class: "divergence warn", "data-turn": dv.turn_index, "data-position": dv.position,
+        text: (sg ? sg.kind.toUpperCase() + " " : "") + "turn " + dv.turn_index + ": its prompt diverges from the previous turn's ids at position " + dv.position }));
+    }
     const marks = new Map();
     for (const sg of r.segments) {
       const at = sg.kind === "start" || sg.kind === "fork" || sg.kind === "auxiliary" ? 0 : sg.context_start;

