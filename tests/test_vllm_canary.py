@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,23 +22,11 @@ from typing import Any
 
 import pytest
 import torch
-
-from harnessrl.errors import EngineError
+from test_vllm_engine import require_vllm
 
 pytestmark = pytest.mark.vllm
 
 PROMPT = list(range(1000, 1048))
-
-
-def _vllm_python() -> Path:
-    from harnessrl.engine.vllm_install import vllm_python
-
-    try:
-        return vllm_python()
-    except EngineError as exc:
-        if os.environ.get("HARNESSRL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"HARNESSRL_REQUIRE_VLLM=1 but vLLM is not installed: {exc}")
-        pytest.skip(f"vLLM not installed: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +42,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     from harnessrl.engine.config import VllmEngineConfig
     from harnessrl.engine.vllm_server import launch_servers
 
-    python = _vllm_python()
+    python = require_vllm()
     cfg = VllmEngineConfig(dtype="float32", kv_cache_gib=1, max_context_tokens=2048)
     (srv,) = launch_servers(cfg, model_dir, tmp_path_factory.mktemp("vllm-logs"), python=python,
                             served_model="smollm2")

@@ -9,7 +9,6 @@ prefix was cached before the sync; a LoRA sync likewise against PEFT, with only 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_vllm_engine import require_vllm
 
 from harnessrl.config import RunConfig
 from harnessrl.engine.vllm_sync import (DirectoryWeightSync, LoraWeightSync, NcclWeightSync,
@@ -291,17 +291,6 @@ def test_nccl_sync_is_refused_without_cuda(tmp_path: Path) -> None:
 KEEP = 2  # LoRA versions loaded at once (max_staleness + 1 with max_staleness = 1)
 
 
-def _vllm_python() -> Path:
-    from harnessrl.engine.vllm_install import vllm_python
-
-    try:
-        return vllm_python()
-    except EngineError as exc:
-        if os.environ.get("HARNESSRL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"HARNESSRL_REQUIRE_VLLM=1 but vLLM is not installed: {exc}")
-        pytest.skip(f"vLLM not installed: {exc}")
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     from harnessrl.engine.model_store import resolve_model
@@ -317,7 +306,7 @@ def vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     from harnessrl.engine.vllm_server import launch_servers
     from harnessrl.engine.vllm_sync import serving_dir
 
-    python = _vllm_python()
+    python = require_vllm()
     cfg = VllmEngineConfig(weight_sync="lora", max_lora_rank=8, dtype="float32", kv_cache_gib=1,
                            max_context_tokens=1024, extra_args=["--max-loras", str(KEEP)])
     servers = launch_servers(cfg, serving_dir(model_dir), tmp_path_factory.mktemp("vllm-logs"), python=python,
