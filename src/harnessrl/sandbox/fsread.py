@@ -216,22 +216,18 @@ def open_file_beneath(root: Path, rel_path: str | os.PathLike[str], mode: int = 
     return out
 
 
-def write_beneath(root: Path, rel_path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
-    """Write `data` to `root/rel_path` (created or truncated, file mode `mode`), creating
-    missing parent directories, following no symlink at any component below `root`.
+def write_beneath(root: Path, rel_path: str | os.PathLike[str], data: bytes, mode: int = 0o644, *,
+                  owner: tuple[int, int] | None = None) -> None:
+    """Write `data` to `root/rel_path` (created or truncated, file mode `mode`, owned by `owner`
+    (uid, gid) when given), creating missing parent directories, following no symlink at any
+    component below `root`.
 
     Raises:
         UnsafePathError: a component is a symlink or not a directory, the file is a symlink,
             or the path has `..` components.
         OSError: the write itself failed.
     """
-    out = open_file_beneath(root, rel_path, mode)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(out, view):]
-    finally:
-        os.close(out)
+    _write_all(open_file_beneath(root, rel_path, mode), data, owner)
 
 
 def write_new_file(dir_fd: int, name: str, data: bytes, mode: int = 0o600, *,
@@ -239,8 +235,12 @@ def write_new_file(dir_fd: int, name: str, data: bytes, mode: int = 0o600, *,
     """Create `name` (one component) in `dir_fd` exclusively (never through a link) with `data`,
     owned by `owner` (uid, gid) when given."""
     (part,) = _parts(name)
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
-                 dir_fd=dir_fd)
+    _write_all(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                       dir_fd=dir_fd), data, owner)
+
+
+def _write_all(fd: int, data: bytes, owner: tuple[int, int] | None) -> None:
+    """Give open file `fd` to `owner` (uid, gid) when given, write all of `data`, close it."""
     try:
         if owner is not None:
             os.fchown(fd, *owner)

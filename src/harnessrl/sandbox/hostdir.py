@@ -34,6 +34,7 @@ from harnessrl.sandbox.fsread import (
     open_file_beneath,
     open_root,
     read_beneath,
+    write_beneath,
 )
 from harnessrl.sandbox.procs import DIR_VAR, MARKER_VAR
 from harnessrl.sandbox.spawn import DEVNULL, Child
@@ -591,15 +592,7 @@ class HostDirSandbox:
     def _write_owned(self, rel: str, raw: bytes, mode: int, owner: tuple[int, int] | None) -> None:
         """Write `rel` (relative to the root, no link followed); with `owner` (uid, gid), the
         file and every directory of `rel` below the root belong to it. Raises UnsafePathError."""
-        out = open_file_beneath(self._root, rel, mode)
-        try:
-            if owner is not None:
-                os.fchown(out, *owner)
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(out, view):]
-        finally:
-            os.close(out)
+        write_beneath(self._root, rel, raw, mode, owner=owner)
         if owner is not None:
             self._own_parents(rel, owner)
 
