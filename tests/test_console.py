@@ -74,7 +74,7 @@ def test_bound_line_names_the_side_that_bounds_the_run() -> None:
              {"step": 2, "eval/pass_rate": 0.5}]  # a held-out evaluation row has no step timings
     line = bound_line(steps)
     assert line == ("bound by generation: of 20 s of steps, waiting for rollouts 60%, training 35%, weight sync 5%; "
-                    "engine busy 80%; event loop CPU 1.5 s/step; sandbox start 0.10 s/rollout; verify 0.30 s/rollout")
+                    "engine busy 80%; event loop CPU 1.5 s/step; sandbox start 100 ms/rollout; verify 300 ms/rollout")
     trained = [{"time/step_s": 10.0, "time/rollout_wait_s": 4.0, "time/train_s": 5.5, "time/sync_s": 0.5}]
     assert bound_line(trained).startswith("bound by training: of 10 s of steps, waiting for rollouts 40%, training 55%")
     assert bound_line([{"step": 0, "eval/pass_rate": 0.1}]) == ""

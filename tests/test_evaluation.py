@@ -100,6 +100,9 @@ def test_curve_png_draws_each_series(tmp_path: Path) -> None:
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "verifier reward (2 tasks/step)", "train reward (shaped) (2 tasks/step)",
         "held-out pass rate (16 tasks)", "held-out pass@4 (16 tasks)"]
+    one_step = curve_figure([{"step": 1, "reward/verifier_mean": 0.25}], title, tasks_per_step=2)
+    ticks = [t for t in one_step.axes[0].get_xticks() if 0 <= t <= 2]
+    assert ticks and all(float(t).is_integer() for t in ticks)  # a one-step run: whole steps only
     assert write_curve_png([{"step": 1, "skipped": 1.0}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
 

@@ -151,12 +151,13 @@ def bound_line(history: Sequence[dict[str, Any]]) -> str:
         values = [m[key] for m in steps if key in m]
         return sum(values) / len(values) if values else None
 
-    for key, text in (("engine/busy_frac", "engine busy {:.0%}"), ("time/loop_cpu_s", "event loop CPU {:.1f} s/step"),
-                      ("sandbox_s_mean", "sandbox start {:.2f} s/rollout"),
-                      ("verify_s_mean", "verify {:.2f} s/rollout")):
+    for key, text, scale in (("engine/busy_frac", "engine busy {:.0%}", 1.0),
+                             ("time/loop_cpu_s", "event loop CPU {:.1f} s/step", 1.0),
+                             ("sandbox_s_mean", "sandbox start {:.0f} ms/rollout", 1e3),
+                             ("verify_s_mean", "verify {:.0f} ms/rollout", 1e3)):
         value = mean(key)
         if value is not None:
-            parts.append(text.format(value))
+            parts.append(text.format(value * scale))
     return "; ".join(parts)
 
 

@@ -88,6 +88,9 @@ def curve_figure(history: Sequence[dict[str, Any]], title: str = "harnessrl trai
     values = [v for series in points.values() for _, v in series]
     low, high = min(0.0, min(values)), max(1.0, max(values))
     ax.set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
+    steps = [x for series in points.values() for x, _ in series]
+    if max(steps) - min(steps) < 2:  # one or two steps: whole-number ticks need a wider axis
+        ax.set_xlim(min(steps) - 1, max(steps) + 1)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")
     ax.set_ylabel("reward / pass rate")
