@@ -97,7 +97,7 @@ async def _serve(kind: str, queue: Any) -> None:
     if kind == "proxy":
         chat = ChatLayer(load_tokenizer(resolve_model(TINY_MODEL)))
         # one session takes every call of the run: no per-session turn cap (wrk sends tens of thousands)
-        config = ProxyConfig(port=0, max_tokens_cap=64, max_turns_per_session=10**9)
+        config = ProxyConfig(port=0, max_tokens_cap=64, max_turns_per_session=10**9, max_session_body_bytes=1 << 60)
         async with ProxyServer(engine, chat, config) as proxy:
             _, key = proxy.open_session("bench")
             queue.put((proxy.port, key))

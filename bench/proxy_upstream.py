@@ -12,8 +12,8 @@ Arms, same bodies (`bench/proxy.py`'s: small ~1 KB chat call; agent ~60 KB, ~12.
     (the floor of `VllmEngine`'s hop);
   * harnessrl: `ProxyServer` + `VllmEngine` (aiohttp) in front of the completions stub, with the
     proxy config `harnessrl train` builds for its agents' listener (`runtime.proxy_config_for`
-    of the default run config; only the per-session turn cap is lifted, as one session takes
-    every call) on `run_loop`, as `train` runs it: auth, validation, chat-template render
+    of the default run config; only the per-session turn cap and body budget are lifted, as one
+    session takes every call) on `run_loop`, as `train` runs it: auth, validation, chat-template render
     (message-id cache warm: the same body is re-sent, as an agent re-sends its history),
     sampling, the upstream call, parse and checks, record;
   * direct-chat: the chat stub called with the chat body;
@@ -109,8 +109,9 @@ async def _serve_harnessrl(stub_port: int, queue: Any) -> None:
                         model_dir=model_dir, check_processed_logprobs=False)
     chat = ChatLayer(load_tokenizer(model_dir))
     # the agents' listener as `harnessrl train` configures it; one session takes every call of
-    # the arm, wrk's included, so the per-session turn cap is lifted
-    config = proxy_config_for(load_config(None), "bench").model_copy(update={"max_turns_per_session": 10**9})
+    # the arm, wrk's included, so the per-session turn cap and body budget are lifted
+    config = proxy_config_for(load_config(None), "bench").model_copy(
+        update={"max_turns_per_session": 10**9, "max_session_body_bytes": 1 << 60})
     async with ProxyServer(engine, chat, config) as proxy:
         _, key = proxy.open_session("bench")
         queue.put((proxy.port, key))
