@@ -25,7 +25,7 @@ from harnessrl.proxy.server import native_protocols
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
 from harnessrl.rewards.base import Reward
-from harnessrl.types import Completion, Endpoint, Row, Sampling
+from harnessrl.types import Completion, Endpoint, Row, Sampling, Trace
 
 CAPTURES_DIR = Path(__file__).parent / "data" / "captures"
 """Request bodies captured from real agents (opencode, pi, mini-swe-agent, aider, codex)."""
@@ -256,3 +256,23 @@ class ScriptedVerifier:
         if self.fails:
             raise RuntimeError("verifier bug")
         return Reward(value=float(self.expected is not None and final_answer == self.expected))
+
+
+class FakeSessions:
+    """The runner's session host without a proxy, for agents that never call a model: a rollout's
+    session id is its rollout id, its key "k", its endpoint a closed loopback port; `open` holds
+    the sessions not yet closed."""
+
+    def __init__(self) -> None:
+        self.open: set[str] = set()
+
+    def open_session(self, rollout_id: str) -> tuple[str, str]:
+        self.open.add(rollout_id)
+        return rollout_id, "k"
+
+    def endpoint(self, key: str) -> Endpoint:
+        return Endpoint(base_url="http://127.0.0.1:9/v1", api_key=key, model="m")
+
+    def close_session(self, session_id: str) -> Trace:
+        self.open.discard(session_id)
+        return Trace(session_id=session_id, rollout_id=session_id)

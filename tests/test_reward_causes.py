@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import FakeBackend
+from fakes import FakeBackend, FakeSessions
 from harnessrl.errors import SandboxError, SandboxLimitError
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.rewards.base import Reward, limit_cause
@@ -33,7 +33,7 @@ from harnessrl.rewards.unit_tests import UnitTestVerifier
 from harnessrl.rollout.runner import RolloutLimits, run_rollout
 from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig
 from harnessrl.tasks.base import Task
-from harnessrl.types import Endpoint, Rollout, Trace
+from harnessrl.types import Rollout
 
 UNIT = Task("add/0", "humaneval", "Write add(a, b).", workspace={"solution.py": "def add(a, b):\n    pass\n"},
             hidden_tests={"test": "def check(c):\n    assert c(2, 3) == 5\n", "entry_point": "add"})
@@ -46,21 +46,10 @@ SUBMIT = {
 }
 
 
-class Sessions:
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
-        return rollout_id, "k"
-
-    def endpoint(self, key: str) -> Endpoint:
-        return Endpoint(base_url="http://127.0.0.1:9/v1", api_key=key, model="m")
-
-    def close_session(self, session_id: str) -> Trace:
-        return Trace(session_id=session_id, rollout_id=session_id)
-
-
 async def _rollout(task: Task, script: str, backend: object, verifier: object | None = None) -> Rollout:
     harness = CommandHarness(CommandHarnessConfig(argv=["python3", "{state_dir}/agent.py"],
                                                   files={"agent.py": script}))
-    return await run_rollout(task, 0, harness, backend, Sessions(), verifier or verifier_for(task),  # type: ignore[arg-type]
+    return await run_rollout(task, 0, harness, backend, FakeSessions(), verifier or verifier_for(task),  # type: ignore[arg-type]
                              RolloutLimits(agent_timeout_s=60, verify_timeout_s=60))
 
 
@@ -167,7 +156,7 @@ class Raising:
 ], ids=["limit-error", "inode-message", "disk-message", "other-sandbox-error", "crash"])
 async def test_only_infrastructure_faults_are_unscored(tmp_path: Path, exc: Exception, agents: bool) -> None:
     harness = CommandHarness(CommandHarnessConfig(argv=["true"]))
-    rollout = await run_rollout(UNIT, 0, harness, FakeBackend(tmp_path), Sessions(), Raising(exc))
+    rollout = await run_rollout(UNIT, 0, harness, FakeBackend(tmp_path), FakeSessions(), Raising(exc))
     if agents:
         _failed_by_agent(rollout, str(exc).split(";")[0])
     else:
@@ -206,7 +195,7 @@ async def test_a_sandbox_recording_a_bound_is_not_verified(tmp_path: Path) -> No
             return sandbox
 
     harness = CommandHarness(CommandHarnessConfig(argv=["true"]))
-    rollout = await run_rollout(EXACT, 0, harness, Over(tmp_path), Sessions(), Counting())
+    rollout = await run_rollout(EXACT, 0, harness, Over(tmp_path), FakeSessions(), Counting())
     assert rollout.reward == -1.0 and Counting.calls == 0  # the verifier's own failure value
     assert "max_inodes=10" in rollout.metadata["failure_cause"] and rollout.error == rollout.metadata["failure_cause"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fakes import FakeEngine
+from fakes import FakeEngine, FakeSessions
 from harnessrl.engine.chat import ChatLayer
 from harnessrl.errors import SandboxError
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
@@ -44,7 +44,6 @@ from harnessrl.sandbox.podman_host import kill_members
 from harnessrl.tasks.base import Task
 from harnessrl.tasks.humaneval import HumanEvalSource, load_problems
 from harnessrl.tasks.stdio import StdioSource
-from harnessrl.types import Endpoint, Trace
 from sandbox_kits import KITS, assert_no_podman_leftovers, podman_problem
 
 if podman_problem() is not None and os.environ.get("HARNESSRL_REQUIRE_PODMAN") == "1":
@@ -229,19 +228,6 @@ async def test_a_rollout_runs_the_command_harness_in_a_container(proxy: ProxySer
     assert proxy.store.live_sessions == 0
 
 
-class _Sessions:
-    """No model: these agents only write their submission."""
-
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
-        return rollout_id, "k"
-
-    def endpoint(self, key: str) -> Endpoint:
-        return Endpoint(base_url="http://127.0.0.1:9/v1", api_key=key, model="m")
-
-    def close_session(self, session_id: str) -> Trace:
-        return Trace(session_id=session_id, rollout_id=session_id)
-
-
 def _code_tasks() -> dict[str, tuple[Task, str, str]]:
     """family -> (task, a right solution.py, a wrong one)."""
     he = HumanEvalSource()
@@ -266,7 +252,7 @@ async def test_unit_test_and_stdio_tasks_are_scored_in_containers(sandbox_root: 
     for source, expected in ((right, 1.0), (wrong, 0.0 if family == "humaneval" else 0.75)):
         harness = CommandHarness(CommandHarnessConfig(argv=["cp", "{state_dir}/solution.py", "solution.py"],
                                                       files={"solution.py": source}))
-        rollout = await run_rollout(task, 0, harness, backend, _Sessions(), verifier_for(task),
+        rollout = await run_rollout(task, 0, harness, backend, FakeSessions(), verifier_for(task),
                                     RolloutLimits(agent_timeout_s=60, verify_timeout_s=90))
         assert (rollout.status, rollout.reward) == ("ok", expected), (rollout.error, rollout.reward_parts)
 
@@ -277,7 +263,7 @@ async def test_writing_past_disk_bytes_in_a_container_scores_zero(sandbox_root: 
         argv=["bash", "-c", "cp {state_dir}/solution.py solution.py && head -c 8388608 /dev/zero > big && sleep 30"],
         files={"solution.py": right}))
     backend = _backend(sandbox_root, disk_bytes=1 << 20, disk_poll_s=0.05)
-    rollout = await run_rollout(task, 0, harness, backend, _Sessions(), verifier_for(task),
+    rollout = await run_rollout(task, 0, harness, backend, FakeSessions(), verifier_for(task),
                                 RolloutLimits(agent_timeout_s=60, verify_timeout_s=60))
     assert rollout.reward == 0.0 and "disk_bytes" in rollout.metadata["failure_cause"], rollout
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fakes import FakeSessions
 
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.rewards.select import verifier_for
@@ -116,22 +117,8 @@ async def test_a_submission_walking_the_verifiers_frames_scores_zero(tmp_path: P
     for submission in (FRAME_WALK, problem["prompt"] + problem["canonical_solution"]):
         harness = CommandHarness(CommandHarnessConfig(argv=["cp", "{state_dir}/solution.py", "solution.py"],
                                                       files={"solution.py": submission}))
-        rollout = await run_rollout(task, 0, harness, backend, _Sessions(), verifier_for(task), RolloutLimits(30, 60))
+        rollout = await run_rollout(task, 0, harness, backend, FakeSessions(), verifier_for(task), RolloutLimits(30, 60))
         assert rollout.status == "ok", rollout.error
         rewards.append(rollout.reward)
     assert rewards == [0.0, 1.0]
 
-
-class _Sessions:
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
-        return "s", "k"
-
-    def endpoint(self, key: str):  # noqa: ANN201
-        from harnessrl.types import Endpoint
-
-        return Endpoint(base_url="http://127.0.0.1:9/v1", api_key=key, model="m")
-
-    def close_session(self, session_id: str):  # noqa: ANN201
-        from harnessrl.types import Trace
-
-        return Trace(session_id=session_id)
