@@ -43,8 +43,8 @@ def _run(action: str, workdir: Path) -> tuple[str, int]:
 async def probe(args: argparse.Namespace) -> None:
     import jinja2
 
-    from harnessrl.engine.chat import ChatLayer, normalize_messages
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.chat.layer import ChatLayer, normalize_messages
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.harness import mini_swe_agent as mini
     from harnessrl.rewards.exact_match import parse_answer

@@ -48,7 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def run_once(overrides: list[str], max_staleness: int, steps: int) -> tuple[float, list[dict]]:
     from harnessrl.config import load_config
-    from harnessrl.train.run import train
+    from harnessrl.train.loop import run as train
 
     cfg = load_config(None, [*overrides, f"train.max_staleness={max_staleness}", f"train.steps={steps}"])
     run_dir = Path(tempfile.mkdtemp(prefix=f"harnessrl-async-s{max_staleness}-"))

@@ -45,7 +45,7 @@ only tokens/s and turn latency are reported for it).
 (`engine.dtype = "bfloat16"`), its tokens/s against the float32 engine's and how many of its
 greedy replies equal float32 `generate`'s.
 
-The engine's decode steps go through `engine/decode_step.py` (`--no-fast-decode`: the model's
+The engine's decode steps go through `engine/embedded/decode_step.py` (`--no-fast-decode`: the model's
 own forward, for comparison). The load average is printed at start and end (the machine is shared).
 
 Run: `.venv/bin/python bench/engine.py [--workload agent] [--threads 2] [--max-tokens 64] [--repeats 2]`.
@@ -68,7 +68,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from harnessrl.engine.embedded import EmbeddedEngine  # noqa: E402
+from harnessrl.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 from harnessrl.types import Sampling  # noqa: E402
 
@@ -154,7 +154,7 @@ def vllm_available() -> bool:
     from harnessrl.errors import EngineError
 
     try:
-        from harnessrl.engine.vllm_install import vllm_python
+        from harnessrl.engine.vllm.install import vllm_python
 
         vllm_python()
         return True
@@ -167,8 +167,8 @@ def vllm_engine(model_dir: Path, dtype: str, max_tokens: int):  # noqa: ANN201
     import tempfile
 
     from harnessrl.engine.config import VllmEngineConfig
-    from harnessrl.engine.vllm import SERVED_MODEL, VllmEngine
-    from harnessrl.engine.vllm_server import launch_servers
+    from harnessrl.engine.vllm.client import SERVED_MODEL, VllmEngine
+    from harnessrl.engine.vllm.server import launch_servers
 
     cfg = VllmEngineConfig(dtype=dtype, max_context_tokens=4096, kv_cache_gib=2)
     t0 = time.perf_counter()
@@ -321,7 +321,7 @@ def main() -> None:
     parser.add_argument("--engine-bf16", action="store_true",
                         help="chat: add the embedded engine with bfloat16 weights (engine.dtype) as an arm")
     parser.add_argument("--no-fast-decode", dest="fast_decode", action="store_false",
-                        help="engine decode steps through the model's forward instead of engine/decode_step.py")
+                        help="engine decode steps through the model's forward instead of engine/embedded/decode_step.py")
     args = parser.parse_args()
     args.vllm = args.vllm and vllm_available()
     torch.set_num_threads(args.threads)

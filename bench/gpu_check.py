@@ -6,7 +6,7 @@ On a machine with one NVIDIA GPU, torch with CUDA already installed and no netwo
 
 runs, writing every figure to `OUT/gpu_check.json` (and printing it):
 
-1. `engine`: the embedded engine (`engine/embedded.py`) on the device in bfloat16 (float32 on a
+1. `engine`: the embedded engine (`engine/embedded/engine.py`) on the device in bfloat16 (float32 on a
    CPU without native bfloat16, `step.native_cpu_bfloat16`): greedy ids of 8 chat prompts
    against HF `generate` on the same weights (`greedy_equal`: prompts whose ids are equal;
    `greedy_prefix_frac`: the mean fraction of ids equal before the first difference; random
@@ -63,7 +63,7 @@ distribution is not installed: torch stays as it is) when `import harnessrl` fai
 `--install` is given.
 
 Run here (CPU): `.venv/bin/python bench/gpu_check.py --device cpu --out /tmp/gpu-check`.
-What it does not do: several GPUs, vLLM, the NCCL weight sync to vLLM (`engine/vllm_sync.py`).
+What it does not do: several GPUs, vLLM, the NCCL weight sync to vLLM (`engine/vllm/sync.py`).
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def _cut(ids: list[int], eos: tuple[int, ...]) -> list[int]:
 def engine_check(model_dir: Path, device: str, dtype: str, max_tokens: int, concurrency: tuple[int, ...]) -> dict:
     import torch
 
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import load_causal_lm
     from harnessrl.types import Sampling
 
@@ -382,7 +382,7 @@ def trainer_check(model_dir: Path, device: str, n_rows: int) -> dict:
     import torch
 
     from harnessrl.config import load_config
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.train.distributed import init_ranks
     from harnessrl.train.trainer_group import TrainerGroup
     from harnessrl.types import Row, Sampling

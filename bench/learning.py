@@ -7,7 +7,7 @@ larger number (`--reward format_aware`: 1 for exactly the number, 0.5 for the nu
 
 Arms, run one after the other on the same model (SmolLM2-135M-Instruct), learning rate,
 prompts x completions per step, reply cap and step budget:
-  * harnessrl: `harnessrl.train.run.train` with the white-box single-turn harness (engine on
+  * harnessrl: `harnessrl.train.loop.run` with the white-box single-turn harness (engine on
     one thread, trainer on another, `train.max_staleness` = 1);
   * TRL: `bench/trl_arm.py` in its own venv (trl 1.16.0, made by `trl_arm.py --setup` on the
     first run), TRL's defaults otherwise.
@@ -77,8 +77,8 @@ import larger_task as lt  # noqa: E402
 async def held_out(model_dir: Path, n_prompts: int, threads: int, max_tokens: int = 24) -> dict[str, float]:
     """Greedy held-out scores of the model in `model_dir` on `n_prompts` prompts of the held-out
     seed: lenient / strict pass, mean completion tokens, fraction cut at `max_tokens`."""
-    from harnessrl.engine.chat import ChatLayer, normalize_messages
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.chat.layer import ChatLayer, normalize_messages
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer
     from harnessrl.types import Sampling
 
@@ -103,7 +103,7 @@ def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float,
     """Train with harnessrl; returns (final checkpoint, training wall seconds, step metrics)."""
     from harnessrl.config import load_config
     from harnessrl.train.policy import latest_checkpoint
-    from harnessrl.train.run import train
+    from harnessrl.train.loop import run as train
 
     task_file = BENCH / "larger_task.py"
     concurrent = args.completions * args.prompts_per_step * (args.max_staleness + 1)
@@ -158,7 +158,7 @@ def agent_curve(args: argparse.Namespace, run_dir: Path) -> None:
     is the run's own); the run's other defaults are the main job's (temperature 0.4, for
     mini-swe-agent its compact prompt and one step)."""
     from harnessrl.config import load_config
-    from harnessrl.train.run import train
+    from harnessrl.train.loop import run as train
 
     cfg = load_config(None, [
         f"engine.model={json.dumps(args.model)}", f"harness.kind={json.dumps(args.harness)}",

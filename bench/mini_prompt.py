@@ -30,8 +30,8 @@ _ECHO = re.compile(r"echo\s+['\"]?([^'\"\s>]+)['\"]?\s*>\s*answer\.txt")
 async def probe(args: argparse.Namespace) -> None:
     import jinja2
 
-    from harnessrl.engine.chat import ChatLayer, normalize_messages
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.chat.layer import ChatLayer, normalize_messages
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.harness.mini_swe_agent import COMPACT_ACTION_REGEX, COMPACT_INSTANCE, COMPACT_SYSTEM
     from harnessrl.tasks.procedural import ProceduralSource

@@ -49,7 +49,7 @@ import time
 
 import torch
 
-from harnessrl.train.losses import LossInputs, PpoClipLoss, ppo_clip_loss
+from harnessrl.loss.losses import LossInputs, PpoClipLoss, ppo_clip_loss
 from harnessrl.train.packing import PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows
 from harnessrl.types import Row
 

@@ -88,7 +88,7 @@ def _server_main(kind: str, queue: Any) -> None:
 
 
 async def _serve(kind: str, queue: Any) -> None:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer
@@ -265,7 +265,7 @@ def _measure(kind: str, payloads: dict[str, bytes], plan: dict[str, dict[int, in
 def _render_ms(bodies: dict[str, dict[str, Any]]) -> dict[str, tuple[float, float, int]]:
     """Per body: median render ms with the per-message id cache cleared (cold) and warm, and
     the number of prompt ids."""
-    from harnessrl.engine.chat import ChatLayer, normalize_messages, normalize_tools
+    from harnessrl.chat.layer import ChatLayer, normalize_messages, normalize_tools
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
 
     chat = ChatLayer(load_tokenizer(resolve_model(TINY_MODEL)))

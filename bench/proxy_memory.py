@@ -102,7 +102,7 @@ async def one_session(proxy: Any, index: int, turns: int) -> None:
 
 
 async def run(mode: str, sessions: int, turns: int, concurrency: int, warmup: int) -> dict[str, float]:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer
@@ -187,7 +187,7 @@ async def hostile_phase(proxy: Any, kind: str, calls: int, big: bool) -> dict[st
 
 
 async def run_hostile(calls: int) -> list[dict[str, Any]]:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer

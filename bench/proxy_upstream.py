@@ -97,9 +97,9 @@ def _harnessrl_main(stub_port: int, queue: Any) -> None:
 
 
 async def _serve_harnessrl(stub_port: int, queue: Any) -> None:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
-    from harnessrl.engine.vllm import VllmEngine
+    from harnessrl.engine.vllm.client import VllmEngine
     from harnessrl.config import load_config
     from harnessrl.proxy.server import ProxyServer
     from harnessrl.runtime import proxy_config_for

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> dict | None:
     """Train on this rank; rank 0 returns the result line, other ranks None."""
     from harnessrl.engine.model_store import TINY_MODEL, resolve_model
     from harnessrl.train.distributed import all_reduce, close_ranks, gather_objects, init_ranks
-    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.loss.losses import loss_fn_for
     from harnessrl.train.policy import load_policy
     from harnessrl.train.step import optimizer_step
 

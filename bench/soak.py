@@ -154,7 +154,7 @@ def _token_processes(token: str) -> list[int]:
 async def soak(args: argparse.Namespace) -> int:
     import json
 
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
     from harnessrl.jsonl import read_jsonl

@@ -37,10 +37,10 @@ def _run(model: str, mode: str, tokens: int, out: "mp.Queue[dict]") -> None:
     import torch
 
     torch.set_num_threads(1)
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import resolve_model
     from harnessrl.engine.weight_sync import InProcessWeightSync
-    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.loss.losses import loss_fn_for
     from harnessrl.train.policy import export_weights, load_policy
     from harnessrl.train.step import optimizer_step
     from harnessrl.types import Row
@@ -56,7 +56,7 @@ def _run(model: str, mode: str, tokens: int, out: "mp.Queue[dict]") -> None:
 
     from functools import partial
 
-    from harnessrl.train.loss_config import PpoClipLoss
+    from harnessrl.loss.config import PpoClipLoss
     from harnessrl.train.policy import reference_logprobs
 
     kl = mode == "kl"

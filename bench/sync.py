@@ -42,9 +42,9 @@ import torch  # noqa: E402
 
 from harnessrl.engine.config import VllmEngineConfig  # noqa: E402
 from harnessrl.engine.model_store import resolve_model  # noqa: E402
-from harnessrl.engine.vllm import SERVED_MODEL, VllmEngine  # noqa: E402
-from harnessrl.engine.vllm_server import launch_servers  # noqa: E402
-from harnessrl.engine.vllm_sync import DirectoryWeightSync, LoraWeightSync, serving_dir  # noqa: E402
+from harnessrl.engine.vllm.client import SERVED_MODEL, VllmEngine  # noqa: E402
+from harnessrl.engine.vllm.server import launch_servers  # noqa: E402
+from harnessrl.engine.vllm.sync import DirectoryWeightSync, LoraWeightSync, serving_dir  # noqa: E402
 from harnessrl.train.policy import load_policy  # noqa: E402
 from harnessrl.types import Sampling  # noqa: E402
 
@@ -112,7 +112,7 @@ def measure(name: str, sync, policy, params, engine: VllmEngine, args: argparse.
 def embedded_canary(model_dir: Path, syncs: int) -> None:
     """The canary's cost after in-process syncs (fp32), and what it reads with a bf16 engine."""
     from harnessrl.engine.canary import BF16_BOUND, FP32_BOUND, CanarySync
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.weight_sync import InProcessWeightSync, SyncReport
     from harnessrl.train.policy import export_weights
 
@@ -134,14 +134,14 @@ def embedded_canary(model_dir: Path, syncs: int) -> None:
               f"{canary_s / sync_s:>6.2f}x {max(r.canary_abs_dev or 0.0 for r in with_canary):>9.1e}")
         # each side alone, and a training step of 8 rows x 256 ids (2,048 tokens, 1,024 trained)
         # as the baseline a step's canary adds to
-        from harnessrl.engine.canary import policy_probe, trainer_logprobs
-        from harnessrl.train.losses import loss_fn_for
+        from harnessrl.engine.canary import policy_probe
+        from harnessrl.loss.losses import loss_fn_for
         from harnessrl.train.step import optimizer_step
         from harnessrl.types import Row
 
         ids = policy_probe(policy)
         t0 = time.perf_counter()
-        trainer_logprobs(policy, ids)
+        policy.sequence_logprobs(ids)
         t1 = time.perf_counter()
         engine.prompt_logprobs(ids)
         t2 = time.perf_counter()

@@ -72,7 +72,7 @@ def _one_torch_thread() -> None:
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path):
     """The real embedded engine on the tiny model, one torch thread."""
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, seed=0)
     yield eng
@@ -81,7 +81,7 @@ def engine(tiny_model_dir: Path):
 
 @pytest.fixture(scope="module")
 def chat(tokenizer, engine):
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
 
     return ChatLayer(tokenizer, eos_token_ids=engine.eos_token_ids)
 

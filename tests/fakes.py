@@ -68,6 +68,9 @@ class FakeEngine:
     def load_weights(self, state_dict: dict, version: int) -> None:
         self.policy_version = version
 
+    def stats(self) -> None:
+        return None
+
     def close(self) -> None:
         return None
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from harnessrl.errors import ConfigError
-from harnessrl.train.advantages import (
+from harnessrl.loss.advantages import (
     advantage_fn_for,
     dr_grpo_advantages,
     grpo_advantages,

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from fakes import FakeEngine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harnessrl.errors import ConfigError
-from harnessrl.train.losses import loss_fn_for
+from harnessrl.loss.losses import loss_fn_for
 from harnessrl.train.packing import compute_trainer_logprobs, pack_rows
 from harnessrl.train.policy import load_policy
 from harnessrl.train.step import autocast_context, optimizer_step, sampler_parity
@@ -83,12 +83,12 @@ def test_bfloat16_on_a_cpu_without_it_warns(native: bool, monkeypatch: pytest.Mo
 
     from harnessrl.config import load_config
     from harnessrl.train import step
-    from harnessrl.train.run import check_training
+    from harnessrl.train.setup import check_training
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert step.native_cpu_bfloat16() is native
-    with caplog.at_level(logging.WARNING, logger="harnessrl.train.run"):
+    with caplog.at_level(logging.WARNING, logger="harnessrl.train.setup"):
         check_training(load_config(None, ['train.autocast="bfloat16"', 'engine.dtype="bfloat16"']))
         check_training(load_config(None, []))
     warned = [r.getMessage() for r in caplog.records if "native bfloat16" in r.getMessage()]

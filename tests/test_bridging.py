@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fakes import FakeEngine
-from harnessrl.engine.chat import ChatLayer, normalize_messages, normalize_tools, same_replay
+from harnessrl.chat.layer import ChatLayer, normalize_messages, normalize_tools, same_replay
 from harnessrl.proxy.capture import CaptureDeps, complete_chat
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import SessionStore

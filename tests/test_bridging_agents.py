@@ -55,7 +55,7 @@ def scripted_engine(tokenizer, action: str, final: str) -> FakeEngine:
 
 @pytest.fixture
 async def served(tokenizer) -> AsyncIterator[object]:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer
 

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from fakes import CAPTURES_DIR, FakeEngine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.proxy.capture import CaptureDeps, complete_chat
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import SessionStore

@@ -16,8 +16,11 @@ import torch
 
 from harnessrl.config import load_config
 from harnessrl.engine.canary import (FP32_BOUND, CanaryError, CanarySync, max_abs_dev, policy_probe, probe_ids,
-                                     sequence_logprobs, trainer_logprobs)
-from harnessrl.engine.weight_sync import InProcessWeightSync, SyncReport, make_weight_sync
+                                     sequence_logprobs)
+from harnessrl.engine.config import EmbeddedEngineConfig
+from harnessrl.engine.select import make_weight_sync
+from harnessrl.engine.weight_sync import InProcessWeightSync, SyncReport
+from harnessrl.train.setup import sync_settings
 from harnessrl.train.policy import export_weights, load_policy
 
 
@@ -45,11 +48,11 @@ def test_max_abs_dev_counts_nan_as_infinite() -> None:
 
 
 def test_trainer_and_engine_score_the_probe_alike(tiny_model_dir: Path) -> None:
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
     ids = policy_probe(policy)
-    reference = trainer_logprobs(policy, ids)
+    reference = policy.sequence_logprobs(ids)
     assert len(reference) == 255 and all(lp < 0 for lp in reference)
     # the packed training path equals one plain forward
     assert max_abs_dev(reference, sequence_logprobs(policy.model, ids))[0] < 1e-5
@@ -59,7 +62,7 @@ def test_trainer_and_engine_score_the_probe_alike(tiny_model_dir: Path) -> None:
 
 
 def test_canary_passes_a_good_sync_and_stops_one_that_leaves_a_tensor_behind(tiny_model_dir: Path) -> None:
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     class _HeadLeftBehind(InProcessWeightSync):
         """Publishes everything but the final norm (a reload that missed a tensor)."""
@@ -88,12 +91,12 @@ def test_canary_passes_a_good_sync_and_stops_one_that_leaves_a_tensor_behind(tin
 
 
 def test_make_weight_sync_wraps_the_sync_unless_the_knob_is_off(tiny_model_dir: Path) -> None:
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
-        on = make_weight_sync("embedded", engine, config=load_config(None, []))
+        on = make_weight_sync(EmbeddedEngineConfig(), engine, sync_settings(load_config(None, [])))
         assert isinstance(on, CanarySync) and isinstance(on.inner, InProcessWeightSync)
-        off = make_weight_sync("embedded", engine, config=load_config(None, ["train.sync_canary=false"]))
+        off = make_weight_sync(EmbeddedEngineConfig(), engine, sync_settings(load_config(None, ["train.sync_canary=false"])))
         assert isinstance(off, InProcessWeightSync)
 
 
@@ -103,7 +106,7 @@ def test_a_run_whose_sync_leaves_a_tensor_behind_stops_at_step_1(tmp_path: Path,
     """A real 2-step run on the embedded engine whose in-process sync skips a tensor: the first
     publish raises the canary's error, the run stops, no step's metrics are written."""
     from harnessrl.engine import weight_sync as ws
-    from harnessrl.train.run import train
+    from harnessrl.train.loop import run as train
 
     def broken_publish(self, policy, version):  # type: ignore[no-untyped-def]
         weights = {k: v for k, v in export_weights(policy).items() if not k.endswith("layers.0.mlp.down_proj.weight")}

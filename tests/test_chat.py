@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harnessrl.engine.chat import ChatLayer, Message, ToolCall, normalize_messages, normalize_tools
+from harnessrl.chat.layer import ChatLayer, Message, ToolCall, normalize_messages, normalize_tools
 from harnessrl.errors import RequestError
 
 BASH = {"type": "function", "function": {"name": "bash", "description": "run", "parameters": {

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from fakes import FakeEngine
-from harnessrl.engine.chat import ChatLayer, normalize_messages, normalize_tools
+from harnessrl.chat.layer import ChatLayer, normalize_messages, normalize_tools
 from harnessrl.errors import RequestError
 from harnessrl.proxy.capture import CaptureDeps, complete_chat
 from harnessrl.proxy.config import ProxyConfig

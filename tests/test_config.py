@@ -54,7 +54,7 @@ def test_dump_round_trips(tmp_path: Path) -> None:
 def test_example_configs_validate() -> None:
     cfg = load_config(EXAMPLES / "opencode_stdio.toml")
     assert cfg.harness.kind == "opencode"
-    assert cfg.hooks.train_turn_fn == "harnessrl.train.hooks:has_tool_call"
+    assert cfg.hooks.train_turn_fn == "harnessrl.hooks:has_tool_call"
 
 
 def test_the_config_layer_does_not_import_torch() -> None:
@@ -93,7 +93,7 @@ def test_each_kind_accepts_only_its_own_keys(overrides: list[str], message: str)
 
 def test_the_saved_config_holds_the_resolved_options_of_each_kind(tmp_path: Path) -> None:
     from harnessrl.tasks.config import StdioTasks
-    from harnessrl.train.loss_config import GspoLoss
+    from harnessrl.loss.config import GspoLoss
 
     cfg = load_config(None, ["train.loss.kind=gspo", "tasks.kind=stdio", "tasks.path=t.jsonl"])
     assert isinstance(cfg.train.loss, GspoLoss) and cfg.train.loss.epsilon_low == 3e-4

@@ -1,4 +1,4 @@
-"""engine/decode_step.py against the model's own forward: same logits, same greedy ids, weights
+"""engine/embedded/decode_step.py against the model's own forward: same logits, same greedy ids, weights
 loaded through the model reach the fused projections, unknown architectures left alone."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from harnessrl.engine.batch import KVBatch
-from harnessrl.engine.decode_step import DecodeStep
-from harnessrl.engine.embedded import EmbeddedEngine
+from harnessrl.engine.embedded.batch import KVBatch
+from harnessrl.engine.embedded.decode_step import DecodeStep
+from harnessrl.engine.embedded.engine import EmbeddedEngine
 from harnessrl.engine.model_store import load_causal_lm
 from harnessrl.types import Sampling
 

@@ -47,7 +47,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _run_case(model_dir: Path, rows: list[Row], ranks, lora_rank: int = 0) -> dict:
     """Gradient and loss of `rows`, then one optimizer step from the same weights."""
     from harnessrl.train.distributed import full_state_dict, inner_module
-    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.loss.losses import loss_fn_for
     from harnessrl.train.policy import load_policy
     from harnessrl.train.step import accumulate_gradients, optimizer_step
 
@@ -68,7 +68,7 @@ def _resume_case(model_dir: Path, out_dir: Path, ranks) -> dict:
     same second step: the weights after it (rank 0) of both."""
     from harnessrl.engine.model_store import load_tokenizer
     from harnessrl.train.distributed import full_state_dict
-    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.loss.losses import loss_fn_for
     from harnessrl.train.policy import load_policy, restore_checkpoint, save_checkpoint
     from harnessrl.train.step import optimizer_step
 
@@ -213,7 +213,7 @@ def test_trainer_dtype_and_refused_combinations(tiny_model_dir: Path) -> None:
     from harnessrl.config import load_config
     from harnessrl.errors import ConfigError
     from harnessrl.train.distributed import Ranks, init_ranks
-    from harnessrl.train.losses import loss_fn_for
+    from harnessrl.loss.losses import loss_fn_for
     from harnessrl.train.policy import load_policy
     from harnessrl.train.step import optimizer_step
 

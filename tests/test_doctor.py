@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from harnessrl.cli import app
-from harnessrl.doctor import _bridge_fn, diagnose_template
-from harnessrl.engine.chat import ChatLayer, normalize_messages
+from harnessrl.train.template_doctor import _bridge_fn, diagnose_template
+from harnessrl.chat.layer import ChatLayer, normalize_messages
 from harnessrl.errors import RequestError
 
 # Qwen3-style: the generation prompt opens the reasoning block; an earlier assistant turn is
@@ -181,7 +181,7 @@ def test_engine_doctor_says_what_is_wrong_with_a_server(tiny_model_dir) -> None:
 
     from test_vllm_upstream import FakeVllm
 
-    from harnessrl.engine.vllm_doctor import diagnose_engine
+    from harnessrl.engine.vllm.doctor import diagnose_engine
 
     unreachable = diagnose_engine("http://127.0.0.1:9", tiny_model_dir)
     assert [(c.name, c.ok) for c in unreachable.checks] == [("server", False)] and unreachable.exit_code == 1

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from harnessrl.engine.base import Engine
-from harnessrl.engine.embedded import EmbeddedEngine
+from harnessrl.engine.embedded.engine import EmbeddedEngine
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer, resolve_model
-from harnessrl.engine.sampler import RowSampling, filter_logprobs, sample_next
-from harnessrl.engine.stop import StopWatcher
+from harnessrl.engine.embedded.sampler import RowSampling, filter_logprobs, sample_next
+from harnessrl.engine.embedded.stop import StopWatcher
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
 

@@ -47,7 +47,7 @@ print("agent done")
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[object]:
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     eng = EmbeddedEngine(tiny_model_dir, num_threads=1, seed=0)
     yield eng
@@ -56,7 +56,7 @@ def engine(tiny_model_dir: Path) -> Iterator[object]:
 
 @pytest.fixture
 async def proxy(engine: object) -> AsyncIterator[object]:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer
 

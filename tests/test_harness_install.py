@@ -50,7 +50,7 @@ def test_second_install_is_a_fast_noop(tmp_path: Path, monkeypatch: pytest.Monke
     def no_subprocess(*args: object, **kwargs: object) -> str:
         raise AssertionError(f"an installed agent must not run {args!r}")
 
-    monkeypatch.setattr(install_mod, "_run", no_subprocess)
+    monkeypatch.setattr(install_mod, "run_step", no_subprocess)
     t0 = time.monotonic()
     outcome = install_agent("mini-swe-agent", log=lambda line: None)
     assert outcome.already_installed and outcome.record.executable == str(exe)

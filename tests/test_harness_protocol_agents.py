@@ -36,7 +36,7 @@ ENDPOINT = Endpoint(base_url="http://127.0.0.1:9/v1", api_key="hrl-k", model="m"
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[object]:
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     # agents send 10-20k-token prompts (system prompt + tools); RoPE extends past the config length
     eng = EmbeddedEngine(tiny_model_dir, num_threads=1, seed=0, max_context_tokens=32768)
@@ -46,7 +46,7 @@ def engine(tiny_model_dir: Path) -> Iterator[object]:
 
 @pytest.fixture
 async def proxy(engine: object) -> AsyncIterator[object]:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer
 

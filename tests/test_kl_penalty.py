@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harnessrl.train.loss_config import PpoClipLoss
-from harnessrl.train.losses import loss_fn_for
+from harnessrl.loss.config import PpoClipLoss
+from harnessrl.loss.losses import loss_fn_for
 from harnessrl.train.packing import compute_trainer_logprobs, loss_inputs, pack_rows
 from harnessrl.train.policy import load_policy, reference_logprobs
 from harnessrl.train.step import optimizer_step

@@ -1,4 +1,4 @@
-"""engine/batch.py's slot layout: rows join into free slots and leave without copying the others'
+"""engine/embedded/batch.py's slot layout: rows join into free slots and leave without copying the others'
 KV wholesale; a slot reused after a row ended gives what a fresh engine gives."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harnessrl.engine.batch import KVBatch
-from harnessrl.engine.embedded import EmbeddedEngine
+from harnessrl.engine.embedded.batch import KVBatch
+from harnessrl.engine.embedded.engine import EmbeddedEngine
 from harnessrl.types import Sampling
 
 H, D, LAYERS = 2, 4, 3

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harnessrl.errors import ConfigError
-from harnessrl.train.losses import (
+from harnessrl.loss.losses import (
     CispoLoss,
     GspoLoss,
     LossInputs,

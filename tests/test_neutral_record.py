@@ -14,10 +14,10 @@ import pytest
 from rich.console import Console
 
 from fakes import FakeEngine, in_process
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.recipes import shaping
 from harnessrl.train.console import print_conversation
-from harnessrl.train.hooks import has_tool_call, outcome_of, tool_call_names
+from harnessrl.hooks import has_tool_call, outcome_of, tool_call_names
 from harnessrl.types import Reply, ReplyToolCall, Rollout, Trace, Turn, check_turn_faithful
 
 SYSTEM, TASK, TOOL_OUTPUT = "Be brief.", "List the files.", "a.py\nb.py"

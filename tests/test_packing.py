@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harnessrl.train.losses import PpoClipLoss, ppo_clip_loss
+from harnessrl.loss.losses import PpoClipLoss, ppo_clip_loss
 from harnessrl.train.packing import (
     MIN_SHARED_TOKENS,
     SEGMENT_ATTENTION,
@@ -185,7 +185,7 @@ async def test_trainer_logprobs_reproduce_embedded_engine_sampler_logprobs(
     """Parity (DESIGN §3.2): the trainer's logprobs on the engine's own ids equal its logprobs."""
     import asyncio
 
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import load_causal_lm
     from harnessrl.types import Sampling
 

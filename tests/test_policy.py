@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harnessrl.train.losses import loss_fn_for
+from harnessrl.loss.losses import loss_fn_for
 from harnessrl.train.policy import export_weights, latest_checkpoint, load_policy, restore_checkpoint, save_checkpoint
 from harnessrl.train.step import optimizer_step
 from fakes import opposed_rows
@@ -16,7 +16,7 @@ from fakes import opposed_rows
 
 def test_lora_step_exports_merged_base_weights_the_engine_accepts(tiny_model_dir: Path) -> None:
     pytest.importorskip("peft")
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=0.0, lora_rank=4)
     before = export_weights(policy, copy=True)

@@ -1,4 +1,4 @@
-"""engine/prefill.py's batched layouts against one forward per prompt: same KV, same last logits."""
+"""engine/embedded/prefill.py's batched layouts against one forward per prompt: same KV, same last logits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from harnessrl.engine.model_store import load_causal_lm
-from harnessrl.engine.prefill import group_forward, packed_forward
+from harnessrl.engine.embedded.prefill import group_forward, packed_forward
 
 
 def _alone(model: torch.nn.Module, prompt: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:

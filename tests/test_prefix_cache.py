@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harnessrl.engine.embedded import EmbeddedEngine
+from harnessrl.engine.embedded.engine import EmbeddedEngine
 from harnessrl.engine.model_store import load_causal_lm
-from harnessrl.engine.prefix_cache import PrefixCache
+from harnessrl.engine.embedded.prefix_cache import PrefixCache
 from harnessrl.errors import EngineError
 from harnessrl.types import Completion, Sampling
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from fakes import FakeEngine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import EngineError
 from harnessrl.proxy.app import ADMIN_MAX_BODY_BYTES, ProxyDeps, make_admin_app, make_app
 from harnessrl.proxy.capture import CaptureDeps

@@ -11,7 +11,7 @@ import anthropic
 import pytest
 from fakes import FakeEngine, broken_engine, in_process
 
-from harnessrl.engine.chat import ChatLayer, normalize_messages
+from harnessrl.chat.layer import ChatLayer, normalize_messages
 from harnessrl.errors import RequestError
 from harnessrl.proxy.anthropic import to_chat_body
 from harnessrl.proxy.config import ProxyConfig

@@ -9,7 +9,7 @@ import json
 import pytest
 from fakes import FakeEngine, in_process
 
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.train.samples import build_rows
 from harnessrl.types import Rollout
 

@@ -69,7 +69,7 @@ async def test_recorded_ids_are_faithful_and_logprobs_match_a_forward_pass(engin
 
 
 def chat_messages(raw):
-    from harnessrl.engine.chat import normalize_messages
+    from harnessrl.chat.layer import normalize_messages
 
     return normalize_messages(raw)
 

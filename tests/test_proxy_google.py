@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fakes import FakeEngine, in_process
 
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.google import to_chat_body

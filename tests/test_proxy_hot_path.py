@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from fakes import FakeEngine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.proxy.app import ProxyDeps, make_app, serve_post
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig

@@ -169,7 +169,7 @@ def test_sampling_is_shared_per_distinct_values() -> None:
 
 def test_serving_process_freezes_its_heap_once_listening(tokenizer) -> None:  # noqa: ANN001
     from fakes import FakeEngine
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer, run_loop
 

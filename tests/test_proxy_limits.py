@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from fakes import FakeEngine, in_process
-from harnessrl.engine import request as engine_request
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.engine.embedded import request as engine_request
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import ConfigError, EngineError
 from harnessrl.proxy.capture import REJECTED_BODY_CHARS
 from harnessrl.proxy.config import ProxyConfig

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from fakes import FakeEngine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.proxy.app import ADMIN_MAX_BODY_BYTES
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer

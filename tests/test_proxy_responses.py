@@ -12,7 +12,7 @@ import openai
 import pytest
 from fakes import CAPTURES_DIR, FakeEngine, broken_engine, in_process
 
-from harnessrl.engine.chat import ChatLayer, normalize_messages
+from harnessrl.chat.layer import ChatLayer, normalize_messages
 from harnessrl.errors import RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.responses import IGNORED_FIELDS, to_chat_body

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from fakes import FakeEngine, in_process
 
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import RequestError
 from harnessrl.proxy.anthropic import to_chat_body as messages_to_chat
 from harnessrl.proxy.responses import decode_reasoning, encode_reasoning

@@ -1,5 +1,5 @@
-"""The chat layer's exact-input caches (`engine/rendercache.py`) and its direct decode
-(`engine/parse.py: fast_decode`): a hit is what the same input gave uncached, any change of
+"""The chat layer's exact-input caches (`chat/rendercache.py`) and its direct decode
+(`chat/parse.py: fast_decode`): a hit is what the same input gave uncached, any change of
 input misses, the bounds hold."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from harnessrl.engine.chat import ChatLayer, normalize_messages, normalize_tools
-from harnessrl.engine.parse import fast_decode
-from harnessrl.engine.rendercache import LruCache, render_key
+from harnessrl.chat.layer import ChatLayer, normalize_messages, normalize_tools
+from harnessrl.chat.parse import fast_decode
+from harnessrl.chat.rendercache import LruCache, render_key
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {
     "command": {"type": "string"}}}}}]

@@ -39,7 +39,7 @@ class _ZeroVerifier:
 
 @pytest.fixture(scope="module")
 def small_engine(tiny_model_dir: Path) -> Iterator[object]:
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     eng = EmbeddedEngine(tiny_model_dir, num_threads=1, seed=0, max_context_tokens=256)
     yield eng
@@ -48,7 +48,7 @@ def small_engine(tiny_model_dir: Path) -> Iterator[object]:
 
 @pytest.fixture
 async def proxy(small_engine: object) -> AsyncIterator[object]:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer
 

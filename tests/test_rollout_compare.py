@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from harnessrl.cli import app
 from harnessrl.config import load_config
 from harnessrl.rollout.compare import compare_dirs
-from harnessrl.rollout.evaluate import resume_plan, run_evaluation
+from harnessrl.run_rollouts import resume_plan, run_evaluation
 from harnessrl.types import Rollout, Trace
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from harnessrl.errors import ConfigError
-from harnessrl.train.hooks import has_tool_call, load_hook, outcome_of
+from harnessrl.hooks import has_tool_call, load_hook, outcome_of
 from harnessrl.train.samples import MergeStats, build_rows, common_prefix_len, find_parents
 from harnessrl.types import Rollout, Trace, Turn
 
@@ -303,12 +303,12 @@ def test_merge_stats_merge_and_metrics() -> None:
 
 
 def test_load_hook_by_dotted_path_and_clear_errors() -> None:
-    assert load_hook("harnessrl.train.hooks:has_tool_call") is has_tool_call
-    assert load_hook("harnessrl.train.hooks.has_tool_call") is has_tool_call
+    assert load_hook("harnessrl.hooks:has_tool_call") is has_tool_call
+    assert load_hook("harnessrl.hooks.has_tool_call") is has_tool_call
     with pytest.raises(ConfigError, match="no_such_pkg.mod:fn"):
         load_hook("no_such_pkg.mod:fn")
     with pytest.raises(ConfigError, match="has no attribute 'nope'"):
-        load_hook("harnessrl.train.hooks:nope")
+        load_hook("harnessrl.hooks:nope")
     with pytest.raises(ConfigError, match="not a callable"):
         load_hook("harnessrl.train.samples:MergeKind.__doc__")
     with pytest.raises(ConfigError, match="'justaname'"):
@@ -334,9 +334,9 @@ def test_outcome_counts_tool_calls_from_responses_and_tolerates_failures() -> No
 
 
 def test_step_metrics_log_merge_fractions_and_untrained_sampled_tokens() -> None:
-    from harnessrl.config import RunConfig
-    from harnessrl.train.advantages import advantage_fn_for
-    from harnessrl.train.run import _rows_for_step
+    from harnessrl.hooks import Hooks
+    from harnessrl.loss.advantages import advantage_fn_for
+    from harnessrl.train.rows import rows_for_step
     from harnessrl.types import Group
 
     p0 = SYSTEM + TASK
@@ -344,8 +344,9 @@ def test_step_metrics_log_merge_fractions_and_untrained_sampled_tokens() -> None
     forked = [_turn(0, p0, [10, 11]), _turn(1, p0 + [10, 99, 20], [30])]  # diverges inside the reply
     rollouts = [_rollout(clean, reward=1.0).model_copy(update={"rollout_id": "a"}),
                 _rollout(forked, reward=0.0).model_copy(update={"rollout_id": "b"})]
-    rows, metrics, _ = _rows_for_step([Group(group_id=5, task_id="t", rollouts=rollouts)], RunConfig(), {},
-                                      advantage_fn_for("grpo"), 0)
+    step = rows_for_step([Group(group_id=5, task_id="t", rollouts=rollouts)], hooks=Hooks(),
+                         advantage_fn=advantage_fn_for("grpo"), version=0, max_staleness=1)
+    rows, metrics = step.rows, step.metrics
     assert metrics["samples/frac_clean"] == 0.5 and metrics["samples/frac_fork"] == 0.5
     assert metrics["samples/frac_realign"] == 0.0
     assert metrics["untrained_sampled_tokens"] == 0.0 == metrics["samples/untrained_sampled_tokens"]

@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 from fakes import FakeEngine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.sandbox.base import Sandbox

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from fakes import FakeEngine, FakeSessions
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import SandboxError
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.proxy.config import ProxyConfig
@@ -275,7 +275,7 @@ def test_harnessrl_rollout_runs_mini_swe_agent_in_containers(tmp_path: Path, san
     bound read-only) runs in a container and reaches the proxy through the forwarder."""
     from harnessrl.config import load_config
     from harnessrl.harness.install import agent_executable
-    from harnessrl.rollout.evaluate import run_evaluation
+    from harnessrl.run_rollouts import run_evaluation
 
     try:
         agent_executable("mini-swe-agent")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fakes import FakeEngine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.sandbox import spawn

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from harnessrl.config import load_config
-from harnessrl.proxy.cli import proxy_config_for_serve
+from harnessrl.serve import proxy_config_for_serve
 
 
 def test_serve_uses_the_runs_sampling() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harnessrl.recipes.shaping import opencode_tool_use_reward
-from harnessrl.train.hooks import outcome_of
+from harnessrl.hooks import outcome_of
 from harnessrl.types import Rollout, Trace, Turn
 
 

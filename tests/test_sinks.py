@@ -187,7 +187,7 @@ def test_a_missing_package_is_refused_naming_its_extra(monkeypatch: pytest.Monke
     check_sinks(["jsonl", "tensorboard", "trackio"])
     with pytest.raises(ConfigError, match="unknown sink 'mlflow'"):
         check_sinks(["mlflow"])
-    from harnessrl.train.run import check_training
+    from harnessrl.train.setup import check_training
 
     with pytest.raises(ConfigError, match=r"harnessrl\[wandb\]"):  # `harnessrl train` checks it first
         check_training(load_config(None, ['log.sinks=["wandb"]']))

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harnessrl.train.losses import loss_fn_for
+from harnessrl.loss.losses import loss_fn_for
+from harnessrl.engine.weight_sync import NonFiniteWeightsError, check_finite
 from harnessrl.train.policy import (
-    NonFiniteWeightsError,
     export_weights,
     latest_checkpoint,
     load_policy,
@@ -71,7 +71,6 @@ def test_non_finite_weights_are_not_exported_or_saved(
 
 
 def test_check_finite_is_exact_when_a_finite_tensor_sums_to_inf() -> None:
-    from harnessrl.train.policy import check_finite
 
     big = torch.full((4,), 3e38)  # every entry finite; the sum overflows to inf
     check_finite({"big": big, "ok": torch.ones(3)})

@@ -86,7 +86,7 @@ def test_rollout_line_is_short_and_readable() -> None:
 
 def test_action_format_credit_hand_computed() -> None:
     from harnessrl.recipes.shaping import FORMAT_BONUS, action_format_credit
-    from harnessrl.train.hooks import outcome_of
+    from harnessrl.hooks import outcome_of
 
     def turn(i: int, content: str) -> Turn:
         return Turn(turn_index=i, request={}, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.5],

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from harnessrl.engine.chat import ChatLayer, normalize_messages, normalize_tools
-from harnessrl.engine.tokencache import SegmentEncoder
+from harnessrl.chat.layer import ChatLayer, normalize_messages, normalize_tools
+from harnessrl.chat.tokencache import SegmentEncoder
 
 TEXTS = [
     "",

@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from harnessrl.config import load_config
-from harnessrl.train.advantages import grpo_advantages
-from harnessrl.train.hooks import shape_group
+from harnessrl.loss.advantages import grpo_advantages
+from harnessrl.hooks import Hooks, shape_group
 from harnessrl.train.dynamic_sampling import DynamicSampling, has_signal, is_fresh
-from harnessrl.train.run import _rows_for_step
+from harnessrl.rollout.orchestrator import ReplacementTickets
+from harnessrl.train.rows import rows_for_step
 from harnessrl.types import Group, Rollout, Trace, Turn
 
 
@@ -28,7 +30,7 @@ def test_advantages_stamped_and_stale_rows_dropped() -> None:
     fresh = Group(group_id=0, task_id="t", rollouts=[_rollout(0, 0, 1.0, 2), _rollout(1, 0, 0.0, 2)])
     stale = Group(group_id=1, task_id="t", rollouts=[_rollout(0, 1, 1.0, 0), _rollout(1, 1, 0.0, 0)])
     flat = Group(group_id=2, task_id="t", rollouts=[_rollout(0, 2, 0.0, 2), _rollout(1, 2, 0.0, 2)])
-    rows, m, _ = _rows_for_step([fresh, stale, flat], cfg, {}, grpo_advantages, version=2)
+    rows, m, _ = _rows_for_step([fresh, stale, flat], cfg, Hooks(), grpo_advantages, version=2)
     # fresh group: rewards 1, 0 -> mean 0.5, population std 0.5 -> advantages +1, -1 (eps 1e-6)
     assert [r.rollout_id for r in rows] == ["r0-0", "r0-1"]
     assert rows[0].advantage == pytest.approx(1.0, abs=1e-5) and rows[1].advantage == pytest.approx(-1.0, abs=1e-5)
@@ -44,7 +46,7 @@ def test_advantages_stamped_and_stale_rows_dropped() -> None:
 def test_unscored_rollouts_get_no_rows() -> None:
     cfg = load_config(None, ['hooks.rollout_reward_fn=""'])
     group = Group(group_id=0, task_id="t", rollouts=[_rollout(0, 0, 1.0, 0), _rollout(1, 0, None, 0), _rollout(2, 0, 0.0, 0)])
-    rows, m, _ = _rows_for_step([group], cfg, {}, grpo_advantages, version=0)
+    rows, m, _ = _rows_for_step([group], cfg, Hooks(), grpo_advantages, version=0)
     assert sorted(r.rollout_id for r in rows) == ["r0-0", "r0-2"]
     assert m["rows_unscored_dropped"] == 1
 
@@ -53,10 +55,10 @@ def test_a_shaped_step_reports_both_rewards_and_passes_on_the_verifiers() -> Non
     cfg = load_config(None, ['hooks.rollout_reward_fn=""'])
     # verifier: 1, 0, 0; the shaping hook gives the failed ones partial credit 0.5 and 0.25
     credit = {"r0-0": 1.0, "r0-1": 0.5, "r0-2": 0.25}
-    hooks = {"rollout_reward_fn": lambda outcome: credit[outcome.rollout.rollout_id]}
+    hooks = Hooks(rollout_reward_fn=lambda outcome: credit[outcome.rollout.rollout_id])
     group = Group(group_id=0, task_id="t",
                   rollouts=[_rollout(0, 0, 1.0, 0), _rollout(1, 0, 0.0, 0), _rollout(2, 0, 0.0, 0)])
-    rows, m, _ = _rows_for_step([shape_group(group, hooks["rollout_reward_fn"])], cfg, hooks, grpo_advantages,
+    rows, m, _ = _rows_for_step([shape_group(group, hooks.rollout_reward_fn)], cfg, hooks, grpo_advantages,
                                 version=0)
     assert m["reward/verifier_mean"] == pytest.approx(1 / 3)
     assert m["reward/train_mean"] == pytest.approx(1.75 / 3)
@@ -69,12 +71,20 @@ def test_a_shaped_step_reports_both_rewards_and_passes_on_the_verifiers() -> Non
     assert group.rollouts[1].reward == 0.0, "the verifier's reward is never overwritten"
 
 
-class _Queue:
-    """The two calls of `Orchestrator` that `_draw_replacements` uses, over a fixed list."""
+def _rows_for_step(groups: list[Group], cfg: Any, hooks: Hooks, advantage_fn: Any, version: int) -> Any:
+    step = rows_for_step(groups, hooks=hooks, advantage_fn=advantage_fn, version=version,
+                         max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary)
+    return step.rows, step.metrics, step.built
+
+
+class _Queue(ReplacementTickets):
+    """The orchestrator's tickets as dynamic sampling uses them (its replacement bookkeeping is
+    the orchestrator's own, `ReplacementTickets`), over a fixed list of groups."""
 
     def __init__(self, groups: list[Group]) -> None:
         self.groups, self.granted, self.pulled = list(groups), 0, 0
         self.replacing: list[int | None] = []
+        self._replaced = set()
 
     def allow(self, n: int, replacing: int | None = None) -> None:
         self.granted += n
@@ -125,11 +135,11 @@ def test_a_flat_group_is_replaced_as_it_completes_within_the_bound() -> None:
     for gid in (0, 1, 2):  # three flat groups complete; two early grants, the bound
         ds.on_group(_group(gid, [0.0, 0.0]))
     ds.on_group(_group(4, [1.0, 0.0]))  # a group with signal gets no replacement
-    assert orch.granted == 2 and ds.pending_replacements == 2
+    assert orch.granted == 2 and orch.pending_replacements == 2
     assert orch.replacing == [0, 1], "each replacement joins the grant of the group it replaces"
     groups = [_group(0, [0.0, 0.0])]
     assert asyncio.run(ds.draw(groups, 1)) == 1
-    assert orch.granted == 2 and ds.pending_replacements == 1, "the draw spent an early grant, granted nothing"
+    assert orch.granted == 2 and orch.pending_replacements == 1, "the draw spent an early grant, granted nothing"
     assert [g.group_id for g in groups] == [0, 3]
 
 
@@ -152,7 +162,7 @@ def test_a_group_too_stale_to_train_is_replaced_like_a_flat_one() -> None:
     assert asyncio.run(ds.draw(groups, 2, version=5)) == 2
     assert [g.group_id for g in groups] == [0, 1, 4, 5], "group 4 is stale too; group 5 is the second usable"
     cfg = load_config(None, ["train.max_staleness=1", 'hooks.rollout_reward_fn=""'])
-    rows, m, _ = _rows_for_step(groups, cfg, {}, grpo_advantages, version=5)
+    rows, m, _ = _rows_for_step(groups, cfg, Hooks(), grpo_advantages, version=5)
     assert {r.group_id for r in rows} == {1, 5} and m["rows_stale_dropped"] == 4
     # without a version (or without max_staleness) every group counts as fresh: no draw
     groups = [stale, fresh]
@@ -176,7 +186,7 @@ def test_a_group_whose_only_fresh_rollout_has_advantage_0_is_replaced() -> None:
     assert asyncio.run(ds.draw(groups, 1, version=5)) == 1
     assert [g.group_id for g in groups] == [0, 1]
     cfg = load_config(None, ["train.max_staleness=1", 'hooks.rollout_reward_fn=""'])
-    rows, _, _ = _rows_for_step(groups, cfg, {}, grpo_advantages, version=5)
+    rows, _, _ = _rows_for_step(groups, cfg, Hooks(), grpo_advantages, version=5)
     assert {r.group_id for r in rows if r.advantage != 0.0} == {1}
     # a group with no scored rollout has no signal either
     assert not has_signal(_versioned(2, [], []), grpo_advantages)
@@ -204,14 +214,14 @@ def test_a_replacement_left_over_at_the_bound_is_not_pending() -> None:
     orch.ds = ds
     ds.on_group(_group(0, [0.0, 0.0]))
     ds.on_group(_group(1, [1.0, 1.0]))
-    assert ds.pending_replacements == 2 and orch.granted == 2
+    assert orch.pending_replacements == 2 and orch.granted == 2
     groups = [_group(0, [0.0, 0.0]), _group(1, [1.0, 1.0])]
     # both draws are backed by groups 0 and 1's replacements; group 2, flat, completes meanwhile
     # and is replaced too (pending had dropped to 0), then pulled: its replacement is left over
     assert asyncio.run(ds.draw(groups, 2)) == 2
     assert [g.group_id for g in groups] == [0, 1, 2, 3]
     assert orch.replacing == [0, 1, 2] and orch.granted == 3 and orch.pulled == 2
-    assert ds.pending_replacements == 0, "every replaced flat group was pulled"
+    assert orch.pending_replacements == 0, "every replaced flat group was pulled"
     assert orch.granted - orch.pulled == 1, "one replacement in flight beyond the allowance"
 
 
@@ -232,7 +242,7 @@ def reward(outcome):
 
 @pytest.mark.e2e
 def test_a_real_run_replaces_flat_groups_and_shapes_each_rollout_once(tmp_path: Path) -> None:
-    from harnessrl.train.run import train
+    from harnessrl.train.loop import run as train
 
     calls = tmp_path / "calls.txt"
     hook = tmp_path / "flat_even_groups.py"

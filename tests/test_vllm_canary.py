@@ -40,7 +40,7 @@ def model_dir() -> Path:
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One fp32 server of the tied model directory itself (what an attached user starts)."""
     from harnessrl.engine.config import VllmEngineConfig
-    from harnessrl.engine.vllm_server import launch_servers
+    from harnessrl.engine.vllm.server import launch_servers
 
     python = require_vllm()
     cfg = VllmEngineConfig(dtype="float32", kv_cache_gib=1, max_context_tokens=2048)
@@ -84,14 +84,15 @@ def _perturb(model: torch.nn.Module, scale: float, seed: int) -> None:
 
 def test_an_attached_directory_sync_of_a_tied_model_reaches_its_head(server: Any, model_dir: Path,
                                                                      tmp_path: Path) -> None:
-    from harnessrl.engine.vllm import VllmEngine
-    from harnessrl.engine.weight_sync import make_weight_sync
+    from harnessrl.engine.vllm.client import VllmEngine
+    from harnessrl.engine.select import make_weight_sync
+    from harnessrl.train.setup import sync_settings
     from harnessrl.train.policy import load_policy
 
     cfg = _attached(server, tmp_path)
     engine = VllmEngine([server.url], max_context_tokens=2048, model_dir=model_dir)
     try:
-        sync = make_weight_sync("vllm", engine, config=cfg, run_dir=tmp_path, model_dir=model_dir)
+        sync = make_weight_sync(cfg.engine, engine, sync_settings(cfg), run_dir=tmp_path, model_dir=model_dir)
         policy = load_policy(model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
         _perturb(policy.model, 0.02, seed=0)  # every tensor, the tied embeddings (and so the head) included
         report = sync.publish(policy, 1)
@@ -104,11 +105,11 @@ def test_an_attached_directory_sync_of_a_tied_model_reaches_its_head(server: Any
 
 def test_a_run_whose_sync_leaves_the_tied_head_stops_at_step_1(server: Any, model_dir: Path, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from harnessrl.engine import vllm_sync
+    from harnessrl.engine.vllm import sync as vllm_sync
     from harnessrl.engine.canary import CanaryError
-    from harnessrl.engine.vllm import VllmEngine
+    from harnessrl.engine.vllm.client import VllmEngine
     from harnessrl.train.policy import load_policy
-    from harnessrl.train.run import train
+    from harnessrl.train.loop import run as train
 
     # the server back on the model's own weights (the test before synced perturbed ones)
     engine = VllmEngine([server.url], max_context_tokens=2048, model_dir=model_dir)
@@ -137,9 +138,9 @@ def test_a_run_whose_sync_leaves_the_tied_head_stops_at_step_1(server: Any, mode
 
 
 def test_doctor_engine_passes_the_server_and_flags_a_stale_head(server: Any, model_dir: Path, tmp_path: Path) -> None:
-    from harnessrl.engine import vllm_sync
-    from harnessrl.engine.vllm import VllmEngine
-    from harnessrl.engine.vllm_doctor import diagnose_engine
+    from harnessrl.engine.vllm import sync as vllm_sync
+    from harnessrl.engine.vllm.client import VllmEngine
+    from harnessrl.engine.vllm.doctor import diagnose_engine
     from harnessrl.train.policy import load_policy
 
     policy = load_policy(model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)

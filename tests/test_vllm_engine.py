@@ -33,7 +33,7 @@ MESSAGES = [
 
 def require_vllm() -> Path:
     """The installed vLLM's python; skip without it, fail under HARNESSRL_REQUIRE_VLLM=1."""
-    from harnessrl.engine.vllm_install import vllm_python
+    from harnessrl.engine.vllm.install import vllm_python
 
     try:
         return vllm_python()
@@ -69,7 +69,7 @@ def model_dir() -> Path:
 @pytest.fixture(scope="module")
 def vllm_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     require_vllm()
-    from harnessrl.engine.vllm import make_vllm_engine
+    from harnessrl.engine.vllm.client import make_vllm_engine
 
     cfg = VllmEngineConfig(model="smollm2-135m", dtype="float32", max_context_tokens=512, threads="0-1")
     engine = make_vllm_engine(cfg, model_dir, tmp_path_factory.mktemp("vllm-logs"))
@@ -79,8 +79,8 @@ def vllm_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
-    from harnessrl.engine.chat import ChatLayer
-    from harnessrl.engine.messages import normalize_messages
+    from harnessrl.chat.layer import ChatLayer
+    from harnessrl.chat.messages import normalize_messages
     from harnessrl.engine.model_store import load_tokenizer
 
     chat = ChatLayer(load_tokenizer(model_dir))
@@ -106,7 +106,7 @@ def test_server_is_launched_with_its_log_in_the_run_dir(vllm_engine) -> None:
 
 
 def test_greedy_ids_equal_the_embedded_engine(vllm_engine, model_dir: Path, prompts: list[list[int]]) -> None:
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
 
     sampling = Sampling(temperature=0.0, max_tokens=24)
     from_vllm = _run(_generate_all(vllm_engine, prompts, sampling))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_vllm_engine import require_vllm
 
-from harnessrl.engine import vllm_install
+from harnessrl.engine.vllm import install as vllm_install
 from harnessrl.errors import EngineError
 
 

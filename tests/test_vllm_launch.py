@@ -33,7 +33,7 @@ from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
 from harnessrl.engine.config import VllmEngineConfig
 from harnessrl.engine.model_store import resolve_model
-from harnessrl.engine.vllm import start_vllm_engine
+from harnessrl.engine.vllm.client import start_vllm_engine
 from harnessrl.types import Sampling
 
 async def main():
@@ -142,7 +142,7 @@ def test_owner_killed_without_cleanup_takes_the_server_down(tmp_path: Path, owne
 
 def test_a_server_that_cannot_start_raises_with_its_log_and_leaves_nothing(tmp_path: Path) -> None:
     require_vllm()
-    from harnessrl.engine.vllm import make_vllm_engine
+    from harnessrl.engine.vllm.client import make_vllm_engine
 
     (tmp_path / "model").mkdir()  # no config.json: vLLM cannot load it
     cfg = VllmEngineConfig(max_context_tokens=1024, threads="0-1", startup_timeout_s=300)

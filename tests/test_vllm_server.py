@@ -18,8 +18,8 @@ import pytest
 from test_vllm_engine import group_pids
 
 from harnessrl.engine.config import VllmEngineConfig
-from harnessrl.engine.vllm import VllmEngine
-from harnessrl.engine.vllm_server import (SERVER_MODULE, cpu_slice, launch_servers, launch_servers_async,
+from harnessrl.engine.vllm.client import VllmEngine
+from harnessrl.engine.vllm.server import (SERVER_MODULE, cpu_slice, launch_servers, launch_servers_async,
                                           server_command, server_env, start_servers)
 from harnessrl.errors import EngineError
 from harnessrl.types import Sampling
@@ -162,7 +162,7 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(launcher: str, st
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    from harnessrl.engine import vllm_server
+    from harnessrl.engine.vllm import server as vllm_server
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

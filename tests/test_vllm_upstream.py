@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from fakes import in_process
 
-from harnessrl.engine.chat import ChatLayer
-from harnessrl.engine.vllm import VllmEngine, parse_completion, parse_token_id
+from harnessrl.chat.layer import ChatLayer
+from harnessrl.engine.vllm.client import VllmEngine, parse_completion, parse_token_id
 from harnessrl.errors import EngineError
 from harnessrl.train.samples import build_rows
 from harnessrl.types import Rollout, Trace
@@ -245,7 +245,7 @@ def test_a_server_in_raw_logprobs_mode_is_refused(fake_servers) -> None:
 def test_a_server_whose_processed_logprobs_skip_the_temperature_is_refused(fake_servers) -> None:
     """It passes the top_k=1 probe (its processed logprobs are 0 there) but its logprobs at
     T=0.5 are those of T=1: the two-temperature probe refuses it; a scaling server passes."""
-    from harnessrl.engine.vllm import check_temperature_scaling
+    from harnessrl.engine.vllm.client import check_temperature_scaling
 
     handler, url = fake_servers[0]
     VllmEngine([url]).close()  # scales the temperature: accepted

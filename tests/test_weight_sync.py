@@ -4,14 +4,17 @@ published version; `param_delta_l2` is the norm of the update itself (no weight 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
 
-from harnessrl.engine.weight_sync import InProcessWeightSync, WeightSync, make_weight_sync
+from harnessrl.engine.config import EmbeddedEngineConfig
+from harnessrl.engine.select import SyncSettings, make_weight_sync
+from harnessrl.engine.weight_sync import InProcessWeightSync, WeightSync
 from harnessrl.errors import ConfigError
-from harnessrl.train.losses import loss_fn_for
+from harnessrl.loss.losses import loss_fn_for
 from harnessrl.train.policy import load_policy
 from harnessrl.train.step import optimizer_step, update_l2
 from fakes import opposed_rows
@@ -76,13 +79,13 @@ def test_update_l2_rejects_other_optimizers() -> None:
 
 
 def test_in_process_sync_serves_the_published_version(tiny_model_dir: Path) -> None:
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.types import Sampling
 
     policy = load_policy(tiny_model_dir, learning_rate=1e-1, weight_decay=0.0, lora_rank=0)
     greedy = Sampling(temperature=0.0, max_tokens=4)
     with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
-        sync = make_weight_sync("embedded", engine)
+        sync = make_weight_sync(EmbeddedEngineConfig(), engine, SyncSettings(canary=False))
         assert isinstance(sync, WeightSync) and isinstance(sync, InProcessWeightSync)
         prompt = list(range(100, 120))
         first = engine.generate_blocking(prompt, greedy, timeout_s=60)
@@ -104,4 +107,4 @@ def test_in_process_sync_serves_the_published_version(tiny_model_dir: Path) -> N
 
 def test_unknown_engine_kind_has_no_sync() -> None:
     with pytest.raises(ConfigError, match="engine.kind='sglang'"):
-        make_weight_sync("sglang", object())
+        make_weight_sync(SimpleNamespace(kind="sglang", dtype="float32"), object())  # type: ignore[arg-type]

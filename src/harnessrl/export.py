@@ -76,7 +76,7 @@ def export_run(run_dir: Path, out_dir: Path, fmt: str = "openenv") -> ExportRepo
     from pydantic import ValidationError
 
     from harnessrl.jsonl import read_jsonl
-    from harnessrl.train.hooks import load_hooks
+    from harnessrl.hooks import load_hooks
     from harnessrl.train.samples import build_rows
     from harnessrl.types import Rollout
     from harnessrl.view.detail import run_build_kwargs

@@ -19,7 +19,7 @@ from typing import Literal
 
 from harnessrl.config import EngineConfig, RunConfig, TasksConfig
 from harnessrl.engine.base import Engine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.harness.base import Harness
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
@@ -53,7 +53,7 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | N
     """
     match cfg.kind:
         case "embedded":
-            from harnessrl.engine.embedded import EmbeddedEngine
+            from harnessrl.engine.embedded.engine import EmbeddedEngine
 
             return EmbeddedEngine(
                 model_dir,
@@ -67,7 +67,7 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | N
                 prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             )
         case "vllm":
-            from harnessrl.engine.vllm import make_vllm_engine
+            from harnessrl.engine.vllm.client import make_vllm_engine
 
             return make_vllm_engine(cfg, model_dir, run_dir)
 
@@ -76,7 +76,7 @@ async def start_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: P
     """`make_engine` for the runtime: launched vLLM servers are awaited while they start, so a
     stop signal during their start-up stops them at once."""
     if cfg.kind == "vllm" and not cfg.attached:
-        from harnessrl.engine.vllm import start_vllm_engine
+        from harnessrl.engine.vllm.client import start_vllm_engine
 
         return await start_vllm_engine(cfg, model_dir, run_dir)
     return make_engine(cfg, model_dir, seed, run_dir)

@@ -73,8 +73,8 @@ def sandbox_root(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.e2e
 async def test_fifty_faulty_rollouts_leave_nothing(tiny_model_dir: Path, sandbox_root: Path) -> None:
-    from harnessrl.engine.chat import ChatLayer
-    from harnessrl.engine.embedded import EmbeddedEngine
+    from harnessrl.chat.layer import ChatLayer
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harnessrl.config import load_config
-from harnessrl.rollout.evaluate import run_evaluation
+from harnessrl.run_rollouts import run_evaluation
 
 
 @pytest.mark.e2e

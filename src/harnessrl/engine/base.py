@@ -1,6 +1,6 @@
 """The `Engine` seam: token ids in, token ids and logprobs out.
 
-An engine never sees text or messages (the chat layer, `engine/chat.py`, renders those).
+An engine never sees text or messages (the chat layer, `chat/layer.py`, renders those).
 Invariant: `Completion.prompt_ids` is exactly the input it was given and
 `completion_logprobs[i]` is the log-probability of `completion_ids[i]` under the
 distribution it was actually drawn from (temperature, top-p, top-k applied), so a trainer
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from harnessrl.engine.stats import EngineStats
 from harnessrl.types import Completion, Sampling
 
 
@@ -29,6 +30,16 @@ class Engine(Protocol):
     @property
     def max_context_tokens(self) -> int:
         """Largest `len(prompt_ids) + max_tokens` the engine accepts."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids a completion stops on (the model's generation config)."""
+        ...
+
+    def stats(self) -> EngineStats | None:
+        """A snapshot of the engine's counters (prefix cache, batching, busy seconds) for the
+        step metrics; None for an engine that keeps none (a vLLM server's are its own)."""
         ...
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *,

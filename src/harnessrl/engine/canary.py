@@ -4,11 +4,11 @@ each engine replica must agree, or the run stops.
 Responsibility: catch a weight sync that reported success but left an engine serving other
 weights (a tied LM head a reload never refreshed, an adapter never loaded, a reload that
 missed a tensor) at the step it happens, not at step 0 only and not never. `CanarySync`
-wraps the run's `WeightSync` (`make_weight_sync` wraps it while `train.sync_canary` is on):
+wraps the run's `WeightSync` (`engine/select.make_weight_sync` wraps it while `train.sync_canary` is on):
 `publish(policy, version)` runs the inner publish, then
 
 1. the trainer scores `probe_ids(vocabulary size)` with the policy it just published
-   (`trainer_logprobs`: `train/packing.compute_trainer_logprobs` at temperature 1, the same
+   (`WeightSource.sequence_logprobs`: `train/packing.compute_trainer_logprobs` at temperature 1, the same
    function the loss and the step-0 check `step.sampler_parity` use, in the trainer's own
    weight dtype, no autocast);
 2. every replica scores the same ids (`prompt_logprobs(ids, replica)` of the engine: the
@@ -28,7 +28,7 @@ wraps the run's `WeightSync` (`make_weight_sync` wraps it while `train.sync_cana
    server's over HTTP), so the canary costs about one 256-id forward of wall time.
 
 Both sides score at temperature 1, where processed and raw logprobs are the same thing: the
-canary checks the weights, the start-up probe (`engine/vllm.py`) checks the sampling modes.
+canary checks the weights, the start-up probe (`engine/vllm/client.py`) checks the sampling modes.
 
 When it runs: inside the sync, after the engine serves the new version and before `publish`
 returns, so before the training loop grants the groups of the new version
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     import torch
 
     from harnessrl.engine.weight_sync import SyncReport, WeightSync
-    from harnessrl.train.policy import Policy
+    from harnessrl.engine.weight_sync import WeightSource
 
 PROBE_HALF = 128
 """Ids in each half of the probe (the second half repeats the first)."""
@@ -143,33 +143,9 @@ def sequence_logprobs(model: torch.nn.Module, ids: Sequence[int]) -> list[float]
         return lp.gather(-1, target[:, None])[:, 0].tolist()
 
 
-def policy_probe(policy: Policy) -> list[int]:
+def policy_probe(policy: WeightSource) -> list[int]:
     """`probe_ids` of the policy's vocabulary (its input embeddings' size)."""
-    return probe_ids(int(policy.model.get_input_embeddings().num_embeddings))
-
-
-def trainer_logprobs(policy: Policy, ids: Sequence[int]) -> list[float]:
-    """The trainer's side of the canary: `ids` scored by `policy.model` through
-    `packing.compute_trainer_logprobs` at temperature 1 (the loss's own path; under fsdp2 a
-    collective forward that every rank must join, `TrainerGroup.follow`)."""
-    import torch
-
-    from harnessrl.train.packing import compute_trainer_logprobs, pack_rows
-    from harnessrl.types import Row
-
-    n = len(ids)
-    row = Row(input_ids=tuple(ids), completion_mask=(0,) + (1,) * (n - 1), sampler_logprobs=(0.0,) * n,
-              policy_versions=(-1,) * n, rollout_id="canary", group_id=-1)
-    model = policy.model
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            (batch,) = pack_rows([row], token_budget=max(n, 64), share_prefixes=False)
-            lp_T = compute_trainer_logprobs(model, batch, temperature=1.0)
-    finally:
-        model.train(was_training)
-    return lp_T[1:].tolist()
+    return probe_ids(policy.vocab_size())
 
 
 def max_abs_dev(a: Sequence[float], b: Sequence[float]) -> tuple[float, int]:
@@ -259,7 +235,7 @@ class CanarySync:
         self._engine = engine
         self.bound = bound
 
-    def publish(self, policy: Policy, version: int) -> SyncReport:
+    def publish(self, policy: WeightSource, version: int) -> SyncReport:
         """`inner.publish`, then the canary; the report gains `canary_abs_dev` and `canary_seconds`.
 
         Raises:
@@ -272,8 +248,7 @@ class CanarySync:
         ids = policy_probe(policy)
         # the trainer's forward on this thread while the replicas score theirs; under fsdp2 the
         # forward is a collective the other ranks join once (`TrainerGroup.follow`), so only the probe
-        sharded = getattr(policy.ranks, "sharded", False)
-        reference = trainer_logprobs(policy, ids) if sharded else (lambda seq: trainer_logprobs(policy, seq))
+        reference = policy.sequence_logprobs(ids) if policy.sharded else policy.sequence_logprobs
         dev = check_replicas(self._engine, ids, reference, version=version, bound=self.bound)
         return replace(report, canary_abs_dev=dev, canary_seconds=time.perf_counter() - t0)
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EmbeddedEngineConfig(BaseModel):
-    """In-process transformers model with continuous batching (`engine/embedded.py`)."""
+    """In-process transformers model with continuous batching (`engine/embedded/engine.py`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -39,8 +39,8 @@ class EmbeddedEngineConfig(BaseModel):
 
 
 class VllmEngineConfig(BaseModel):
-    """vLLM server(s) over HTTP (`engine/vllm.py`): attached (`url` / `urls`) or launched and
-    owned by harnessrl (`engine/vllm_server.py`; `harnessrl engine install vllm` first).
+    """vLLM server(s) over HTTP (`engine/vllm/client.py`): attached (`url` / `urls`) or launched and
+    owned by harnessrl (`engine/vllm/server.py`; `harnessrl engine install vllm` first).
 
     The chat layer renders with the tokenizer of `model`, which must be the model the servers
     serve (an attached server's model is checked against it by name only when it is a path).
@@ -64,7 +64,7 @@ class VllmEngineConfig(BaseModel):
     """Largest prompt + completion length (`--max-model-len` of launched servers; an attached
     server's own limit must be at least this)."""
     weight_sync: Literal["directory", "lora", "nccl"] = "directory"
-    """How new weights reach the servers (`engine/vllm_sync.py`)."""
+    """How new weights reach the servers (`engine/vllm/sync.py`)."""
     sync_dir: str | None = None
     """Shared directory of the `directory` sync; None: `<run dir>/weights`."""
     max_lora_rank: int = Field(default=16, ge=1)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import fcntl
 import re
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from pydantic import BaseModel, ConfigDict
 
 from harnessrl.engine.model_store import cache_dir
 from harnessrl.errors import HarnessInstallError
+from harnessrl.subprocesses import run_step, system_python
 
 _RECORD_NAME = "installed.json"
 _INSTALL_TIMEOUT_S = 1800.0
@@ -233,11 +233,11 @@ def install_agent(name: str, log: Callable[[str], None] = print) -> InstallOutco
 def _install_pip(spec: AgentSpec, target: Path, log: Callable[[str], None]) -> None:
     venv = target / "venv"
     if not (venv / "bin" / "python").exists():
-        python = _system_python()
+        python = system_python()
         log(f"creating venv with {python} -m venv {venv}")
-        _run([python, "-m", "venv", str(venv)], _INSTALL_TIMEOUT_S, "python3 -m venv")
+        run_step([python, "-m", "venv", str(venv)], _INSTALL_TIMEOUT_S, "python3 -m venv")
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
-    _run([*pip, f"{spec.package}=={spec.version}"], _INSTALL_TIMEOUT_S, f"pip install {spec.package}")
+    run_step([*pip, f"{spec.package}=={spec.version}"], _INSTALL_TIMEOUT_S, f"pip install {spec.package}")
 
 
 def _install_npm(spec: AgentSpec, target: Path) -> None:
@@ -245,7 +245,7 @@ def _install_npm(spec: AgentSpec, target: Path) -> None:
     if npm is None:
         raise HarnessInstallError(f"agent {spec.name!r} needs npm (Node.js) on PATH; none found")
     argv = [npm, "install", "--prefix", str(target), "--no-audit", "--no-fund", "--no-save"]
-    _run([*argv, f"{spec.package}@{spec.version}"], _INSTALL_TIMEOUT_S, f"npm install {spec.package}")
+    run_step([*argv, f"{spec.package}@{spec.version}"], _INSTALL_TIMEOUT_S, f"npm install {spec.package}")
 
 
 def _installed_version(spec: AgentSpec, target: Path) -> str:
@@ -256,32 +256,8 @@ def _installed_version(spec: AgentSpec, target: Path) -> str:
             argv = [str(target / "venv" / "bin" / "python"), "-c", code]
         case "npm":
             argv = [str(target / spec.executable), "--version"]
-    out = _run(argv, _VERSION_TIMEOUT_S, f"{spec.name} version check").strip()
+    out = run_step(argv, _VERSION_TIMEOUT_S, f"{spec.name} version check").strip()
     last = out.splitlines()[-1].strip() if out else ""
     # npm CLIs decorate it (`codex-cli 0.171.0`, `2.1.332 (Claude Code)`): keep the version token.
     found = re.search(r"\d+\.\d+\.\d+\S*", last)
     return found.group(0) if found else last
-
-
-def _system_python() -> str:
-    """The system `python3` (`/usr/bin/python3` first: it lies under `/usr`, which sandboxes
-    bind read-only; an interpreter elsewhere would have to be bound too)."""
-    for candidate in ("/usr/bin/python3", shutil.which("python3")):
-        if candidate is not None and Path(candidate).is_file():
-            return candidate
-    raise HarnessInstallError("no system python3 found (/usr/bin/python3 or on PATH) to create the agent venv")
-
-
-def _run(argv: list[str], timeout_s: float, what: str) -> str:
-    try:
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL, check=False
-        )
-    except FileNotFoundError as exc:
-        raise HarnessInstallError(f"{what}: executable {argv[0]!r} not found") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise HarnessInstallError(f"{what}: did not finish within {timeout_s:.0f} s") from exc
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-2000:]
-        raise HarnessInstallError(f"{what}: exit code {proc.returncode}\n{tail}")
-    return proc.stdout + proc.stderr

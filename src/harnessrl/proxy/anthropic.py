@@ -56,7 +56,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from harnessrl.engine.chat import ToolCall, hermes_tool_call, normalize_messages, normalize_tools
+from harnessrl.chat.layer import ToolCall, hermes_tool_call, normalize_messages, normalize_tools
 from harnessrl.errors import RequestError
 from harnessrl.proxy import native
 from harnessrl.proxy.app import ProxyDeps, json_response, read_session_json

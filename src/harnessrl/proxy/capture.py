@@ -59,7 +59,7 @@ import orjson
 from pydantic import BaseModel
 
 from harnessrl.engine.base import Engine
-from harnessrl.engine.chat import ChatLayer, ParsedAssistant
+from harnessrl.chat.layer import ChatLayer, ParsedAssistant
 from harnessrl.errors import ContextLengthError, EngineError, RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import Session

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from harnessrl.engine.base import Engine
-from harnessrl.engine.chat import ChatLayer
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import ConfigError
 from harnessrl.proxy import anthropic, google, responses
 from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app, serve_post

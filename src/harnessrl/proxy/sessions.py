@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harnessrl.engine.chat import BridgePoint
+from harnessrl.chat.layer import BridgePoint
 from harnessrl.errors import ConfigError, RequestError
 from harnessrl.types import Trace, Turn
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import orjson
 
-from harnessrl.engine.chat import Message, normalize_messages, normalize_tools
-from harnessrl.engine.messages import IGNORED_MESSAGE_KEYS
+from harnessrl.chat.layer import Message, normalize_messages, normalize_tools
+from harnessrl.chat.messages import IGNORED_MESSAGE_KEYS
 from harnessrl.errors import RequestError
 
 USED_FIELDS = frozenset(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from harnessrl.train.hooks import RolloutOutcome, tool_call_names
+from harnessrl.hooks import RolloutOutcome, tool_call_names
 
 FORMAT_BONUS = 0.3
 """Most partial credit `action_format_credit` gives for well-formed replies."""

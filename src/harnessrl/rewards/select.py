@@ -57,7 +57,7 @@ def make_verifier_for(dotted: str | None, kwargs: dict[str, Any] | None = None) 
     """
     if dotted is None:
         return verifier_for
-    from harnessrl.train.hooks import load_hook
+    from harnessrl.hooks import load_hook
 
     factory = load_hook(dotted, what="tasks.verifier")
     try:

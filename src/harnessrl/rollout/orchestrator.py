@@ -45,7 +45,35 @@ from harnessrl.types import Group, Rollout
 log = logging.getLogger(__name__)
 
 
-class Orchestrator:
+class ReplacementTickets:
+    """The replacement tickets of dynamic sampling, kept by whoever grants tickets (`allow`)."""
+
+    _replaced: set[int]
+    """Groups given a replacement ticket by `replace`, not yet claimed."""
+
+    def allow(self, n_groups: int, replacing: int | None = None) -> None:
+        raise NotImplementedError
+
+    def replace(self, group_id: int) -> None:
+        """Grant one ticket for a group replacing completed group `group_id` (dynamic sampling),
+        in that group's grant, and remember it until `claim_replacements` takes it."""
+        self.allow(1, replacing=group_id)
+        self._replaced.add(group_id)
+
+    @property
+    def pending_replacements(self) -> int:
+        """Groups given a replacement by `replace` whose replacement no one has claimed yet:
+        tickets in flight beyond the allowance, legitimately."""
+        return len(self._replaced)
+
+    def claim_replacements(self, groups: Sequence[Group]) -> int:
+        """How many of `groups` (pulled now) had a replacement granted; those are claimed."""
+        ids = {g.group_id for g in groups} & self._replaced
+        self._replaced -= ids
+        return len(ids)
+
+
+class Orchestrator(ReplacementTickets):
     """Runs groups of rollouts concurrently; `get_group()` returns them as they complete."""
 
     def __init__(
@@ -65,13 +93,16 @@ class Orchestrator:
         group_sizes: Mapping[int, int] | None = None,
         on_group: Callable[[Group], Group] | None = None,
         order: Literal["completion", "dispatch"] = "completion",
+        allowance: int = 0,
     ) -> None:
         """`on_rollout` is called with each rollout as it finishes (progress displays);
         `group_sizes` gives some groups another number of rollouts than `group_size` (a resumed
         evaluation runs only the rollouts a group still lacks); `on_group` maps each completed
         group to the one `get_group` returns, as soon as it completes (the trainer shapes its
         rewards there, and may `allow` a replacement for a group without signal); `order` is the
-        delivery order of `get_group` (module docstring).
+        delivery order of `get_group` (module docstring). `allowance`: the groups kept granted
+        ahead of the consumer (training: `(train.max_staleness + 1) * train.groups_per_step`),
+        granted by `start` and topped up by `after_sync`; 0 leaves every grant to `allow`.
 
         Raises:
             ValueError: `group_size` or `max_concurrent_rollouts` < 1, or another `order`.
@@ -113,6 +144,8 @@ class Orchestrator:
         self._idle_s = 0.0
         self._on_rollout = on_rollout
         self._on_group = on_group
+        self.allowance = allowance
+        self._replaced: set[int] = set()
 
     def allow(self, n_groups: int, replacing: int | None = None) -> None:
         """Let `n_groups` more groups be dispatched (one grant: with "dispatch" order, they are
@@ -131,8 +164,18 @@ class Orchestrator:
             self._ticket_grant.append(grant)
             self._tickets.release()
 
+    def after_sync(self, more: bool = True) -> None:
+        """A weight sync made the engine serve a new policy version: top the groups granted and
+        not yet handed out up to the allowance plus the unclaimed replacements (DESIGN.md §6),
+        so a replacement left over takes a new ticket's place. `more = False` (the last step):
+        grant nothing, the groups would only be cancelled."""
+        if more:
+            self.allow(self.allowance + self.pending_replacements - self.groups_outstanding)
+
     def start(self) -> None:
+        """Start dispatching; the first `allowance` tickets are granted now."""
         if self._dispatcher is None:
+            self.allow(self.allowance)
             self._dispatcher = asyncio.create_task(self._dispatch(), name="orchestrator-dispatch")
 
     async def get_group(self, on_wait: Callable[[], None] | None = None, poll_s: float = 0.5) -> Group:

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from math import comb
 
-from harnessrl.train.hooks import training_reward
+from harnessrl.hooks import training_reward
 from harnessrl.types import Group, Rollout
 
 

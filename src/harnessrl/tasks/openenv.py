@@ -162,7 +162,7 @@ class OpenEnvSource:
     """
 
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None, path: str | None = None) -> None:
-        from harnessrl.train.hooks import load_hook
+        from harnessrl.hooks import load_hook
 
         cls = load_hook(factory, what="tasks.factory")
         try:

@@ -53,7 +53,7 @@ def load_python_source(dotted: str, kwargs: dict[str, Any]) -> TaskSource:
         ConfigError: import failure, the call raised, an empty or wrong-typed result, or a
             source whose first task is not a `Task`; the message names `tasks.source`.
     """
-    from harnessrl.train.hooks import load_hook
+    from harnessrl.hooks import load_hook
 
     factory = load_hook(dotted, what="tasks.source")
     try:

@@ -43,7 +43,7 @@ def step_line(step: int, steps: int, m: dict[str, Any]) -> str:
 
 def skip_reason(m: dict[str, Any]) -> str:
     """Why a step has no row to train, from its row counts (`rows_built` and the
-    `rows_*_dropped` counts of `run._rows_for_step`)."""
+    `rows_*_dropped` counts of `rows.rows_for_step`)."""
     if not m.get("rows_built"):
         return "no trainable turn (no rollout has a sampled token to train)"
     dropped = {

@@ -23,7 +23,7 @@ Strategies (`train.strategy`):
     reduce-scatters. Full weights for `WeightSync` and checkpoints are gathered on rank 0
     (`full_state_dict`, collective). Runs on CPU with gloo (torch 2.13) as well as on CUDA.
 
-What it does not do: pick what to train (`run.py`), the step (`step.py`), or the commands that
+What it does not do: pick what to train (`loop.py`), the step (`step.py`), or the commands that
 keep ranks in step (`trainer_group.py`).
 """
 

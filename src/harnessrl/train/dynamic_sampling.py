@@ -17,10 +17,11 @@ Responsibility:
     and a rollout recent enough to train at the step's policy version), it pulls one more
     group, at most N a step. A pull is backed by the early grant of a flat group the
     step holds (its replacement is already in flight), or by a new ticket.
-  * `pending_replacements`: flat groups given an early replacement and not yet pulled. When a
+  * The tickets are the orchestrator's (`Orchestrator.replace`, `claim_replacements`,
+    `pending_replacements`: flat groups given an early replacement and not yet pulled). When a
     step holds more such flat groups than it may draw (the bound N), their replacements stay
-    in flight with no flat group to stand in for: the loop counts them when it tops up the
-    groups in flight after a weight sync (`train/run.py`), so the surplus takes the place of
+    in flight with no flat group to stand in for: the orchestrator counts them when it tops up
+    the groups in flight after a weight sync (`Orchestrator.after_sync`), so the surplus takes the place of
     a new ticket instead of pushing every later group one position back. (Counted with a
     single counter spent by any pull, such a surplus stayed in flight for good, and from then
     on one group a step arrived a version too stale and was dropped.)
@@ -28,7 +29,7 @@ Responsibility:
     a non-zero advantage (`usable`). A group with signal whose only fresh rollout has advantage
     0 (GRPO's mean reward) would train a zero-advantage row and nothing else.
   * A group too stale to train counts as one without signal: its rows would all be dropped by
-    `train.max_staleness` (`train/run._rows_for_step`). A replacement left over at the bound
+    `train.max_staleness` (`train/rows.rows_for_step`). A replacement left over at the bound
     is generated early and taken by the next step, which can find it two versions old; counted
     as usable, such a group made the step train on one group, or on none (at N = 6, lr 5e-5,
     seed 2: step 58 of 68 dropped all 8 of its rows as stale and skipped its update).
@@ -47,15 +48,24 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from harnessrl.train.hooks import shape_group, training_reward
+from harnessrl.hooks import shape_group, training_reward
 from harnessrl.types import Group
 
 
 class _Orchestrator(Protocol):
+    """What dynamic sampling asks of the orchestrator, which owns every ticket."""
+
     def allow(self, n_groups: int, replacing: int | None = None) -> None: ...
+
+    def replace(self, group_id: int) -> None: ...
+
+    @property
+    def pending_replacements(self) -> int: ...
+
+    def claim_replacements(self, groups: Sequence[Group]) -> int: ...
 
     async def get_group(self) -> Group: ...
 
@@ -75,7 +85,7 @@ def is_fresh(group: Group, version: int, max_staleness: int) -> bool:
 
 def signal_mask(group: Group, advantage_fn: Any) -> list[bool]:
     """Per rollout of the (shaped) `group`: whether its advantage under `advantage_fn`
-    (`train/advantages.py`) is non-zero, so that its rows carry a gradient. All False for a
+    (`loss/advantages.py`) is non-zero, so that its rows carry a gradient. All False for a
     zero-variance group (all rewards equal, or fewer than two scored) and for rollouts without
     a reward (advantage None)."""
     advantages = advantage_fn([training_reward(r) for r in group.rollouts]).advantages_G
@@ -102,14 +112,6 @@ class DynamicSampling:
         self._advantage_fn = advantage_fn
         self._max_staleness = max_staleness
         self._orch: _Orchestrator | None = None
-        self._replaced: set[int] = set()
-        """Ids of flat groups given a replacement at completion and not yet pulled."""
-
-    @property
-    def pending_replacements(self) -> int:
-        """Flat groups whose replacement was granted at completion and that no step has pulled
-        yet: groups in flight beyond the base allowance, legitimately."""
-        return len(self._replaced)
 
     def bind(self, orch: _Orchestrator) -> None:
         self._orch = orch
@@ -121,17 +123,10 @@ class DynamicSampling:
         """The completed `group`, shaped; grants a replacement at once for one without signal
         (while fewer than `max_extra` early grants are pending)."""
         shaped = shape_group(group, self._reward_fn)
-        if len(self._replaced) < self.max_extra and not self.has_signal(shaped):
-            assert self._orch is not None, "DynamicSampling.bind was not called"
-            self._orch.allow(1, replacing=group.group_id)  # handed out in its place, not later
-            self._replaced.add(group.group_id)
+        assert self._orch is not None, "DynamicSampling.bind was not called"
+        if self._orch.pending_replacements < self.max_extra and not self.has_signal(shaped):
+            self._orch.replace(group.group_id)  # handed out in its place, not later
         return shaped
-
-    def _credits(self, groups: list[Group]) -> int:
-        """Early grants of `groups` (now pulled): replacements already in flight for them."""
-        ids = {g.group_id for g in groups} & self._replaced
-        self._replaced -= ids
-        return len(ids)
 
     def usable(self, group: Group, version: int | None = None) -> bool:
         """Whether `group` gives the update at policy `version` a gradient: one of its rollouts
@@ -149,7 +144,7 @@ class DynamicSampling:
         the next completed group (in place), at most `max_extra` times; returns the number
         drawn."""
         assert self._orch is not None, "DynamicSampling.bind was not called"
-        credits = self._credits(groups)
+        credits = self._orch.claim_replacements(groups)
         extra = 0
         while extra < self.max_extra and sum(self.usable(g, version) for g in groups) < need:
             if credits:
@@ -157,7 +152,7 @@ class DynamicSampling:
             else:
                 self._orch.allow(1)
             group = await self._orch.get_group()
-            credits += self._credits([group])
+            credits += self._orch.claim_replacements([group])
             groups.append(group)
             extra += 1
         return extra

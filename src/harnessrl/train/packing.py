@@ -67,7 +67,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from harnessrl.train.losses import LossInputs
+from harnessrl.loss.losses import LossInputs
 from harnessrl.train.token_logprobs import token_logprobs
 from harnessrl.types import Row
 

@@ -6,8 +6,11 @@ step (LoRA adapters merged), keep the KL reference (the initial weights, frozen)
 logprobs, and save / restore checkpoints in HF `save_pretrained` format plus
 `trainer_state.pt` (optimizer, step, policy version, data position).
 
-What it does not do: compute losses (`losses.py`), move weights to the engine
-(`engine/weight_sync.py`) or decide when to sync (`run.py`).
+`Policy` is the `WeightSource` the engine's weight syncs read (`engine/weight_sync.py`); the
+check for NaN/inf weights (`check_finite`, `NonFiniteWeightsError`) is the seam's, imported here.
+
+What it does not do: compute losses (`loss/losses.py`), move weights to the engine
+(`engine/weight_sync.py`) or decide when to sync (`train/loop.py`).
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from harnessrl.errors import ConfigError, HarnessRLError
+from harnessrl.engine.weight_sync import check_finite
+from harnessrl.errors import ConfigError
+from harnessrl.types import Row
 from harnessrl.train.distributed import SINGLE, Ranks, full_optimizer_state, full_state_dict, load_full_state, wrap_model
 
 log = logging.getLogger(__name__)
@@ -53,6 +59,54 @@ class Policy:
     def trained(self) -> torch.nn.Module:
         """The module to pass to `optimizer_step`: `wrapped` when distributed, else `model`."""
         return self.wrapped if self.wrapped is not None else self.model
+
+    # the `WeightSource` a weight sync reads (engine/weight_sync.py)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the weights are sharded over ranks (fsdp2)."""
+        return self.ranks.sharded
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """`export_weights(self)`: full merged weights, detached (the live parameters of full
+        fine-tuning).
+
+        Raises:
+            NonFiniteWeightsError: a weight is NaN or inf.
+        """
+        return export_weights(self)
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's tensors (state-dict names holding `lora_`); `{}` without LoRA."""
+        return {k: v for k, v in self.model.state_dict().items() if "lora_" in k} if self.lora else {}
+
+    def save_adapter(self, directory: Path) -> None:
+        """The LoRA adapter in peft's format (`save_pretrained`) in `directory`."""
+        self.model.save_pretrained(str(directory))
+
+    def vocab_size(self) -> int:
+        """Rows of the input embeddings."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    def sequence_logprobs(self, ids: Sequence[int]) -> list[float]:
+        """Logprobs at temperature 1 of `ids[1:]` given the ids before each (nats, len(ids) - 1
+        floats), through `packing.compute_trainer_logprobs`, the loss's own path, in eval mode
+        without gradient (under fsdp2 a collective forward every rank joins,
+        `TrainerGroup.follow`)."""
+        from harnessrl.train.packing import compute_trainer_logprobs, pack_rows
+
+        n = len(ids)
+        row = Row(input_ids=tuple(ids), completion_mask=(0,) + (1,) * (n - 1), sampler_logprobs=(0.0,) * n,
+                  policy_versions=(-1,) * n, rollout_id="canary", group_id=-1)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                (batch,) = pack_rows([row], token_budget=max(n, 64), share_prefixes=False)
+                lp_T = compute_trainer_logprobs(self.model, batch, temperature=1.0)
+        finally:
+            self.model.train(was_training)
+        return lp_T[1:].tolist()
 
 
 def reference_logprobs(policy: Policy, packed: Any, temperature: float) -> torch.Tensor:
@@ -119,26 +173,6 @@ def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, l
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=True)
     return Policy(model=model, optimizer=optimizer, lora=lora, reference=frozen, has_reference=reference,
                   wrapped=wrapped, ranks=ranks)
-
-
-class NonFiniteWeightsError(HarnessRLError):
-    """The trainer's weights hold a NaN or inf: they are neither pushed to the engine nor saved."""
-
-
-def check_finite(weights: dict[str, torch.Tensor]) -> None:
-    """Raise `NonFiniteWeightsError` naming the first tensors (up to 3) holding a NaN or inf.
-
-    Exact and cheap: a tensor whose sum is finite holds no NaN or inf (either would make the
-    sum NaN or inf), which one reduction shows; only a tensor whose sum is not finite (a NaN or
-    inf in it, or a finite overflow) is checked element by element. `isfinite(t).all()` on
-    every tensor took 2-3 s per call on the 135M model (1 thread), the sums 0.2 s.
-    """
-    bad = [name for name, t in weights.items()
-           if t.is_floating_point() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all())]
-    if bad:
-        raise NonFiniteWeightsError(
-            f"trainer weights hold NaN/inf in {len(bad)} tensor(s), e.g. {bad[:3]}: not pushed to the "
-            "engine, not saved; resume from the last checkpoint (lower train.learning_rate)")
 
 
 def export_weights(policy: Policy, copy: bool = False) -> dict[str, torch.Tensor]:

@@ -43,7 +43,7 @@ Merging (DESIGN.md §5). Each turn is merged into the row holding its parent's t
     divergence (mask 0), append.
   * FORK: otherwise, or for the root of a later chain: the row ends at the previous turn
     (its completion stays trained) and a new row starts whose prompt is context.
-  With bridged rendering (`engine/chat.py`) an agent's next prompt starts with the exact ids
+  With bridged rendering (`chat/layer.py`) an agent's next prompt starts with the exact ids
   of its previous turn, so its turns merge CLEAN; REALIGN and FORK remain for prompts that
   re-render history (compaction, rewritten messages, sub-agents, templates bridging misses).
 

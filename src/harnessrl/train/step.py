@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harnessrl.train.distributed import (SINGLE, Ranks, all_reduce, gather_objects, inner_module, local_tensor,
                                          split_by_tokens, zero_contribution)
-from harnessrl.train.losses import LossFn
+from harnessrl.loss.losses import LossFn
 from harnessrl.train.packing import (PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows,
                                      segment_attention)
 from harnessrl.types import Row

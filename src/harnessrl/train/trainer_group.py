@@ -47,7 +47,7 @@ class TrainerGroup:
     """
 
     def __init__(self, cfg: RunConfig, ranks: Ranks = SINGLE) -> None:
-        from harnessrl.train.losses import loss_fn_for
+        from harnessrl.loss.losses import loss_fn_for
 
         self.cfg = cfg
         self.ranks = ranks
@@ -134,14 +134,13 @@ class TrainerGroup:
                 case "update_norm":
                     self._update_norm()
                 case "export":
-                    from harnessrl.train.policy import export_weights
-
-                    export_weights(self._policy())
+                    policy = self._policy()
+                    policy.export_weights()
                     if self.ranks.sharded and self.cfg.train.sync_canary:
-                        from harnessrl.engine.canary import policy_probe, trainer_logprobs
+                        from harnessrl.engine.canary import policy_probe
 
                         # the canary's trainer forward after the publish (`CanarySync`): collective
-                        trainer_logprobs(self._policy(), policy_probe(self._policy()))
+                        policy.sequence_logprobs(policy_probe(policy))
                 case "save":
                     self._save(None, *args)
                 case "restore":

@@ -22,6 +22,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from harnessrl.hooks import Hooks
 from harnessrl.train.samples import build_rows, classify_main, common_prefix_len, find_parents
 from harnessrl.types import Rollout, Row, Turn, check_turn_faithful
 
@@ -39,16 +40,17 @@ def build_kwargs(index: RunIndex, hooks: dict[str, Callable[..., Any]]) -> dict[
     return run_build_kwargs(index.cfg, hooks)
 
 
-def run_build_kwargs(cfg: Any, hooks: dict[str, Callable[..., Any]]) -> dict[str, Any]:
+def run_build_kwargs(cfg: Any, hooks: Hooks) -> dict[str, Any]:
     """`build_rows` keyword arguments from a run config's `[train]` and its hooks: each
     `[train]` setting `build_rows` takes (e.g. `train_auxiliary`), and the row hooks."""
     import inspect
 
     accepted = inspect.signature(build_rows).parameters
     kwargs: dict[str, Any] = {k: v for k, v in cfg.train.model_dump().items() if k in accepted and k != "rollout"}
-    for name in ("train_turn_fn", "agent_turn_fn"):
-        if name in accepted:
-            kwargs[name] = hooks.get(name)
+    if "train_turn_fn" in accepted:
+        kwargs["train_turn_fn"] = hooks.train_turn_fn
+    if "agent_turn_fn" in accepted:
+        kwargs["agent_turn_fn"] = hooks.agent_turn_fn
     return kwargs
 
 
@@ -56,7 +58,7 @@ def rollout_rows(rollout: Rollout, advantage: float | None, kwargs: dict[str, An
     """The rollout's training rows exactly as the trainer builds them, advantage stamped
     (0.0 when the rollout is unscored or its group has zero variance: such rows are dropped
     by the trainer, and the page says so)."""
-    from harnessrl.train.advantages import stamp_advantage
+    from harnessrl.loss.advantages import stamp_advantage
 
     rows, _ = build_rows(rollout, **kwargs)
     return stamp_advantage(rows, 0.0 if advantage is None else advantage)
@@ -76,7 +78,7 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
     """
     rollout = index.read(i)
     summary = {k: v for k, v in index.summaries[i].items() if k not in ("offset", "length")}
-    from harnessrl.train.advantages import stamp_advantage
+    from harnessrl.loss.advantages import stamp_advantage
 
     kwargs = build_kwargs(index, hooks)
     built, stats = build_rows(rollout, **kwargs)

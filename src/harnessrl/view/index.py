@@ -108,14 +108,14 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
     Raises:
         ConfigError: not a run directory, or its config / reward hook does not load.
     """
-    from harnessrl.train.advantages import advantage_fn_for
-    from harnessrl.train.hooks import load_hooks, reshape_reward
+    from harnessrl.loss.advantages import advantage_fn_for
+    from harnessrl.hooks import load_hooks, reshape_reward
 
     run_dir = Path(run_dir)
     cfg = cfg or load_run_config(run_dir)
     reward_fn = None
     try:
-        reward_fn = load_hooks(cfg.hooks).get("rollout_reward_fn")
+        reward_fn = load_hooks(cfg.hooks).rollout_reward_fn
     except ConfigError as exc:  # only needed for records without train_reward
         log.warning("the run's reward hook does not load (%s): rewards without train_reward use the verifier's", exc)
     metrics_path = run_dir / "metrics.jsonl"

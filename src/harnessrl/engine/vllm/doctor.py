@@ -68,7 +68,7 @@ def diagnose_engine(url: str, model_dir: Path, *, model: str = "", served_model:
     """Run the checks of the module docstring against the server at `url` (base URL, no
     `/v1`) for the trainer's model in `model_dir`; `lora`: the server runs with
     `--enable-lora` (the canary then samples after its probe, `VllmEngine.score_probe`)."""
-    from harnessrl.engine.vllm import VllmEngine
+    from harnessrl.engine.vllm.client import VllmEngine
 
     report = EngineReport(url=url.rstrip("/"), model=model or str(model_dir))
     add = report.checks.append
@@ -86,7 +86,7 @@ def diagnose_engine(url: str, model_dir: Path, *, model: str = "", served_model:
         except EngineError as exc:
             add(EngineCheck("logprob mode", False, str(exc)))
         try:
-            from harnessrl.engine.vllm import PROBE_TEMPERATURES, check_temperature_scaling
+            from harnessrl.engine.vllm.client import PROBE_TEMPERATURES, check_temperature_scaling
 
             gaps = {t: engine.temperature_gaps(engine.replica_urls[0], t) for t in PROBE_TEMPERATURES}
             ratio = check_temperature_scaling(engine.replica_urls[0], gaps)
@@ -102,7 +102,7 @@ def diagnose_engine(url: str, model_dir: Path, *, model: str = "", served_model:
 
 
 def _tied_head_check(engine: object, model_dir: Path) -> EngineCheck:
-    from harnessrl.engine.vllm_sync import served_root
+    from harnessrl.engine.vllm.sync import served_root
 
     url = engine.replica_urls[0]  # type: ignore[attr-defined]
     try:

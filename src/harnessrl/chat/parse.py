@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from harnessrl.engine.messages import ToolCall
+from harnessrl.chat.messages import ToolCall
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -37,14 +37,14 @@ because they decide which tokens the model sees:
 
 Parsing decodes the completion without its trailing EOS id and without special tokens and cuts
 the text where the first of the request's stop strings begins; what the text means (reasoning,
-tool calls, content) is `engine/parse.py`'s (`parse_text`, its docstring has the rules).
+tool calls, content) is `chat/parse.py`'s (`parse_text`, its docstring has the rules).
 
-Exact-input caches (`engine/rendercache.py`): a render is cached by its messages, tools and
+Exact-input caches (`chat/rendercache.py`): a render is cached by its messages, tools and
 generation-prompt flag, and the ids of a rendered prompt text by that text (`render_cache_chars`,
 `prompt_cache_ids`), so a prompt sent again costs a lookup; what is returned is what the same
 input rendered or encoded before.
 
-Bridged rendering (DESIGN.md §5) is `engine/bridging.py`'s (`BridgedRendering`, which `ChatLayer`
+Bridged rendering (DESIGN.md §5) is `chat/bridging.py`'s (`BridgedRendering`, which `ChatLayer`
 extends): a request that extends an earlier turn gets that turn's exact ids as its head.
 
 What this module deliberately does not do: talk HTTP, sample, or build training rows. The
@@ -65,11 +65,11 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from harnessrl.engine.bridging import BridgedRendering, BridgePoint, PromptPlan, json_or_str, same_replay
-from harnessrl.engine.messages import Message, Role, ToolCall, normalize_messages, normalize_tools
-from harnessrl.engine.parse import ParsedAssistant, default_eos, fast_decode, parse_text
-from harnessrl.engine.rendercache import LruCache, render_key
-from harnessrl.engine.tokencache import SegmentEncoder
+from harnessrl.chat.bridging import BridgedRendering, BridgePoint, PromptPlan, json_or_str, same_replay
+from harnessrl.chat.messages import Message, Role, ToolCall, normalize_messages, normalize_tools
+from harnessrl.chat.parse import ParsedAssistant, default_eos, fast_decode, parse_text
+from harnessrl.chat.rendercache import LruCache, render_key
+from harnessrl.chat.tokencache import SegmentEncoder
 from harnessrl.errors import RequestError
 
 if TYPE_CHECKING:
@@ -77,8 +77,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BridgePoint", "ChatLayer", "Message", "ParsedAssistant", "PromptPlan", "Role", "ToolCall",
            "hermes_tool_call", "normalize_messages", "normalize_tools", "same_replay"]
-"""Message records and their validation live in `engine/messages.py`, the meaning of a completion's
-text in `engine/parse.py`, bridging's records in `engine/bridging.py`; re-exported here."""
+"""Message records and their validation live in `chat/messages.py`, the meaning of a completion's
+text in `chat/parse.py`, bridging's records in `chat/bridging.py`; re-exported here."""
 
 TOOL_SYSTEM_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -1,6 +1,6 @@
 """The loss's configuration: one typed model per `train.loss.kind`, a discriminated union.
 
-Responsibility: the knobs of each loss variant in `train/losses.py`, validated at config load
+Responsibility: the knobs of each loss variant in `loss/losses.py`, validated at config load
 without importing torch. Each variant accepts only the knobs its formula uses, so a knob of
 another variant (e.g. `epsilon_low` under `cispo`) fails at load, naming the key.
 

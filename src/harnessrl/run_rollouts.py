@@ -60,10 +60,10 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
     from harnessrl.config import check_run
     from harnessrl.log import setup_logging
     from harnessrl.proxy.server import run_loop
-    from harnessrl.train.hooks import load_hooks, shape_group
+    from harnessrl.hooks import load_hooks, shape_group
 
     check_run(cfg)
-    reward_fn = load_hooks(cfg.hooks).get("rollout_reward_fn")
+    reward_fn = load_hooks(cfg.hooks).rollout_reward_fn
     out_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     setup_logging(cfg.log.level, out_dir / "run.log", console=console)

@@ -4,7 +4,7 @@ Responsibility: turn an agent's `messages` and `tools` (OpenAI chat-completions 
 as a string or a list of text parts) into frozen `Message` / `ToolCall` records, or raise
 `RequestError` naming the offending field (`messages[3].role`, `tools[0].function.name`). The
 protocol adapters (Responses, Anthropic Messages, Google) convert to this shape first, so this
-is the one validation of what a model will see. Rendering and parsing are `engine/chat.py`'s.
+is the one validation of what a model will see. Rendering and parsing are `chat/layer.py`'s.
 """
 
 from __future__ import annotations

@@ -26,12 +26,12 @@ distribution, labelled with the policy version the request was sent under.
   the fewest keys (of the last `AFFINITY_KEYS_KEPT` seen, or fewer after `forget`; ties: fewest
   requests in flight); no key: fewest in flight.
 
-Validation: `engine/vllm_validate.py` (`parse_completion`, `status_error`): a fault is an
+Validation: `engine/vllm/validate.py` (`parse_completion`, `status_error`): a fault is an
 `EngineError` (an error turn, never trained) or, for logprob values only, passed through for
 `types.check_turn_faithful` to mark the turn unfaithful.
 
-What it does not do: launch servers (`engine/vllm_server.py`) or move weights
-(`engine/vllm_sync.py`), or pause a server around an update (the sync does that itself).
+What it does not do: launch servers (`engine/vllm/server.py`) or move weights
+(`engine/vllm/sync.py`), or pause a server around an update (the sync does that itself).
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from harnessrl.engine.vllm_validate import loads_body, parse_completion, parse_token_id, status_error
+from harnessrl.engine.vllm.validate import loads_body, parse_completion, parse_token_id, status_error
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
 
 if TYPE_CHECKING:
     from harnessrl.engine.config import VllmEngineConfig
-    from harnessrl.engine.vllm_server import VllmServer
+    from harnessrl.engine.vllm.server import VllmServer
 
 __all__ = ["SERVED_MODEL", "VllmEngine", "make_vllm_engine", "parse_completion", "parse_prompt_logprobs",
            "parse_token_id", "request_body", "start_vllm_engine"]
@@ -156,6 +156,10 @@ class VllmEngine:
     def eos_token_ids(self) -> tuple[int, ...]:
         """EOS ids of the model's generation config (what vLLM stops on); () without `model_dir`."""
         return self._eos
+
+    def stats(self) -> None:
+        """None: a vLLM server keeps its own counters (its `/metrics`), not in the step metrics."""
+        return None
 
     def set_policy(self, version: int, *, model: str | None = None) -> None:
         """Requests sent from now on use `model` (a LoRA adapter name; None: the base model)
@@ -466,7 +470,7 @@ def make_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Path | Non
     """
     if cfg.attached:
         return VllmEngine(cfg.server_urls, **_engine_kwargs(cfg, model_dir))
-    from harnessrl.engine.vllm_server import launch_servers
+    from harnessrl.engine.vllm.server import launch_servers
 
     servers = launch_servers(cfg, _served_dir(cfg, model_dir), _log_dir(run_dir), served_model=SERVED_MODEL)
     return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers,
@@ -478,7 +482,7 @@ async def start_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Pat
     signal) stops the servers at once. Raises like `make_vllm_engine`."""
     if cfg.attached:
         return VllmEngine(cfg.server_urls, **_engine_kwargs(cfg, model_dir))
-    from harnessrl.engine.vllm_server import launch_servers_async
+    from harnessrl.engine.vllm.server import launch_servers_async
 
     servers = await launch_servers_async(cfg, _served_dir(cfg, model_dir), _log_dir(run_dir), served_model=SERVED_MODEL)
     return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers,
@@ -495,14 +499,14 @@ def _log_dir(run_dir: Path | None) -> Path:
     import os
     import time
 
-    from harnessrl.engine.vllm_install import vllm_dir
+    from harnessrl.engine.vllm.install import vllm_dir
 
     return run_dir if run_dir is not None else vllm_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def _served_dir(cfg: VllmEngineConfig, model_dir: Path) -> Path:
     if cfg.weight_sync == "directory":  # tied embeddings untied, or reloads miss the LM head (vllm_sync)
-        from harnessrl.engine.vllm_sync import serving_dir
+        from harnessrl.engine.vllm.sync import serving_dir
 
         return serving_dir(model_dir)
     return model_dir

@@ -1,7 +1,7 @@
 """One decode step of a Llama-family causal LM, written against its weights directly.
 
 Responsibility: compute the next-token logits `[B, V]` of B rows that each feed one id, over
-the engine's KV batch (`engine/batch.py`: slots whose layers write each row's new column in
+the engine's KV batch (`engine/embedded/batch.py`: slots whose layers write each row's new column in
 place), with the same arithmetic as transformers' modules (`LlamaRMSNorm`, `LlamaRotaryEmbedding`,
 `apply_rotary_pos_emb`, SDPA over the key/value heads as transformers' `pack_gqa` does for one
 query, `LlamaMLP`) but without their per-call overhead: on CPU at batch 8 the 30 layers of

@@ -1,4 +1,4 @@
-"""Validation of what a vLLM server answers to `/v1/completions` (used by `engine/vllm.py`).
+"""Validation of what a vLLM server answers to `/v1/completions` (used by `engine/vllm/client.py`).
 
 Responsibility: turn a response (status, raw body) into (completion ids, logprobs, finish
 reason) that can be trusted, or an `EngineError` naming the field that cannot.
@@ -8,7 +8,7 @@ Every fault is either an `EngineError` (the proxy records an error turn and answ
 `types.check_turn_faithful` marks the turn unfaithful (the agent still gets its reply; the
 tokens never train):
   * error: HTTP status != 200 (a 400 about the context length is `ContextLengthError`), a body
-    that is not JSON or was cut short, a timeout (`engine/vllm.py`), no/empty `choices`, missing `token_ids`, an id
+    that is not JSON or was cut short, a timeout (`engine/vllm/client.py`), no/empty `choices`, missing `token_ids`, an id
     that is not a non-negative int or a `"token_id:N"` string (`"token_id:0"` is id 0), a
     count of logprobs != count of ids, `usage` that disagrees with the ids, `prompt_token_ids`
     that differ from the prompt sent, more ids than `max_tokens`, a `finish_reason` other than

@@ -16,9 +16,9 @@ slot; a row leaving moves the rows after it down one slot (their real columns on
 buffers shrink when they hold more than twice what the rows need.
 
 What it deliberately does not do: paged/blocked memory, prefix sharing (the prefix cache,
-`engine/prefix_cache.py`, keeps its own copies: `row_kv`), sliding-window layers (only
+`engine/embedded/prefix_cache.py`, keeps its own copies: `row_kv`), sliding-window layers (only
 full-attention `DynamicLayer` models such as Llama/SmolLM2/Qwen2), prefill (the engine
-prefills prompts in their own caches, `engine/prefill.py`, and adds them).
+prefills prompts in their own caches, `engine/embedded/prefill.py`, and adds them).
 `BufferedLayer` (a left-aligned buffer with spare columns) is the prefill scheduler's layout
 for several prompts in one forward.
 """

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
-from harnessrl.engine.messages import Message
+from harnessrl.chat.messages import Message
 
 V = TypeVar("V")
 

@@ -16,7 +16,7 @@ to history (reasoning stripped, tool calls re-serialised, whitespace normalised)
 prompt extends the row (CLEAN). A request that extends no point (compaction, rewritten history,
 a sub-agent, other tools) renders normally.
 
-`BridgedRendering` holds these methods; `engine/chat.py`'s `ChatLayer` extends it and supplies
+`BridgedRendering` holds these methods; `chat/layer.py`'s `ChatLayer` extends it and supplies
 what they use: `render_marked`, `encode`, `parse` and `eos_token_ids`, and calls `_init_bridging`
 with its tokenizer once `eos_token_ids` is set.
 """
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harnessrl.engine.messages import Message
-from harnessrl.engine.parse import ParsedAssistant
+from harnessrl.chat.messages import Message
+from harnessrl.chat.parse import ParsedAssistant
 from harnessrl.errors import RequestError
 
 

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from harnessrl.errors import ConfigError
 from harnessrl.types import Group, Rollout, Turn
@@ -134,18 +134,38 @@ HOOK_NAMES = ("agent_turn_fn", "train_turn_fn", "rollout_reward_fn")
 """The hooks a run config may name (`[hooks]`)."""
 
 
-def load_hooks(hooks_cfg: Any) -> dict[str, Callable[..., Any]]:
-    """The hooks a `HooksConfig` names, imported: `{name: callable}` for each one set.
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """The user hooks of a run, imported (`[hooks]`; module docstring); None where unset."""
+
+    agent_turn_fn: Callable[[list[Turn]], list[Turn]] | None = None
+    train_turn_fn: Callable[[Turn], bool] | None = None
+    rollout_reward_fn: Callable[[RolloutOutcome], float | None] | None = None
+
+
+class HooksSettings(Protocol):
+    """The dotted paths of the hooks (`config.HooksConfig`)."""
+
+    @property
+    def agent_turn_fn(self) -> str | None: ...
+    @property
+    def train_turn_fn(self) -> str | None: ...
+    @property
+    def rollout_reward_fn(self) -> str | None: ...
+
+
+def load_hooks(hooks_cfg: HooksSettings) -> Hooks:
+    """The hooks a `HooksConfig` names, imported (an empty string or None leaves one unset).
 
     Raises:
         ConfigError: a path that does not import or is not callable (named with its key).
     """
-    loaded = {}
-    for name in HOOK_NAMES:
-        dotted = getattr(hooks_cfg, name)
-        if dotted:
-            loaded[name] = load_hook(dotted, what=f"hooks.{name}")
-    return loaded
+    def one(name: str, dotted: str | None) -> Callable[..., Any] | None:
+        return load_hook(dotted, what=f"hooks.{name}") if dotted else None
+
+    return Hooks(agent_turn_fn=one("agent_turn_fn", hooks_cfg.agent_turn_fn),
+                 train_turn_fn=one("train_turn_fn", hooks_cfg.train_turn_fn),
+                 rollout_reward_fn=one("rollout_reward_fn", hooks_cfg.rollout_reward_fn))
 
 
 def reshape_reward(rollout: Rollout, reward_fn: Callable[..., Any] | None) -> Rollout:

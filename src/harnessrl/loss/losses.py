@@ -40,7 +40,7 @@ from functools import partial
 import torch
 
 from harnessrl.errors import ConfigError
-from harnessrl.train.loss_config import CispoLoss, GspoLoss, LossConfig, PpoClipLoss
+from harnessrl.loss.config import CispoLoss, GspoLoss, LossConfig, PpoClipLoss
 
 __all__ = ["CispoLoss", "GspoLoss", "LossConfig", "LossFn", "LossInputs", "LossOutputs", "PpoClipLoss",
            "cispo_loss", "gspo_loss", "loss_fn_for", "ppo_clip_loss"]

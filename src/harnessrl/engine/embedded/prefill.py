@@ -3,11 +3,11 @@
 Responsibility: own the engine's waiting requests and the one prompt being prefilled in
 chunks; each `run(free_rows, version)` computes at most `chunk_tokens` prompt tokens and returns
 the requests whose prompt is now fully prefilled (`Prefilled`: the prompt's KV and the logits
-of its last position). The decode loop (`engine/embedded.py`) samples their first ids and adds
-them to the running batch (`engine/batch.py`).
+of its last position). The decode loop (`engine/embedded/engine.py`) samples their first ids and adds
+them to the running batch (`engine/embedded/batch.py`).
 
 Policy. Waiting requests are admitted in order. Each starts from the longest prefix of its
-prompt found in the prefix cache (`engine/prefix_cache.py`; only its new tokens are computed;
+prompt found in the prefix cache (`engine/embedded/prefix_cache.py`; only its new tokens are computed;
 a prompt wholly cached still computes its last id, whose logits are needed). Requests whose
 new tokens fit in the budget together are prefilled in one batched forward (one pass over the
 weights instead of one per prompt: on CPU a forward costs about as much for 8 short prompts as
@@ -41,9 +41,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from harnessrl.engine.batch import BufferedLayer
-from harnessrl.engine.prefix_cache import KV, PrefixCache
-from harnessrl.engine.request import Request
+from harnessrl.engine.embedded.batch import BufferedLayer
+from harnessrl.engine.embedded.prefix_cache import KV, PrefixCache
+from harnessrl.engine.embedded.request import Request
 from harnessrl.errors import EngineError
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A generation request inside the embedded engine: what the caller asked and what it got so far.
 
-Responsibility: the per-request state shared by the prefill scheduler (`engine/prefill.py`) and
-the decode loop (`engine/embedded.py`): the prompt, the sampling parameters, where the result
+Responsibility: the per-request state shared by the prefill scheduler (`engine/embedded/prefill.py`) and
+the decode loop (`engine/embedded/engine.py`): the prompt, the sampling parameters, where the result
 goes, and the ids and logprobs sampled so far; when a request is finished (`Request.record`);
 and sampling a batch of requests so that one that fails fails alone (`sample_requests`). Owned
 by the decode thread once queued (only `cancelled` is set from other threads).
@@ -17,8 +17,8 @@ from typing import Literal
 
 import torch
 
-from harnessrl.engine.sampler import RowSampling, sample_next
-from harnessrl.engine.stop import StopWatcher
+from harnessrl.engine.embedded.sampler import RowSampling, sample_next
+from harnessrl.engine.embedded.stop import StopWatcher
 from harnessrl.errors import EngineError
 from harnessrl.types import Completion, Sampling
 

@@ -57,7 +57,7 @@ def proxy_config_for_serve(cfg: RunConfig, host: str, port: int, trace_path: Pat
 
 
 async def _serve(cfg: RunConfig, config: ProxyConfig, admin_port: int, open_session: bool) -> None:
-    from harnessrl.engine.chat import ChatLayer
+    from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.proxy.server import ProxyServer
     from harnessrl.runtime import start_engine

@@ -55,7 +55,7 @@ from harnessrl.errors import ConfigError, EngineError
 if TYPE_CHECKING:
     import torch
 
-    from harnessrl.train.policy import Policy
+    from harnessrl.engine.weight_sync import WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ _MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 
 
 class VllmReplicas(Protocol):
-    """What a sync needs of the engine (`engine/vllm.py`'s `VllmEngine`)."""
+    """What a sync needs of the engine (`engine/vllm/client.py`'s `VllmEngine`)."""
 
     replica_urls: tuple[str, ...]
 
@@ -260,18 +260,16 @@ class DirectoryWeightSync:
         self._written: list[str] = []
         self._lock = threading.Lock()
 
-    def publish(self, policy: Policy, version: int) -> SyncReport:
+    def publish(self, policy: WeightSource, version: int) -> SyncReport:
         """Write, pause, reload, reset the prefix cache, bump the version, resume.
 
         Raises:
             NonFiniteWeightsError: a weight is NaN or inf (nothing written or reloaded).
             EngineError: a replica refused or did not answer (the version is not bumped).
         """
-        from harnessrl.train.policy import export_weights
-
         with self._lock:
             t0 = time.perf_counter()
-            weights = export_weights(policy)
+            weights = policy.export_weights()
             return self.publish_weights(weights, version, t0=t0)
 
     def publish_weights(self, weights: dict[str, torch.Tensor], version: int, *,
@@ -393,7 +391,7 @@ class LoraWeightSync:
                 if name.startswith(ours) and not name.startswith(mine):
                     self._unload(url, name)
 
-    def publish(self, policy: Policy, version: int) -> SyncReport:
+    def publish(self, policy: WeightSource, version: int) -> SyncReport:
         """Save the adapter, load it on every replica, serve it, unload the oldest.
 
         Raises:
@@ -401,13 +399,13 @@ class LoraWeightSync:
             NonFiniteWeightsError: an adapter weight is NaN or inf (nothing loaded).
             EngineError: a replica refused the adapter (the version is not bumped).
         """
-        from harnessrl.train.policy import check_finite
+        from harnessrl.engine.weight_sync import check_finite
 
         if not policy.lora:
             raise ConfigError("engine.weight_sync = 'lora' needs train.lora_rank > 0 (the policy has no adapter)")
         with self._lock:
             t0 = time.perf_counter()
-            adapter = {k: v for k, v in policy.model.state_dict().items() if "lora_" in k}
+            adapter = policy.adapter_weights()
             check_finite(adapter)
             if not self._cleaned:
                 self._unload_earlier_processes()
@@ -417,7 +415,7 @@ class LoraWeightSync:
             tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             try:
-                policy.model.save_pretrained(str(tmp))
+                policy.save_adapter(tmp)
                 shutil.rmtree(target, ignore_errors=True)
                 os.rename(tmp, target)
             except BaseException:
@@ -514,18 +512,16 @@ class NcclWeightSync:
         self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
             info, client=HTTPVLLMWeightSyncClient(self._url, timeout=self._timeout_s), source=ExportedWeights())
 
-    def publish(self, policy: Policy, version: int) -> SyncReport:
+    def publish(self, policy: WeightSource, version: int) -> SyncReport:
         """Broadcast the merged weights to the server as `version` (class docstring).
 
         Raises:
             NonFiniteWeightsError: a weight is NaN or inf (nothing sent).
             EngineError: the server refused a step of the protocol.
         """
-        from harnessrl.train.policy import export_weights
-
         with self._lock:
             t0 = time.perf_counter()
-            self._weights = {k: v.cuda() for k, v in export_weights(policy).items()}
+            self._weights = {k: v.cuda() for k, v in policy.export_weights().items()}
             if self._transfer is None:
                 self._init()
             t_pause = time.perf_counter()

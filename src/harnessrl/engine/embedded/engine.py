@@ -4,9 +4,9 @@ Responsibility: turn concurrent `generate(prompt_ids, sampling)` calls (from any
 event loop) into batched decode steps on one model copy the engine owns, and return the
 sampled ids with their logprobs and the weight version at admission.
 
-How it works. One decode thread owns the model, the KV batch (`engine/batch.py`), the prefix
-cache (`engine/prefix_cache.py`), the prefill scheduler (`engine/prefill.py`) and all
-per-request state (`engine/request.py`). Requests and weight loads reach it through a queue.
+How it works. One decode thread owns the model, the KV batch (`engine/embedded/batch.py`), the prefix
+cache (`engine/embedded/prefix_cache.py`), the prefill scheduler (`engine/embedded/prefill.py`) and all
+per-request state (`engine/embedded/request.py`). Requests and weight loads reach it through a queue.
 Each loop iteration:
   1) drain the queue (new requests wait; a weight load is applied now, between steps);
   2) prefill, at most `prefill_chunk_tokens` prompt tokens per iteration (chunked prefill;
@@ -16,8 +16,8 @@ Each loop iteration:
      between decode steps. Each prompt done has its KV stored in the prefix cache, its first
      id sampled, and its KV copied into a free slot of the batch (`KVBatch.add_rows`);
   3) one decode step: a single forward over `[B, 1]` ids (per-row position ids, each row's
-     key/value written at its own column, a mask of its valid length; `engine/decode_step.py`
-     for Llama-family models, the model's forward otherwise), sample every row (`engine/request.py`
+     key/value written at its own column, a mask of its valid length; `engine/embedded/decode_step.py`
+     for Llama-family models, the model's forward otherwise), sample every row (`engine/embedded/request.py`
      `sample_requests`), finish rows that hit max_tokens, an EOS id or a stop string (`Request.record`),
      store a finished row's KV (prompt + completion) in the prefix cache, drop it from the batch.
 A request arriving mid-generation therefore joins at the next step; a finished one leaves.
@@ -75,15 +75,15 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 
-from harnessrl.engine.batch import KVBatch
-from harnessrl.engine.decode_step import DecodeStep
+from harnessrl.engine.embedded.batch import KVBatch
+from harnessrl.engine.embedded.decode_step import DecodeStep
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
-from harnessrl.engine.prefill import Prefilled, PrefillScheduler
-from harnessrl.engine.prefix_cache import PrefixCache
-from harnessrl.engine.request import Deliver, Request, sample_requests
-from harnessrl.engine.sampler import RowSampling, effective_temperature
+from harnessrl.engine.embedded.prefill import Prefilled, PrefillScheduler
+from harnessrl.engine.embedded.prefix_cache import PrefixCache
+from harnessrl.engine.embedded.request import Deliver, Request, sample_requests
+from harnessrl.engine.embedded.sampler import RowSampling, effective_temperature
 from harnessrl.engine.stats import EngineStats, zero_counters
-from harnessrl.engine.stop import StopWatcher
+from harnessrl.engine.embedded.stop import StopWatcher
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
 
@@ -147,7 +147,7 @@ class EmbeddedEngine:
                 for SmolLM2-135M in float32, so the default 32768 is about 1.4 GiB); 0 turns
                 the cache off.
             prefill_chunk_tokens: most prompt tokens prefilled between two decode steps.
-            fast_decode: run decode steps through `engine/decode_step.py` when the model's
+            fast_decode: run decode steps through `engine/embedded/decode_step.py` when the model's
                 architecture is one it handles (the same logits, less overhead per step);
                 False, or another architecture: the model's own forward.
 

@@ -1,0 +1,1 @@
+"""The embedded engine's internals: continuous batching, prefill, prefix cache, sampling, stop strings."""

@@ -1,0 +1,1 @@
+"""Losses and advantages: pure functions of rows and rewards, and the loss config."""

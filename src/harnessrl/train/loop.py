@@ -1,0 +1,271 @@
+"""The asynchronous GRPO loop: one function that reads top to bottom, one call per phase.
+
+Responsibility: for each step of an open run (`train/setup.TrainingRun`), pull its groups
+(rollouts for later steps keep running on the engine, through the proxy, in sandboxes), build
+its rows (`train/rows.py`), take one optimizer step on the trainer thread, publish the new
+weights as policy version + 1 (`WeightSync`, never directly), let the orchestrator grant the
+groups of the next steps (`Orchestrator.after_sync`), then record the step: its rollouts,
+metrics, console lines, held-out evaluation and checkpoint.
+
+Staleness (DESIGN.md §1, §6): the orchestrator keeps `(max_staleness + 1) * groups_per_step`
+groups granted ahead; a row whose oldest trained token was sampled more than `max_staleness`
+versions ago is dropped and counted. `max_staleness = 0` is the synchronous loop.
+
+Steps are 1-based everywhere (console, final table, `metrics.jsonl` `step`, `checkpoints/step-k`):
+step k is the k-th training step and `checkpoints/step-k` the state after it; `policy_version`
+counts the optimizer updates applied (a step that trains nothing, and says why, adds none).
+`rollouts.jsonl` and `metrics.jsonl` get a step's rollouts and metrics when the step completes;
+a signal cancels the step in progress: nothing of it is written, and a checkpoint being written
+is finished.
+
+What it does not do: build or release the run's parts (`train/setup.py`), or own the process
+(ranks, signals, exit codes: `train/run.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from harnessrl.config import RunConfig
+from harnessrl.engine.stats import EngineStats
+from harnessrl.train.console import bound_line, final_table, print_conversation, skip_reason, step_line
+from harnessrl.train.distributed import Ranks
+from harnessrl.train.evaluation import evaluate_held_out
+from harnessrl.train.plot import curve_table, write_curve_png
+from harnessrl.train.rows import StepRows, rows_for_step
+from harnessrl.train.setup import TrainingRun, open_run
+from harnessrl.types import Group
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 30.0
+"""Off a terminal, seconds between progress records while a step waits for its groups."""
+
+PARITY_BOUND = 1e-3
+"""The step-0 check's bound on mean |exp(trainer - sampler logprob) - 1| (float32 on CPU)."""
+
+
+@dataclass
+class StepClock:
+    """Where one step's wall time went (the `time/*` metrics) and the counters read at its start."""
+
+    start: float = field(default_factory=time.monotonic)
+    cpu: float = field(default_factory=time.thread_time)
+    """CPU seconds of this (the event loop's) thread: the proxy, the orchestrator, sandboxes."""
+    idle: float = 0.0
+    engine: EngineStats | None = None
+    pulled: float = 0.0
+    trained: float = 0.0
+    synced: float = 0.0
+
+
+async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
+              ranks: Ranks | None = None) -> list[dict[str, Any]]:
+    """Open the run of `cfg` in `run_dir` and train it (`open_run`, then `train`); returns the
+    per-step metrics.
+
+    Raises:
+        ConfigError: from `open_run`.
+    """
+    async with open_run(cfg, run_dir, resume=resume, console=console, ranks=ranks) as training_run:
+        return await train(training_run)
+
+
+async def train(run: TrainingRun) -> list[dict[str, Any]]:
+    """The training loop over an open run; returns the per-step metrics it logged (with
+    `train.eval_every`, a first entry with `step` 0 holds the held-out evaluation before any
+    update)."""
+    cfg, orch = run.cfg, run.orchestrator
+    version = run.resume.version
+    history: list[dict[str, Any]] = []
+    orch.start()
+    if run.eval_tasks is not None and run.resume.checkpoint is None:
+        # before the first update (training rollouts of step 1 run meanwhile)
+        before = {"step": 0, "policy_version": version, **await held_out(run, 0)}
+        history.append(before)
+        for sink in run.sinks:
+            sink.log(0, before)
+    nonfinite_skips = 0  # updates skipped for a NaN/inf gradient norm, this process
+    for step in range(run.resume.step + 1, cfg.train.steps + 1):
+        clock = StepClock(idle=orch.idle_seconds, engine=run.runtime.engine.stats())
+        groups = await pull_groups(run, step)
+        extra = await run.sampling.draw(groups, cfg.train.groups_per_step, version)
+        clock.pulled = time.monotonic()
+        batch = rows_for_step(groups, hooks=run.hooks, advantage_fn=run.advantage_fn, version=version,
+                              max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary)
+        metrics: dict[str, Any] = {"step": step, **batch.metrics}
+        if cfg.train.dynamic_sampling_max_groups:
+            metrics["groups_drawn_extra"] = float(extra)
+        if step == run.resume.step + 1 and run.resume.checkpoint is None:
+            metrics.update(await step0_check(run, batch))
+        metrics.update(await trainer_step(run, batch, step))
+        nonfinite_skips += int(metrics.get("skipped_nonfinite", 0))
+        metrics["skipped_nonfinite_steps"] = float(nonfinite_skips)
+        clock.trained = time.monotonic()
+        updated = bool(batch.rows) and not metrics.get("skipped")
+        if updated:
+            version += 1
+            metrics.update(await publish(run, version))
+        clock.synced = time.monotonic()
+        orch.after_sync(more=step < cfg.train.steps)  # the groups of later steps may start now
+        metrics.update(await after_update(run, step, version, updated, clock))
+        record_step(run, step, version, groups, metrics, clock)
+        history.append(metrics)
+        await checkpoint(run, step, version)
+    finish(run, history)
+    return history
+
+
+async def pull_groups(run: TrainingRun, step: int) -> list[Group]:
+    """Wait for the step's `groups_per_step` completed groups (shaped as they completed): a
+    live status line on a terminal, a progress record every `PROGRESS_EVERY_S` seconds
+    otherwise (and in `run.log`)."""
+    orch, n, steps = run.orchestrator, run.cfg.train.groups_per_step, run.cfg.train.steps
+    groups: list[Group] = []
+    last_record = time.monotonic()
+
+    def progress() -> str:
+        return (f"step {step}/{steps}: {len(groups)}/{n} groups ready; rollouts {orch.rollouts_finished} "
+                f"finished, {orch.rollouts_running} running")
+
+    def on_wait() -> None:
+        nonlocal last_record
+        status.update(progress())
+        if not run.console.is_terminal and time.monotonic() - last_record >= PROGRESS_EVERY_S:
+            last_record = time.monotonic()
+            log.info(progress())
+
+    with run.console.status("") as status:
+        while len(groups) < n:
+            groups.append(await orch.get_group(on_wait=on_wait))
+    return groups
+
+
+async def step0_check(run: TrainingRun, batch: StepRows) -> dict[str, float]:
+    """The step-0 check: trainer and sampler hold the same weights now, so the mean
+    |exp(trainer - sampler logprob) - 1| over the rows built should be ~0 (`step0/ratio_abs_dev`)."""
+    parity = await run.on_trainer(run.trainer.parity, batch.built)
+    if parity is None:
+        return {}
+    mark = "ok" if parity <= PARITY_BOUND else f"ABOVE {PARITY_BOUND:g}"
+    log.info("step-0 check: mean |exp(trainer - sampler logprob) - 1| = %.2e (%s)", parity, mark)
+    return {"step0/ratio_abs_dev": parity}
+
+
+async def trainer_step(run: TrainingRun, batch: StepRows, step: int) -> dict[str, Any]:
+    """One optimizer step over the rows on the trainer thread (rollouts continue meanwhile);
+    a step with no row is skipped, and says why."""
+    metrics: dict[str, Any] = {}
+    if batch.rows:
+        result = await run.on_trainer(run.trainer.step, batch.rows, step)
+        metrics.update(result.metrics)
+    else:
+        metrics["skipped"] = 1.0
+    if metrics.get("skipped") and "skip_reason" not in metrics:
+        metrics["skip_reason"] = skip_reason({**batch.metrics, **metrics}) if not batch.rows else "no trainable token"
+    return metrics
+
+
+async def publish(run: TrainingRun, version: int) -> dict[str, float]:
+    """Publish the weights as `version`; blocks (on the trainer thread) until the engine serves
+    them (`WeightSync`, with the canary when on). Returns `sync/*`."""
+    report = await run.on_trainer(run.trainer.publish, run.sync, version)
+    return report.as_metrics()
+
+
+async def after_update(run: TrainingRun, step: int, version: int, updated: bool, clock: StepClock) -> dict[str, Any]:
+    """What is measured once the engine has the step's weights: how far the update moved them
+    (every `log.update_norm_every` versions), and the held-out evaluation when due."""
+    cfg, metrics = run.cfg, {}
+    norm_every = cfg.log.update_norm_every
+    if updated and norm_every and version % norm_every == 0:
+        metrics["param_delta_l2"] = await run.on_trainer(run.trainer.update_norm)
+        metrics["time/update_norm_s"] = time.monotonic() - clock.synced
+    if run.eval_tasks is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+        metrics.update(await held_out(run, step))  # the policy after this step
+    return metrics
+
+
+async def held_out(run: TrainingRun, after_step: int) -> dict[str, float]:
+    """The held-out evaluation of the policy the engine serves now (`eval/*`)."""
+    assert run.eval_tasks is not None
+    cfg = run.cfg
+    return await evaluate_held_out(
+        run.runtime, run.eval_tasks, samples=cfg.train.eval_samples or cfg.rollout.group_size,
+        max_concurrent=cfg.rollout.max_concurrent_rollouts, limits=run.limits,
+        out_dir=run.run_dir / "eval" / f"step-{after_step}")
+
+
+def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], metrics: dict[str, Any],
+                clock: StepClock) -> None:
+    """The step completed: its timings and engine counters join its metrics; its rollouts
+    (the verifier's reward and the training reward, both) go to `rollouts.jsonl`, its metrics
+    to every sink, its line and its first conversations to the console."""
+    orch = run.orchestrator
+    metrics.update({
+        "policy_version": version,
+        "time/rollout_wait_s": clock.pulled - clock.start,
+        "time/train_s": clock.trained - clock.pulled,
+        "time/sync_s": clock.synced - clock.trained,
+        "time/step_s": clock.synced - clock.start,
+        # the generation side's wait: no rollout running (nothing for the engine)
+        "time/rollouts_idle_s": orch.idle_seconds - clock.idle,
+        # CPU of the event loop's thread: the proxy's HTTP, render and parse, the orchestrator
+        # and sandbox management (the trainer and the engine have their own)
+        "time/loop_cpu_s": time.thread_time() - clock.cpu,
+        "rollouts_in_flight_groups": orch.groups_in_flight,
+    })
+    engine_now = run.runtime.engine.stats()  # prefix cache and batching, this step
+    if engine_now is not None:
+        metrics.update(engine_now.step_metrics(clock.engine))
+        # over the same span as the counters (from the step's start to now)
+        metrics["engine/busy_frac"] = metrics["engine/busy_seconds"] / max(time.monotonic() - clock.start, 1e-9)
+    for g in groups:
+        for r in g.rollouts:
+            run.rollouts_file.write(r.model_dump_json() + "\n")
+    run.rollouts_file.flush()
+    for sink in run.sinks:
+        sink.log(step, metrics)
+    log.info(step_line(step, run.cfg.train.steps, metrics))
+    for r in [r for g in groups for r in g.rollouts][: run.cfg.log.log_completions]:
+        print_conversation(run.console, r)
+
+
+async def checkpoint(run: TrainingRun, step: int, version: int) -> None:
+    """`checkpoints/step-k` every `train.checkpoint_every` steps and after the last: the policy,
+    the optimizer and the data position (the next new group, and the groups dispatched but not
+    trained on yet, which a resumed run replays). Finished even when the run is stopped meanwhile."""
+    every = run.cfg.train.checkpoint_every
+    if not (step == run.cfg.train.steps or (every and step % every == 0)):
+        return
+    orch = run.orchestrator
+    state = {"step": step, "policy_version": version, "next_group_id": orch.next_group_id,
+             "replay_group_ids": orch.undelivered_group_ids()}
+    directory = run.run_dir / "checkpoints" / f"step-{step}"
+    work = asyncio.ensure_future(run.on_trainer(run.trainer.save, run.tokenizer, directory, state))
+    try:
+        await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await work  # a checkpoint being written is finished, never left half-made
+        raise
+    log.info("checkpoint %s", directory)
+
+
+def finish(run: TrainingRun, history: list[dict[str, Any]]) -> None:
+    """The closing table, the line naming the side that bounds the run, and the curve."""
+    out = Console()
+    out.print(final_table(history))
+    out.print(bound_line(history), markup=False, highlight=False)
+    cfg = run.cfg
+    curve = write_curve_png(history, run.run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
+                            title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
+    out.print(curve_table(history), markup=False, highlight=False)
+    if curve is not None:
+        out.print(f"curve: {curve}", markup=False, highlight=False)

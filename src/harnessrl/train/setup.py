@@ -1,0 +1,275 @@
+"""Opening a training run: everything the loop needs, built once, into a frozen `TrainingRun`.
+
+Responsibility: check what only training needs (`check_training`), find the resume point
+(`ResumePoint`: the checkpoint, its step, the data position and the groups to replay; lines
+logged after it are dropped), start the runtime (engine, proxy, sandboxes, tasks), load the
+policy on the trainer group, restore a checkpoint and publish its weights, load the hooks,
+pick the advantage function, the weight sync (`engine/select.make_weight_sync` with
+`sync_settings`), the dynamic sampler and the orchestrator (which owns every ticket), split
+off the held-out tasks, open the metric sinks and the rollouts file; and release all of it,
+in reverse, however the run ends (`open_run` is an async context manager).
+
+What it does not do: run steps (`train/loop.py`) or handle the process (ranks, signals, exit
+codes: `train/run.py`).
+
+CPU split: the trainer runs on one dedicated thread with `train.num_threads` torch threads, the
+engine on its own with `engine.num_threads`, so on a 2-core machine each gets one core (set
+explicitly: two workers of 2 threads each oversubscribe and run far slower).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from rich.console import Console
+
+from harnessrl.config import RunConfig
+from harnessrl.engine.model_store import load_tokenizer
+from harnessrl.engine.select import SyncSettings, make_weight_sync
+from harnessrl.engine.weight_sync import WeightSync
+from harnessrl.errors import ConfigError
+from harnessrl.hooks import Hooks, load_hooks
+from harnessrl.jsonl import repair_torn_tail
+from harnessrl.log import MetricsSink, check_sinks, make_sinks
+from harnessrl.loss.advantages import AdvantageFn, advantage_fn_for
+from harnessrl.rollout.orchestrator import Orchestrator
+from harnessrl.rollout.runner import RolloutLimits
+from harnessrl.rollout.summary import rollout_line
+from harnessrl.runtime import Runtime, start_runtime
+from harnessrl.tasks.base import TaskSource
+from harnessrl.train.distributed import SINGLE, Ranks
+from harnessrl.train.dynamic_sampling import DynamicSampling
+from harnessrl.train.evaluation import held_out_split
+from harnessrl.train.policy import latest_checkpoint
+from harnessrl.train.resume import drop_lines_after_checkpoint
+from harnessrl.train.step import native_cpu_bfloat16
+from harnessrl.train.template_doctor import quick_line
+from harnessrl.train.trainer_group import TrainerGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a run starts: after `step` (0 for a new run), at policy `version`."""
+
+    step: int = 0
+    """Training steps already done (the checkpoint's `step-k`)."""
+    version: int = 0
+    """The policy version of the checkpoint's weights (optimizer updates applied)."""
+    next_group_id: int = 0
+    """The data position: the next new group's id (= task seed)."""
+    replay: tuple[int, ...] = ()
+    """Groups the checkpoint had dispatched but not trained on: dispatched again first."""
+    checkpoint: Path | None = None
+    """The checkpoint directory resumed from; None for a new run."""
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """An open training run: the parts of the loop, each built once (`open_run`)."""
+
+    cfg: RunConfig
+    run_dir: Path
+    console: Console
+    runtime: Runtime
+    """Engine, proxy, sandboxes, tasks (`runtime.start_runtime`)."""
+    trainer: TrainerGroup
+    """Every trainer operation, on every rank that takes part."""
+    executor: ThreadPoolExecutor
+    """The one trainer thread (`train.num_threads` torch threads)."""
+    tokenizer: Any
+    """The model's tokenizer (saved with each checkpoint)."""
+    sync: WeightSync
+    """Publishes the trainer's weights to the engine (the canary wrapped around it when on)."""
+    orchestrator: Orchestrator
+    """Groups in flight; owns every ticket (`allowance`, `after_sync`, replacements)."""
+    sampling: DynamicSampling
+    """Shapes groups as they complete; replaces those without signal."""
+    hooks: Hooks
+    advantage_fn: AdvantageFn
+    sinks: list[MetricsSink]
+    rollouts_file: IO[str]
+    """`run_dir/rollouts.jsonl`, appended a step's rollouts when the step completes."""
+    limits: RolloutLimits
+    eval_tasks: TaskSource | None
+    """The held-out tasks (`train.eval_every`), disjoint from the training tasks; None when off."""
+    resume: ResumePoint = field(default_factory=ResumePoint)
+
+    async def on_trainer(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the trainer thread (the event loop keeps serving the agents meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+def check_training(cfg: RunConfig) -> None:
+    """Checks of a config that only training needs.
+
+    Raises:
+        ConfigError: a `log.sinks` package not installed (`log.check_sinks`, naming its extra).
+        ConfigError: `sampling.top_p < 1` or `sampling.top_k > 0`: the engine renormalises over
+            the kept tokens but the trainer's logprobs are the full softmax at the temperature
+            (`train/packing.py`), so the importance ratio would be wrong from the first step
+            (0.50 at top_p = 0.5); a lower `sampling.temperature` is exact.
+
+    Warns (log) when a bfloat16 setting runs on a CPU without native bfloat16
+    (`step.native_cpu_bfloat16`): it is emulated, a train step about ten times slower than in float32.
+    """
+    check_sinks(cfg.log.sinks)
+    cpu = cfg.train.device == "cpu"
+    slow = [name for name, on in (("train.autocast", cfg.train.autocast == "bfloat16" and cpu),
+                                  ("train.dtype", cfg.train.dtype == "bfloat16" and cpu),
+                                  ("engine.dtype", cfg.engine.kind == "embedded" and cfg.engine.device == "cpu"
+                                   and cfg.engine.dtype == "bfloat16")) if on]
+    if slow and not native_cpu_bfloat16():
+        log.warning("%s = \"bfloat16\" on a CPU without native bfloat16 (neither AVX512-BF16 nor AMX): "
+                    "torch emulates it, a train step about ten times slower than in float32; use \"float32\" here",
+                    " and ".join(slow))
+    s = cfg.sampling
+    if s.top_p < 1.0 or s.top_k > 0:
+        raise ConfigError(
+            f"sampling.top_p = {s.top_p} / sampling.top_k = {s.top_k}: training needs top_p = 1 and "
+            f"top_k = 0 (the trainer computes logprobs under the full distribution at "
+            f"sampling.temperature, not the truncated one the engine samples from); lower "
+            f"sampling.temperature instead")
+
+
+def sync_settings(cfg: RunConfig) -> SyncSettings:
+    """The slice of `cfg.train` a weight sync needs."""
+    t = cfg.train
+    return SyncSettings(canary=t.sync_canary, trainer_dtype=t.dtype, lora_rank=t.lora_rank,
+                        keep_versions=t.max_staleness + 1)
+
+
+def find_resume_point(run_dir: Path, resume: bool) -> ResumePoint:
+    """The latest checkpoint's position when `resume` (a new run's otherwise, or when there is
+    none); drops the lines of `rollouts.jsonl` and `metrics.jsonl` logged after it (that work is
+    redone)."""
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    point = ResumePoint()
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
+        point = ResumePoint(step=saved["step"], next_group_id=saved["next_group_id"],
+                            replay=tuple(saved.get("replay_group_ids", [])), checkpoint=checkpoint)
+    if resume:
+        drop_lines_after_checkpoint(run_dir, point.step, point.next_group_id, list(point.replay))
+        if checkpoint is None:
+            log.warning("no checkpoint in %s: starting from step 1", run_dir / "checkpoints")
+    return point
+
+
+@asynccontextmanager
+async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
+                   ranks: Ranks | None = None) -> AsyncIterator[TrainingRun]:
+    """The run of `cfg` in `run_dir`, open for the loop; closed (rollouts cancelled, runtime
+    stopped, files and sinks closed, the trainer thread released) on leaving.
+
+    Raises:
+        ConfigError: truncated sampling (`check_training`), a task source too small for
+            `train.eval_size` held-out tasks, a weight sync the engine cannot take.
+    """
+    check_training(cfg)
+    point = find_resume_point(run_dir, resume)
+    executor = ThreadPoolExecutor(1, thread_name_prefix="trainer", initializer=torch.set_num_threads,
+                                  initargs=(cfg.train.num_threads,))
+    trainer = TrainerGroup(cfg, ranks or SINGLE)
+    completed = False
+    async with AsyncExitStack() as stack:
+        stack.callback(lambda: _release_trainer(trainer, executor, completed))
+        sinks = make_sinks(cfg.log.sinks, run_dir, cfg.model_dump(mode="json"), project=cfg.log.project,
+                           table_rollouts=cfg.log.table_rollouts)
+        for sink in sinks:
+            stack.callback(sink.close)
+        repair_torn_tail(run_dir / "rollouts.jsonl")  # a torn line never fuses with the next record
+        rollouts_file = stack.enter_context((run_dir / "rollouts.jsonl").open("a", encoding="utf-8"))
+        rt = await stack.enter_async_context(start_runtime(cfg, isolation="required", run_dir=run_dir))
+        run = await _build(cfg, run_dir, rt, trainer, executor, sinks, rollouts_file, point,
+                           console or Console(stderr=True))
+        stack.push_async_callback(run.orchestrator.close)
+        yield run
+        completed = True
+
+
+async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGroup, executor: ThreadPoolExecutor,
+                 sinks: list[MetricsSink], rollouts_file: IO[str], point: ResumePoint,
+                 console: Console) -> TrainingRun:
+    """The policy loaded (the same weights the engine serves) and restored, and every other part."""
+    loop = asyncio.get_running_loop()
+    # KL penalty: the reference is the initial weights, frozen, kept by the trainer group
+    await loop.run_in_executor(executor, trainer.load, rt.model_dir)
+    tokenizer = load_tokenizer(rt.model_dir)
+    log.info(quick_line(tokenizer, cfg.engine.model, rt.engine.eos_token_ids))
+    hooks = load_hooks(cfg.hooks)
+    advantage_fn = advantage_fn_for(cfg.train.advantage)
+    sync = make_weight_sync(cfg.engine, rt.engine, sync_settings(cfg), run_dir=run_dir, model_dir=rt.model_dir)
+    if point.checkpoint is not None:
+        point = await _restore(point, trainer, sync, executor)
+    sampling = DynamicSampling(cfg.train.dynamic_sampling_max_groups, hooks.rollout_reward_fn, advantage_fn,
+                               cfg.train.max_staleness)
+    limits = RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s)
+    train_tasks, eval_tasks = rt.tasks, None
+    if cfg.train.eval_every:
+        train_tasks, eval_tasks = held_out_split(cfg.tasks, rt.tasks, cfg.train.eval_size)
+    orch = _orchestrator(cfg, rt, train_tasks, limits, point, sampling)
+    sampling.bind(orch)
+    return TrainingRun(cfg=cfg, run_dir=run_dir, console=console, runtime=rt, trainer=trainer, executor=executor,
+                       tokenizer=tokenizer, sync=sync, orchestrator=orch, sampling=sampling, hooks=hooks,
+                       advantage_fn=advantage_fn, sinks=sinks, rollouts_file=rollouts_file, limits=limits,
+                       eval_tasks=eval_tasks, resume=point)
+
+
+async def _restore(point: ResumePoint, trainer: TrainerGroup, sync: WeightSync,
+                   executor: ThreadPoolExecutor) -> ResumePoint:
+    """Load the checkpoint's policy and optimizer on every rank and publish its weights; the
+    resume point with the checkpoint's policy version."""
+    assert point.checkpoint is not None
+    loop = asyncio.get_running_loop()
+    state = await loop.run_in_executor(executor, trainer.restore, point.checkpoint)
+    version = int(state["policy_version"])
+    await loop.run_in_executor(executor, trainer.publish, sync, version)
+    log.info("resumed from %s after step %d, policy version %d", point.checkpoint, point.step, version)
+    if point.replay:
+        log.info("replaying groups %s: they were in flight, not yet trained on, when the checkpoint was "
+                 "taken", list(point.replay))
+    elif "replay_group_ids" not in state:
+        log.warning("this checkpoint does not list the groups in flight when it was taken: they are not "
+                    "replayed (the run continues from group %d)", point.next_group_id)
+    return ResumePoint(step=point.step, version=version, next_group_id=point.next_group_id,
+                       replay=point.replay, checkpoint=point.checkpoint)
+
+
+def _orchestrator(cfg: RunConfig, rt: Runtime, tasks: TaskSource, limits: RolloutLimits, point: ResumePoint,
+                  sampling: DynamicSampling) -> Orchestrator:
+    """The training orchestrator: `(max_staleness + 1) * groups_per_step` groups granted ahead
+    (DESIGN.md §1), dispatched in `train.group_order`, shaped (and replaced) as they complete."""
+    orch: Orchestrator
+
+    def on_rollout(r: Any) -> None:
+        log.info("rollout %d (group %d) %s", orch.rollouts_finished, r.group_id, rollout_line(r))
+
+    orch = Orchestrator(
+        tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
+        group_size=cfg.rollout.group_size, max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
+        limits=limits, first_group_id=point.next_group_id, replay_group_ids=point.replay,
+        on_rollout=on_rollout, on_group=sampling.on_group, order=cfg.train.group_order,
+        allowance=(cfg.train.max_staleness + 1) * cfg.train.groups_per_step)
+    return orch
+
+
+def _release_trainer(trainer: TrainerGroup, executor: ThreadPoolExecutor, completed: bool) -> None:
+    """Release the other ranks, then the trainer thread. After a signal or an error the thread
+    may be stuck in a collective with ranks already gone, or in a step whose result is
+    discarded: then do not wait long for it (`harnessrl train` exits without joining it)."""
+    if trainer.ranks.distributed:
+        stopped = executor.submit(trainer.stop)
+        wait_futures([stopped], timeout=None if completed else 10.0)
+    executor.shutdown(wait=completed, cancel_futures=True)
