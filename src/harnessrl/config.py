@@ -26,19 +26,29 @@ config names (hooks, a python task source, a verifier) so a typo stops the run a
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from harnessrl.engine.config import EmbeddedEngineConfig, EngineConfig
 from harnessrl.errors import ConfigError
 from harnessrl.harness.base import HarnessRequirements
+from harnessrl.harness.options import default_limits, requirements_for, validate_options
+from harnessrl.hooks import load_hook, load_hooks
+from harnessrl.loss.config import LossConfig, PpoClipLoss
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.config import SandboxConfig as LocalSandboxConfig
 from harnessrl.tasks.config import ProceduralTasks, TasksConfig
-from harnessrl.loss.config import LossConfig, PpoClipLoss
 
 __all__ = ["EngineConfig", "HarnessConfig", "HooksConfig", "LogConfig", "RayRolloutConfig", "RolloutConfig",
            "RunConfig", "SamplingConfig", "TasksConfig", "TrainConfig", "check_run", "dump_config", "load_config"]
@@ -78,8 +88,6 @@ class HarnessConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _resolve_options(cls, data: Any) -> Any:
-        from harnessrl.harness.options import validate_options
-
         if not isinstance(data, dict):
             return data
         kind, options = data.get("kind", "mini-swe-agent"), data.get("options", {})
@@ -93,8 +101,6 @@ class HarnessConfig(BaseModel):
 
     def requirements(self) -> HarnessRequirements:
         """What this harness with these options needs from the engine and sampling."""
-        from harnessrl.harness.options import requirements_for, validate_options
-
         return requirements_for(self.kind, validate_options(self.kind, dict(self.options)))
 
 
@@ -300,8 +306,6 @@ class RunConfig(BaseModel):
     def _harness_defaults(cls, data: Any) -> Any:
         """Fill `engine.max_context_tokens` and `sampling.max_tokens`, when unset, from what the
         harness needs (`harness.options.default_limits`)."""
-        from harnessrl.harness.options import default_limits
-
         if not isinstance(data, dict):
             return data
         harness, engine, sampling = (data.get(k, {}) for k in ("harness", "engine", "sampling"))
@@ -320,8 +324,6 @@ class RunConfig(BaseModel):
         req = self.harness.requirements()
         kind = self.harness.kind
         if self.engine.max_context_tokens < req.min_context_tokens:
-            from harnessrl.harness.options import default_limits
-
             raise ValueError(
                 f"harness {kind!r} needs engine.max_context_tokens >= {req.min_context_tokens} "
                 f"(got {self.engine.max_context_tokens}): --set engine.max_context_tokens="
@@ -392,8 +394,6 @@ def check_run(cfg: RunConfig) -> None:
     Raises:
         ConfigError: the first dotted path that fails, named with its config key.
     """
-    from harnessrl.hooks import load_hook, load_hooks
-
     load_hooks(cfg.hooks)
     if cfg.tasks.kind == "python" and cfg.tasks.source:
         load_hook(cfg.tasks.source, what="tasks.source")
@@ -499,8 +499,6 @@ def _toml_key(k: str) -> str:
 
 
 def _toml_value(v: Any) -> str:
-    import json
-
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

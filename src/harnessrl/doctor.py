@@ -17,15 +17,24 @@ from pathlib import Path
 
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.config import RunConfig
+from harnessrl.engine.model_store import load_tokenizer, resolve_model
+from harnessrl.hooks import load_hooks
+from harnessrl.jsonl import read_jsonl
+from harnessrl.run_rollouts import run_evaluation
 from harnessrl.train.samples import build_rows
-from harnessrl.train.template_doctor import DoctorReport, divergence_text, diagnose_template
+from harnessrl.train.template_doctor import (
+    DoctorReport,
+    diagnose_template,
+    divergence_text,
+)
 from harnessrl.types import Rollout
+from harnessrl.view.detail import merge_kinds, run_build_kwargs
 
 
 def engine_eos_ids(model_dir: Path) -> tuple[int, ...] | None:
     """The EOS ids the engine stops on (the model's generation config), or None if unknown."""
     try:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # lazy: transformers, heavy; not needed at import
 
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except Exception:  # noqa: BLE001 - no generation config: the caller falls back
@@ -41,8 +50,6 @@ def diagnose_model(model: str) -> DoctorReport:
     Raises:
         ModelError / ConfigError: the model cannot be resolved or has no tokenizer.
     """
-    from harnessrl.engine.model_store import load_tokenizer, resolve_model
-
     model_dir = resolve_model(model)
     return diagnose_template(load_tokenizer(model_dir), model=model, engine_eos=engine_eos_ids(model_dir))
 
@@ -50,12 +57,6 @@ def diagnose_model(model: str) -> DoctorReport:
 def diagnose_rollout(cfg: RunConfig, report: DoctorReport) -> None:
     """Run one real rollout of `cfg`'s harness (group size 1) and add its merge figures to
     `report` (`report.rollout`; a problem when main-chain sampled tokens stay untrained)."""
-    from harnessrl.engine.model_store import load_tokenizer, resolve_model
-    from harnessrl.jsonl import read_jsonl
-    from harnessrl.run_rollouts import run_evaluation
-    from harnessrl.hooks import load_hooks
-    from harnessrl.view.detail import merge_kinds, run_build_kwargs
-
     cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": 1})})
     with tempfile.TemporaryDirectory(prefix="harnessrl-doctor-") as tmp:
         run_evaluation(cfg, Path(tmp), limit=1)

@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from harnessrl.errors import ConfigError
+from harnessrl.hooks import load_hooks
+from harnessrl.jsonl import read_jsonl
+from harnessrl.train.samples import build_rows
+from harnessrl.types import Rollout
+from harnessrl.view.detail import run_build_kwargs
+from harnessrl.view.index import load_run_config
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +65,7 @@ class ExportReport:
 
 def _openenv_types() -> tuple[Any, Any]:
     try:
-        from openenv.core.harness import TrainingTrace, TrainingTurn
+        from openenv.core.harness import TrainingTrace, TrainingTurn  # lazy: openenv, heavy; not needed at import
     except ImportError as exc:
         raise ConfigError("--format openenv needs the openenv package: pip install 'harnessrl[openenv]' "
                           f"({exc})") from None
@@ -73,14 +81,6 @@ def export_run(run_dir: Path, out_dir: Path, fmt: str = "openenv") -> ExportRepo
     """
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is unknown; expected one of {', '.join(FORMATS)}")
-    from pydantic import ValidationError
-
-    from harnessrl.jsonl import read_jsonl
-    from harnessrl.hooks import load_hooks
-    from harnessrl.train.samples import build_rows
-    from harnessrl.types import Rollout
-    from harnessrl.view.detail import run_build_kwargs
-    from harnessrl.view.index import load_run_config
 
     training_trace, training_turn = _openenv_types()
     cfg = load_run_config(run_dir)  # ConfigError without rollouts.jsonl

@@ -25,11 +25,16 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from rich.console import Console
+from rich.logging import RichHandler
+
 from harnessrl.errors import ConfigError
+from harnessrl.jsonl import repair_torn_tail
 
 SINKS = ("jsonl", "tensorboard", "trackio", "wandb")
 """The sink names `log.sinks` accepts."""
@@ -124,8 +129,6 @@ class JsonlSink:
     """Appends `{"step": k, **metrics}` per line; non-finite floats are written as null."""
 
     def __init__(self, path: Path) -> None:
-        from harnessrl.jsonl import repair_torn_tail
-
         path.parent.mkdir(parents=True, exist_ok=True)
         repair_torn_tail(path)  # a line torn by a killed writer never fuses with the next one
         self._fh = path.open("a", encoding="utf-8")
@@ -198,7 +201,7 @@ class TensorBoardSink:
     text (`config`, `rollouts` in TensorBoard's Text tab)."""
 
     def __init__(self, log_dir: Path, config: dict[str, Any], sample: RolloutSample) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: torch, heavy; not needed at import
 
         self._writer = SummaryWriter(str(log_dir))
         self._sample = sample
@@ -222,7 +225,7 @@ class TrackioSink:
     `trackio.Table`)."""
 
     def __init__(self, project: str, run_name: str, config: dict[str, Any], sample: RolloutSample) -> None:
-        import trackio  # type: ignore[import-not-found]
+        import trackio  # type: ignore[import-not-found]  # lazy: trackio, heavy; not needed at import
 
         self._trackio = trackio
         self._sample = sample
@@ -247,7 +250,7 @@ class WandbSink:
 
     def __init__(self, run_dir: Path, project: str, run_name: str, config: dict[str, Any],
                  sample: RolloutSample) -> None:
-        import wandb  # type: ignore[import-not-found]
+        import wandb  # type: ignore[import-not-found]  # lazy: wandb, heavy; not needed at import
 
         self._wandb = wandb
         self._sample = sample
@@ -287,14 +290,9 @@ def setup_logging(level: str = "INFO", path: Path | None = None, console: Any = 
     stderr, so that records print above its live progress display), and as plain timestamped
     lines otherwise (pipes, CI, `nohup`), so a run that is not watched still says what it does.
     """
-    import sys
-
     handlers: list[logging.Handler] = []
     plain = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     if sys.stderr.isatty():
-        from rich.console import Console
-        from rich.logging import RichHandler
-
         handlers.append(RichHandler(console=console or Console(stderr=True), show_path=False,
                                     rich_tracebacks=False, markup=False))
     else:
@@ -312,7 +310,7 @@ def setup_logging(level: str = "INFO", path: Path | None = None, console: Any = 
     # transformers' per-load progress bars ("Loading weights") clutter the run's console
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: transformers, heavy; not needed at import
     except ImportError:  # pragma: no cover - transformers is a dependency
         return
     hf_logging.disable_progress_bar()

@@ -31,14 +31,24 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from harnessrl.config import RunConfig, dump_config
-from harnessrl.jsonl import repair_torn_tail
+from harnessrl.config import RunConfig, check_run, dump_config
+from harnessrl.hooks import load_hooks, shape_group
+from harnessrl.jsonl import read_jsonl, repair_torn_tail
+from harnessrl.log import setup_logging
+from harnessrl.proxy.server import run_loop
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
-from harnessrl.rollout.summary import rollout_line, summarize_groups
+from harnessrl.rollout.summary import ERROR_STATUSES, rollout_line, summarize_groups
+from harnessrl.runtime import start_runtime
 from harnessrl.signals import RunStopped, run_until_signal
 from harnessrl.types import Group, Rollout
 
@@ -57,11 +67,6 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
         ConfigError: a hook, task source or verifier path that does not import (`check_run`),
             before the output directory is made.
     """
-    from harnessrl.config import check_run
-    from harnessrl.log import setup_logging
-    from harnessrl.proxy.server import run_loop
-    from harnessrl.hooks import load_hooks, shape_group
-
     check_run(cfg)
     reward_fn = load_hooks(cfg.hooks).rollout_reward_fn
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,9 +109,6 @@ def resume_plan(out_dir: Path, n_groups: int, group_size: int) -> tuple[dict[int
     """What an evaluation of groups `0..n_groups-1` in `out_dir` still has to run: (kept rollouts
     per group id, rollouts to run per group id). Rewrites `out_dir/rollouts.jsonl` to the kept
     records (errored ones appended to `rollouts.replaced.jsonl`); a fresh directory needs all."""
-    from harnessrl.jsonl import read_jsonl
-    from harnessrl.rollout.summary import ERROR_STATUSES
-
     path = out_dir / "rollouts.jsonl"
     kept: dict[int, list[Rollout]] = {}
     if path.exists():
@@ -145,8 +147,6 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, needed: dict[int, int], kept:
                     console: Console, groups: list[Group]) -> None:
     """Run the rollouts `needed` (per group id), appending each completed group (with its `kept`
     rollouts) to `groups`, its new rollouts to `rollouts.jsonl`."""
-    from harnessrl.runtime import start_runtime
-
     total = sum(needed.values())
     last_record = time.monotonic()
 

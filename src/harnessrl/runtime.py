@@ -17,15 +17,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from harnessrl.chat.layer import ChatLayer
 from harnessrl.config import EngineConfig, RunConfig, TasksConfig
 from harnessrl.engine.base import Engine
-from harnessrl.chat.layer import ChatLayer
+from harnessrl.engine.model_store import load_tokenizer, resolve_model
+from harnessrl.engine.vllm.client import make_vllm_engine, start_vllm_engine
 from harnessrl.harness.base import Harness
+from harnessrl.harness.install import installed_agent_dirs
+from harnessrl.harness.select import make_harness
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.rewards.base import Verifier
+from harnessrl.rewards.select import make_verifier_for
 from harnessrl.sandbox.base import SandboxBackend
+from harnessrl.sandbox.select import make_backend
 from harnessrl.tasks.base import Task, TaskSource
+from harnessrl.tasks.config import (
+    HumanEvalTasks,
+    OpenEnvTasks,
+    ProceduralTasks,
+    PythonTasks,
+    StdioTasks,
+)
+from harnessrl.tasks.humaneval import HumanEvalSource
+from harnessrl.tasks.openenv import OpenEnvSource
+from harnessrl.tasks.procedural import ProceduralSource
+from harnessrl.tasks.python_source import load_python_source
+from harnessrl.tasks.stdio import StdioSource
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +71,7 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | N
     """
     match cfg.kind:
         case "embedded":
-            from harnessrl.engine.embedded.engine import EmbeddedEngine
+            from harnessrl.engine.embedded.engine import EmbeddedEngine  # lazy: pulls in torch
 
             return EmbeddedEngine(
                 model_dir,
@@ -67,8 +85,6 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | N
                 prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             )
         case "vllm":
-            from harnessrl.engine.vllm.client import make_vllm_engine
-
             return make_vllm_engine(cfg, model_dir, run_dir)
 
 
@@ -76,38 +92,24 @@ async def start_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: P
     """`make_engine` for the runtime: launched vLLM servers are awaited while they start, so a
     stop signal during their start-up stops them at once."""
     if cfg.kind == "vllm" and not cfg.attached:
-        from harnessrl.engine.vllm.client import start_vllm_engine
-
         return await start_vllm_engine(cfg, model_dir, run_dir)
     return make_engine(cfg, model_dir, seed, run_dir)
 
 
 def make_task_source(cfg: TasksConfig) -> TaskSource:
-    from harnessrl.tasks.config import HumanEvalTasks, OpenEnvTasks, ProceduralTasks, PythonTasks, StdioTasks
-
     match cfg:
         case ProceduralTasks():
-            from harnessrl.tasks.procedural import ProceduralSource
-
             kwargs = {"difficulty": cfg.difficulty, "seed_offset": cfg.seed_offset, "answer_via": cfg.answer_via}
             if cfg.kinds:
                 kwargs["kinds"] = tuple(cfg.kinds)
             source: TaskSource = ProceduralSource(**kwargs)
         case HumanEvalTasks():
-            from harnessrl.tasks.humaneval import HumanEvalSource
-
             source = HumanEvalSource()
         case StdioTasks():
-            from harnessrl.tasks.stdio import StdioSource
-
             source = StdioSource(Path(cfg.path))
         case PythonTasks():
-            from harnessrl.tasks.python_source import load_python_source
-
             source = load_python_source(cfg.source, dict(cfg.kwargs))
         case OpenEnvTasks():
-            from harnessrl.tasks.openenv import OpenEnvSource
-
             source = OpenEnvSource(cfg.factory, dict(cfg.kwargs), cfg.path)
     if cfg.limit is not None:
         source = LimitedSource(source, cfg.limit)
@@ -155,12 +157,6 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
     anything loads, the sandbox backend's gaps are logged as a warning, and under "required"
     a machine where bubblewrap cannot run stops the run (SandboxError naming the gaps).
     """
-    from harnessrl.engine.model_store import load_tokenizer, resolve_model
-    from harnessrl.harness.install import installed_agent_dirs
-    from harnessrl.harness.select import make_harness
-    from harnessrl.rewards.select import make_verifier_for
-    from harnessrl.sandbox.select import make_backend
-
     # user code (task source, verifier) is built before the model loads: its errors come first
     tasks = make_task_source(cfg.tasks)
     verifier_for = make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))
@@ -182,7 +178,7 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
                 async with AsyncExitStack() as stack:
                     run_verifier_for = verifier_for
                     if cfg.rollout.executor == "ray":  # sandboxes, CLI agents, verifiers on the nodes
-                        from harnessrl.rollout.ray_executor import start_ray_rollouts
+                        from harnessrl.rollout.ray_executor import start_ray_rollouts  # lazy: ray, with rollout.executor = "ray" only
 
                         ray_side = await stack.enter_async_context(start_ray_rollouts(
                             cfg, proxy.port, harness, verifier_for, cfg.sandbox.isolation or isolation))
@@ -204,7 +200,7 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
     finally:
         engine.close()
         if cfg.tasks.kind == "openenv":  # sessions of rollouts that never reached their verifier
-            from harnessrl.tasks.openenv import close_all_sessions
+            from harnessrl.tasks.openenv import close_all_sessions  # lazy: openenv, with tasks.kind = "openenv" only
 
             close_all_sessions()
 

@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING
 import httpx
 from rich.console import Console
 
+from harnessrl.chat.layer import ChatLayer
+from harnessrl.engine.model_store import load_tokenizer, resolve_model
 from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.server import ProxyServer, run_loop
+from harnessrl.runtime import start_engine
 
 if TYPE_CHECKING:
     from harnessrl.config import RunConfig
@@ -44,7 +48,6 @@ def serve(cfg: RunConfig, host: str = "127.0.0.1", port: int = 8000, admin_port:
         ConfigError: the host or a port cannot be bound.
     """
     config = proxy_config_for_serve(cfg, host=host, port=port, trace_path=trace_path)
-    from harnessrl.proxy.server import run_loop
 
     run_loop(_serve(cfg, config, admin_port, open_session))
 
@@ -57,11 +60,6 @@ def proxy_config_for_serve(cfg: RunConfig, host: str, port: int, trace_path: Pat
 
 
 async def _serve(cfg: RunConfig, config: ProxyConfig, admin_port: int, open_session: bool) -> None:
-    from harnessrl.chat.layer import ChatLayer
-    from harnessrl.engine.model_store import load_tokenizer, resolve_model
-    from harnessrl.proxy.server import ProxyServer
-    from harnessrl.runtime import start_engine
-
     model = cfg.engine.model
     model_dir = resolve_model(model)
     engine = await start_engine(cfg.engine, model_dir, cfg.seed)  # launched vLLM servers: awaited, Ctrl-C stops them

@@ -99,7 +99,7 @@ def kill_descendants() -> None:
     """SIGKILL every live descendant of this process (agents, sandboxes, their children); used
     by the forced exit, which skips the orderly teardown. Processes that left the tree (double
     forks re-parented to init) are not found here."""
-    import psutil
+    import psutil  # lazy: optional
 
     try:
         children = psutil.Process().children(recursive=True)

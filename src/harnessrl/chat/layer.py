@@ -265,6 +265,7 @@ class ChatLayer(BridgedRendering):
         `apply_chat_template` does; None otherwise (and on any other transformers layout).
         """
         try:
+            # lazy: transformers, heavy; not needed at import
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
             compiled = _compile_jinja_template(template)

@@ -119,7 +119,7 @@ class SegmentEncoder:
     def encode_plain(self, text: str) -> list[int]:
         """Ids of `text` with special-token text encoded as plain text (not extracted)."""
         if self._plain is None:
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # lazy: optional fast path
 
             plain = Tokenizer.from_str(self.backend.to_str())
             plain.encode_special_tokens = True

@@ -52,18 +52,19 @@ probe does that).
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from harnessrl.errors import EngineError
+from harnessrl.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     import torch
 
-    from harnessrl.engine.weight_sync import SyncReport, WeightSync
-    from harnessrl.engine.weight_sync import WeightSource
+    from harnessrl.engine.weight_sync import SyncReport, WeightSource, WeightSync
 
 PROBE_HALF = 128
 """Ids in each half of the probe (the second half repeats the first)."""
@@ -115,8 +116,6 @@ def probe_ids(vocab_size: int, *, half: int = PROBE_HALF, seed: int = PROBE_SEED
     Raises:
         ValueError: `vocab_size <= low`.
     """
-    import random
-
     if vocab_size <= low:
         raise ValueError(f"vocab_size={vocab_size} leaves no ids above {low} for the canary probe")
     rng = random.Random(seed)
@@ -133,7 +132,7 @@ def sequence_logprobs(model: torch.nn.Module, ids: Sequence[int]) -> list[float]
     """Logprob at temperature 1 of `ids[t]` given `ids[:t]`, t = 1..len(ids)-1, under `model`
     (one forward without gradient, float32 log-softmax): what an engine's `prompt_logprobs`
     computes."""
-    import torch
+    import torch  # lazy: torch, heavy; not needed at import
 
     device = next(model.parameters()).device
     with torch.inference_mode():
@@ -188,8 +187,6 @@ def check_replicas(engine: ScoresSequences, ids: Sequence[int],
     Raises:
         CanaryError: a replica deviates by more than `bound`, or could not score the probe.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     names = engine.replica_names
     trainer = reference if callable(reference) else None
     with ThreadPoolExecutor(len(names), thread_name_prefix="canary") as pool:
@@ -264,8 +261,6 @@ def with_canary(sync: WeightSync, engine: Any, *, trainer_dtype: str, engine_dty
     Raises:
         ConfigError: the engine cannot score a sequence (no `prompt_logprobs`).
     """
-    from harnessrl.errors import ConfigError
-
     if not callable(getattr(engine, "prompt_logprobs", None)):
         raise ConfigError(f"train.sync_canary = true needs an engine that scores a sequence; "
                           f"{type(engine).__name__} has no prompt_logprobs: set train.sync_canary = false")

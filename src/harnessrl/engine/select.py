@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from harnessrl.engine.weight_sync import InProcessWeights, InProcessWeightSync, WeightSync
+from harnessrl.engine.canary import with_canary
+from harnessrl.engine.vllm import sync as vllm_sync
+from harnessrl.engine.weight_sync import (
+    InProcessWeights,
+    InProcessWeightSync,
+    WeightSync,
+)
 from harnessrl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -67,8 +73,6 @@ def make_weight_sync(engine_config: EmbeddedEngineConfig | VllmEngineConfig, eng
         case other:
             raise ConfigError(f"engine.kind={other!r} has no weight sync")
     if settings.canary:
-        from harnessrl.engine.canary import with_canary
-
         sync = with_canary(sync, engine, trainer_dtype=settings.trainer_dtype, engine_dtype=engine_config.dtype)
     return sync
 
@@ -97,8 +101,6 @@ def check_vllm_sync(eng: VllmEngineConfig, settings: SyncSettings) -> None:
 
 def _vllm_sync(engine: VllmEngine, eng: VllmEngineConfig, settings: SyncSettings, run_dir: Path,
                model_dir: Path) -> WeightSync:
-    from harnessrl.engine.vllm import sync as vllm_sync
-
     check_vllm_sync(eng, settings)
     sync_dir = Path(eng.sync_dir) if eng.sync_dir else run_dir / "weights"
     match eng.weight_sync:

@@ -59,7 +59,7 @@ def check_finite(weights: dict[str, torch.Tensor]) -> None:
     inf in it, or a finite overflow) is checked element by element. `isfinite(t).all()` on
     every tensor took 2-3 s per call on the 135M model (1 thread), the sums 0.2 s.
     """
-    import torch
+    import torch  # lazy: torch, heavy; not needed at import
 
     bad = [name for name, t in weights.items()
            if t.is_floating_point() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all())]

@@ -34,9 +34,16 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from harnessrl.harness.base import HarnessResult
+from harnessrl.harness.openenv_trace import turn_from_entry
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
-from harnessrl.tasks.openenv import RESERVED_TOOL_NAMES, LiveSession, is_loop_owning, sessions_for, tool_specs
+from harnessrl.tasks.openenv import (
+    RESERVED_TOOL_NAMES,
+    LiveSession,
+    is_loop_owning,
+    sessions_for,
+    tool_specs,
+)
 from harnessrl.types import Endpoint
 
 if TYPE_CHECKING:
@@ -80,8 +87,6 @@ def _import_own_trace(harness: WhiteBoxHarness, live: LiveSession, endpoint: End
     """When the proxy recorded none of the agent's calls and the session offers
     `fetch_proxy_trace`, its entries become this rollout's turns, validated
     (`harness/openenv_trace.py`). Returns how many were imported."""
-    from harnessrl.harness.openenv_trace import turn_from_entry
-
     recorder = harness._store.lookup(endpoint.api_key)
     training = getattr(live.session, "fetch_training_trace", None)  # OpenEnv's TrainableSession
     fetch = getattr(live.session, "fetch_proxy_trace", None)

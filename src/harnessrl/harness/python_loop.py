@@ -20,6 +20,7 @@ up by the rollout's key, so a revoked key ends the loop like it ends an HTTP age
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, Literal
@@ -27,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.harness.base import HarnessRequirements, HarnessResult
+from harnessrl.harness.openenv_loop import run_openenv_session
 from harnessrl.proxy.capture import CaptureDeps, complete_chat
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.sandbox.base import Sandbox
@@ -87,8 +89,6 @@ class WhiteBoxHarness:
         self._config = config or WhiteBoxConfig()
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
-        import asyncio
-
         try:
             return await asyncio.wait_for(self._loop(task, sandbox, endpoint, timeout_s), timeout_s)
         except asyncio.TimeoutError:
@@ -112,7 +112,6 @@ class WhiteBoxHarness:
 
     async def _loop(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
         if task.family == "openenv":  # the session's own messages and tools (tasks/openenv.py)
-            from harnessrl.harness.openenv_loop import run_openenv_session
 
             return await run_openenv_session(self, task, sandbox, endpoint, timeout_s)
         cfg = self._config

@@ -77,7 +77,7 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     _serving = True
     try:
         try:
-            import uvloop
+            import uvloop  # lazy: uvloop, heavy; not needed at import
         except ImportError:
             return asyncio.run(main)
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

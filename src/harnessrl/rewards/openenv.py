@@ -21,7 +21,7 @@ from typing import Any
 from harnessrl.rewards.base import Reward
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.tasks.base import Task
-from harnessrl.tasks.openenv import LiveSession, sessions_for
+from harnessrl.tasks.openenv import LiveSession, _close_quietly, sessions_for
 
 
 class OpenEnvVerifier:
@@ -60,6 +60,4 @@ def _verify(live: LiveSession) -> Reward:
 
 
 def _close(live: LiveSession) -> None:
-    from harnessrl.tasks.openenv import _close_quietly
-
     _close_quietly(live)

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from harnessrl.errors import ConfigError, TaskError
+from harnessrl.hooks import load_hook
 from harnessrl.rewards.base import Reward, Verifier
 from harnessrl.rewards.exact_match import ExactMatchVerifier
+from harnessrl.rewards.openenv import OpenEnvVerifier
 from harnessrl.rewards.stdio_tests import StdioVerifier
 from harnessrl.rewards.unit_tests import UnitTestVerifier
 from harnessrl.sandbox.base import Sandbox
@@ -37,8 +39,6 @@ def verifier_for(task: Task) -> Verifier:
         case "procedural":
             return ExactMatchVerifier()
         case "openenv":
-            from harnessrl.rewards.openenv import OpenEnvVerifier
-
             return OpenEnvVerifier()
         case other:
             raise TaskError(
@@ -57,7 +57,6 @@ def make_verifier_for(dotted: str | None, kwargs: dict[str, Any] | None = None) 
     """
     if dotted is None:
         return verifier_for
-    from harnessrl.hooks import load_hook
 
     factory = load_hook(dotted, what="tasks.verifier")
     try:

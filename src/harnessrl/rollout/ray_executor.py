@@ -41,11 +41,19 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from pydantic import TypeAdapter
+
+from harnessrl.config import SandboxConfig
 from harnessrl.errors import ConfigError, SandboxError, SandboxLostError
 from harnessrl.harness.base import Harness, HarnessResult
+from harnessrl.harness.install import installed_agent_dirs
+from harnessrl.harness.options import canonical_kind
+from harnessrl.harness.select import make_harness
 from harnessrl.rewards.base import Reward, Verifier
 from harnessrl.rollout.ray_nodes import SYNC_CALL_TIMEOUT_S, RayNode, RayNodes
 from harnessrl.sandbox.base import READ_MAX_BYTES, Base, ExecResult, SandboxProcess
+from harnessrl.sandbox.select import make_backend
+from harnessrl.sandbox.tcp_relay import TcpRelay
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -77,10 +85,6 @@ class NodeWorker:
 
     def __init__(self, sandbox_config: dict[str, Any], harness_kind: str, harness_options: dict[str, Any],
                  proxy_host: str, proxy_port: int, sandbox_starts_per_s: float) -> None:
-        from pydantic import TypeAdapter
-
-        from harnessrl.config import SandboxConfig
-
         self._config = TypeAdapter(SandboxConfig).validate_python(sandbox_config)
         self._harness_kind = harness_kind
         self._harness_options = harness_options
@@ -103,13 +107,7 @@ class NodeWorker:
         `{"node_id", "pid", "gaps"}`. Raises SandboxError (the backend's) under "required"
         when this node's sandboxes would not isolate."""
         if self._backend is None:
-            import ray
-
-            from harnessrl.harness.install import installed_agent_dirs
-            from harnessrl.harness.options import canonical_kind
-            from harnessrl.harness.select import make_harness
-            from harnessrl.sandbox.select import make_backend
-            from harnessrl.sandbox.tcp_relay import TcpRelay
+            import ray  # lazy: ray, heavy; not needed at import
 
             self._relay = await TcpRelay.start(*self._proxy)
             self._backend = make_backend(self._config, ro_binds=installed_agent_dirs(),
@@ -388,14 +386,14 @@ def advertise_host(proxy_host: str, configured: str | None) -> str:
         return configured
     if proxy_host not in ("0.0.0.0", "::", ""):
         return proxy_host
-    import ray
+    import ray  # lazy: ray, heavy; not needed at import
 
     return ray.util.get_node_ip_address()
 
 
 def _init_ray(address: str, local_num_cpus: int) -> bool:
     """Join (or, for "local", start) Ray unless this process already did; True when it did."""
-    import ray
+    import ray  # lazy: ray, heavy; not needed at import
 
     if ray.is_initialized():
         return False
@@ -427,11 +425,9 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
         SandboxError: a node whose backend refuses to start, e.g. without bubblewrap under
             "required" isolation (the backend's message).
     """
-    import ray
-    from ray.exceptions import RayTaskError
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from harnessrl.harness.options import canonical_kind
+    import ray  # lazy: ray, heavy; not needed at import
+    from ray.exceptions import RayTaskError  # lazy: ray, heavy; not needed at import
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # lazy: ray, heavy; not needed at import
 
     rcfg = cfg.rollout.ray
     if cfg.tasks.kind == "openenv":
@@ -478,7 +474,7 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
 
 
 async def _stop_workers(workers: list[Any]) -> None:
-    import ray
+    import ray  # lazy: ray, heavy; not needed at import
 
     async def stop(worker: Any) -> None:
         try:

@@ -90,8 +90,8 @@ class RayNodes:
 
         Raises SandboxLostError when the node died or did not answer in time, the call's own
         exception when it raised on the node; cancelling the await cancels the call."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        import ray  # lazy: ray, heavy; not needed at import
+        from ray.exceptions import RayActorError, RayTaskError  # lazy: ray, heavy; not needed at import
 
         future = asyncio.wrap_future(ref.future())
         try:
@@ -116,8 +116,8 @@ class RayNodes:
         """`call` for the sandbox's synchronous methods (`agent_endpoint`, a file read or write
         on the node). It blocks this thread (the event loop) for its round trip, so it waits at
         most `SYNC_CALL_TIMEOUT_S` (or `call_grace_s` if shorter) before giving the node up."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        import ray  # lazy: ray, heavy; not needed at import
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError  # lazy: ray, heavy; not needed at import
 
         try:
             return ray.get(ref, timeout=self._sync_timeout_s)

@@ -7,6 +7,7 @@ starting anything (no torch, no subprocess): `harnessrl.config` builds its union
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -90,8 +91,6 @@ class SandboxConfig(BaseModel):
 def default_podman_storage() -> Path:
     """`$HARNESSRL_CACHE/podman` (else `~/.cache/harnessrl/podman`): harnessrl's own podman
     image store, apart from the machine's default one."""
-    import os
-
     root = os.environ.get("HARNESSRL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "harnessrl")
     return Path(root) / "podman"

@@ -29,7 +29,7 @@ _CHUNK = 1 << 16
 
 
 def _pump(src: socket.socket, dst: socket.socket, done: threading.Semaphore) -> None:
-    import socket
+    import socket  # lazy: the relay child's, after the fork
 
     try:
         while data := src.recv(_CHUNK):
@@ -44,8 +44,8 @@ def _pump(src: socket.socket, dst: socket.socket, done: threading.Semaphore) -> 
 
 
 def _relay(client: socket.socket, unix_path: str) -> None:
-    import socket
-    import threading
+    import socket  # lazy: the relay child's, after the fork
+    import threading  # lazy: the relay child's, after the fork
 
     upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -66,8 +66,8 @@ def _relay(client: socket.socket, unix_path: str) -> None:
 def _die_with(parent: int) -> None:
     """SIGKILL this process when `parent` (the exec'd command) exits, even outside a PID
     namespace (Linux `PR_SET_PDEATHSIG`); exit now if it already did."""
-    import ctypes
-    import signal
+    import ctypes  # lazy: the relay child's, after the fork
+    import signal  # lazy: the relay child's, after the fork
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -78,8 +78,8 @@ def _die_with(parent: int) -> None:
 
 
 def _serve(fileno: int, unix_path: str, parent: int) -> None:
-    import socket
-    import threading
+    import socket  # lazy: the relay child's, after the fork
+    import threading  # lazy: the relay child's, after the fork
 
     _die_with(parent)
 
@@ -99,7 +99,7 @@ def main(args: list[str]) -> int:
     if len(args) < 4 or args[2] != "--":
         print("usage: forward.py PORT SOCKET -- ARGV...", file=sys.stderr)
         return 2
-    import _socket
+    import _socket  # lazy: the relay child's, after the fork
 
     port, unix_path, argv = int(args[0]), args[1], args[3:]
     listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)

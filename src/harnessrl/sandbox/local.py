@@ -61,30 +61,15 @@ import re
 import resource
 import secrets
 import time
-from subprocess import SubprocessError
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-
+from subprocess import SubprocessError
 from typing import Literal
 
 from harnessrl.errors import SandboxError
-from harnessrl.sandbox.base import Base
-from harnessrl.sandbox.config import SandboxConfig
-from harnessrl.types import Endpoint
-from harnessrl.sandbox import cgroup, spawn
-from harnessrl.sandbox.spawn import Child
-from harnessrl.sandbox.fsread import UnsafePathError, write_beneath
-from harnessrl.sandbox.hostdir import (
-    TRUNCATION_MARKER,
-    HostDirSandbox,
-    HostProcess,
-    complete_shielded,
-    disk_usage,
-    loopback_endpoint,
-    remove_tree,
-)
+from harnessrl.sandbox import cgroup, seccomp, spawn
 from harnessrl.sandbox import owner as owners
-from harnessrl.sandbox import seccomp
+from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import (
     FORWARDER_SCRIPT,
     SANDBOX_UID,
@@ -95,12 +80,28 @@ from harnessrl.sandbox.bwrap import (
     make_devices,
     setpriv_path,
 )
+from harnessrl.sandbox.config import SandboxConfig
+from harnessrl.sandbox.fsread import UnsafePathError, write_beneath
+from harnessrl.sandbox.hostdir import (
+    TRUNCATION_MARKER,
+    HostDirSandbox,
+    HostProcess,
+    complete_shielded,
+    disk_usage,
+    loopback_endpoint,
+    remove_tree,
+)
+from harnessrl.sandbox.spawn import Child
+from harnessrl.types import Endpoint
+
 
 def devices_dir(root: Path) -> Path:
     """Where a root-started sandbox at `root` keeps its own device nodes (`bwrap.make_devices`):
     beside it, `<root_dir>/.dev-<sandbox id>`, out of the agent's reach (bubblewrap, as root,
     binds them: nothing under the agent's control may name a path it binds)."""
     return root.parent / f".dev-{root.name}"
+import sys
+
 from harnessrl.sandbox.cgroup import PidsGroup
 from harnessrl.sandbox.procs import (
     SPAWN_VAR,
@@ -201,8 +202,6 @@ class LocalSandbox(HostDirSandbox):
             return list(argv)
         ro = list(self._ro_binds)
         if self.config.bind_python:
-            import sys
-
             ro += [Path(p) for p in {sys.prefix, sys.base_prefix}]
         if self._proxy is not None:
             ro += self._proxy_binds

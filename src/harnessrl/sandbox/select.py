@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from harnessrl.sandbox.config import PodmanSandboxConfig, SandboxConfig
+from harnessrl.sandbox.local import LocalSandboxBackend
+from harnessrl.sandbox.podman import PodmanSandboxBackend
 
 if TYPE_CHECKING:
     from harnessrl.sandbox.local import LocalSandboxBackend
@@ -23,10 +25,7 @@ def make_backend(config: SandboxConfig | PodmanSandboxConfig, ro_binds: Sequence
     """The backend of `config.kind`, given the agents' read-only install trees and the proxy's
     agent port and socket (both or neither). Raises `SandboxError` as the backend does."""
     if isinstance(config, PodmanSandboxConfig):
-        from harnessrl.sandbox.podman import PodmanSandboxBackend
-
         return PodmanSandboxBackend(config, ro_binds=ro_binds, proxy_port=proxy_port, proxy_socket=proxy_socket)
-    from harnessrl.sandbox.local import LocalSandboxBackend
 
     return LocalSandboxBackend(config, ro_binds=ro_binds, proxy_port=proxy_port, proxy_socket=proxy_socket)
 

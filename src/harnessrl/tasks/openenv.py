@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.errors import ConfigError
+from harnessrl.hooks import load_hook
+from harnessrl.sandbox.blocking import BlockingSandbox
 from harnessrl.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -100,8 +102,6 @@ class OpenEnvSessions:
             offered = {"base_url": endpoint.base_url, "api_key": endpoint.api_key, "model": endpoint.model}
             kwargs.update({k: v for k, v in offered.items() if k in self._create_takes})
         if SANDBOX_KEYWORD in self._create_takes:
-            from harnessrl.sandbox.blocking import BlockingSandbox
-
             kwargs[SANDBOX_KEYWORD] = BlockingSandbox(sandbox, asyncio.get_running_loop())
         session = await asyncio.to_thread(self.factory.create, item, **kwargs)
         live = LiveSession(session=session, episode_id=episode_id)
@@ -162,8 +162,6 @@ class OpenEnvSource:
     """
 
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None, path: str | None = None) -> None:
-        from harnessrl.hooks import load_hook
-
         cls = load_hook(factory, what="tasks.factory")
         try:
             made = cls(**(kwargs or {}))

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from harnessrl.errors import ConfigError
+from harnessrl.hooks import load_hook
 from harnessrl.tasks.base import Task, TaskSource
 
 
@@ -53,8 +54,6 @@ def load_python_source(dotted: str, kwargs: dict[str, Any]) -> TaskSource:
         ConfigError: import failure, the call raised, an empty or wrong-typed result, or a
             source whose first task is not a `Task`; the message names `tasks.source`.
     """
-    from harnessrl.hooks import load_hook
-
     factory = load_hook(dotted, what="tasks.source")
     try:
         made = factory(**kwargs)

@@ -29,6 +29,7 @@ keep ranks in step (`trainer_group.py`).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -116,7 +117,7 @@ def init_ranks(device: str = "cpu", strategy: str = "ddp", environ: Mapping[str,
         ConfigError: an unknown `device` or `strategy`, CUDA asked for but unavailable, or a
             bad launcher environment (`launched_ranks`).
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch.distributed, absent from some torch builds
 
     if strategy not in STRATEGIES:
         raise ConfigError(f"train.strategy={strategy!r} is not one of {STRATEGIES}")
@@ -137,7 +138,7 @@ def init_ranks(device: str = "cpu", strategy: str = "ddp", environ: Mapping[str,
 
 def close_ranks(ranks: Ranks) -> None:
     """Leave the process group (no-op for one process or when already left)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch.distributed, absent from some torch builds
 
     if ranks.distributed and dist.is_initialized():
         dist.destroy_process_group()
@@ -168,7 +169,7 @@ def broadcast_object(obj: Any, ranks: Ranks) -> Any:
     """Rank 0's `obj` on every rank (pickled; `torch.distributed.broadcast_object_list`)."""
     if not ranks.distributed:
         return obj
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch.distributed, absent from some torch builds
 
     box = [obj if ranks.is_main else None]
     dist.broadcast_object_list(box, src=0, device=ranks.device if ranks.device.type == "cuda" else None)
@@ -179,7 +180,7 @@ def gather_objects(obj: Any, ranks: Ranks) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank (`all_gather_object`)."""
     if not ranks.distributed:
         return [obj]
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch.distributed, absent from some torch builds
 
     out: list[Any] = [None] * ranks.world_size
     dist.all_gather_object(out, obj)
@@ -196,7 +197,7 @@ def all_reduce(values: Sequence[float], ranks: Ranks, op: str = "sum") -> list[f
         raise ValueError(f"op={op!r} is not 'sum' or 'max'")
     if not ranks.distributed:
         return [float(v) for v in values]
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch.distributed, absent from some torch builds
 
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ranks.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
@@ -217,16 +218,14 @@ def wrap_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     if not ranks.distributed:
         return model
     if ranks.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        import inspect
+        from torch.nn.parallel import DistributedDataParallel  # lazy: torch.distributed, absent from some torch builds
 
         ids = [ranks.device.index] if ranks.device.type == "cuda" else None
         # torch >= 2.13 names it forward_sync_buffers (broadcast_buffers is deprecated there)
         no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                    else "broadcast_buffers")
         return DistributedDataParallel(model, device_ids=ids, **{no_sync: False})
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # lazy: torch.distributed, absent from some torch builds
 
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
@@ -241,14 +240,14 @@ def wrap_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
 
 def inner_module(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a `DistributedDataParallel` wrapper (itself otherwise)."""
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel  # lazy: torch.distributed, absent from some torch builds
 
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2), the tensor itself otherwise."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: torch.distributed, absent from some torch builds
 
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -267,7 +266,11 @@ def full_state_dict(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Ten
     ranks. Collective under FSDP2 (every rank must call it); the live state dict otherwise."""
     if not ranks.sharded:
         return dict(inner_module(model).state_dict())
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # lazy: torch.distributed, absent from some torch builds
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -280,7 +283,11 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     """
     if not ranks.sharded:
         raise ValueError("full_optimizer_state is for sharded (fsdp2) parameters")
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    # lazy: torch.distributed, absent from some torch builds
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     return get_optimizer_state_dict(model, optimizer,
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -296,8 +303,12 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, we
     """
     if not ranks.sharded:
         raise ValueError("load_full_state is for sharded (fsdp2) parameters")
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    # lazy: torch.distributed, absent from some torch builds
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, weights, options=options)

@@ -27,8 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.errors import ConfigError
+from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.summary import summarize_groups
+from harnessrl.runtime import make_task_source
 from harnessrl.tasks.base import Task, TaskSource
+from harnessrl.tasks.config import ProceduralTasks
 from harnessrl.types import Group
 
 log = logging.getLogger(__name__)
@@ -60,9 +63,6 @@ def held_out_split(tasks_cfg: Any, source: TaskSource, eval_size: int) -> tuple[
         ConfigError: a non-procedural source with no more than `eval_size` tasks (nothing
             would be left to train on).
     """
-    from harnessrl.runtime import make_task_source
-    from harnessrl.tasks.config import ProceduralTasks
-
     if isinstance(tasks_cfg, ProceduralTasks):
         shifted = tasks_cfg.model_copy(update={"seed_offset": tasks_cfg.seed_offset + EVAL_SEED_OFFSET,
                                                "limit": None})
@@ -103,8 +103,6 @@ async def evaluate_held_out(rt: Any, source: TaskSource, *, samples: int, max_co
     Raises:
         The error of a group that could not run at all (as `Orchestrator.get_group`).
     """
-    from harnessrl.rollout.orchestrator import Orchestrator
-
     t0 = time.monotonic()
     orch = Orchestrator(source, rt.harness, rt.backend, rt.proxy, rt.verifier_for, group_size=samples,
                         max_concurrent_rollouts=max_concurrent, limits=limits)

@@ -68,6 +68,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from harnessrl.loss.losses import LossInputs
+from harnessrl.train.samples import common_prefix_len
 from harnessrl.train.token_logprobs import token_logprobs
 from harnessrl.types import Row
 
@@ -183,8 +184,6 @@ def _shared_units(rows: Sequence[Row], token_budget: int) -> list[list[tuple[int
     """Rows grouped into units `[(root, 0), (branch, p), ...]`, longest rows first; a row joins
     the unit whose root shares the longest usable prefix with it (>= MIN_SHARED_TOKENS, its
     first p + 1 ids context) when the unit stays within the budget."""
-    from harnessrl.train.samples import common_prefix_len
-
     order = sorted(range(len(rows)), key=lambda i: (-len(rows[i].input_ids), i))
     units: list[list[tuple[int, int]]] = []
     sizes: list[int] = []

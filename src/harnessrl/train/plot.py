@@ -71,8 +71,8 @@ def curve_figure(history: Sequence[dict[str, Any]], title: str = "harnessrl trai
                  tasks_per_step: int | None = None) -> Any:
     """The curve of `history` (module docstring) as a `matplotlib.figure.Figure` on an Agg
     canvas, `SIZE_PX` pixels at 100 dpi; None when no series has a point."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib, heavy; not needed at import
+    from matplotlib.figure import Figure  # lazy: matplotlib, heavy; not needed at import
 
     points = curve_points(history)
     if not any(points.values()):

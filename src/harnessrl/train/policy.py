@@ -15,9 +15,11 @@ What it does not do: compute losses (`loss/losses.py`), move weights to the engi
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +29,16 @@ import torch
 
 from harnessrl.engine.weight_sync import check_finite
 from harnessrl.errors import ConfigError
+from harnessrl.train.distributed import (
+    SINGLE,
+    Ranks,
+    full_optimizer_state,
+    full_state_dict,
+    load_full_state,
+    wrap_model,
+)
+from harnessrl.train.packing import compute_trainer_logprobs, pack_rows
 from harnessrl.types import Row
-from harnessrl.train.distributed import SINGLE, Ranks, full_optimizer_state, full_state_dict, load_full_state, wrap_model
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +103,6 @@ class Policy:
         floats), through `packing.compute_trainer_logprobs`, the loss's own path, in eval mode
         without gradient (under fsdp2 a collective forward every rank joins,
         `TrainerGroup.follow`)."""
-        from harnessrl.train.packing import compute_trainer_logprobs, pack_rows
-
         n = len(ids)
         row = Row(input_ids=tuple(ids), completion_mask=(0,) + (1,) * (n - 1), sampler_logprobs=(0.0,) * n,
                   policy_versions=(-1,) * n, rollout_id="canary", group_id=-1)
@@ -117,8 +125,6 @@ def reference_logprobs(policy: Policy, packed: Any, temperature: float) -> torch
     Raises:
         ConfigError: the policy was loaded without a reference.
     """
-    from harnessrl.train.packing import compute_trainer_logprobs
-
     if not policy.has_reference:
         raise ConfigError("reference_logprobs: the policy was loaded without a reference (train.loss.kl_coef = 0)")
     with torch.no_grad():
@@ -145,7 +151,7 @@ def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, l
         ConfigError: `lora_rank > 0` but peft is not installed; LoRA with `fsdp2`; an unknown
             `dtype`.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers, heavy; not needed at import
 
     if dtype not in DTYPES:
         raise ConfigError(f"train.dtype={dtype!r} is not one of {sorted(DTYPES)}")
@@ -156,15 +162,13 @@ def load_policy(model_dir: Path, *, learning_rate: float, weight_decay: float, l
     lora = lora_rank > 0
     if lora:
         try:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig, get_peft_model  # lazy: peft, heavy; not needed at import
         except ImportError as exc:
             raise ConfigError("train.lora_rank > 0 needs peft (pip install 'harnessrl[lora]')") from exc
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
                                                  target_modules="all-linear", lora_dropout=0.0))
     frozen = None
     if reference and not lora:
-        import copy
-
         frozen = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()
     wrapped = wrap_model(model, ranks) if ranks.distributed else None
@@ -212,8 +216,8 @@ def _merged_lora_weights(peft_model: Any) -> dict[str, torch.Tensor]:
     that did not export would drift apart). Other adapter kinds go through peft's
     `merge_adapter` / `unmerge_adapter`.
     """
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import Linear as LoraLinear  # lazy: peft, heavy; not needed at import
+    from peft.tuners.lora import LoraLayer  # lazy: peft, heavy; not needed at import
 
     base = peft_model.get_base_model()
     layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
@@ -253,7 +257,6 @@ def save_checkpoint(policy: Policy, tokenizer: Any, directory: Path, state: dict
     if not ranks.is_main:
         return
     check_finite(full if full is not None else dict(policy.model.state_dict()))
-    import shutil
 
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():  # left by a process killed while saving
@@ -297,7 +300,7 @@ def restore_checkpoint(policy: Policy, directory: Path) -> dict[str, Any]:
         ConfigError: the checkpoint's weights do not match the model, or its optimizer state
             was saved by a sharded (fsdp2) run and this one is not, or the reverse.
     """
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: safetensors, heavy; not needed at import
 
     weights = load_file(str(directory / "model.safetensors"))
     model: Any = policy.model
@@ -311,8 +314,8 @@ def restore_checkpoint(policy: Policy, directory: Path) -> dict[str, Any]:
         load_full_state(model, policy.optimizer, weights, saved.pop("optimizer"), policy.ranks)
         return saved
     if policy.lora:
-        from peft import set_peft_model_state_dict
-        from peft.utils import load_peft_weights
+        from peft import set_peft_model_state_dict  # lazy: peft, heavy; not needed at import
+        from peft.utils import load_peft_weights  # lazy: peft, heavy; not needed at import
 
         set_peft_model_state_dict(model, load_peft_weights(str(directory / "adapter")))
     else:

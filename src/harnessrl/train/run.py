@@ -37,6 +37,7 @@ from harnessrl.train.distributed import Ranks, close_ranks, init_ranks
 from harnessrl.train.loop import run
 from harnessrl.train.policy import latest_checkpoint
 from harnessrl.train.setup import check_training
+from harnessrl.train.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
 def _follow(cfg: RunConfig, ranks: Ranks) -> int:
     """A rank other than 0: load the policy and run rank 0's trainer operations until it says
     stop (`TrainerGroup.follow`). Returns 0, or 1 when rank 0 went away without stopping it."""
-    import torch
-
-    from harnessrl.train.trainer_group import TrainerGroup
+    import torch  # lazy: torch, heavy; not needed at import
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)  # nothing to release here: end at once

@@ -226,7 +226,7 @@ def _merge_over_ranks(sums: dict[str, float], mins: dict[str, float], maxs: dict
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (the gradient norm under FSDP2), the tensor itself otherwise."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: torch.distributed, absent from some torch builds
 
     return t.full_tensor() if isinstance(t, DTensor) else t
 

@@ -27,7 +27,17 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harnessrl.engine.canary import policy_probe
+from harnessrl.loss.losses import loss_fn_for
 from harnessrl.train.distributed import SINGLE, Ranks, broadcast_object, inner_module
+from harnessrl.train.policy import (
+    load_policy,
+    reference_logprobs,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from harnessrl.train.schedule import lr_factor
+from harnessrl.train.step import optimizer_step, sampler_parity, update_norm
 
 if TYPE_CHECKING:
     from harnessrl.config import RunConfig
@@ -47,8 +57,6 @@ class TrainerGroup:
     """
 
     def __init__(self, cfg: RunConfig, ranks: Ranks = SINGLE) -> None:
-        from harnessrl.loss.losses import loss_fn_for
-
         self.cfg = cfg
         self.ranks = ranks
         self.policy: Policy | None = None
@@ -137,8 +145,6 @@ class TrainerGroup:
                     policy = self._policy()
                     policy.export_weights()
                     if self.ranks.sharded and self.cfg.train.sync_canary:
-                        from harnessrl.engine.canary import policy_probe
-
                         # the canary's trainer forward after the publish (`CanarySync`): collective
                         policy.sequence_logprobs(policy_probe(policy))
                 case "save":
@@ -160,8 +166,6 @@ class TrainerGroup:
         return self.policy
 
     def _load(self, model_dir: str) -> Policy:
-        from harnessrl.train.policy import load_policy, reference_logprobs
-
         t = self.cfg.train
         self.policy = load_policy(Path(model_dir), learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                                   lora_rank=t.lora_rank, reference=t.loss.kl_coef > 0, dtype=t.dtype,
@@ -173,9 +177,6 @@ class TrainerGroup:
         return self.policy
 
     def _step(self, rows: list[Row], step: int | None = None) -> StepResult:
-        from harnessrl.train.schedule import lr_factor
-        from harnessrl.train.step import optimizer_step
-
         policy, t = self._policy(), self.cfg.train
         if step is not None:
             lr = t.learning_rate * lr_factor(t.lr_schedule, step - 1, t.steps, t.warmup_steps)
@@ -190,16 +191,12 @@ class TrainerGroup:
         return result
 
     def _update_norm(self) -> float | None:
-        from harnessrl.train.step import update_norm
-
         updated, self._updated = self._updated, None
         if updated is None:
             return None
         return update_norm(self._policy().optimizer, updated, self.ranks)
 
     def _parity(self, rows: list[Row]) -> float | None:
-        from harnessrl.train.step import sampler_parity
-
         policy = self._policy()
         # unsharded: the plain model (a DDP forward is not needed; rank 0 runs this alone)
         model = policy.trained if self.ranks.sharded else inner_module(policy.trained)
@@ -207,11 +204,7 @@ class TrainerGroup:
                               token_budget=self.cfg.train.token_budget, autocast=self.cfg.train.autocast)
 
     def _save(self, tokenizer: Any, directory: str, state: dict[str, Any]) -> None:
-        from harnessrl.train.policy import save_checkpoint
-
         save_checkpoint(self._policy(), tokenizer, Path(directory), state)
 
     def _restore(self, directory: str) -> dict[str, Any]:
-        from harnessrl.train.policy import restore_checkpoint
-
         return restore_checkpoint(self._policy(), Path(directory))

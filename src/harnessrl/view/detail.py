@@ -18,12 +18,19 @@ to j - 1, with the main/auxiliary split of the whole rollout held fixed; the fir
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from harnessrl.hooks import Hooks
-from harnessrl.train.samples import build_rows, classify_main, common_prefix_len, find_parents
+from harnessrl.loss.advantages import stamp_advantage
+from harnessrl.train.samples import (
+    build_rows,
+    classify_main,
+    common_prefix_len,
+    find_parents,
+)
 from harnessrl.types import Rollout, Row, Turn, check_turn_faithful
 
 if TYPE_CHECKING:
@@ -43,8 +50,6 @@ def build_kwargs(index: RunIndex, hooks: dict[str, Callable[..., Any]]) -> dict[
 def run_build_kwargs(cfg: Any, hooks: Hooks) -> dict[str, Any]:
     """`build_rows` keyword arguments from a run config's `[train]` and its hooks: each
     `[train]` setting `build_rows` takes (e.g. `train_auxiliary`), and the row hooks."""
-    import inspect
-
     accepted = inspect.signature(build_rows).parameters
     kwargs: dict[str, Any] = {k: v for k, v in cfg.train.model_dump().items() if k in accepted and k != "rollout"}
     if "train_turn_fn" in accepted:
@@ -58,8 +63,6 @@ def rollout_rows(rollout: Rollout, advantage: float | None, kwargs: dict[str, An
     """The rollout's training rows exactly as the trainer builds them, advantage stamped
     (0.0 when the rollout is unscored or its group has zero variance: such rows are dropped
     by the trainer, and the page says so)."""
-    from harnessrl.loss.advantages import stamp_advantage
-
     rows, _ = build_rows(rollout, **kwargs)
     return stamp_advantage(rows, 0.0 if advantage is None else advantage)
 
@@ -78,7 +81,6 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
     """
     rollout = index.read(i)
     summary = {k: v for k, v in index.summaries[i].items() if k not in ("offset", "length")}
-    from harnessrl.loss.advantages import stamp_advantage
 
     kwargs = build_kwargs(index, hooks)
     built, stats = build_rows(rollout, **kwargs)

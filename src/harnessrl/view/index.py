@@ -17,7 +17,10 @@ other values than it gave the trainer), else the verifier's reward.
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
+import tomllib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +30,10 @@ import orjson
 
 from harnessrl.config import RunConfig, load_config
 from harnessrl.errors import ConfigError
+from harnessrl.hooks import load_hooks, reshape_reward
 from harnessrl.jsonl import read_jsonl
+from harnessrl.loss.advantages import advantage_fn_for
+from harnessrl.train.plot import curve_png
 from harnessrl.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -80,9 +86,6 @@ def load_run_config(run_dir: Path) -> RunConfig:
     Raises:
         ConfigError: `run_dir` has no `rollouts.jsonl`, or a needed setting is invalid.
     """
-    import json
-    import tomllib
-
     if not (run_dir / "rollouts.jsonl").is_file():
         raise ConfigError(f"{run_dir} is not a run directory: it has no rollouts.jsonl")
     path = run_dir / "config.toml"
@@ -108,9 +111,6 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
     Raises:
         ConfigError: not a run directory, or its config / reward hook does not load.
     """
-    from harnessrl.loss.advantages import advantage_fn_for
-    from harnessrl.hooks import load_hooks, reshape_reward
-
     run_dir = Path(run_dir)
     cfg = cfg or load_run_config(run_dir)
     reward_fn = None
@@ -173,10 +173,6 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
 def index_json(index: RunIndex) -> dict[str, Any]:
     """The page's index payload: summaries without offsets, metrics, run facts, and the run's
     curve as `train` draws it (`train/plot.curve_png`, base64 PNG; None without metrics)."""
-    import base64
-
-    from harnessrl.train.plot import curve_png
-
     keep = [{k: v for k, v in s.items() if k not in ("offset", "length")} for s in index.summaries]
     cfg = index.cfg
     png = curve_png(index.metrics, f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})",

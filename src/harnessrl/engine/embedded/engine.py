@@ -73,17 +73,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 
+from harnessrl.engine.canary import sequence_logprobs
 from harnessrl.engine.embedded.batch import KVBatch
 from harnessrl.engine.embedded.decode_step import DecodeStep
-from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
 from harnessrl.engine.embedded.prefill import Prefilled, PrefillScheduler
 from harnessrl.engine.embedded.prefix_cache import PrefixCache
 from harnessrl.engine.embedded.request import Deliver, Request, sample_requests
 from harnessrl.engine.embedded.sampler import RowSampling, effective_temperature
-from harnessrl.engine.stats import EngineStats, zero_counters
 from harnessrl.engine.embedded.stop import StopWatcher
+from harnessrl.engine.model_store import load_causal_lm, load_tokenizer
+from harnessrl.engine.stats import EngineStats, zero_counters
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
 
@@ -523,8 +525,6 @@ class EmbeddedEngine:
 
 
 def _score(model: torch.nn.Module, item: _Score) -> None:
-    from harnessrl.engine.canary import sequence_logprobs
-
     try:
         item.done.set_result(sequence_logprobs(model, item.ids))
     except Exception as exc:  # noqa: BLE001 - reported to the caller

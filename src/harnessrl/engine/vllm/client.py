@@ -39,7 +39,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
@@ -47,9 +49,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import orjson
 
-from harnessrl.engine.vllm.validate import loads_body, parse_completion, parse_token_id, status_error
+from harnessrl.engine.vllm.install import vllm_dir
+from harnessrl.engine.vllm.server import launch_servers, launch_servers_async
+from harnessrl.engine.vllm.sync import serving_dir
+from harnessrl.engine.vllm.validate import (
+    loads_body,
+    parse_completion,
+    parse_token_id,
+    status_error,
+)
 from harnessrl.errors import ContextLengthError, EngineError
 from harnessrl.types import Completion, Sampling
 
@@ -331,8 +342,6 @@ class VllmEngine:
     # -- HTTP -------------------------------------------------------------------------------------
 
     def _session(self) -> Any:
-        import aiohttp
-
         loop = asyncio.get_running_loop()
         entry = self._sessions.get(id(loop))
         if entry is None or entry[0] is not loop or entry[1].closed:
@@ -348,8 +357,6 @@ class VllmEngine:
         return entry[1]
 
     async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        import aiohttp
-
         payload = orjson.dumps(body)
         try:
             async with self._session().post(url + "/v1/completions", data=payload) as resp:
@@ -470,7 +477,6 @@ def make_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Path | Non
     """
     if cfg.attached:
         return VllmEngine(cfg.server_urls, **_engine_kwargs(cfg, model_dir))
-    from harnessrl.engine.vllm.server import launch_servers
 
     servers = launch_servers(cfg, _served_dir(cfg, model_dir), _log_dir(run_dir), served_model=SERVED_MODEL)
     return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers,
@@ -482,7 +488,6 @@ async def start_vllm_engine(cfg: VllmEngineConfig, model_dir: Path, run_dir: Pat
     signal) stops the servers at once. Raises like `make_vllm_engine`."""
     if cfg.attached:
         return VllmEngine(cfg.server_urls, **_engine_kwargs(cfg, model_dir))
-    from harnessrl.engine.vllm.server import launch_servers_async
 
     servers = await launch_servers_async(cfg, _served_dir(cfg, model_dir), _log_dir(run_dir), served_model=SERVED_MODEL)
     return VllmEngine([s.url for s in servers], served_model=SERVED_MODEL, servers=servers,
@@ -496,17 +501,11 @@ def _engine_kwargs(cfg: VllmEngineConfig, model_dir: Path) -> dict[str, Any]:
 
 
 def _log_dir(run_dir: Path | None) -> Path:
-    import os
-    import time
-
-    from harnessrl.engine.vllm.install import vllm_dir
-
     return run_dir if run_dir is not None else vllm_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def _served_dir(cfg: VllmEngineConfig, model_dir: Path) -> Path:
     if cfg.weight_sync == "directory":  # tied embeddings untied, or reloads miss the LM head (vllm_sync)
-        from harnessrl.engine.vllm.sync import serving_dir
 
         return serving_dir(model_dir)
     return model_dir

@@ -28,6 +28,16 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harnessrl.engine.canary import (
+    canary_bound,
+    max_abs_dev,
+    probe_ids,
+    replica_scores,
+    sequence_logprobs,
+)
+from harnessrl.engine.model_store import load_causal_lm
+from harnessrl.engine.vllm.client import PROBE_TEMPERATURES, VllmEngine, check_temperature_scaling
+from harnessrl.engine.vllm.sync import served_root
 from harnessrl.errors import EngineError
 
 _COMPARED_CONFIG = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -68,8 +78,6 @@ def diagnose_engine(url: str, model_dir: Path, *, model: str = "", served_model:
     """Run the checks of the module docstring against the server at `url` (base URL, no
     `/v1`) for the trainer's model in `model_dir`; `lora`: the server runs with
     `--enable-lora` (the canary then samples after its probe, `VllmEngine.score_probe`)."""
-    from harnessrl.engine.vllm.client import VllmEngine
-
     report = EngineReport(url=url.rstrip("/"), model=model or str(model_dir))
     add = report.checks.append
     try:
@@ -86,8 +94,6 @@ def diagnose_engine(url: str, model_dir: Path, *, model: str = "", served_model:
         except EngineError as exc:
             add(EngineCheck("logprob mode", False, str(exc)))
         try:
-            from harnessrl.engine.vllm.client import PROBE_TEMPERATURES, check_temperature_scaling
-
             gaps = {t: engine.temperature_gaps(engine.replica_urls[0], t) for t in PROBE_TEMPERATURES}
             ratio = check_temperature_scaling(engine.replica_urls[0], gaps)
             add(EngineCheck("temperature", True, f"logprob gaps at T=0.5 are {ratio:.4f}x those at T=1 (want 2)"))
@@ -102,8 +108,6 @@ def diagnose_engine(url: str, model_dir: Path, *, model: str = "", served_model:
 
 
 def _tied_head_check(engine: object, model_dir: Path) -> EngineCheck:
-    from harnessrl.engine.vllm.sync import served_root
-
     url = engine.replica_urls[0]  # type: ignore[attr-defined]
     try:
         root = served_root(url, engine.served_model)  # type: ignore[attr-defined]
@@ -127,9 +131,6 @@ def _tied_head_check(engine: object, model_dir: Path) -> EngineCheck:
 
 
 def _canary_check(engine: object, model_dir: Path, engine_dtype: str, *, tied_note: bool) -> EngineCheck:
-    from harnessrl.engine.canary import canary_bound, max_abs_dev, probe_ids, replica_scores, sequence_logprobs
-    from harnessrl.engine.model_store import load_causal_lm
-
     model = load_causal_lm(model_dir)
     ids = probe_ids(int(model.get_input_embeddings().num_embeddings))
     try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,15 @@ class VllmInstallOutcome:
     record: VllmInstallRecord
     already_installed: bool
     duration_s: float
+
+
+def cuda_present() -> bool:
+    """True when an NVIDIA GPU is visible (`nvidia-smi -L` lists one); decides the CPU or GPU flags."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
 
 
 def vllm_dir() -> Path:
@@ -117,8 +127,6 @@ def install_vllm(log: Callable[[str], None] = print, *, flavour: Literal["cpu", 
     Raises:
         HarnessInstallError: no system python3, or a failed step (with the tail of its output).
     """
-    from harnessrl.engine.vllm.server import cuda_present
-
     start = time.monotonic()
     target = vllm_dir()
     target.parent.mkdir(parents=True, exist_ok=True)

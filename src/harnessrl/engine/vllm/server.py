@@ -30,6 +30,7 @@ What it does not do: send completions (`engine/vllm/client.py`) or move weights 
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import ctypes
@@ -46,6 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harnessrl.engine.vllm.install import cuda_present, vllm_python
 from harnessrl.errors import EngineError
 
 if TYPE_CHECKING:
@@ -74,15 +76,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def cuda_present() -> bool:
-    """True when an NVIDIA GPU is visible (`nvidia-smi -L` lists one); decides the CPU or GPU flags."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "GPU" in out.stdout
 
 
 def server_command(cfg: VllmEngineConfig, python: Path, model_dir: Path, port: int, *, gpu: bool,
@@ -197,8 +190,6 @@ class VllmServer:
 
     async def wait_healthy_async(self, timeout_s: float) -> float:
         """`wait_healthy` for an event loop (each probe in a worker thread)."""
-        import asyncio
-
         t0 = time.monotonic()
         while not await asyncio.to_thread(self._healthy_once, t0, timeout_s):
             await asyncio.sleep(0.5)
@@ -261,7 +252,6 @@ def start_servers(cfg: VllmEngineConfig, model_dir: Path, log_dir: Path, *, pyth
                   served_model: str = "harnessrl-base") -> list[VllmServer]:
     """Start the processes of `cfg.replicas` servers of `model_dir` without waiting for them
     (`launch_servers` / `launch_servers_async` wait). Stops those it started if one fails."""
-    from harnessrl.engine.vllm.install import vllm_python
 
     python = python or vllm_python()
     gpu = cuda_present()

@@ -37,9 +37,11 @@ the replica, the endpoint and the answer; the version is not bumped then.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -49,7 +51,8 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from harnessrl.engine.weight_sync import SyncReport
+from harnessrl.engine.model_store import cache_dir
+from harnessrl.engine.weight_sync import SyncReport, check_finite
 from harnessrl.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
@@ -121,7 +124,7 @@ def write_weights(weights: dict[str, torch.Tensor], target: Path, model_dir: Pat
     Raises:
         FileExistsError: `target` exists already.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: safetensors, heavy; not needed at import
 
     if target.exists():
         raise FileExistsError(f"weight directory {target} exists already")
@@ -172,7 +175,7 @@ def untied_copy(model_dir: Path, target: Path) -> Path:
         return model_dir
     if (target / "model.safetensors").is_file():
         return target
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: safetensors, heavy; not needed at import
 
     weights: dict[str, Any] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
@@ -201,10 +204,6 @@ def serving_dir(model_dir: Path) -> Path:
     `model_dir` itself, or its `untied_copy` cached under
     `$HARNESSRL_CACHE/models/vllm-untied/` (keyed by the path and the weights' mtime) when
     its embeddings are tied."""
-    import hashlib
-
-    from harnessrl.engine.model_store import cache_dir
-
     model_dir = Path(model_dir).resolve()
     if not _tied(model_dir):
         return model_dir
@@ -350,9 +349,6 @@ class LoraWeightSync:
     """
 
     def __init__(self, engine: VllmReplicas, sync_dir: Path, *, keep: int, timeout_s: float = 120.0) -> None:
-        import hashlib
-        import secrets
-
         if keep < 1:
             raise ValueError(f"keep = {keep}: at least the served adapter stays loaded")
         self._engine = engine
@@ -399,8 +395,6 @@ class LoraWeightSync:
             NonFiniteWeightsError: an adapter weight is NaN or inf (nothing loaded).
             EngineError: a replica refused the adapter (the version is not bumped).
         """
-        from harnessrl.engine.weight_sync import check_finite
-
         if not policy.lora:
             raise ConfigError("engine.weight_sync = 'lora' needs train.lora_rank > 0 (the policy has no adapter)")
         with self._lock:
@@ -466,7 +460,7 @@ class NcclWeightSync:
 
     def __init__(self, engine: VllmReplicas, *, master_address: str = "127.0.0.1", master_port: int = 29555,
                  timeout_s: float = 300.0) -> None:
-        import torch
+        import torch  # lazy: torch, heavy; not needed at import
 
         if not torch.cuda.is_available():
             raise ConfigError("engine.weight_sync = 'nccl' needs CUDA on the trainer and GPU vLLM servers "
@@ -484,13 +478,16 @@ class NcclWeightSync:
         self._lock = threading.Lock()
 
     def _init(self) -> None:
+        # lazy: vllm, heavy; not needed at import
         from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found]
             ParamMeta,
             WeightSource,
         )
+        # lazy: vllm, heavy; not needed at import
         from vllm.distributed.weight_transfer.clients import (  # type: ignore[import-not-found]
             HTTPVLLMWeightSyncClient,
         )
+        # lazy: vllm, heavy; not needed at import
         from vllm.distributed.weight_transfer.nccl_engine import (  # type: ignore[import-not-found]
             NCCLTrainerInitInfo,
             NCCLTrainerWeightTransferEngine,
