@@ -72,7 +72,7 @@ train: setup
 train-ci:
 	$(MAKE) train STEPS=1 EVAL= OUT=runs/ci
 
-# the multi-turn job (README, "The multi-turn job"), and its short form as CI runs it
+# the multi-turn job (docs/training.md, "The multi-turn job"), and its short form as CI runs it
 train-agent:
 	$(MAKE) train STEPS=$(AGENT_STEPS) RECIPE="$(AGENT_RECIPE)" OUT=$(AGENT_OUT)
 

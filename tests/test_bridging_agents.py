@@ -6,7 +6,7 @@ The first reply is sampled the way models do and re-rendering does not
 reproduce (a non-canonical tokenisation; compact tool-call JSON). Every agent turn after the
 first starts with the previous turn's exact prompt + completion ids
 (`bridged_from`), the samples builder merges them all CLEAN, and no sampled token is left
-untrained (the figures of DESIGN.md §5 on real agents' replay formats)."""
+untrained (the figures of docs/benchmarks.md on real agents' replay formats)."""
 
 from __future__ import annotations
 

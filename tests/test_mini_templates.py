@@ -123,7 +123,7 @@ def test_multiturn_templates_show_look_then_answer_and_set_the_observation_and_s
 
 def test_default_recipe_is_the_measured_one() -> None:
     """The main job's defaults: repeat tasks through mini-swe-agent's compact prompt, one
-    step, temperature 0.4 (README, "Measured": held-out 0.44 -> 0.94 in 8 steps)."""
+    step, temperature 0.4 (docs/benchmarks.md, "Main jobs": held-out 0.44 -> 0.94 in 8 steps)."""
     from harnessrl.config import load_config
 
     cfg = load_config(None)

