@@ -44,6 +44,9 @@ class InstantEngine:
     max_context_tokens = 65536
     eos_token_ids = (2,)
 
+    def forget(self, affinity: str) -> None:
+        return None
+
     async def generate(self, prompt_ids: list[int], sampling: Any, *, affinity: str | None = None) -> Any:
         from harnessrl.types import Completion
 

@@ -103,6 +103,9 @@ class SoakEngine:
         self.tokenizer = tokenizer
         self.calls = 0
 
+    def forget(self, affinity: str) -> None:
+        return None
+
     async def generate(self, prompt_ids: list[int], sampling: Any, *, affinity: str | None = None) -> Any:
         from harnessrl.errors import EngineError
         from harnessrl.types import Completion

@@ -71,6 +71,9 @@ class FakeEngine:
     def stats(self) -> None:
         return None
 
+    def forget(self, affinity: str) -> None:
+        return None
+
     def close(self) -> None:
         return None
 

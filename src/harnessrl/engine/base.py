@@ -56,6 +56,11 @@ class Engine(Protocol):
         """
         ...
 
+    def forget(self, affinity: str) -> None:
+        """The session `affinity` ended: drop what routes it (a multi-replica engine's choice of
+        replica); a no-op for one replica."""
+        ...
+
     def close(self) -> None:
         """Stop background work; idempotent."""
         ...

@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harnessrl.errors import ConfigError, EngineError
 
@@ -95,6 +95,7 @@ class CanaryError(EngineError):
     replica, the version and the deviation)."""
 
 
+@runtime_checkable
 class ScoresSequences(Protocol):
     """What the canary needs of an engine: replicas it can name and score a sequence on."""
 
@@ -105,6 +106,14 @@ class ScoresSequences(Protocol):
         """Logprob (temperature 1, nats) of `ids[t]` given `ids[:t]` for t = 1..len(ids)-1, on
         replica `replica`, under the weights it serves now."""
         ...
+
+
+@runtime_checkable
+class ScoresProbes(Protocol):
+    """An engine that scores the probe its own way (a LoRA-enabled vLLM server,
+    `VllmEngine.score_probe`): `(sequence, start, logprobs)`, module docstring."""
+
+    def score_probe(self, ids: Sequence[int], replica: int) -> tuple[Sequence[int], int, Sequence[float]]: ...
 
 
 def probe_ids(vocab_size: int, *, half: int = PROBE_HALF, seed: int = PROBE_SEED, low: int = 256,
@@ -164,14 +173,13 @@ def max_abs_dev(a: Sequence[float], b: Sequence[float]) -> tuple[float, int]:
     return worst, where
 
 
-def replica_scores(engine: Any, ids: Sequence[int], replica: int) -> tuple[list[int], int, list[float]]:
+def replica_scores(engine: ScoresSequences, ids: Sequence[int], replica: int) -> tuple[list[int], int, list[float]]:
     """`(sequence, start, logprobs)` from one replica: `logprobs[i]` is the replica's logprob
     (T=1) of `sequence[start + i]` given `sequence[:start + i]`. The engine's own
     `score_probe(ids, replica)` when it has one (a LoRA-enabled vLLM server: the probe, then
     tokens it samples, `VllmEngine.score_probe`), else `(ids, 1, prompt_logprobs(ids, replica))`."""
-    score = getattr(engine, "score_probe", None)
-    if callable(score):
-        seq, start, lps = score(ids, replica)
+    if isinstance(engine, ScoresProbes):
+        seq, start, lps = engine.score_probe(ids, replica)
         return list(seq), int(start), list(lps)
     return list(ids), 1, list(engine.prompt_logprobs(ids, replica))
 
@@ -261,7 +269,7 @@ def with_canary(sync: WeightSync, engine: Any, *, trainer_dtype: str, engine_dty
     Raises:
         ConfigError: the engine cannot score a sequence (no `prompt_logprobs`).
     """
-    if not callable(getattr(engine, "prompt_logprobs", None)):
+    if not isinstance(engine, ScoresSequences):
         raise ConfigError(f"train.sync_canary = true needs an engine that scores a sequence; "
                           f"{type(engine).__name__} has no prompt_logprobs: set train.sync_canary = false")
     return CanarySync(sync, engine, bound=canary_bound(trainer_dtype, engine_dtype))

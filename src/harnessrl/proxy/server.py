@@ -235,9 +235,7 @@ class ProxyServer:
         """Revoke the session's key and return its final trace (written if a path is set); an
         engine that routes by affinity (`VllmEngine.forget`) drops the session's key."""
         trace = self.store.close(session_id)
-        forget = getattr(self.deps.capture.engine, "forget", None)
-        if callable(forget):
-            forget(session_id)
+        self.deps.capture.engine.forget(session_id)
         return trace
 
     async def aclose(self) -> None:

@@ -35,7 +35,13 @@ from rich.console import Console
 
 from harnessrl.config import RunConfig
 from harnessrl.engine.stats import EngineStats
-from harnessrl.train.console import bound_line, final_table, print_conversation, skip_reason, step_line
+from harnessrl.train.console import (
+    bound_line,
+    final_table,
+    print_conversation,
+    skip_reason,
+    step_line,
+)
 from harnessrl.train.distributed import Ranks
 from harnessrl.train.evaluation import evaluate_held_out
 from harnessrl.train.plot import curve_table, write_curve_png

@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, TypeVar
 
 import torch
 from rich.console import Console
@@ -55,8 +55,14 @@ from harnessrl.train.resume import drop_lines_after_checkpoint
 from harnessrl.train.step import native_cpu_bfloat16
 from harnessrl.train.template_doctor import quick_line
 from harnessrl.train.trainer_group import TrainerGroup
+from harnessrl.types import Rollout
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +94,7 @@ class TrainingRun:
     """Every trainer operation, on every rank that takes part."""
     executor: ThreadPoolExecutor
     """The one trainer thread (`train.num_threads` torch threads)."""
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     """The model's tokenizer (saved with each checkpoint)."""
     sync: WeightSync
     """Publishes the trainer's weights to the engine (the canary wrapped around it when on)."""
@@ -106,7 +112,7 @@ class TrainingRun:
     """The held-out tasks (`train.eval_every`), disjoint from the training tasks; None when off."""
     resume: ResumePoint = field(default_factory=ResumePoint)
 
-    async def on_trainer(self, fn: Any, *args: Any) -> Any:
+    async def on_trainer(self, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` on the trainer thread (the event loop keeps serving the agents meanwhile)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
@@ -253,7 +259,7 @@ def _orchestrator(cfg: RunConfig, rt: Runtime, tasks: TaskSource, limits: Rollou
     (DESIGN.md §1), dispatched in `train.group_order`, shaped (and replaced) as they complete."""
     orch: Orchestrator
 
-    def on_rollout(r: Any) -> None:
+    def on_rollout(r: Rollout) -> None:
         log.info("rollout %d (group %d) %s", orch.rollouts_finished, r.group_id, rollout_line(r))
 
     orch = Orchestrator(

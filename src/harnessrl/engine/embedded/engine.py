@@ -318,6 +318,10 @@ class EmbeddedEngine:
         self._submit(_Score(prompt, done))
         return done.result()
 
+    def forget(self, affinity: str) -> None:
+        """One replica: nothing routes by affinity."""
+        return None
+
     def close(self) -> None:
         """Stop the decode thread and fail requests still pending; idempotent."""
         with self._close_lock:
