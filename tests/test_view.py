@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from harnessrl.hooks import Hooks
 from harnessrl.train.samples import build_rows
 from harnessrl.types import Rollout, Trace, Turn
 from harnessrl.view.detail import rollout_detail
@@ -66,7 +67,7 @@ def test_index_offsets_steps_and_torn_lines(run_dir: Path) -> None:
 
 def test_detail_rows_are_the_builders_rows(run_dir: Path, tokenizer) -> None:
     index = build_index(run_dir)
-    d = rollout_detail(index, 1, tokenizer, {})
+    d = rollout_detail(index, 1, tokenizer, Hooks())
     rows, stats = build_rows(index.read(1))
     assert [r["ids"] for r in d["rows"]] == [list(r.input_ids) for r in rows]
     assert [r["trained_ids"] for r in d["rows"]] == [[t for t, m in zip(r.input_ids, r.completion_mask) if m] for r in rows]
@@ -93,7 +94,7 @@ def test_detail_rows_are_the_builders_rows(run_dir: Path, tokenizer) -> None:
 
 def test_report_files(run_dir: Path, tokenizer, tmp_path: Path) -> None:
     out = tmp_path / "report"
-    done = write_report(build_index(run_dir), out, tokenizer, {})
+    done = write_report(build_index(run_dir), out, tokenizer, Hooks())
     assert done["rollouts"] == 4
     assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["0.js", "1.js", "2.js", "3.js"]
     page = (out / "index.html").read_text()
@@ -134,7 +135,7 @@ def _get(url: str) -> tuple[int, bytes]:
 
 def test_serves_index_and_one_rollout_over_loopback(run_dir: Path, tokenizer) -> None:
     index = build_index(run_dir)
-    server = ViewServer(index, tokenizer, {}, port=0).start()
+    server = ViewServer(index, tokenizer, Hooks(), port=0).start()
     try:
         assert server.url.startswith("http://127.0.0.1:")
         code, body = _get(server.url + "api/index.json")
@@ -144,7 +145,7 @@ def test_serves_index_and_one_rollout_over_loopback(run_dir: Path, tokenizer) ->
         assert "offset" not in got["rollouts"][0] and got["metrics"][1]["samples/frac_clean"] == 0.5
         code, body = _get(server.url + "api/rollout/2.json")
         assert code == 200
-        assert json.loads(body) == json.loads(json.dumps(rollout_detail(index, 2, tokenizer, {})))
+        assert json.loads(body) == json.loads(json.dumps(rollout_detail(index, 2, tokenizer, Hooks())))
         code, page = _get(server.url)
         assert code == 200 and b'data-mode="server"' in page
         assert _get(server.url + "api/rollout/17.json")[0] == 404

@@ -48,16 +48,14 @@ def test_a_prebuilt_venv_gets_its_record_without_pip_installing(tmp_path: Path,
     real_venv = real_python.parent.parent
     (cache / "engines" / "vllm").mkdir(parents=True)
     (cache / "engines" / "vllm" / "venv").symlink_to(real_venv)
-    from harnessrl.harness import install as harness_install
-
     ran: list[list[str]] = []
-    real_run = harness_install._run
+    real_run = vllm_install.run_step
 
     def spy(argv: list[str], timeout_s: float, what: str) -> str:
         ran.append(argv)
         return real_run(argv, timeout_s, what)
 
-    monkeypatch.setattr(harness_install, "_run", spy)
+    monkeypatch.setattr(vllm_install, "run_step", spy)
     lines: list[str] = []
     outcome = vllm_install.install_vllm(lines.append, flavour="cpu")
     assert not outcome.already_installed

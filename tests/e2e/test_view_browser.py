@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from harnessrl.hooks import Hooks
+
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 
@@ -52,7 +54,7 @@ def _expected_rows(run: Path, i: int) -> list[list[int]]:
     from harnessrl.view.index import build_index
 
     index = build_index(run)
-    rows = rollout_rows(index.read(i), index.summaries[i]["advantage"], build_kwargs(index, {}))
+    rows = rollout_rows(index.read(i), index.summaries[i]["advantage"], build_kwargs(index, Hooks()))
     return [[t for t, m in zip(r.input_ids, r.completion_mask) if m] for r in rows]
 
 
@@ -114,7 +116,7 @@ def test_served_page_in_chromium(trained_run: Path, tmp_path: Path, tokenizer) -
     from harnessrl.view.index import build_index
     from harnessrl.view.server import ViewServer
 
-    server = ViewServer(build_index(trained_run), tokenizer, {}, port=0).start()
+    server = ViewServer(build_index(trained_run), tokenizer, Hooks(), port=0).start()
     try:
         with _browser() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)

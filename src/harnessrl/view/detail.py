@@ -42,7 +42,7 @@ MAIN_PREFIX_TOKENS = 32
 """`build_rows`'s default `main_prefix_tokens` (the trainer does not change it)."""
 
 
-def build_kwargs(index: RunIndex, hooks: dict[str, Callable[..., Any]]) -> dict[str, Any]:
+def build_kwargs(index: RunIndex, hooks: Hooks) -> dict[str, Any]:
     """The `build_rows` keyword arguments `harnessrl train` uses for this run."""
     return run_build_kwargs(index.cfg, hooks)
 
@@ -68,7 +68,7 @@ def rollout_rows(rollout: Rollout, advantage: float | None, kwargs: dict[str, An
 
 
 def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
-                   hooks: dict[str, Callable[..., Any]]) -> dict[str, Any]:
+                   hooks: Hooks) -> dict[str, Any]:
     """The JSON-ready payload of rollout `i` (module docstring).
 
     Keys: `summary` (the index entry), `error`, `final_answer`, `turns` (list), `rows` (list of

@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harnessrl.hooks import Hooks
 from harnessrl.view.detail import rollout_detail
 from harnessrl.view.index import RunIndex, index_json
 from harnessrl.view.page import render_page, script_safe_json
 
 
-def write_report(index: RunIndex, out_dir: Path, tokenizer: Any, hooks: dict[str, Any]) -> dict[str, float]:
+def write_report(index: RunIndex, out_dir: Path, tokenizer: Any, hooks: Hooks) -> dict[str, float]:
     """Write the report of `index` into `out_dir` (created); returns timings and counts:
     `rollouts`, `write_s`, `bytes`.
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from harnessrl.hooks import Hooks
 from harnessrl.view.detail import rollout_detail
 from harnessrl.view.index import RunIndex, index_json
 from harnessrl.view.page import render_page
@@ -32,7 +33,7 @@ class ViewServer:
         port: TCP port on 127.0.0.1 (0 picks a free one).
     """
 
-    def __init__(self, index: RunIndex, tokenizer: Any, hooks: dict[str, Any], port: int = 0) -> None:
+    def __init__(self, index: RunIndex, tokenizer: Any, hooks: Hooks, port: int = 0) -> None:
         self.index = index
         lock = threading.Lock()  # the tokenizer and builder run one request at a time
         payload = index_json(index)
