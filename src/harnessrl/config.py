@@ -260,11 +260,15 @@ class HooksConfig(BaseModel):
     model partial credit for well-formed actions (see `recipes/shaping.py`); "" disables it."""
 
 
+SinkName = Literal["jsonl", "tensorboard", "trackio", "wandb"]
+"""The metrics sinks `log.sinks` accepts (`log.py`)."""
+
+
 class LogConfig(BaseModel):
     model_config = _FROZEN
 
-    sinks: list[Literal["jsonl", "tensorboard", "trackio", "wandb"]] = Field(
-        default_factory=lambda: ["jsonl"], validation_alias=AliasChoices("sinks", "report_to"))
+    sinks: list[SinkName] = Field(
+        default_factory=lambda: list[SinkName](["jsonl"]), validation_alias=AliasChoices("sinks", "report_to"))
     """Where step metrics go besides `metrics.jsonl` (always); `report_to` is read as this. See `log.py`."""
     project: str = "harnessrl"
     """trackio's and W&B's project; the run is named after its directory."""

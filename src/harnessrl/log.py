@@ -28,7 +28,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -255,7 +255,7 @@ class WandbSink:
         self._wandb = wandb
         self._sample = sample
         run_dir.mkdir(parents=True, exist_ok=True)
-        mode = None if os.environ.get("WANDB_MODE") else "offline"
+        mode: Literal["offline"] | None = None if os.environ.get("WANDB_MODE") else "offline"
         self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), config=config, mode=mode,
                                settings=wandb.Settings(console="off", silent=True))
 

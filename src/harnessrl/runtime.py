@@ -41,7 +41,7 @@ from harnessrl.tasks.config import (
 )
 from harnessrl.tasks.humaneval import HumanEvalSource
 from harnessrl.tasks.openenv import OpenEnvSource
-from harnessrl.tasks.procedural import ProceduralSource
+from harnessrl.tasks.procedural import KINDS, ProceduralSource
 from harnessrl.tasks.python_source import load_python_source
 from harnessrl.tasks.stdio import StdioSource
 
@@ -99,10 +99,9 @@ async def start_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: P
 def make_task_source(cfg: TasksConfig) -> TaskSource:
     match cfg:
         case ProceduralTasks():
-            kwargs = {"difficulty": cfg.difficulty, "seed_offset": cfg.seed_offset, "answer_via": cfg.answer_via}
-            if cfg.kinds:
-                kwargs["kinds"] = tuple(cfg.kinds)
-            source: TaskSource = ProceduralSource(**kwargs)
+            source: TaskSource = ProceduralSource(kinds=tuple(cfg.kinds) if cfg.kinds else tuple(KINDS),
+                                                  difficulty=cfg.difficulty, seed_offset=cfg.seed_offset,
+                                                  answer_via=cfg.answer_via)
         case HumanEvalTasks():
             source = HumanEvalSource()
         case StdioTasks():

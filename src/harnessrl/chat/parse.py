@@ -24,7 +24,7 @@ import json
 import re
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from harnessrl.chat.messages import ToolCall
 
@@ -108,7 +108,7 @@ def fast_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str
     vocabulary's first ids and its special ids decodes the same both ways); the wrapper costs
     more than the decode of a short completion."""
     def slow(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):

@@ -74,7 +74,7 @@ class OpencodeConfig(BaseModel):
     tool_call: bool = True
     """Declare the model as tool-calling (opencode then sends its 9 tools)."""
     permission: dict[str, Permission] = Field(
-        default_factory=lambda: {"bash": "allow", "edit": "allow", "webfetch": "deny"}
+        default_factory=lambda: dict[str, Permission]({"bash": "allow", "edit": "allow", "webfetch": "deny"})
     )
     """opencode's `permission` block; anything left at `ask` would block a headless run."""
     extra_args: list[str] = Field(default_factory=list)

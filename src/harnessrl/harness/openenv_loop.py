@@ -93,7 +93,10 @@ def _import_own_trace(harness: WhiteBoxHarness, live: LiveSession, endpoint: End
     if recorder is None or recorder.trace.turns or not (callable(training) or callable(fetch)):
         return 0
     try:
-        entries = list(training().to_trace_entries()) if callable(training) else list(fetch() or [])
+        if callable(training):
+            entries = list(training().to_trace_entries())
+        else:
+            entries = list(fetch() or []) if callable(fetch) else []
     except Exception as exc:  # noqa: BLE001 - a failed fetch leaves the trace empty; say why
         name = "fetch_training_trace" if callable(training) else "fetch_proxy_trace"
         live.final_state["trace_error"] = f"{name} raised {type(exc).__name__}: {exc}"

@@ -36,8 +36,8 @@ def turn_from_entry(entry: Any, index: int, policy_version: int) -> Turn:
         ids = [_token_id(t) for t in entry["completion_tokens"]]
     completion = _ints(ids, "completion_token_ids", problems)
     logprobs = _floats(entry.get("per_token_logps"), problems)
-    response = entry.get("response") if isinstance(entry.get("response"), dict) else {}
-    request = entry.get("request") if isinstance(entry.get("request"), dict) else {}
+    response: dict[str, Any] = entry["response"] if isinstance(entry.get("response"), dict) else {}
+    request: dict[str, Any] = entry["request"] if isinstance(entry.get("request"), dict) else {}
     usage = {k: v for k, v in (response.get("usage") or {}).items() if isinstance(v, int) and not isinstance(v, bool)}
     choice = (response.get("choices") or [{}])[0] if isinstance(response.get("choices"), list) else {}
     turn = Turn(turn_index=index, protocol="openenv", request=request, reply=_reply(choice.get("message")),

@@ -63,7 +63,7 @@ class WhiteBoxConfig(BaseModel):
 
     max_turns: int = Field(default=4, ge=1)
     """Most model calls per rollout."""
-    tools: list[ToolName] = Field(default_factory=lambda: ["bash", "write_file", "submit"])
+    tools: list[ToolName] = Field(default_factory=lambda: list[ToolName](["bash", "write_file", "submit"]))
     """Tools offered; empty for a single-turn chat whose text is the answer."""
     command_timeout_s: float = Field(default=20.0, gt=0)
     """Limit of one `bash` call."""

@@ -10,6 +10,7 @@ install`; a missing agent raises `HarnessInstallError` when a rollout starts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from harnessrl.errors import ConfigError
@@ -29,7 +30,7 @@ from harnessrl.proxy.sessions import SessionStore
 __all__ = ["HARNESS_KINDS", "make_harness"]
 
 
-_CLI_HARNESSES: dict[str, type[Harness]] = {
+_CLI_HARNESSES: dict[str, Callable[[Any], Harness]] = {
     "mini-swe-agent": MiniSweAgentHarness,
     "opencode": OpencodeHarness,
     "command": CommandHarness,
@@ -65,5 +66,5 @@ def make_harness(
                 raise ConfigError("harness.kind='white_box' needs the proxy's capture deps and session store")
             return WhiteBoxHarness(capture, store, config)  # type: ignore[arg-type]
         case _ if kind in _CLI_HARNESSES:
-            return _CLI_HARNESSES[kind](config)  # type: ignore[arg-type]
+            return _CLI_HARNESSES[kind](config)
     raise ConfigError(f"harness.kind={kind!r} has no harness class")  # unreachable: canonical_kind checked it

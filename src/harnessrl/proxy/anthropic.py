@@ -337,7 +337,7 @@ def _object_or_none(arguments: str) -> dict[str, Any] | None:
 
 async def _stream(call: native.Call, deps: ProxyDeps, prepared: Any, message_id: str) -> AsyncIterator[bytes]:
     model = call.body.get("model") or deps.capture.config.model_name
-    start = {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+    start: dict[str, Any] = {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
              "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": len(prepared.prompt_ids), "output_tokens": 0,
                        "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}

@@ -377,7 +377,8 @@ def response_body(chat: dict[str, Any], request: dict[str, Any], response_id: st
 
 def _namespaces(tools: object) -> dict[str, str]:
     """Function name -> namespace name, for the function tools inside `namespace` tools."""
-    return {sub["name"]: tool["name"] for tool in tools or [] if isinstance(tool, dict) and tool.get("type") == "namespace"
+    listed = tools if isinstance(tools, list) else []
+    return {sub["name"]: tool["name"] for tool in listed if isinstance(tool, dict) and tool.get("type") == "namespace"
             for sub in tool.get("tools") or [] if isinstance(sub, dict) and isinstance(sub.get("name"), str)}
 
 

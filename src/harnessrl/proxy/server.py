@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import logging
 import os
 import resource
@@ -201,9 +202,9 @@ class ProxyServer:
             self.config, lambda name: isinstance(name, tuple) and name[:2] == self._admin_name)
         http = guarded_httptools(self.config.read_timeout_s, self.connection_limits, self.config.max_header_bytes)
         uv_config = uvicorn.Config(self._route, http=http, log_level="warning",
-                                   access_log=False, timeout_keep_alive=self.config.keepalive_timeout_s,
+                                   access_log=False, timeout_keep_alive=math.ceil(self.config.keepalive_timeout_s),
                                    proxy_headers=False, server_header=False, lifespan="off", interface="asgi3",
-                                   timeout_graceful_shutdown=self.shutdown_timeout_s, backlog=2048)
+                                   timeout_graceful_shutdown=math.ceil(self.shutdown_timeout_s), backlog=2048)
         self._server = _Uvicorn(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=self._socks))
         while not self._server.started:

@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import TypeAdapter
@@ -442,7 +442,7 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
         if not live:
             raise ConfigError(f"rollout.ray.address = {rcfg.address!r}: the cluster has no live node"
                               + (f" with resource {rcfg.node_resource!r}" if rcfg.node_resource else ""))
-        actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=1000)(NodeWorker)
+        actor = cast(Any, ray.remote)(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=1000)(NodeWorker)  # ray.remote's stubs omit max_concurrency
         args = (cfg.sandbox.model_dump(mode="json"), cfg.harness.kind, dict(cfg.harness.options), host,
                 proxy_port, rcfg.sandbox_starts_per_s)
         workers = [actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(*args)

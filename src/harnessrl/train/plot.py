@@ -50,7 +50,7 @@ def curve_labels(history: Sequence[dict[str, Any]], tasks_per_step: int | None =
     """The legend label of each key of `SERIES`, with the number of tasks behind it: training
     tasks per step (`tasks_per_step`) for the rewards; held-out tasks (`eval/tasks`, the last
     evaluation's) and k (`eval/k`) for the held-out series."""
-    last_eval = next((m for m in reversed(history) if "eval/tasks" in m), {})
+    last_eval: dict[str, Any] = next((m for m in reversed(history) if "eval/tasks" in m), {})
     labels = {key: label for key, label, _ in SERIES}
     if tasks_per_step:
         per = f"{tasks_per_step} task{'s' if tasks_per_step != 1 else ''}/step"
@@ -73,6 +73,7 @@ def curve_figure(history: Sequence[dict[str, Any]], title: str = "harnessrl trai
     canvas, `SIZE_PX` pixels at 100 dpi; None when no series has a point."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib, heavy; not needed at import
     from matplotlib.figure import Figure  # lazy: matplotlib, heavy; not needed at import
+    from matplotlib.ticker import MaxNLocator  # lazy: matplotlib, heavy; not needed at import
 
     points = curve_points(history)
     if not any(points.values()):
@@ -85,13 +86,15 @@ def curve_figure(history: Sequence[dict[str, Any]], title: str = "harnessrl trai
         if points[key]:
             steps, values = zip(*points[key])
             ax.plot(steps, values, marker="o", markersize=5, linewidth=2, color=colour, label=labels[key])
-    values = [v for series in points.values() for _, v in series]
-    low, high = min(0.0, min(values)), max(1.0, max(values))
+    every_value = [v for series in points.values() for _, v in series]
+    low, high = min(0.0, min(every_value)), max(1.0, max(every_value))
     ax.set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
-    steps = [x for series in points.values() for x, _ in series]
-    if max(steps) - min(steps) < 2:  # one or two steps: whole-number ticks need a wider axis
-        ax.set_xlim(min(steps) - 1, max(steps) + 1)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    every_step = [x for series in points.values() for x, _ in series]
+    if max(every_step) - min(every_step) < 2:  # one or two steps: whole-number ticks need a wider axis
+        ax.set_xlim(min(every_step) - 1, max(every_step) + 1)
+    locator = ax.xaxis.get_major_locator()
+    if isinstance(locator, MaxNLocator):  # Axes' default AutoLocator is one
+        locator.set_params(integer=True)
     ax.set_xlabel("step")
     ax.set_ylabel("reward / pass rate")
     ax.set_title(title, fontsize=10)

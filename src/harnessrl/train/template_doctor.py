@@ -230,7 +230,9 @@ def diagnose_template(tokenizer: PreTrainedTokenizerBase, *, model: str = "",
     """
     chat = ChatLayer(tokenizer, encode_cache_tokens=0)
     engine = tuple(engine_eos) if engine_eos is not None else tuple(sorted(chat.eos_token_ids))
-    name = lambda ids: {i: tokenizer.convert_ids_to_tokens(i) for i in ids}  # noqa: E731
+    def name(ids: Sequence[int]) -> dict[int, str]:
+        return {i: str(tokenizer.convert_ids_to_tokens(i)) for i in ids}
+
     gen_prompt, end_text = _framing(tokenizer, chat)
     end_ids = chat.encode(end_text) if end_text else []
     end_id = end_ids[0] if end_ids else None
@@ -264,10 +266,10 @@ def _framing(tokenizer: PreTrainedTokenizerBase, chat: ChatLayer) -> tuple[str, 
     user = [{"role": "user", "content": "u"}]
     try:
         with_gen = chat.render_text(normalize_messages(user))
-        without = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=False)
+        without = str(tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=False))
         marker = "MARKERxyz"
-        turn = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": marker}],
-                                             tokenize=False, add_generation_prompt=False)
+        turn = str(tokenizer.apply_chat_template(user + [{"role": "assistant", "content": marker}],
+                                                 tokenize=False, add_generation_prompt=False))
     except Exception:  # noqa: BLE001 - reported as unknown framing
         return "", ""
     gen = with_gen[len(without):] if with_gen.startswith(without) else with_gen

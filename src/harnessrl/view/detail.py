@@ -222,7 +222,7 @@ def _turns(turns: Sequence[Turn], by_index: dict[int, int], is_main: Sequence[bo
         new_from = len(prev_messages) if messages[:len(prev_messages)] == prev_messages else 0
         prev_messages = messages
         j = by_index.get(turn.turn_index)
-        why = None
+        why: str | None = None
         if turn.status != "ok":
             why = turn.status
         elif check_turn_faithful(turn) is not None:

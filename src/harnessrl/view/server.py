@@ -77,7 +77,7 @@ class ViewServer:
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}/"
+        return f"http://{host!s}:{port}/"
 
     def start(self) -> ViewServer:
         """Serve on a background thread; returns self."""

@@ -25,7 +25,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -61,7 +61,7 @@ def _logprob(value: Any, where: str) -> float:
 
 
 def parse_completion(body: Any, prompt_ids: Sequence[int], max_tokens: int, *,
-                     where: str = "vLLM") -> tuple[list[int], list[float], str]:
+                     where: str = "vLLM") -> tuple[list[int], list[float], Literal["stop", "length"]]:
     """Validate a `/v1/completions` response; returns (completion ids, logprobs, finish reason).
 
     Logprob values are returned as given (null as NaN) for `check_turn_faithful` to judge; every
@@ -111,9 +111,9 @@ def parse_completion(body: Any, prompt_ids: Sequence[int], max_tokens: int, *,
     if len(ids) > max_tokens:
         raise EngineError(f"{where}: {len(ids)} completion ids for max_tokens={max_tokens}")
     finish = choice.get("finish_reason")
-    if finish not in ("stop", "length"):
-        raise EngineError(f"{where}: choices[0].finish_reason={finish!r} (expected 'stop' or 'length')")
-    return ids, logprobs, finish
+    if finish == "stop" or finish == "length":
+        return ids, logprobs, finish
+    raise EngineError(f"{where}: choices[0].finish_reason={finish!r} (expected 'stop' or 'length')")
 
 
 def loads_body(where: str, raw: bytes) -> Any:
