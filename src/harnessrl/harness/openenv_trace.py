@@ -46,7 +46,7 @@ def turn_from_entry(entry: Any, index: int, policy_version: int) -> Turn:
                 notes=["from the session's fetch_proxy_trace"])
     mask = entry.get("loss_mask")
     whole = isinstance(mask, list) and len(mask) == len(prompt) + len(completion)
-    if whole and completion and not any(mask[len(prompt):]):
+    if whole and completion and isinstance(mask, list) and not any(mask[len(prompt):]):
         problems.append("its producer masked the whole completion (loss_mask 0)")
     why = "; ".join(problems) or check_turn_faithful(turn)
     if why:

@@ -135,7 +135,7 @@ def write_weights(weights: dict[str, torch.Tensor], target: Path, model_dir: Pat
         out: dict[str, torch.Tensor] = {}
         storages: set[tuple[int, int]] = set()
         for name, tensor in weights.items():
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+            key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
             tensor = tensor.detach()
             out[name] = tensor.clone() if key in storages else tensor.contiguous()
             storages.add(key)
