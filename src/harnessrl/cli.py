@@ -184,15 +184,23 @@ def doctor(
         for line in found.lines():
             typer.echo(line)
         raise typer.Exit(found.exit_code)
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.engine.model_store import resolve_model
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.engine.speed import engine_hint, vllm_installed
+
     try:
         report = diagnose_model(model)
+        overrides = [*(set_ or []), f"engine.model={_toml_string(model)}"]
         if harness is not None:
-            overrides = [*(set_ or []), f"engine.model={_toml_string(model)}", f"harness.kind={_toml_string(harness)}"]
-            diagnose_rollout(load_config(config, overrides), report)
+            diagnose_rollout(load_config(config, [*overrides, f"harness.kind={_toml_string(harness)}"]), report)
+        hint = engine_hint(load_config(config, overrides).engine.kind, resolve_model(model), vllm_installed())
     except HarnessRLError as exc:
         raise _fail(exc) from None
     for line in report.lines():
         typer.echo(line)
+    if hint:
+        typer.echo(f"engine: {hint}")
     raise typer.Exit(report.exit_code)
 
 
@@ -321,6 +329,41 @@ def engine_install(name: Annotated[str, typer.Argument(help="vllm")],
     state = "already installed" if outcome.already_installed else f"installed in {outcome.duration_s:.0f} s"
     typer.echo(f"{r.package} {r.version} (torch {r.torch_version}) {state}: {r.python}")
 
+
+
+@engine_app.command("compare")
+def engine_compare(
+    concurrent: Annotated[int, typer.Option(help="Requests in flight at once.")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Cap on completion ids per request.")] = 64,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Measure the embedded engine against a launched vLLM server on the run's model (engine.model, engine.dtype, engine.num_threads): completion tokens/s of the same greedy chat requests, N at once. The figure is kept in the cache; `harnessrl doctor` and the start of `harnessrl train` on the embedded engine print it when vLLM was faster."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.config import load_config
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.engine.config import EmbeddedEngineConfig
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.engine.model_store import resolve_model
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.engine.speed import compare_engines, record_speed
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.errors import HarnessRLError
+
+    try:
+        cfg = load_config(config, list(set_ or []))
+        eng = cfg.engine
+        embedded = eng if isinstance(eng, EmbeddedEngineConfig) else EmbeddedEngineConfig(
+            model=eng.model, dtype=eng.dtype, max_context_tokens=eng.max_context_tokens)
+        speed = compare_engines(embedded, resolve_model(embedded.model), concurrent=concurrent, max_tokens=max_tokens)
+    except (HarnessRLError, ValueError) as exc:
+        raise _fail(exc) from None
+    path = record_speed(speed)
+    faster = "vLLM" if speed.ratio > 1 else "the embedded engine"
+    n = embedded.num_threads
+    typer.echo(f"embedded {speed.embedded_tok_s:.1f} tok/s, vLLM {speed.vllm_tok_s:.1f} tok/s, each on {n} "
+               f"core{'s' if n > 1 else ''}: {speed.ratio:.2f}x, {faster} is faster for {embedded.model} "
+               f"({speed.dtype}, {concurrent} concurrent, <= {max_tokens} tokens each); recorded in {path}")
 
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -36,6 +36,7 @@ from rich.console import Console
 from harnessrl.config import RunConfig
 from harnessrl.engine.model_store import load_tokenizer
 from harnessrl.engine.select import SyncSettings, make_weight_sync
+from harnessrl.engine.speed import engine_hint, vllm_installed
 from harnessrl.engine.weight_sync import WeightSync
 from harnessrl.errors import ConfigError
 from harnessrl.hooks import Hooks, load_hooks
@@ -214,6 +215,9 @@ async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGro
     await loop.run_in_executor(executor, trainer.load, rt.model_dir)
     tokenizer = load_tokenizer(rt.model_dir)
     log.info(quick_line(tokenizer, cfg.engine.model, rt.engine.eos_token_ids))
+    hint = engine_hint(cfg.engine.kind, rt.model_dir, vllm_installed())
+    if hint:
+        log.info(hint)
     hooks = load_hooks(cfg.hooks)
     advantage_fn = advantage_fn_for(cfg.train.advantage)
     sync = make_weight_sync(cfg.engine, rt.engine, sync_settings(cfg), run_dir=run_dir, model_dir=rt.model_dir)
