@@ -115,4 +115,5 @@ def test_rows_line_totals_the_builders_counts_over_the_steps() -> None:
         "rows and credit over 2 steps: 1.25 rows per rollout; merged turns CLEAN 0.75 (bridged 0.25), "
         "REALIGN 0.00, FORK 0.25 of 4; untrained sampled tokens 0; "
         "trained tokens by turn 1: 0.78, 2: 0.17, 3: 0.06, 4+: 0.00")
+    assert rows_line(history[1:2]).startswith("rows and credit over 1 step: 1.00 rows per rollout; merged turns CLEAN 1.00")
     assert rows_line([{"step": 0, "eval/pass_rate": 0.1}]) == ""

@@ -189,7 +189,7 @@ def rows_line(history: Sequence[dict[str, Any]]) -> str:
     shares = {n: (sum(w * float(m.get(prefix + n) or 0.0) for w, m in zip(weights, steps)) / weight if weight else 0.0)
               for n in names}
     by_turn = ", ".join(f"{n.removeprefix('turn_').replace('plus', '+')}: {v:.2f}" for n, v in shares.items())
-    return (f"rows and credit over {len(steps)} steps: {total('samples/num_rows') / rollouts if rollouts else 0.0:.2f} "
+    return (f"rows and credit over {len(steps)} step{'' if len(steps) == 1 else 's'}: {total('samples/num_rows') / rollouts if rollouts else 0.0:.2f} "
             f"rows per rollout; merged turns CLEAN {frac['clean']:.2f} (bridged {frac['bridged']:.2f}), "
             f"REALIGN {frac['realign']:.2f}, FORK {frac['fork']:.2f} of {int(n_merged)}; "
             f"untrained sampled tokens {int(total('samples/untrained_sampled_tokens'))}; "
