@@ -9,8 +9,11 @@
     ["pass rate", ["pass_rate"]],
     ["staleness", ["staleness_mean", "staleness_max"]],
     ["clip fraction", ["clip_frac", "clip_high_frac", "clip_low_frac", "is_truncated_frac"]],
-    ["CLEAN fraction", ["samples/frac_clean", "frac_clean"]],
+    ["CLEAN fraction", ["samples/frac_clean", "samples/frac_bridged", "frac_clean"]],
     ["REALIGN / FORK", ["samples/frac_realign", "samples/frac_fork"]],
+    ["rows per rollout", ["samples/rows_per_rollout"]],
+    ["trained tokens by turn", ["samples/trained_token_share/turn_1", "samples/trained_token_share/turn_2",
+                                "samples/trained_token_share/turn_3", "samples/trained_token_share/turn_4plus"]],
     ["untrained sampled tokens", ["untrained_sampled_tokens", "samples/tokens_untrained_by_realign"]],
   ];
   const el = (tag, attrs, ...kids) => {
