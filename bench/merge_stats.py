@@ -1,13 +1,13 @@
-"""CLEAN / REALIGN / FORK fractions and untrained sampled tokens of recorded rollouts.
+"""Rows and credit of recorded rollouts: the samples builder's own accounting, per run directory.
 
 Builds training rows from each `rollouts.jsonl` with the samples builder exactly as
-`harnessrl train` does by default (no hooks) and prints, per run directory: turns, the merge
-fractions over main-chain turns after the first, main-chain sampled tokens, those that train in
-no row (`untrained_sampled_tokens`, goal 0), and how many turns were bridged by the proxy
-(`bridged_from=N` in `Turn.notes`); then rows per rollout and, per turn position (the k-th
-model call of a rollout), the share of all trained tokens that position's completions hold,
-counted from the built rows (each trained token traced back to the turn whose completion it
-is), over all rollouts and over those that passed (reward 1).
+`harnessrl train` does by default (no hooks) and prints its `MergeStats`, the numbers every
+training step logs as `samples/*`: turns, the CLEAN (of them bridged: the turn notes
+`bridged_from=N`) / REALIGN / FORK shares of the main-chain turns after each rollout's first,
+main-chain sampled tokens and those that train in no row (`untrained_sampled_tokens`, goal 0),
+rows per rollout, and each agent turn position's share of the trained tokens
+(`trained_token_share/turn_<k>`: the k-th main-chain turn of its rollout, the last bucket every
+later turn too), over all rollouts and over those that passed (reward 1).
 
 Run: `.venv/bin/python bench/merge_stats.py RUN_DIR [RUN_DIR ...]`, e.g. after
 `harnessrl rollout --out RUN_DIR --set engine.model=tiny-random --set harness.kind=pi
@@ -17,7 +17,6 @@ Run: `.venv/bin/python bench/merge_stats.py RUN_DIR [RUN_DIR ...]`, e.g. after
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from pathlib import Path
 
 from harnessrl.jsonl import read_jsonl
@@ -25,69 +24,36 @@ from harnessrl.train.samples import MergeStats, build_rows
 from harnessrl.types import Rollout
 
 
-def run_stats(run_dir: Path) -> tuple[MergeStats, int]:
-    """The merged builder stats of every rollout in `run_dir` and the number of bridged turns."""
-    stats, bridged = MergeStats(), 0
+def run_stats(run_dir: Path) -> tuple[MergeStats, MergeStats]:
+    """The merged builder stats of every rollout in `run_dir`, and of those with reward 1."""
+    stats, passing = MergeStats(), MergeStats()
     for rec in read_jsonl(run_dir / "rollouts.jsonl").rows:
         rollout = Rollout.model_validate(rec)
-        stats = stats.merge(build_rows(rollout)[1])
-        bridged += sum(any(n.startswith("bridged_from=") for n in t.notes) for t in rollout.trace.turns)
-    return stats, bridged
+        built = build_rows(rollout)[1]
+        stats = stats.merge(built)
+        if rollout.reward == 1.0:
+            passing = passing.merge(built)
+    return stats, passing
 
 
-def turn_shares(run_dir: Path) -> tuple[float, dict[int, float], dict[int, float]]:
-    """(rows per rollout, {turn position: share of trained tokens} over all rollouts, the same
-    over passing ones). A trained span of a row is attributed to the turn whose completion ids
-    it equals, found in order (completions are trained whole and in turn order)."""
-    rollouts = rows = 0
-    by_pos: Counter[int] = Counter()
-    by_pos_pass: Counter[int] = Counter()
-    for rec in read_jsonl(run_dir / "rollouts.jsonl").rows:
-        rollout = Rollout.model_validate(rec)
-        built = build_rows(rollout)[0]
-        rollouts += 1
-        rows += len(built)
-        spans = []
-        for row in built:
-            ids, mask, i = row.input_ids, row.completion_mask, 0
-            while i < len(ids):
-                if mask[i]:
-                    j = i
-                    while j < len(ids) and mask[j]:
-                        j += 1
-                    spans.append(tuple(ids[i:j]))
-                    i = j
-                else:
-                    i += 1
-        pos = 0
-        for k, turn in enumerate(rollout.trace.turns):
-            if spans[pos:pos + 1] == [tuple(turn.completion_ids)]:
-                by_pos[k] += len(turn.completion_ids)
-                if rollout.reward == 1.0:
-                    by_pos_pass[k] += len(turn.completion_ids)
-                pos += 1
-
-    def shares(c: Counter[int]) -> dict[int, float]:
-        total = sum(c.values())
-        return {k: c[k] / total for k in sorted(c)} if total else {}
-
-    return (rows / rollouts if rollouts else 0.0), shares(by_pos), shares(by_pos_pass)
+def _shares(stats: MergeStats) -> str:
+    if not stats.num_rollouts:
+        return "none"
+    return ", ".join(f"{k.removeprefix('turn_').replace('plus', '+')}: {v:.2f}" for k, v in stats.turn_shares().items())
 
 
 def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit(__doc__)
     for arg in argv:
-        stats, bridged = run_stats(Path(arg))
+        stats, passing = run_stats(Path(arg))
         fr = stats.fractions()
-        print(f"{arg}: turns={stats.num_turns} bridged={bridged} clean={fr['clean']:.2f} "
-              f"realign={fr['realign']:.2f} fork={fr['fork']:.2f} auxiliary={stats.num_auxiliary} "
-              f"main_sampled={stats.main_sampled_tokens} untrained_sampled={stats.untrained_sampled_tokens} "
-              f"rows={stats.num_rows}")
-        per_rollout, shares, passing = turn_shares(Path(arg))
-        print(f"  rows per rollout {per_rollout:.2f}; trained-token share per turn position: "
-              + ", ".join(f"{k + 1}: {v:.2f}" for k, v in shares.items())
-              + "; passing rollouts: " + (", ".join(f"{k + 1}: {v:.2f}" for k, v in passing.items()) or "none"))
+        print(f"{arg}: rollouts={stats.num_rollouts} turns={stats.num_turns} clean={fr['clean']:.2f} "
+              f"(bridged={stats.frac_bridged():.2f}) realign={fr['realign']:.2f} fork={fr['fork']:.2f} "
+              f"auxiliary={stats.num_auxiliary} main_sampled={stats.main_sampled_tokens} "
+              f"untrained_sampled={stats.untrained_sampled_tokens} rows={stats.num_rows}")
+        print(f"  rows per rollout {stats.rows_per_rollout():.2f}; trained-token share per turn position: "
+              f"{_shares(stats)}; passing rollouts ({passing.num_rollouts}): {_shares(passing)}")
 
 
 if __name__ == "__main__":

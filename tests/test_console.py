@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from harnessrl.train.console import FINAL_COLUMNS, bound_line, final_table, skip_reason, step_line
+from harnessrl.train.console import FINAL_COLUMNS, bound_line, final_table, rows_line, skip_reason, step_line
 
 
 def test_a_step_that_trains_nothing_says_why() -> None:
@@ -78,3 +78,42 @@ def test_bound_line_names_the_side_that_bounds_the_run() -> None:
     trained = [{"time/step_s": 10.0, "time/rollout_wait_s": 4.0, "time/train_s": 5.5, "time/sync_s": 0.5}]
     assert bound_line(trained).startswith("bound by training: of 10 s of steps, waiting for rollouts 40%, training 55%")
     assert bound_line([{"step": 0, "eval/pass_rate": 0.1}]) == ""
+
+
+def test_rows_line_totals_the_builders_counts_over_the_steps() -> None:
+    from harnessrl.hooks import Hooks
+    from harnessrl.loss.advantages import advantage_fn_for
+    from harnessrl.train.rows import rows_for_step
+    from harnessrl.types import Group, Rollout, Trace, Turn
+
+    def turn(i: int, prompt: list[int], completion: list[int], bridged: bool = False) -> Turn:
+        return Turn(turn_index=i, request={}, prompt_ids=prompt, completion_ids=completion,
+                    completion_logprobs=[-0.5] * len(completion), policy_version=0,
+                    notes=["bridged_from=0"] if bridged else [])
+
+    def rollout(rid: str, turns: list[Turn], reward: float) -> Rollout:
+        return Rollout(rollout_id=rid, group_id=0, task_id="t", harness="h", status="ok", reward=reward,
+                       trace=Trace(session_id=rid, turns=turns))
+
+    p = list(range(100, 140))
+    # step 1: a bridged CLEAN pair (2 + 1 trained ids) and a FORK pair (2 + 1, two rows)
+    one = [rollout("a", [turn(0, p, [1, 2]), turn(1, p + [1, 2, 3], [4], bridged=True)], 1.0),
+           rollout("b", [turn(0, p, [1, 2]), turn(1, p + [1, 9, 3], [4])], 0.0)]
+    # step 2: one rollout of three CLEAN turns (6 + 1 + 1 trained ids) and one of a single turn (4)
+    two = [rollout("c", [turn(0, p, [1, 2, 3, 4, 5, 6]), turn(1, p + [1, 2, 3, 4, 5, 6, 7], [8]),
+                         turn(2, p + [1, 2, 3, 4, 5, 6, 7, 8, 9], [10])], 1.0),
+           rollout("d", [turn(0, p, [1, 2, 3, 4])], 0.0)]
+    history = []
+    for k, rollouts in enumerate((one, two), start=1):
+        batch = rows_for_step([Group(group_id=k, task_id="t", rollouts=rollouts)], hooks=Hooks(),
+                              advantage_fn=advantage_fn_for("grpo"), version=0, max_staleness=1)
+        history.append({"step": k, **batch.metrics})
+    history.append({"step": 2, "eval/pass_rate": 0.5})  # a held-out row has no builder counts
+    # rows 3 + 2 over 4 rollouts; merged turns 4: 3 CLEAN (1 bridged), 1 FORK; trained ids by
+    # turn 1: 2 + 2 + 6 + 4 = 14, 2: 1 + 1 + 1 = 3, 3: 1 of 18 (the mean of the two steps' shares would say 0.04)
+    assert rows_line(history) == (
+        "rows and credit over 2 steps: 1.25 rows per rollout; merged turns CLEAN 0.75 (bridged 0.25), "
+        "REALIGN 0.00, FORK 0.25 of 4; untrained sampled tokens 0; "
+        "trained tokens by turn 1: 0.78, 2: 0.17, 3: 0.06, 4+: 0.00")
+    assert rows_line(history[1:2]).startswith("rows and credit over 1 step: 1.00 rows per rollout; merged turns CLEAN 1.00")
+    assert rows_line([{"step": 0, "eval/pass_rate": 0.1}]) == ""

@@ -302,6 +302,63 @@ def test_merge_stats_merge_and_metrics() -> None:
     assert metrics["samples/frac_fork"] == pytest.approx(1 / 9) and metrics["samples/excluded/error"] == 3.0
 
 
+def _bridged(turn: Turn, source: int) -> Turn:
+    return turn.model_copy(update={"notes": [f"bridged_from={source}"]})
+
+
+def _multi_turn_rollouts() -> list[Rollout]:
+    """Two rollouts of known turns: A has six agent turns (completions of 2, 3, 1, 4, 5, 6
+    ids), a title call and an error turn; its 2nd and 5th prompts are bridged, its 4th rewrites
+    history (FORK); B has one turn of 7 ids."""
+    p0 = SYSTEM + TASK
+    t0 = _turn(0, p0, [10, 11])
+    title = _turn(1, list(range(3000, 3040)), [90, 91], request_kind="title")
+    t1 = _bridged(_turn(2, p0 + [10, 11, 20], [30, 31, 32]), 0)
+    t2 = _turn(3, p0 + [10, 11, 20, 30, 31, 32, 21], [40])  # CLEAN, rendered (no bridge)
+    err = _turn(4, p0 + [10, 11, 20, 30, 31, 32, 21, 40, 22], [], status="error")
+    t3 = _turn(5, p0 + [12, 50], [60, 61, 62, 63])  # drops turn 0's reply: FORK
+    t4 = _bridged(_turn(6, p0 + [12, 50, 60, 61, 62, 63, 23], [70, 71, 72, 73, 74]), 5)
+    t5 = _turn(7, p0 + [12, 50, 60, 61, 62, 63, 23, 70, 71, 72, 73, 74, 24], [80, 81, 82, 83, 84, 85])
+    a = _rollout([t0, title, t1, t2, err, t3, t4, t5])
+    b = _rollout([_turn(0, p0, [1, 2, 3, 4, 5, 6, 7])]).model_copy(update={"rollout_id": "ro-2"})
+    return [a, b]
+
+
+def test_multi_turn_accounting_rows_bridged_share_and_trained_tokens_by_turn() -> None:
+    a, b = _multi_turn_rollouts()
+    rows_a, stats_a = build_rows(a)
+    assert len(rows_a) == 2 and stats_a.num_auxiliary == 1
+    assert (stats_a.num_clean, stats_a.num_realign, stats_a.num_fork, stats_a.num_bridged) == (4, 0, 1, 2)
+    assert stats_a.trained_by_turn == Counter({1: 2, 2: 3, 3: 1, 4: 4 + 5 + 6})
+    stats = stats_a.merge(build_rows(b)[1])
+    assert stats.num_rollouts == 2 and stats.num_rows == 3 and stats.rows_per_rollout() == 1.5
+    assert stats.fractions() == {"clean": 0.8, "realign": 0.0, "fork": 0.2}
+    assert stats.frac_bridged() == 0.4
+    assert stats.turn_shares() == {"turn_1": 9 / 28, "turn_2": 3 / 28, "turn_3": 1 / 28, "turn_4plus": 15 / 28}
+    assert stats.untrained_sampled_tokens == 0 and stats.tokens_trained == 28
+    metrics = stats.as_metrics()
+    assert metrics["samples/rows_per_rollout"] == 1.5 and metrics["samples/frac_bridged"] == 0.4
+    assert metrics["samples/trained_token_share/turn_4plus"] == 15 / 28
+    assert metrics["samples/num_rollouts"] == 2.0 and metrics["samples/num_bridged"] == 2.0
+    # a turn the hook keeps as context keeps its position; later turns stay where they were
+    _, hooked = build_rows(a, train_turn_fn=lambda t: t.turn_index != 3)
+    assert hooked.trained_by_turn == Counter({1: 2, 2: 3, 4: 15}) and hooked.untrained_sampled_tokens == 0
+    # the title call trains with train_auxiliary, in no turn bucket
+    _, aux = build_rows(a, train_auxiliary=True)
+    assert aux.tokens_trained == 23 and sum(aux.trained_by_turn.values()) == 21
+
+
+def test_turn_accounting_of_nothing_is_zeros() -> None:
+    stats = MergeStats()
+    assert stats.rows_per_rollout() == 0.0 and stats.frac_bridged() == 0.0
+    assert stats.turn_shares() == {"turn_1": 0.0, "turn_2": 0.0, "turn_3": 0.0, "turn_4plus": 0.0}
+    # a bridged turn that does not merge CLEAN (here it forks) is not counted as bridged
+    p0 = SYSTEM + TASK
+    turns = [_turn(0, p0, [10, 11]), _bridged(_turn(1, p0 + [10, 99, 20], [30]), 0)]
+    _, forked = build_rows(_rollout(turns))
+    assert (forked.num_fork, forked.num_bridged, forked.num_rows) == (1, 0, 2)
+
+
 def test_load_hook_by_dotted_path_and_clear_errors() -> None:
     assert load_hook("harnessrl.hooks:has_tool_call") is has_tool_call
     assert load_hook("harnessrl.hooks.has_tool_call") is has_tool_call
@@ -352,3 +409,8 @@ def test_step_metrics_log_merge_fractions_and_untrained_sampled_tokens() -> None
     assert metrics["untrained_sampled_tokens"] == 0.0 == metrics["samples/untrained_sampled_tokens"]
     assert metrics["samples/main_sampled_tokens"] == 6.0
     assert sum(sum(r.completion_mask) for r in rows) == 6  # every sampled token in exactly one row
+    assert metrics["samples/rows_per_rollout"] == 1.5  # the clean rollout one row, the forked two
+    assert metrics["samples/frac_bridged"] == 0.0  # no turn notes bridged_from
+    shares = {k: v for k, v in metrics.items() if k.startswith("samples/trained_token_share/")}
+    assert shares == {"samples/trained_token_share/turn_1": 4 / 6, "samples/trained_token_share/turn_2": 2 / 6,
+                      "samples/trained_token_share/turn_3": 0.0, "samples/trained_token_share/turn_4plus": 0.0}

@@ -92,6 +92,63 @@ def test_detail_rows_are_the_builders_rows(run_dir: Path, tokenizer) -> None:
     assert [dv for r in d["rows"] for dv in r["divergences"]] == [where]
 
 
+def _tool_loop_rollout(tokenizer) -> Rollout:
+    """Three agent turns of a tool loop: look (`cat fig.txt`, output 57), answer (`echo 57 >
+    answer.txt`, no output), done; each request carries the whole conversation so far."""
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    calls = ["cat fig.txt", "echo 57 > answer.txt"]
+    outputs = ["Output: 57", "Output: (none)"]
+    replies = [f"<tool_call>{c}</tool_call>" for c in calls] + ["Done: 57."]
+    messages = [{"role": "system", "content": "You run one shell command per reply."},
+                {"role": "user", "content": "What is the number in fig.txt? Write it to answer.txt."}]
+    prompt = enc("<|im_start|>system\nYou run one shell command per reply.<|im_end|>\n<|im_start|>user\n"
+                 "What is the number in fig.txt? Write it to answer.txt.<|im_end|>\n<|im_start|>assistant\n")
+    turns = []
+    for i, reply in enumerate(replies):
+        completion = enc(reply) + [2]
+        turns.append(Turn(turn_index=i, request={"messages": [dict(m) for m in messages]},
+                          reply={"content": reply}, prompt_ids=list(prompt), completion_ids=completion,
+                          completion_logprobs=[-0.5] * len(completion), policy_version=0,
+                          notes=[] if i == 0 else [f"bridged_from={i - 1}"]))
+        if i < len(calls):
+            messages += [{"role": "assistant", "content": reply},
+                         {"role": "tool", "tool_call_id": f"call_{i}", "content": outputs[i]}]
+            prompt = prompt + completion + enc(f"\n<|im_start|>tool\n{outputs[i]}<|im_end|>\n<|im_start|>assistant\n")
+    return Rollout(rollout_id="loop", group_id=0, task_id="lookup/0", harness="test", status="ok", reward=1.0,
+                   trace=Trace(session_id="s-loop", turns=turns))
+
+
+def test_a_multi_turn_rollout_shows_turns_tool_outputs_and_trained_tokens_in_order(tmp_path: Path, tokenizer) -> None:
+    d = tmp_path / "loop-run"
+    d.mkdir()
+    (d / "config.toml").write_text('[engine]\nmodel = "tiny-random"\n')
+    rollout = _tool_loop_rollout(tokenizer)
+    (d / "rollouts.jsonl").write_text(rollout.model_dump_json() + "\n")
+    detail = rollout_detail(build_index(d), 0, tokenizer, Hooks())
+    turns, (row,) = detail["turns"], detail["rows"]  # bridged turns merge CLEAN: one row
+    assert [t["turn_index"] for t in turns] == [0, 1, 2]
+    assert [t["merge"] for t in turns] == ["start", "clean", "clean"] and [t["row"] for t in turns] == [0, 0, 0]
+    # each turn shows what is new since the previous call: the reply it replays, then the tool's output
+    assert [[m["role"] for m in t["messages"]] for t in turns] == [["system", "user"], ["assistant", "tool (call_0)"],
+                                                                   ["assistant", "tool (call_1)"]]
+    assert [t["messages"][-1]["text"] for t in turns[1:]] == ["Output: 57", "Output: (none)"]
+    assert [t["reply"] for t in turns] == ["<tool_call>cat fig.txt</tool_call>", "<tool_call>echo 57 > answer.txt</tool_call>",
+                                           "Done: 57."]
+    completions = [t.completion_ids for t in rollout.trace.turns]
+    assert [t["trained_tokens"] for t in turns] == [len(c) for c in completions]
+    # the row's trained ids are the three completions in turn order, each tool output between as context
+    assert row["trained_ids"] == [i for c in completions for i in c]
+    segs = row["segments"]
+    assert [s["turn_index"] for s in segs] == [0, 1, 2]
+    assert all(a["completion_end"] <= b["context_start"] < b["completion_start"] for a, b in zip(segs, segs[1:]))
+    ids, mask = row["ids"], row["mask"]
+    for s, out in zip(segs[1:], ["Output: 57", "Output: (none)"]):
+        assert not any(mask[s["context_start"]:s["completion_start"]])
+        assert out in tokenizer.decode(ids[s["context_start"]:s["completion_start"]])
+        assert all(mask[s["completion_start"]:s["completion_end"]])
+    assert detail["stats"]["samples/frac_bridged"] == 1.0 and detail["stats"]["samples/rows_per_rollout"] == 1.0
+
+
 def test_report_files(run_dir: Path, tokenizer, tmp_path: Path) -> None:
     out = tmp_path / "report"
     done = write_report(build_index(run_dir), out, tokenizer, Hooks())

@@ -67,6 +67,7 @@ def _check_page(page, run: Path, shot: Path) -> None:
     assert page.eval_on_selector("#curves img#curve-png", "i => i.getBoundingClientRect().height") > 100
     assert page.locator("#curves .chart svg polyline").count() >= 3  # reward, pass rate, CLEAN ...
     assert page.locator("#curves .chart[data-metric*='reward/train_mean'] polyline").count() == 1
+    assert page.locator("#curves .chart[data-metric*='trained_token_share/turn_1'] polyline").count() == 4
     assert page.locator("tr.rollout").count() == 8
     page.select_option("#f-step", "2")
     assert page.locator("tr.rollout").count() == 4
@@ -91,6 +92,9 @@ def _check_page(page, run: Path, shot: Path) -> None:
     title = page.get_attribute(".row[data-row='0'] .tok.tr >> nth=0", "title")
     assert "logprob" in title
     assert page.locator(".row[data-row='0'] .mark[data-kind='start']").count() == 1
+    # each turn's head says how many of its completion ids train in its row
+    heads = page.eval_on_selector_all(".turn .head", "els => els.map(e => e.textContent)")
+    assert sum(len(ids) for ids in expected) == sum(int(h.split(" · trained ")[1].split()[0]) for h in heads if " · trained " in h)
     page.locator(".row[data-row='0'] .tok.tr").first.scroll_into_view_if_needed()
     page.screenshot(path=str(shot), full_page=False)
     assert shot.stat().st_size > 10_000

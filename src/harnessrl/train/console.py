@@ -161,6 +161,41 @@ def bound_line(history: Sequence[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def rows_line(history: Sequence[dict[str, Any]]) -> str:
+    """Rows and credit over the run's training steps, from the samples builder's counts in
+    each step's metrics (`MergeStats.as_metrics`), so totals are exact rather than means of
+    per-step fractions: rows per rollout (`samples/num_rows` over `samples/num_rollouts`), the
+    CLEAN (of them bridged) / REALIGN / FORK shares of merged turns, the untrained sampled
+    tokens (summed; must be 0), and each turn position's share of the main-chain trained tokens
+    (`samples/trained_token_share/*` weighted by the step's `samples/main_sampled_tokens` −
+    `samples/untrained_sampled_tokens`). "" when no step carries the builder's counts."""
+    steps = [m for m in history if "samples/num_rollouts" in m]
+    if not steps:
+        return ""
+
+    def total(key: str) -> float:
+        return sum(float(m.get(key) or 0.0) for m in steps)
+
+    rollouts = total("samples/num_rollouts")
+    merged = {k: total(f"samples/num_{k}") for k in ("clean", "bridged", "realign", "fork")}
+    n_merged = merged["clean"] + merged["realign"] + merged["fork"]
+    frac = {k: (v / n_merged if n_merged else 0.0) for k, v in merged.items()}
+    prefix = "samples/trained_token_share/"
+    names = sorted({k[len(prefix):] for m in steps for k in m if k.startswith(prefix)},
+                   key=lambda n: (len(n), n))  # turn_1 .. turn_3, then turn_4plus
+    weights = [float(m.get("samples/main_sampled_tokens") or 0.0) - float(m.get("samples/untrained_sampled_tokens") or 0.0)
+               for m in steps]
+    weight = sum(weights)
+    shares = {n: (sum(w * float(m.get(prefix + n) or 0.0) for w, m in zip(weights, steps)) / weight if weight else 0.0)
+              for n in names}
+    by_turn = ", ".join(f"{n.removeprefix('turn_').replace('plus', '+')}: {v:.2f}" for n, v in shares.items())
+    return (f"rows and credit over {len(steps)} step{'' if len(steps) == 1 else 's'}: {total('samples/num_rows') / rollouts if rollouts else 0.0:.2f} "
+            f"rows per rollout; merged turns CLEAN {frac['clean']:.2f} (bridged {frac['bridged']:.2f}), "
+            f"REALIGN {frac['realign']:.2f}, FORK {frac['fork']:.2f} of {int(n_merged)}; "
+            f"untrained sampled tokens {int(total('samples/untrained_sampled_tokens'))}; "
+            f"trained tokens by turn {by_turn or '-'}")
+
+
 def _fmt(v: Any, fmt: str = ".3f") -> str:
     return "-" if v is None else format(v, fmt)
 

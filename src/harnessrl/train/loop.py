@@ -39,6 +39,7 @@ from harnessrl.train.console import (
     bound_line,
     final_table,
     print_conversation,
+    rows_line,
     skip_reason,
     step_line,
 )
@@ -265,10 +266,13 @@ async def checkpoint(run: TrainingRun, step: int, version: int) -> None:
 
 
 def finish(run: TrainingRun, history: list[dict[str, Any]]) -> None:
-    """The closing table, the line naming the side that bounds the run, and the curve."""
+    """The closing table, the line naming the side that bounds the run, the rows-and-credit
+    line (rows per rollout, merge shares, trained tokens by turn), and the curve."""
     out = Console()
     out.print(final_table(history))
     out.print(bound_line(history), markup=False, highlight=False)
+    if credit := rows_line(history):
+        out.print(credit, markup=False, highlight=False)
     cfg = run.cfg
     curve = write_curve_png(history, run.run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
                             title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")

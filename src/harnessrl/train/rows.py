@@ -45,8 +45,11 @@ class StepRows:
     metrics: dict[str, float]
     """Counts of dropped rows (`rows_unscored_dropped`, `rows_zero_variance_dropped`,
     `rows_stale_dropped`), `groups_zero_variance`, the groups' summary (`SUMMARY_KEYS`),
-    merge fractions (`samples/*`), `rows`, `rows_built`, `staleness_mean` / `staleness_max`
-    (policy versions; NaN without rows) and the invariant counters."""
+    the samples builder's accounting over every rollout of the step (`samples/*`,
+    `MergeStats.as_metrics`: `samples/rows_per_rollout`, `samples/frac_clean` / `frac_realign`
+    / `frac_fork` / `frac_bridged`, `samples/trained_token_share/turn_1` .. `turn_4plus`,
+    counts), `rows`, `rows_built`, `staleness_mean` / `staleness_max` (policy versions; NaN
+    without rows) and the invariant counters."""
     built: list[Row] = field(default_factory=list)
     """Every row built, before any was dropped (what the step-0 check scores)."""
 

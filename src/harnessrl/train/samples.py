@@ -47,6 +47,13 @@ Merging (DESIGN.md §5). Each turn is merged into the row holding its parent's t
   of its previous turn, so its turns merge CLEAN; REALIGN and FORK remain for prompts that
   re-render history (compaction, rewritten messages, sub-agents, templates bridging misses).
 
+Accounting (`MergeStats`, logged each step as `samples/*`, DESIGN.md §5): rows per rollout; the
+CLEAN / REALIGN / FORK counts of the main-chain turns after a rollout's first, and of the CLEAN
+ones those whose prompt the chat layer bridged (the turn notes `bridged_from=N`); and the
+trained tokens of the kept rows by the position of the agent turn whose completion they are
+(the k-th main-chain turn of its rollout, 1-based; positions past `TURN_POSITIONS` share the
+last bucket).
+
 Invariants: every main-chain sampled token trains in exactly one row (accepted by
 `train_turn_fn`; `MergeStats.untrained_sampled_tokens` counts any that do not, and is 0 by
 construction: no merge ever turns a trained token into context); a trained token's id and
@@ -72,6 +79,10 @@ AUXILIARY_KIND_MARKERS = ("compact", "title", "summar")
 """Substrings of a lower-cased `Turn.request_kind` that mark a call as auxiliary."""
 AgentTurnFn = Callable[[list[Turn]], list[Turn]]
 TrainTurnFn = Callable[[Turn], bool]
+TURN_POSITIONS = 4
+"""Turn-position buckets of `MergeStats.trained_by_turn`: 1, 2, 3, and 4 for every later turn."""
+BRIDGED_NOTE = "bridged_from="
+"""Prefix of the `Turn.notes` entry the proxy writes for a bridged prompt (`chat/bridging.py`)."""
 
 
 @dataclass(slots=True)
@@ -82,9 +93,16 @@ class MergeStats:
     rollout (the first turn starts a row and is neither CLEAN, REALIGN nor FORK).
     """
 
+    num_rollouts: int = 0
+    """Rollouts built (one per `build_rows` call), whatever their rows."""
+
     num_clean: int = 0
     num_realign: int = 0
     num_fork: int = 0
+    num_bridged: int = 0
+    """Of `num_clean`, the merges whose prompt the chat layer bridged: the turn notes
+    `bridged_from=N` (its prompt starts with an earlier turn's exact prompt + completion ids),
+    as opposed to a re-rendered history that happened to reproduce the row's ids."""
     num_turns: int = 0
     """Recorded turns seen, all kinds."""
     num_auxiliary: int = 0
@@ -103,13 +121,20 @@ class MergeStats:
     """Tokens in the kept rows (trained + context)."""
     excluded: Counter[str] = field(default_factory=Counter)
     """Turns never trained nor merged, by reason: `error`, `unfaithful`, `retry_superseded`."""
+    trained_by_turn: Counter[int] = field(default_factory=Counter)
+    """Trained tokens of the kept rows by turn position: key k (1..`TURN_POSITIONS`) counts the
+    trained tokens whose completion is the k-th main-chain turn of its rollout (eligible turns
+    in arrival order, those `train_turn_fn` rejected included), the last key every later turn
+    too. Auxiliary turns (trained only with `train_auxiliary`) are in no bucket."""
 
     def merge(self, other: MergeStats) -> MergeStats:
         """Return the element-wise sum of `self` and `other` (neither is modified)."""
         return MergeStats(
+            num_rollouts=self.num_rollouts + other.num_rollouts,
             num_clean=self.num_clean + other.num_clean,
             num_realign=self.num_realign + other.num_realign,
             num_fork=self.num_fork + other.num_fork,
+            num_bridged=self.num_bridged + other.num_bridged,
             num_turns=self.num_turns + other.num_turns,
             num_auxiliary=self.num_auxiliary + other.num_auxiliary,
             num_rejected_by_hook=self.num_rejected_by_hook + other.num_rejected_by_hook,
@@ -120,6 +145,7 @@ class MergeStats:
             untrained_sampled_tokens=self.untrained_sampled_tokens + other.untrained_sampled_tokens,
             tokens_total=self.tokens_total + other.tokens_total,
             excluded=self.excluded + other.excluded,
+            trained_by_turn=self.trained_by_turn + other.trained_by_turn,
         )
 
     def fractions(self) -> dict[str, float]:
@@ -129,10 +155,35 @@ class MergeStats:
             return {"clean": 0.0, "realign": 0.0, "fork": 0.0}
         return {"clean": self.num_clean / n, "realign": self.num_realign / n, "fork": self.num_fork / n}
 
+    def rows_per_rollout(self) -> float:
+        """Kept rows per rollout built (`num_rows / num_rollouts`); 0.0 when none was built.
+        1.0 when every rollout trains as one row (all merges CLEAN), more with each FORK."""
+        return self.num_rows / self.num_rollouts if self.num_rollouts else 0.0
+
+    def frac_bridged(self) -> float:
+        """Share of merged turns (the `fractions` denominator) that are CLEAN and bridged;
+        at most `fractions()["clean"]`. 0.0 when no turn was merged."""
+        n = self.num_clean + self.num_realign + self.num_fork
+        return self.num_bridged / n if n else 0.0
+
+    def turn_shares(self) -> dict[str, float]:
+        """`{"turn_1": s, ..., "turn_4plus": s}`: each turn position's share of the main-chain
+        trained tokens (`trained_by_turn`, buckets of `TURN_POSITIONS`); they sum to 1, or are
+        all 0.0 when no main-chain token trained."""
+        total = sum(self.trained_by_turn.values())
+        names = [f"turn_{k}" for k in range(1, TURN_POSITIONS)] + [f"turn_{TURN_POSITIONS}plus"]
+        return {name: (self.trained_by_turn[k] / total if total else 0.0)
+                for k, name in enumerate(names, start=1)}
+
     def as_metrics(self, prefix: str = "samples/") -> dict[str, float]:
-        """Flat metrics for a `MetricsSink`: fractions, counts, and `excluded/<reason>`."""
+        """Flat metrics for a `MetricsSink`: fractions (`frac_clean`, `frac_realign`,
+        `frac_fork`, `frac_bridged`), `rows_per_rollout`, `trained_token_share/turn_<k>`
+        (`turn_shares`), counts, and `excluded/<reason>`."""
         out = {f"{prefix}frac_{k}": v for k, v in self.fractions().items()}
-        for name in ("num_turns", "num_auxiliary", "num_rejected_by_hook", "num_rows",
+        out[prefix + "frac_bridged"] = self.frac_bridged()
+        out[prefix + "rows_per_rollout"] = self.rows_per_rollout()
+        out.update({f"{prefix}trained_token_share/{k}": v for k, v in self.turn_shares().items()})
+        for name in ("num_rollouts", "num_clean", "num_realign", "num_fork", "num_bridged", "num_turns", "num_auxiliary", "num_rejected_by_hook", "num_rows",
                      "num_dropped_rows", "tokens_trained", "main_sampled_tokens",
                      "untrained_sampled_tokens", "tokens_total"):
             out[prefix + name] = float(getattr(self, name))
@@ -179,8 +230,9 @@ class _RowBuilder:
     last_turn: int = -1
     """Index of the turn whose completion ends the row: then `tokens == prompt + completion`
     of that turn, so its children's prefix match (from `_parents_and_matches`) applies."""
-    main_spans: list[tuple[int, int]] = field(default_factory=list)
-    """(start, length) of each trained main-chain completion appended (for accounting)."""
+    main_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    """(start, length, turn position) of each trained main-chain completion appended (for
+    accounting; the position is 1-based among the rollout's main-chain turns)."""
     divergences: list[tuple[int, int]] = field(default_factory=list)
     """`Row.divergences`: (turn_index, first differing position) of each REALIGN / FORK."""
 
@@ -191,7 +243,7 @@ class _RowBuilder:
 
     def truncate(self, n: int) -> None:
         del self.tokens[n:], self.mask[n:], self.logprobs[n:], self.versions[n:]
-        self.main_spans = [(s, min(k, n - s)) for s, k in self.main_spans if s < n]
+        self.main_spans = [(s, min(k, n - s), pos) for s, k, pos in self.main_spans if s < n]
 
     def append_context(self, ids: Sequence[int]) -> None:
         k = len(ids)
@@ -200,10 +252,12 @@ class _RowBuilder:
         self.logprobs.extend([0.0] * k)
         self.versions.extend([-1] * k)
 
-    def append_completion(self, turn: Turn, trained: bool, main: bool = False) -> None:
+    def append_completion(self, turn: Turn, trained: bool, position: int = 0) -> None:
+        """Append `turn`'s completion, trained or as context; `position` is the turn's 1-based
+        place among its rollout's main-chain turns, 0 for an auxiliary turn."""
         self.last_completion_start = len(self.tokens)
-        if trained and main:
-            self.main_spans.append((len(self.tokens), len(turn.completion_ids)))
+        if trained and position:
+            self.main_spans.append((len(self.tokens), len(turn.completion_ids), position))
         if not trained:
             self.append_context(turn.completion_ids)
             return
@@ -353,7 +407,7 @@ def build_rows(
     Returns:
         (rows in order of creation, stats). Rows hold >= 1 trained token each.
     """
-    stats = MergeStats(num_turns=len(rollout.trace.turns))
+    stats = MergeStats(num_rollouts=1, num_turns=len(rollout.trace.turns))
     eligible = _eligible_turns(rollout.trace.turns, stats)
     parents, matches = _parents_and_matches(eligible)
     if agent_turn_fn is None:
@@ -364,7 +418,7 @@ def build_rows(
     stats.num_auxiliary = is_main.count(False)
     builders: list[_RowBuilder] = []
     builder_of: list[_RowBuilder | None] = [None] * len(eligible)
-    seen_main = False
+    position = 0  # of the current turn among the main-chain ones, 1-based
     for j, turn in enumerate(eligible):
         if not (is_main[j] or train_auxiliary):
             continue
@@ -379,16 +433,21 @@ def build_rows(
             if row is not parent_row:
                 builders.append(row)
         if is_main[j]:
-            if seen_main:
+            if position:
                 setattr(stats, f"num_{kind}", getattr(stats, f"num_{kind}") + 1)
-            seen_main = True
+                stats.num_bridged += kind == "clean" and _bridged(turn)
+            position += 1
         trained = train_turn_fn is None or bool(train_turn_fn(turn))
         stats.num_rejected_by_hook += not trained
         if trained and is_main[j]:
             stats.main_sampled_tokens += len(turn.completion_ids)
-        row.append_completion(turn, trained, is_main[j])
+        row.append_completion(turn, trained, position if is_main[j] else 0)
         row.last_turn, builder_of[j] = j, row
     return _finish_rows(builders, rollout, stats), stats
+
+
+def _bridged(turn: Turn) -> bool:
+    return any(note.startswith(BRIDGED_NOTE) for note in turn.notes)
 
 
 def _finish_rows(builders: list[_RowBuilder], rollout: Rollout, stats: MergeStats) -> list[Row]:
@@ -396,10 +455,13 @@ def _finish_rows(builders: list[_RowBuilder], rollout: Rollout, stats: MergeStat
     trained_main = 0
     for b in builders:
         n_trained = sum(b.mask)
-        trained_main += sum(sum(b.mask[s:s + k]) for s, k in b.main_spans)
         if n_trained == 0:
             stats.num_dropped_rows += 1
             continue
+        for s, k, pos in b.main_spans:
+            n = sum(b.mask[s:s + k])
+            trained_main += n
+            stats.trained_by_turn[min(pos, TURN_POSITIONS)] += n
         stats.tokens_trained += n_trained
         stats.tokens_total += len(b.tokens)
         rows.append(

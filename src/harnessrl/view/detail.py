@@ -5,9 +5,10 @@ project's own samples builder (`train/samples.py`, the run's `[train]` settings 
 and stamp the rollout's advantage, so what is shown is what trains. Per turn: the messages the
 agent sent (those new since its previous call), the reply it got, status, and why a turn never
 trains (`error`, `unfaithful` with `check_turn_faithful`'s reason, `retry_superseded`,
-`auxiliary`). Per row: every token id with its mask (context 0 / trained 1), sampler logprob
-and policy version, the turns merged into it with the kind of each merge, and where a REALIGN
-or FORK turn's prompt diverged from the ids before it (`Row.divergences`, the builder's own).
+`auxiliary`), its row and how many of its completion ids train there. Per row: every token id
+with its mask (context 0 / trained 1), sampler logprob and policy version, the turns merged
+into it with the kind of each merge, and where a REALIGN or FORK turn's prompt diverged from
+the ids before it (`Row.divergences`, the builder's own).
 
 Merge kinds are the builder's own counts: turn j's kind is the counter (`num_clean`,
 `num_realign`, `num_fork`) that building the eligible turns up to j adds over building those up
@@ -71,7 +72,9 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
                    hooks: Hooks) -> dict[str, Any]:
     """The JSON-ready payload of rollout `i` (module docstring).
 
-    Keys: `summary` (the index entry), `error`, `final_answer`, `turns` (list), `rows` (list of
+    Keys: `summary` (the index entry), `error`, `final_answer`, `turns` (list, in arrival order:
+    each with the messages new since the previous call, so a tool's output shows in the turn
+    after the call that ran it, the reply, its `row` and `trained_tokens`), `rows` (list of
     `{ids, mask, lp, ver, advantage, trained_ids, segments}`), `stats` (the builder's
     `MergeStats.as_metrics()`), `vocab` (`{id: text}` for every id in the rows, each id
     decoded alone).
@@ -95,7 +98,8 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
         "summary": summary,
         "error": rollout.error,
         "final_answer": rollout.final_answer,
-        "turns": _turns(rollout.trace.turns, by_index, is_main, kinds, row_of, tokenizer),
+        "turns": _turns(rollout.trace.turns, by_index, is_main, kinds, row_of,
+                        _trained_per_turn(rows, eligible, row_of), tokenizer),
         "rows": [_row(k, r, eligible, parents, kinds, row_of) for k, r in enumerate(rows)],
         "stats": stats.as_metrics(),
         "dropped_by_trainer": _dropped_reason(summary),
@@ -186,6 +190,15 @@ def _rows_of_turns(rows: Sequence[Row], eligible: Sequence[Turn]) -> list[int | 
     return out
 
 
+def _trained_per_turn(rows: Sequence[Row], eligible: Sequence[Turn], row_of: Sequence[int | None]) -> list[int]:
+    """For each eligible turn, how many of its completion ids train in its row (0 in none)."""
+    out: list[int] = []
+    for turn, k in zip(eligible, row_of):
+        n_prompt = len(turn.prompt_ids)
+        out.append(0 if k is None else sum(rows[k].completion_mask[n_prompt:n_prompt + len(turn.completion_ids)]))
+    return out
+
+
 def _row(k: int, row: Row, eligible: Sequence[Turn], parents: Sequence[int | None], kinds: Sequence[str],
          row_of: Sequence[int | None]) -> dict[str, Any]:
     segments = []
@@ -214,7 +227,8 @@ def _row(k: int, row: Row, eligible: Sequence[Turn], parents: Sequence[int | Non
 
 
 def _turns(turns: Sequence[Turn], by_index: dict[int, int], is_main: Sequence[bool], kinds: Sequence[str],
-           row_of: Sequence[int | None], tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
+           row_of: Sequence[int | None], trained: Sequence[int],
+           tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     prev_messages: list[Any] = []
     for turn in turns:
@@ -239,7 +253,7 @@ def _turns(turns: Sequence[Turn], by_index: dict[int, int], is_main: Sequence[bo
             "error": turn.error, "excluded": why, "unfaithful_reason": unfaithful,
             "request_kind": turn.request_kind, "notes": turn.notes,
             "main": None if j is None else is_main[j], "merge": None if j is None else kinds[j],
-            "row": None if j is None else row_of[j],
+            "row": None if j is None else row_of[j], "trained_tokens": 0 if j is None else trained[j],
             "messages": [_message_view(m) for m in messages[new_from:]], "messages_total": len(messages),
             "messages_from": new_from, "reply": _turn_reply(turn), "sampled": sampled,
             "prompt_tokens": len(turn.prompt_ids), "completion_tokens": len(turn.completion_ids),

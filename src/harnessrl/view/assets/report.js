@@ -9,8 +9,11 @@
     ["pass rate", ["pass_rate"]],
     ["staleness", ["staleness_mean", "staleness_max"]],
     ["clip fraction", ["clip_frac", "clip_high_frac", "clip_low_frac", "is_truncated_frac"]],
-    ["CLEAN fraction", ["samples/frac_clean", "frac_clean"]],
+    ["CLEAN fraction", ["samples/frac_clean", "samples/frac_bridged", "frac_clean"]],
     ["REALIGN / FORK", ["samples/frac_realign", "samples/frac_fork"]],
+    ["rows per rollout", ["samples/rows_per_rollout"]],
+    ["trained tokens by turn", ["samples/trained_token_share/turn_1", "samples/trained_token_share/turn_2",
+                                "samples/trained_token_share/turn_3", "samples/trained_token_share/turn_4plus"]],
     ["untrained sampled tokens", ["untrained_sampled_tokens", "samples/tokens_untrained_by_realign"]],
   ];
   const el = (tag, attrs, ...kids) => {
@@ -151,7 +154,7 @@
       t.main === false ? el("span", { class: "flag aux", text: "auxiliary" + (t.request_kind ? " (" + t.request_kind + ")" : "") }) : null,
       ...(t.notes || []).filter(n => n.startsWith("bridged_from=")).map(n => el("span", { class: "flag kind-clean", text: "bridged from turn " + n.slice(13) })),
       t.excluded ? el("span", { class: "flag " + t.excluded, text: "not trained: " + t.excluded }) : null,
-      el("span", { class: "muted", text: "  " + t.protocol + " · prompt " + t.prompt_tokens + " · completion " + t.completion_tokens + " · " + (t.finish_reason || "") + " · v" + t.policy_version + (t.row != null ? " · row " + t.row : "") }));
+      el("span", { class: "muted", text: "  " + t.protocol + " · prompt " + t.prompt_tokens + " · completion " + t.completion_tokens + " · " + (t.finish_reason || "") + " · v" + t.policy_version + (t.row != null ? " · row " + t.row + " · trained " + t.trained_tokens : "") }));
     const box = el("div", { class: "turn" + (bad ? " bad" : ""), "data-turn": t.turn_index }, head);
     if (t.error) box.append(el("div", { class: "warn", text: "error: " + t.error }));
     if (t.unfaithful_reason) box.append(el("div", { class: "warn", text: "unfaithful: " + t.unfaithful_reason }));
