@@ -6,7 +6,7 @@ Structured content (lists of parts) is rendered as text; nothing here may raise 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich import box
@@ -161,7 +161,7 @@ def bound_line(history: Sequence[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def rows_line(history: Sequence[dict[str, Any]]) -> str:
+def rows_line(history: Sequence[Mapping[str, float]]) -> str:
     """Rows and credit over the run's training steps, from the samples builder's counts in
     each step's metrics (`MergeStats.as_metrics`), so totals are exact rather than means of
     per-step fractions: rows per rollout (`samples/num_rows` over `samples/num_rollouts`), the
