@@ -64,7 +64,7 @@ async def measure(overrides: list[str], n_groups: int) -> dict:
     async with start_runtime(cfg) as rt:
         orch = Orchestrator(rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
                             group_size=cfg.rollout.group_size,
-                            max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
+                            max_concurrent_rollouts=cfg.concurrent_rollouts,
                             limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s))
         t0 = time.monotonic()
         orch.allow(n_groups)

@@ -107,3 +107,15 @@ def test_the_saved_config_holds_the_resolved_options_of_each_kind(tmp_path: Path
     # the harness's options too, as its options model resolved them
     text = dump_config(load_config(None, ["harness.kind=white_box", "harness.options={max_turns = 2}"]))
     assert "options = { max_turns = 2, tools = [\"bash\", \"write_file\", \"submit\"], command_timeout_s = 20.0" in text
+
+
+def test_rollouts_in_flight_default_to_what_training_grants_ahead() -> None:
+    """`rollout.max_concurrent_rollouts = 0` resolves to `(max_staleness + 1) x groups_per_step x
+    group_size`, capped at the embedded engine's decode batch; a set value is kept as it is."""
+    assert load_config(None, []).concurrent_rollouts == 3 * 1 * 4
+    assert load_config(None, ["train.groups_per_step=2"]).concurrent_rollouts == 16, "capped at max_batch_size 16"
+    assert load_config(None, ["train.groups_per_step=2", "engine.max_batch_size=32"]).concurrent_rollouts == 24
+    assert load_config(None, ["train.max_staleness=0"]).concurrent_rollouts == 4
+    assert load_config(None, ["rollout.max_concurrent_rollouts=5"]).concurrent_rollouts == 5
+    vllm = load_config(None, ['engine.kind="vllm"', 'engine.url="http://127.0.0.1:9"', "train.groups_per_step=4"])
+    assert vllm.concurrent_rollouts == 3 * 4 * 4, "no embedded decode batch to cap at"

@@ -144,7 +144,12 @@ class RolloutConfig(BaseModel):
 
     group_size: int = Field(default=4, ge=1)
     """G: rollouts per task (group)."""
-    max_concurrent_rollouts: int = Field(default=4, ge=1)
+    max_concurrent_rollouts: int = Field(default=0, ge=0)
+    """Rollouts in flight at once; 0 (the default): as many as training grants ahead,
+    `(train.max_staleness + 1) * train.groups_per_step * group_size`, at most the embedded
+    engine's `max_batch_size` (`RunConfig.concurrent_rollouts`), so generation is not held back
+    by this cap while the trainer works. Held-out evaluations
+    run beside training with as many again."""
     agent_timeout_s: float = Field(default=180.0, gt=0)
     verify_timeout_s: float = Field(default=60.0, gt=0)
     max_model_calls: int = Field(default=0, ge=0)
@@ -173,8 +178,10 @@ class TrainConfig(BaseModel):
     """Group-relative advantage estimator (`loss/advantages.py`)."""
     loss: LossConfig = PpoClipLoss()
     """Policy-gradient loss and its clipping / importance-sampling knobs (`loss/losses.py`)."""
-    max_staleness: int = Field(default=1, ge=0)
-    """Most policy versions a trained token may lag behind; 0 runs rollouts and training in turn."""
+    max_staleness: int = Field(default=2, ge=0)
+    """Most policy versions a trained token may lag behind; 0 runs rollouts and training in turn.
+    2 (PRIME-RL's default `async_level`) lets generation run two steps ahead, which absorbs steps
+    whose generation outlasts their training (`bench/async.py`)."""
     group_order: Literal["dispatch", "completion"] = "dispatch"
     """Order the trainer takes completed groups in (`rollout/orchestrator.py`): "dispatch" never
     takes one ahead of a group granted before it, so none is overtaken and dropped as stale;
@@ -322,6 +329,17 @@ class RunConfig(BaseModel):
         context, reply = default_limits(req)
         return {**data, "engine": {"max_context_tokens": context, **engine},
                 "sampling": {"max_tokens": reply, **sampling}}
+
+    @property
+    def concurrent_rollouts(self) -> int:
+        """`rollout.max_concurrent_rollouts`, with 0 resolved to the rollouts training grants
+        ahead, `(train.max_staleness + 1) * train.groups_per_step * rollout.group_size`, at most
+        the embedded engine's `max_batch_size` (more would wait in its queue, each holding a
+        sandbox and an agent process)."""
+        if self.rollout.max_concurrent_rollouts:
+            return self.rollout.max_concurrent_rollouts
+        ahead = (self.train.max_staleness + 1) * self.train.groups_per_step * self.rollout.group_size
+        return min(ahead, self.engine.max_batch_size) if isinstance(self.engine, EmbeddedEngineConfig) else ahead
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -167,7 +167,7 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, needed: dict[int, int], kept:
         orch = Orchestrator(
             rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
             group_size=cfg.rollout.group_size,
-            max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
+            max_concurrent_rollouts=cfg.concurrent_rollouts,
             limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
             on_rollout=on_rollout, replay_group_ids=sorted(needed), group_sizes=needed,
         )

@@ -69,7 +69,7 @@ class VllmEngineConfig(BaseModel):
     """Shared directory of the `directory` sync; None: `<run dir>/weights`."""
     max_lora_rank: int = Field(default=16, ge=1)
     """`--max-lora-rank` of launched servers when `weight_sync = "lora"`."""
-    max_loras: int = Field(default=2, ge=1)
+    max_loras: int = Field(default=3, ge=1)
     """`--max-loras` and `--max-cpu-loras` of launched servers when `weight_sync = "lora"`:
     adapters batched together. At least `train.max_staleness + 1` (the versions a sync keeps
     loaded), or requests under different adapters would not share a batch."""

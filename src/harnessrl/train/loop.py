@@ -206,7 +206,7 @@ async def held_out(run: TrainingRun, after_step: int) -> dict[str, float]:
     cfg = run.cfg
     return await evaluate_held_out(
         run.runtime, run.eval_tasks, samples=cfg.train.eval_samples or cfg.rollout.group_size,
-        max_concurrent=cfg.rollout.max_concurrent_rollouts, limits=run.limits,
+        max_concurrent=cfg.concurrent_rollouts, limits=run.limits,
         out_dir=run.run_dir / "eval" / f"step-{after_step}")
 
 

@@ -268,7 +268,7 @@ def _orchestrator(cfg: RunConfig, rt: Runtime, tasks: TaskSource, limits: Rollou
 
     orch = Orchestrator(
         tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
-        group_size=cfg.rollout.group_size, max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
+        group_size=cfg.rollout.group_size, max_concurrent_rollouts=cfg.concurrent_rollouts,
         limits=limits, first_group_id=point.next_group_id, replay_group_ids=point.replay,
         on_rollout=on_rollout, on_group=sampling.on_group, order=cfg.train.group_order,
         allowance=(cfg.train.max_staleness + 1) * cfg.train.groups_per_step)
