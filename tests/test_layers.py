@@ -5,6 +5,7 @@ it should."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,30 @@ def test_the_proxy_imports_only_the_chat_layer_and_the_engine_seam_below_it() ->
     engine = {t for t in below if t.startswith("harnessrl.engine")}
     assert engine <= {"harnessrl.engine", "harnessrl.engine.base"}, engine
     assert {t.split(".")[1] for t in below} <= {"engine", "chat", "errors", "types", "jsonl"}, below
+
+
+TRAIN_FUNCTION_LINES = 80  # the training loop's parts stay readable top to bottom (DESIGN §2, train/)
+
+
+def long_functions(root: Path, limit: int) -> list[str]:
+    """`file:function (lines)` for each function or method under `root` longer than `limit` lines,
+    decorators and docstring included."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                lines = (node.end_lineno or node.lineno) - start + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root)}:{node.name} ({lines})")
+    return found
+
+
+def test_no_function_in_train_is_longer_than_the_limit(tmp_path: Path) -> None:
+    assert long_functions(SRC / "train", TRAIN_FUNCTION_LINES) == []
+    body = "\n".join(f"    x{i} = {i}" for i in range(TRAIN_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\nasync def long():\n{body}\n", encoding="utf-8")
+    assert long_functions(tmp_path, TRAIN_FUNCTION_LINES) == [f"m.py:long ({TRAIN_FUNCTION_LINES + 1})"]
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
