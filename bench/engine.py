@@ -2,17 +2,21 @@
 
 Two workloads (`--workload`):
 
-`chat` (default). For N in (1, 4, 8) concurrent requests with chat prompts of varied lengths, greedy, up to
-`--max-tokens` new ids each, it measures completion tokens per second of:
+`chat` (default). For N in `--concurrency` (1, 4, 8) concurrent requests with chat prompts of
+varied lengths, greedy, up to `--max-tokens` new ids each, it measures completion tokens per second of:
   * engine@N:      N concurrent `EmbeddedEngine.generate` calls (continuous batching, with logprobs);
-  * generate-seq:  `model.generate` on the N prompts one after another;
-  * generate-static@N: one left-padded `model.generate` batch of the N prompts.
-Each figure is the best wall time of `--repeats` runs, the methods interleaved within a
-repeat, so that load from other processes disturbs the comparison less. Tokens counted are
+  * generate-static@N: one left-padded `model.generate` batch of the N prompts;
+  * generate-seq:  `model.generate` on the N prompts one after another (`--no-seq` skips it).
+Each figure is the median wall time of `--repeats` (3) runs, the methods interleaved within a
+repeat (which of engine and generate-static goes first alternates), so that load from other
+processes disturbs the comparison less; every repeat's wall time is printed too, and the last
+line is issue 29's goal, engine@8 / generate-static@8 >= 1.2x. Both arms use `--threads` torch
+threads (the engine's decode thread, and the main thread that runs `generate`). Tokens counted are
 the real ones (up to and including the first EOS); the padding a static batch keeps
 generating after a row ended is not counted. Also reports how many of the engine's
-greedy completions equal `model.generate`'s ids (they may differ after near-ties, because
-batched and unbatched matmuls round differently).
+greedy completions equal `model.generate`'s ids, unbatched (or the static batch's with
+`--no-seq`), and the static batch's: they may differ after near-ties, because batched and
+unbatched matmuls round differently.
 
 The engine runs with its prefix cache off here (`prefix_cache_tokens=0`): the repeats send
 the same prompts again, which a cache would serve for free.
@@ -41,6 +45,10 @@ is not timed), greedy ids compared with `model.generate`'s. `agent`: `vllm-fp32`
 same rollouts (vLLM's own prefix cache on; its prefill count is not observable from outside, so
 only tokens/s and turn latency are reported for it).
 
+`--engine-unpacked` (chat): one more arm, the embedded engine with `pack_weights=False` (its
+decode steps multiply through `F.linear` over the model's own weights instead of oneDNN-packed
+copies), its tokens/s against the default engine's and generate-static's.
+
 `--engine-bf16` (chat): one more arm, the embedded engine holding bfloat16 weights
 (`engine.dtype = "bfloat16"`), its tokens/s against the float32 engine's and how many of its
 greedy replies equal float32 `generate`'s.
@@ -48,7 +56,8 @@ greedy replies equal float32 `generate`'s.
 The engine's decode steps go through `engine/embedded/decode_step.py` (`--no-fast-decode`: the model's
 own forward, for comparison). The load average is printed at start and end (the machine is shared).
 
-Run: `.venv/bin/python bench/engine.py [--workload agent] [--threads 2] [--max-tokens 64] [--repeats 2]`.
+Run: `.venv/bin/python bench/engine.py [--workload agent] [--threads 2] [--max-tokens 64] [--repeats 3]
+[--concurrency 1,4,8]`.
 What it does not do: sampling benchmarks, GPU runs.
 """
 
@@ -71,6 +80,9 @@ import torch  # noqa: E402
 from harnessrl.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from harnessrl.engine.model_store import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 from harnessrl.types import Sampling  # noqa: E402
+
+GOAL_RATIO = 1.2
+"""Issue 29's goal: engine@8 tokens/s at least this many times generate-static@8's."""
 
 QUESTIONS = [
     "Hi!",
@@ -311,7 +323,12 @@ def main() -> None:
     parser.add_argument("--workload", choices=("chat", "agent"), default="chat")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="best wall time of this many interleaved runs")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved runs; chat: the median wall time, agent: the best")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8],
+                        help="chat: comma-separated concurrent request counts (default 1,4,8)")
+    parser.add_argument("--no-seq", dest="seq", action="store_false",
+                        help="chat: skip generate-seq (greedy ids are then compared with the static batch)")
     parser.add_argument("--rollouts", type=int, default=4, help="agent: concurrent rollouts")
     parser.add_argument("--turns", type=int, default=8, help="agent: turns per rollout")
     parser.add_argument("--tool-tokens", type=int, default=96, help="agent: ids of each tool output")
@@ -320,6 +337,9 @@ def main() -> None:
     parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM arms")
     parser.add_argument("--engine-bf16", action="store_true",
                         help="chat: add the embedded engine with bfloat16 weights (engine.dtype) as an arm")
+    parser.add_argument("--engine-unpacked", action="store_true",
+                        help="chat: add the embedded engine with `pack_weights=False` (F.linear over the model's "
+                             "weights in decode steps, as before packed weights) as an arm")
     parser.add_argument("--no-fast-decode", dest="fast_decode", action="store_false",
                         help="engine decode steps through the model's forward instead of engine/embedded/decode_step.py")
     args = parser.parse_args()
@@ -341,76 +361,109 @@ def run_workload(args: argparse.Namespace) -> None:
         return
     engine = EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0,
                             prefill_chunk_tokens=args.chunk, fast_decode=args.fast_decode)
+    engine_unpacked = (EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0,
+                                      prefill_chunk_tokens=args.chunk, fast_decode=args.fast_decode, pack_weights=False)
+                       if args.engine_unpacked else None)
     engine_bf16 = (EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0,
                                   prefill_chunk_tokens=args.chunk, fast_decode=args.fast_decode, dtype="bfloat16")
                    if args.engine_bf16 else None)
     eos_ids = engine.eos_token_ids
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     all_prompts = render_prompts(tokenizer, 8)
-    print(f"threads={args.threads} max_tokens={args.max_tokens} repeats={args.repeats} fast_decode={args.fast_decode} "
+    print(f"torch threads: engine decode thread {args.threads}, generate (main thread) {torch.get_num_threads()}; "
+          f"max_tokens={args.max_tokens} repeats={args.repeats} fast_decode={args.fast_decode} "
           f"prompt lengths={[len(p) for p in all_prompts]}")
     bench_engine(engine, all_prompts[:2], 8)  # warm-up
+    if engine_unpacked is not None:
+        bench_engine(engine_unpacked, all_prompts[:2], 8)
     if engine_bf16 is not None:
         bench_engine(engine_bf16, all_prompts[:2], 8)
     bench_generate_static(model, all_prompts[:2], 8, eos_ids, pad_id)
 
-    best: dict[tuple[int, str], tuple[float, list[list[int]]]] = {}
-    for _ in range(args.repeats):  # methods interleaved per repeat; best wall time kept
-        for n in (1, 4, 8):
+    walls: dict[tuple[int, str], list[float]] = {}
+    first_outs: dict[tuple[int, str], list[list[int]]] = {}
+    same_across: dict[tuple[int, str], bool] = {}
+
+    def record(key: tuple[int, str], dt: float, outs: list[list[int]]) -> None:
+        walls.setdefault(key, []).append(dt)
+        if key not in first_outs:
+            first_outs[key] = outs
+        same_across[key] = same_across.get(key, True) and outs == first_outs[key]
+
+    for r in range(args.repeats):  # methods interleaved per repeat; the median wall time is reported
+        for n in args.concurrency:
             prompts = all_prompts[:n]
             methods = [
                 ("engine", lambda: bench_engine(engine, prompts, args.max_tokens)),
-                ("generate-seq", lambda: bench_generate_seq(model, prompts, args.max_tokens, eos_ids)),
                 ("generate-static", lambda: bench_generate_static(model, prompts, args.max_tokens, eos_ids, pad_id)),
             ]
+            if args.seq:
+                methods.append(("generate-seq", lambda: bench_generate_seq(model, prompts, args.max_tokens, eos_ids)))
             if engine_bf16 is not None:
                 methods.append(("engine-bf16", lambda: bench_engine(engine_bf16, prompts, args.max_tokens)))
+            if engine_unpacked is not None:
+                methods.append(("engine-unpacked", lambda: bench_engine(engine_unpacked, prompts, args.max_tokens)))
+            if r % 2:  # alternate which arm goes first, so neither always runs right after the other
+                methods = methods[1:2] + methods[:1] + methods[2:]
             for name, fn in methods:
                 dt, outs = fn()
-                if (n, name) not in best or dt < best[(n, name)][0]:
-                    best[(n, name)] = (dt, outs)
+                record((n, name), dt, outs)
+        print(f"repeat {r + 1}/{args.repeats} done, load average {os.getloadavg()[0]:.1f}", flush=True)
     engine.close()
-    if engine_bf16 is not None:
-        engine_bf16.close()
+    for other in (engine_bf16, engine_unpacked):
+        if other is not None:
+            other.close()
     for dtype, name in (("float32", "vllm-fp32"), ("bfloat16", "vllm-bf16")) if args.vllm else ():
         server = vllm_engine(model_dir, dtype, args.max_tokens)
         try:
             for _ in range(args.repeats):
-                for n in (1, 4, 8):
+                for n in args.concurrency:
                     dt, outs = bench_engine(server, all_prompts[:n], args.max_tokens)
-                    if (n, name) not in best or dt < best[(n, name)][0]:
-                        best[(n, name)] = (dt, outs)
+                    record((n, name), dt, outs)
         finally:
             server.close()
+    # Greedy ids are compared against unbatched `generate` when it ran, else against the static batch.
+    reference = "generate-seq" if args.seq else "generate-static"
     rows = []
-    for (n, name), (dt, outs) in sorted(best.items(), key=lambda kv: kv[0][0]):
+    for (n, name), dts in sorted(walls.items(), key=lambda kv: kv[0][0]):
+        outs = first_outs[(n, name)]
         ntok = sum(len(o) for o in outs)
-        rows.append((n, name, ntok, dt, ntok / dt, outs))
+        dt = statistics.median(dts)
+        rows.append((n, name, ntok, dt, ntok / dt, outs, dts))
 
-    print(f"{'N':>2} {'method':<16} {'tokens':>6} {'wall_s':>7} {'tok/s':>7}")
-    for n, name, ntok, dt, tps, _ in rows:
-        print(f"{n:>2} {name:<16} {ntok:>6} {dt:>7.2f} {tps:>7.1f}")
-    by = {(n, name): (tps, outs) for n, name, _, _, tps, outs in rows}
-    for n in (1, 4, 8):
+    print(f"{'N':>2} {'method':<16} {'tokens':>6} {'median_s':>8} {'tok/s':>7}  walls_s (each repeat)")
+    for n, name, ntok, dt, tps, _, dts in rows:
+        each = " ".join(f"{d:.2f}" for d in dts)
+        print(f"{n:>2} {name:<16} {ntok:>6} {dt:>8.2f} {tps:>7.1f}  [{each}]")
+    by = {(n, name): (tps, outs) for n, name, _, _, tps, outs, _ in rows}
+    for n in args.concurrency:
         eng_tps, eng_outs = by[(n, "engine")]
-        seq_tps, seq_outs = by[(n, "generate-seq")]
-        st_tps, _ = by[(n, "generate-static")]
-        same = sum(a == b for a, b in zip(eng_outs, seq_outs))
-        vllm_part = ""
+        ref_tps, ref_outs = by[(n, reference)]
+        st_tps, st_outs = by[(n, "generate-static")]
+        same = sum(a == b for a, b in zip(eng_outs, ref_outs))
+        extra = f", engine/seq = {eng_tps / ref_tps:.2f}x" if args.seq else ""
         if (n, "engine-bf16") in by:
             b_tps, b_outs = by[(n, "engine-bf16")]
-            vllm_part += (f", engine-bf16/engine = {b_tps / eng_tps:.2f}x (its greedy ids equal to float32 "
-                          f"generate: {sum(a == b for a, b in zip(b_outs, seq_outs))}/{n})")
+            extra += (f", engine-bf16/engine = {b_tps / eng_tps:.2f}x (its greedy ids equal to float32 "
+                      f"{reference}: {sum(a == b for a, b in zip(b_outs, ref_outs))}/{n})")
+        if (n, "engine-unpacked") in by:
+            u_tps, u_outs = by[(n, "engine-unpacked")]
+            extra += (f", engine/engine-unpacked = {eng_tps / u_tps:.2f}x, engine-unpacked/static = {u_tps / st_tps:.2f}x "
+                      f"(its greedy ids equal to {reference}: {sum(a == b for a, b in zip(u_outs, ref_outs))}/{n})")
         for name in ("vllm-fp32", "vllm-bf16"):
             if (n, name) in by:
                 v_tps, v_outs = by[(n, name)]
-                v_same = sum(a == b for a, b in zip(v_outs, seq_outs))
-                vllm_part += f", engine/{name} = {eng_tps / v_tps:.2f}x ({name} ids equal to generate: {v_same}/{n})"
-        print(
-            f"N={n}: engine/static = {eng_tps / st_tps:.2f}x, engine/seq = {eng_tps / seq_tps:.2f}x, "
-            f"greedy ids equal to generate: {same}/{n}{vllm_part}"
-        )
-
+                v_same = sum(a == b for a, b in zip(v_outs, ref_outs))
+                extra += f", engine/{name} = {eng_tps / v_tps:.2f}x ({name} ids equal to {reference}: {v_same}/{n})"
+        same_static = "" if not args.seq else f", to generate-static: {sum(a == b for a, b in zip(eng_outs, st_outs))}/{n}"
+        print(f"N={n}: engine/static = {eng_tps / st_tps:.2f}x{extra}, "
+              f"greedy ids equal to {reference}: {same}/{n}{same_static}")
+    unstable = [f"{name}@{n}" for (n, name), same in same_across.items() if not same]
+    print(f"greedy ids identical across repeats: {'all methods' if not unstable else 'not ' + ', '.join(unstable)}")
+    if 8 in args.concurrency:
+        ratio = by[(8, "engine")][0] / by[(8, "generate-static")][0]
+        verdict = "met" if ratio >= GOAL_RATIO else "not met"
+        print(f"goal: engine@8 / generate-static@8 = {ratio:.2f}x (median of {args.repeats}) vs {GOAL_RATIO}x: {verdict}")
 
 if __name__ == "__main__":
     main()

@@ -32,10 +32,10 @@ def _batch(model: torch.nn.Module, prompts: list[list[int]]) -> KVBatch:
     return batch
 
 
-def _steps_agree(model: torch.nn.Module, steps: int = 6) -> None:
+def _steps_agree(model: torch.nn.Module, steps: int = 6, step: DecodeStep | None = None) -> None:
     """Greedy decode steps through the model's forward and through DecodeStep, from one prefill."""
     ref_batch, fast_batch = _batch(model, PROMPTS), _batch(model, PROMPTS)
-    step = DecodeStep.for_model(model)
+    step = step if step is not None else DecodeStep.for_model(model)
     assert step is not None
     with torch.inference_mode():
         for _ in range(steps):
@@ -58,6 +58,26 @@ def test_llama_step_equals_the_model_forward(tiny_model_dir: Path) -> None:
     _steps_agree(model)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "fusing changed a weight"
+
+
+def test_packed_weights_are_rebuilt_by_refresh(tiny_model_dir: Path) -> None:
+    """The packed copies do not follow writes into the model; `refresh` (what the engine calls
+    after `load_weights`) rebuilds them, and unpacked steps agree with the model too."""
+    model = load_causal_lm(tiny_model_dir)
+    _steps_agree(model, steps=2, step=DecodeStep.for_model(model, pack_weights=False))
+    step = DecodeStep.for_model(model)  # fuses anew: the step built last is the one that follows the model
+    assert step is not None
+    if not step.packed:
+        pytest.skip("oneDNN packed inner products are not available here")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("proj.weight") or name == "lm_head.weight":
+                t.add_(torch.randn(t.shape, generator=gen) * 0.05)
+    with pytest.raises(AssertionError, match="logits differ"):
+        _steps_agree(model, steps=1, step=step)
+    step.refresh()
+    _steps_agree(model, step=step)
 
 
 def test_qwen2_step_with_qkv_biases_equals_the_model_forward() -> None:

@@ -36,8 +36,8 @@ weights between its steps, and its paged-attention cache targets accelerators. T
 is small and keeps token faithfulness under our control.
 
 Weight swaps (DESIGN §3.6): `load_weights` blocks the caller until the decode thread has
-copied the tensors into the model between two steps, so the caller may reuse its tensors
-afterwards. Requests in flight continue with the new weights from the next step; their
+copied the tensors into the model between two steps (and rebuilt the decode step's packed
+weight copies, `DecodeStep.refresh`), so the caller may reuse its tensors afterwards. Requests in flight continue with the new weights from the next step; their
 `Completion.policy_version` stays the version at admission (dispatch). Requests still
 waiting when the swap happens are admitted under the new version. A swap clears the prefix
 cache, entries carry the version they were computed under and lookups ask for the current one,
@@ -131,6 +131,7 @@ class EmbeddedEngine:
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         fast_decode: bool = True,
+        pack_weights: bool = True,
     ) -> None:
         """Load the model and tokenizer from `model_dir` and start the decode thread.
 
@@ -152,6 +153,9 @@ class EmbeddedEngine:
             fast_decode: run decode steps through `engine/embedded/decode_step.py` when the model's
                 architecture is one it handles (the same logits, less overhead per step);
                 False, or another architecture: the model's own forward.
+            pack_weights: with `fast_decode`, on the CPU in float32, multiply through
+                oneDNN-packed copies of the weights (faster decode steps for one more copy of
+                the decode weights in memory; rebuilt after each `load_weights`).
 
         Raises:
             EngineError: unknown dtype or device, `cuda` without a CUDA device, or non-positive sizes.
@@ -172,7 +176,7 @@ class EmbeddedEngine:
             raise EngineError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         self._device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self._model = load_causal_lm(Path(model_dir), dtype=dtype).to(self._device)
-        self._step = DecodeStep.for_model(self._model) if fast_decode else None
+        self._step = DecodeStep.for_model(self._model, pack_weights=pack_weights) if fast_decode else None
         self._additive_mask = getattr(self._model.config, "_attn_implementation", "sdpa") != "sdpa"
         self._tokenizer = load_tokenizer(Path(model_dir))
         config = self._model.config
@@ -426,6 +430,8 @@ class EmbeddedEngine:
             own = self._model.state_dict()
             for name, tensor in load.state_dict.items():
                 own[name].copy_(tensor)
+            if self._step is not None:
+                self._step.refresh()  # its packed weight copies do not follow the model's
         except Exception as exc:  # noqa: BLE001 - reported to the caller, who sent the tensors
             load.done.set_exception(EngineError(f"load_weights failed: {exc!r}"))
             return

@@ -109,10 +109,11 @@ def sample_next(
         (ids, logprobs): two lists of length B.
     """
     assert logits_B_V.shape[0] == len(rows) == len(generators), "one RowSampling and generator per row"
-    temps_B = torch.tensor(
-        [effective_temperature(r.temperature) if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32
-    )
-    lp_B_V = torch.log_softmax(logits_B_V.float() / temps_B.unsqueeze(-1), dim=-1)
+    temps = [effective_temperature(r.temperature) if r.temperature > 0 else 1.0 for r in rows]
+    scaled_B_V = logits_B_V.float()
+    if any(t != 1.0 for t in temps):  # dividing by 1.0 changes nothing: skipped (one [B, V] copy less)
+        scaled_B_V = scaled_B_V / torch.tensor(temps, dtype=torch.float32).unsqueeze(-1)
+    lp_B_V = torch.log_softmax(scaled_B_V, dim=-1)
     if any(r.needs_filter for r in rows):
         lp_B_V = torch.stack(
             [
