@@ -12,7 +12,10 @@ Measured, sequentially, N times each (default 200) in one process:
     capabilities, own network namespace with nothing routed;
   * bwrap-proxy: bwrap with a proxy route, so each command also starts the forwarder
     (`sandbox/forward.py`, a python3 start) relaying 127.0.0.1:<port> to a Unix socket, as
-    every command of a run does.
+    every command of a run does;
+  * bwrap-agents: bwrap-proxy with every installed agent tree bound (what a run binds), each
+    shared tree through the command's own overlay (`sandbox/layers.py`, as root);
+    bwrap-agents-bound: the same trees bound directly (no overlay), the cost before it.
 Reported: p50 and p90 of the whole lifecycle and p50 of each phase in ms, the ratio of each
 to the baseline, and bwrap/plain. Target: plain p50 <= 30 ms.
 
@@ -30,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from harnessrl.harness.install import installed_agent_dirs
 from harnessrl.sandbox.bwrap import bwrap_path
 from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig, leftover_sandboxes
 
@@ -50,10 +54,12 @@ async def bench_baseline(n: int) -> dict[str, list[float]]:
     return {"total": totals}
 
 
-async def bench_lifecycle(n: int, use_bwrap: bool, root: Path, proxy_socket: Path | None = None
-                          ) -> dict[str, list[float]]:
-    backend = LocalSandboxBackend(SandboxConfig(root_dir=root, use_bwrap=use_bwrap),
+async def bench_lifecycle(n: int, use_bwrap: bool, root: Path, proxy_socket: Path | None = None,
+                          ro_binds: tuple[Path, ...] = (), layered: bool = True) -> dict[str, list[float]]:
+    backend = LocalSandboxBackend(SandboxConfig(root_dir=root, use_bwrap=use_bwrap), ro_binds=ro_binds,
                                   proxy_port=18_080 if proxy_socket else None, proxy_socket=proxy_socket)
+    if not layered:
+        backend.layers_problem = "turned off by the benchmark"
     phases: dict[str, list[float]] = {"create": [], "exec": [], "close": [], "total": []}
     for i in range(n):
         t0 = time.perf_counter()
@@ -76,7 +82,7 @@ def report(name: str, phases: dict[str, list[float]], base_p50_ms: float) -> flo
     detail = "  ".join(
         f"{k} p50 {_pct(v, 50) * 1e3:6.2f}" for k, v in phases.items() if k != "total"
     )
-    print(f"{name:11s} p50 {p50:7.2f} ms  p90 {p90:7.2f} ms  x{p50 / base_p50_ms:5.1f} baseline  {detail}")
+    print(f"{name:18s} p50 {p50:7.2f} ms  p90 {p90:7.2f} ms  x{p50 / base_p50_ms:5.1f} baseline  {detail}")
     return p50
 
 
@@ -99,6 +105,13 @@ async def main(n: int) -> None:
         listener.listen()
         report("bwrap-proxy", await bench_lifecycle(n, True, Path(tmp) / "bwrap-proxy", Path(tmp) / "proxy.sock"),
                base_p50_ms)
+        trees = installed_agent_dirs()
+        if trees:
+            print(f"agent trees: {len(trees)} ({', '.join(t.name for t in trees)}); overlays: "
+                  f"{LocalSandboxBackend(SandboxConfig(root_dir=Path(tmp) / 'probe')).layers_problem or 'yes'}")
+            for name, layered in (("bwrap-agents", True), ("bwrap-agents-bound", False)):
+                report(name, await bench_lifecycle(n, True, Path(tmp) / name, Path(tmp) / "proxy.sock", trees, layered),
+                       base_p50_ms)
         listener.close()
     print(f"bwrap/plain p50 ratio: {bw / plain:.2f}; plain target <= 30 ms: "
           f"{'met' if plain <= 30 else 'NOT met'}")

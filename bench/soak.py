@@ -20,7 +20,8 @@ rollouts still running 0.3-1.0 s into the step are cancelled.
 
 Printed at the end: rollouts by fault and status, leaked processes (those left in the sandbox
 root, plus any process anywhere whose argv holds this soak's token), leaked sandbox
-directories, proxy sessions still open, unreadable rows of `rollouts.jsonl`, and the RSS of
+directories, mounts left below the sandbox root (each command's overlays of the shared trees
+live in its own mount namespace: none should be), proxy sessions still open, unreadable rows of `rollouts.jsonl`, and the RSS of
 this process (which runs the proxy) before and after. The exit status is 1 when any leak or
 unreadable row is found.
 
@@ -164,6 +165,7 @@ async def soak(args: argparse.Namespace) -> int:
     from harnessrl.proxy.config import ProxyConfig
     from harnessrl.proxy.server import ProxyServer
     from harnessrl.rollout.runner import RolloutLimits, run_rollout
+    from harnessrl.sandbox.layers import mount_points
     from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig, leftover_processes, leftover_sandboxes
     from harnessrl.tasks.base import Task
     from harnessrl.types import Rollout
@@ -233,6 +235,7 @@ async def soak(args: argparse.Namespace) -> int:
     await asyncio.sleep(0.5)  # let killed processes be reaped
     leaked_procs = sorted(set(leftover_processes(root)) | set(_token_processes(token)))
     leaked_dirs = leftover_sandboxes(root)
+    leaked_mounts = [p for p in mount_points() if p.startswith(str(root.resolve()) + "/")]
     read = read_jsonl(out)
     unreadable = len(read.bad_lines)
     for row in read.rows:
@@ -248,6 +251,7 @@ async def soak(args: argparse.Namespace) -> int:
         print(f"  {fault:<15} " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     print(f"leaked processes:      {len(leaked_procs)} {leaked_procs[:10] if leaked_procs else ''}")
     print(f"leaked directories:    {len(leaked_dirs)}")
+    print(f"leaked mounts:         {len(leaked_mounts)} {leaked_mounts[:5] if leaked_mounts else ''}")
     print(f"open proxy sessions:   {open_sessions}")
     print(f"unreadable rows:       {unreadable}")
     print(f"RSS (proxy process):   {rss_before:.0f} MiB before, {rss_after:.0f} MiB after "
@@ -257,7 +261,7 @@ async def soak(args: argparse.Namespace) -> int:
             psutil.Process(pid).kill()
         except psutil.Error:
             pass
-    failed = bool(leaked_procs or leaked_dirs or open_sessions or unreadable)
+    failed = bool(leaked_procs or leaked_dirs or leaked_mounts or open_sessions or unreadable)
     if not failed and not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0

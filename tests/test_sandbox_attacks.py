@@ -568,14 +568,269 @@ async def test_agent_memory_is_bounded(kit: Kit, sandbox_root: Path) -> None:
         await sb.close()
 
 
-async def test_mount_table_names_no_checkout_path(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
+# --- cross-sandbox channels, host paths in the mount table, descriptor floods (issue 32) ----
+
+
+CHANNEL_RECEIVER = textwrap.dedent("""
+    import ctypes, fcntl, json, os, struct, sys, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    paths = sys.argv[1:]
+    fd = libc.inotify_init1(os.O_NONBLOCK)
+    assert fd >= 0, ctypes.get_errno()
+    for path in paths:
+        assert libc.inotify_add_watch(fd, path.encode(), 0xFFF) > 0, (path, ctypes.get_errno())
+
+    def drain():
+        n = 0
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return n
+            while data:
+                length = struct.unpack_from("iIII", data)[3]
+                data = data[16 + length:]
+                n += 1
+
+    for path in paths:  # the watches are live: our own opens are seen
+        if os.path.isfile(path):
+            open(path, "rb").read()
+    probe = open(paths[0], "rb")  # opened once: the probes below make no event of their own
+    time.sleep(0.2)
+    own = drain()
+    open("ready", "w").close()
+    seen, locked = 0, 0
+    deadline = time.monotonic() + float(os.environ["WINDOW_S"])
+    while time.monotonic() < deadline:
+        seen += drain()
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(probe, fcntl.LOCK_UN)
+        except OSError:
+            locked += 1
+        time.sleep(0.02)
+    seen += drain()
+    with open("seen.tmp", "w") as out:
+        json.dump({"own": own, "seen": seen, "locked": locked}, out)
+    os.rename("seen.tmp", "seen.json")
+""")
+
+CHANNEL_SENDER = textwrap.dedent("""
+    import fcntl, json, os, sys, time
+    paths = sys.argv[1:]
+    held = open(paths[0], "rb")
+    fcntl.flock(held, fcntl.LOCK_EX)  # one bit: the lock is held for the whole window
+    sent, deadline = 0, time.monotonic() + float(os.environ["WINDOW_S"])
+    while time.monotonic() < deadline:  # the other bits: opens and reads of every shared file
+        for path in paths:
+            if os.path.isdir(path):
+                os.listdir(path)
+            else:
+                with open(path, "rb") as f:
+                    f.read(64)
+            sent += 1
+        time.sleep(0.005)
+    print(json.dumps({"sent": sent}))
+""")
+
+
+async def test_no_inotify_or_lock_channel_through_shared_files(kit: Kit, sandbox_root: Path, tmp_path: Path) -> None:
+    """Two concurrent sandboxes share an agent tree and the system files: the receiver
+    watches them with inotify and probes a flock, the sender holds that flock and opens and
+    reads every one of them; no event and no lock crosses."""
+    tree = tmp_path / "agent-tree"
+    (tree / "lib").mkdir(parents=True)
+    (tree / "cli.js").write_text("agent\n")
+    (tree / "lib" / "mod.js").write_text("module\n")
+    shared = [str(tree / "cli.js"), str(tree / "lib"), str(tree / "lib" / "mod.js"), "/etc/passwd",
+              "/usr/bin/env"]
+    backend = kit.backend(sandbox_root, ro_binds=(tree,))
+    receiver = await backend.create("receiver", {})
+    sender = await backend.create("sender", {})
+    window = {"WINDOW_S": "4"}
+    try:
+        watcher = await receiver.spawn(["python3", "-c", CHANNEL_RECEIVER, *shared], env=window)
+        for _ in range(600):
+            if (receiver.workdir / "ready").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert (receiver.workdir / "ready").exists(), "the receiver did not start"
+        r = await sender.exec(["python3", "-c", CHANNEL_SENDER, *shared], 60, env=window)
+        assert r.returncode == 0 and json.loads(r.stdout)["sent"] > 100, r
+        assert await watcher.wait(60) == 0
+        seen = json.loads((receiver.workdir / "seen.json").read_text())
+        assert seen["own"] > 0, seen  # its watches work: it saw its own opens
+        assert seen["seen"] == 0 and seen["locked"] == 0, seen  # nothing of the sender crossed
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+def _mountinfo(text: str) -> list[dict[str, str]]:
+    rows = []
+    for line in text.splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        rows.append({"root": fields[3], "point": fields[4], "fstype": fields[sep + 1],
+                     "source": fields[sep + 2], "options": fields[sep + 3] if len(fields) > sep + 3 else ""})
+    return rows
+
+
+async def test_mount_table_names_no_host_source(kit: Kit, proxy: ProxyServer, sandbox_root: Path,
+                                                tmp_path: Path) -> None:
+    """What is bound into a sandbox from the host (system directories, agent trees, device
+    nodes, the forwarder) shows in /proc/self/mountinfo by no host path: not the checkout, not
+    the sandbox root, not harnessrl's cache or an agent tree's path. Left out here (the next
+    test shows they still do): the sandbox directory (bound at its own path), an agent tree's
+    mount point (its own path), the proxy socket, and under podman its own mounts (the image's
+    overlay in harnessrl's podman store, the files it writes per container)."""
     import harnessrl
 
     checkout = str(Path(harnessrl.__file__).resolve().parents[1])
-    sb = await kit.backend(sandbox_root, proxy).create("mountinfo", {})
+    tree = tmp_path / "cache" / "agents" / "tool"
+    tree.mkdir(parents=True)
+    (tree / "bin").write_text("#!/bin/sh\n")
+    sb = await kit.backend(sandbox_root, proxy, ro_binds=(tree,)).create("mountinfo", {})
     try:
         r = await sb.exec("cat /proc/self/mountinfo", 30)
         assert r.returncode == 0 and "/run/harnessrl" in r.stdout, r
         assert checkout not in r.stdout, r.stdout
+        rows = _mountinfo(r.stdout)
+        assert [row["point"] for row in rows].count(str(tree)) == 1, r.stdout
+        secret = [checkout, str(sandbox_root), str(tmp_path / "cache"), str(Path.home() / ".cache")]
+        known_open = {str(sb.root), str(sandbox_root), "/run/harnessrl/proxy.sock"}
+        if kit.name == "podman":  # podman's own: the image's overlay in its store, the files it writes per container
+            known_open |= {"/", "/etc/hostname", "/etc/hosts", "/etc/resolv.conf", "/etc/passwd", "/etc/group",
+                           "/run/.containerenv"}
+        named = [row for row in rows if row["point"] not in known_open
+                 and any(s in row["root"] or s in row["options"] for s in secret)]
+        assert named == [], named
     finally:
         await sb.close()
+
+
+@pytest.mark.xfail(strict=True, reason="open: the sandbox directory and agent trees are bound at their host paths "
+                   "(mount point), the sandbox directory's bind shows its path on its filesystem (root), and "
+                   "the proxy socket's and podman's own binds theirs")
+async def test_mount_table_names_no_host_path_at_all(kit: Kit, proxy: ProxyServer, sandbox_root: Path,
+                                                     tmp_path: Path) -> None:
+    tree = tmp_path / "cache" / "agents" / "tool"
+    tree.mkdir(parents=True)
+    sb = await kit.backend(sandbox_root, proxy, ro_binds=(tree,)).create("mountinfo", {})
+    try:
+        r = await sb.exec("cat /proc/self/mountinfo", 30)
+        assert r.returncode == 0, r
+        for host in (str(sandbox_root), str(tmp_path / "cache"), str(proxy.agent_socket_path.parent)):
+            assert host not in r.stdout, host
+    finally:
+        await sb.close()
+
+
+FLOOD = textwrap.dedent("""
+    import json, os, resource, socket, sys, time
+    path, procs, each, limit_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    deadline = time.monotonic() + limit_s
+    children = []
+    for k in range(procs):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            held, failed = [], 0
+            for _ in range(each):
+                if time.monotonic() > deadline:
+                    break
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(2)
+                try:
+                    s.connect(path)
+                    held.append(s)
+                except OSError:
+                    failed += 1
+                    s.close()
+            if k == 0:
+                open("flooding", "w").close()
+            closed, eof, last, stable = 0, set(), -1, time.monotonic()
+            while time.monotonic() - stable < 1.0 and time.monotonic() < deadline:
+                for i, s in enumerate(held):  # the proxy closes what is past its caps: EOF
+                    if i not in eof:
+                        s.setblocking(False)
+                        try:
+                            if s.recv(1) == b"":
+                                eof.add(i)
+                        except (BlockingIOError, OSError):
+                            pass
+                if len(eof) != last:
+                    last, stable = len(eof), time.monotonic()
+                time.sleep(0.2)
+            os.write(w, json.dumps([len(held), failed, len(eof)]).encode())
+            while not os.path.exists("release") and time.monotonic() < deadline:
+                time.sleep(0.1)  # hold every connection until the test is done
+            os._exit(0)
+        os.close(w)
+        children.append((pid, r))
+    totals = [0, 0, 0]
+    for pid, r in children:
+        got = json.loads(os.read(r, 4096) or b"[0, 0, 0]")
+        totals = [a + b for a, b in zip(totals, got)]
+    open("counted", "w").close()
+    for pid, _ in children:
+        os.waitpid(pid, 0)
+    print(json.dumps({"opened": totals[0], "failed": totals[1], "closed": totals[2], "soft": soft, "hard": hard}))
+""")
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_descriptor_flood_from_a_sandbox_spares_the_trainer_and_its_siblings(
+        kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
+    """An agent tries 20,000 connections straight to the proxy socket (10 processes of 2,000,
+    each connect given 2 s, within 45 s): the proxy admits its per-peer cap of them, the
+    trainer's descriptors stay below half its limit, and a sibling sandbox's call made during
+    the flood is answered and recorded."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    backend = kit.backend(sandbox_root, proxy)
+    attacker = await backend.create("flood", {})
+    sibling = await backend.create("sibling", {})
+    session_id, key = proxy.open_session("sibling")
+    endpoint = sibling.agent_endpoint(proxy.endpoint(key))
+    before, peak_fds, peak_open = _fds(), 0, 0
+    try:
+        flood = asyncio.ensure_future(attacker.exec(
+            ["python3", "-c", FLOOD, "/run/harnessrl/proxy.sock", "10", "2000", "45"], 120))
+        while not flood.done() and not (attacker.workdir / "flooding").exists():
+            peak_fds, peak_open = max(peak_fds, _fds()), max(peak_open, proxy.open_connections["total"])
+            await asyncio.sleep(0.05)
+        call = asyncio.ensure_future(_py(sibling, f"""
+            import json, urllib.request
+            body = json.dumps({{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
+            req = urllib.request.Request("{endpoint.base_url}/chat/completions", data=body,
+                                         headers={{"Authorization": "Bearer {key}", "Content-Type": "application/json"}})
+            print(json.dumps({{"status": urllib.request.urlopen(req, timeout=60).status}}))
+        """))
+        while not call.done() or not (flood.done() or (attacker.workdir / "counted").exists()):
+            peak_fds, peak_open = max(peak_fds, _fds()), max(peak_open, proxy.open_connections["total"])
+            await asyncio.sleep(0.05)
+        answered = await call
+        attacker.write_file("release", "")
+        result = await flood
+        assert result.returncode == 0, result
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+        trace = proxy.close_session(session_id)
+    finally:
+        await sibling.close()
+        await attacker.close()
+    assert out["opened"] + out["failed"] >= 15_000, out  # the flood ran
+    # the proxy admitted the attacker's per-peer share only (and the sibling's call)
+    assert peak_open <= proxy.config.max_connections_per_peer + 4, (peak_open, out)
+    # connections past the caps are accepted and closed: in flight a few thousand at most,
+    # far below the trainer's limit
+    assert peak_fds < soft // 2, (before, peak_fds, soft)
+    assert answered["status"] == 200
+    assert [t.status for t in trace.turns] == ["ok"]

@@ -28,7 +28,10 @@ The mount namespace a command sees:
     `/bin -> usr/bin` are recreated as symlinks), every path of `ro_binds` (an agent's install
     tree), the running interpreter's `sys.prefix` / `sys.base_prefix` when asked, `/dev`
     (a minimal device set: started by root, the sandbox's own nodes, see `make_devices`),
-    the root directory and the sandbox root;
+    the root directory and the sandbox root. Started by root, each of those trees is bound
+    from `sources`: the command's own overlay of it (`sandbox/layers.py`), so no inode of it is
+    shared with another sandbox (no inotify or lock channel) and the mount table names no
+    host path for it;
   * writable: the sandbox directory only, at the same absolute path as outside (so paths
     printed by the agent mean the same thing to the verifier), a private `/tmp` and a
     private `/dev/shm`, each a tmpfs of at most `tmp_bytes`;
@@ -37,9 +40,9 @@ The mount namespace a command sees:
 
 Not isolated here: CPU, memory, process count and disk use (bounded by the local sandbox:
 pids and memory cgroups and a disk watchdog, see `sandbox/local.py`), and the host kernel
-itself (a kernel exploit crosses any namespace). `/proc/self/mountinfo` names the host
-paths of what is bound at its own path (the sandbox directory, agent trees) and of the proxy
-socket.
+itself (a kernel exploit crosses any namespace). `/proc/self/mountinfo` still names the host
+paths of what is bound at its own path (the sandbox directory, agent trees' mount points) and
+of the proxy socket.
 
 `--die-with-parent` kills the command when the process that started bwrap dies;
 `--unshare-pid` makes bwrap's child the namespace's init, so every process left in the
@@ -56,7 +59,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,13 +97,13 @@ def bwrap_path() -> str | None:
     return path if done.returncode == 0 else None
 
 
-def _system_args(system_paths: Sequence[str]) -> list[str]:
+def _system_args(system_paths: Sequence[str], sources: Mapping[str, Path]) -> list[str]:
     args: list[str] = []
     for p in system_paths:
         if os.path.islink(p):
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
-            args += ["--ro-bind", p, p]
+            args += ["--ro-bind", str(sources.get(p, p)), p]
     return args
 
 
@@ -206,6 +209,7 @@ def bwrap_argv(
     seccomp_fd: int | None = None,
     forwarder_fd: int | None = None,
     devices: Path | None = None,
+    sources: Mapping[str, Path] | None = None,
 ) -> list[str]:
     """The full argv running `argv` inside bubblewrap for the sandbox at `sandbox_dir`.
 
@@ -220,6 +224,8 @@ def bwrap_argv(
     user and maps it to `SANDBOX_UID` in a new user namespace. `seccomp_fd`: a descriptor
     holding `sandbox/seccomp.py`'s filter (bubblewrap loads it before the command).
     `devices`: a `make_devices` directory whose nodes replace the host's in `/dev`.
+    `sources`: for a system path or `ro_binds` entry (as a string), what to bind there instead
+    of the host tree itself: its private overlay (`sandbox/layers.py`).
 
     The environment is not touched (bwrap passes its own environment to the command), so the
     caller builds it. Mount order matters: later mounts cover earlier ones, so the tmpfs over
@@ -234,7 +240,8 @@ def bwrap_argv(
     if owner is not None:
         # only what setpriv needs to drop to the owner; it then empties every set
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
-    args += _system_args(system_paths)
+    sources = sources or {}
+    args += _system_args(system_paths, sources)
     size = str(tmp_bytes)
     args += ["--proc", "/proc", "--dev", "/dev"]
     if devices is not None:
@@ -251,7 +258,7 @@ def bwrap_argv(
     args += ["--tmpfs", str(sandbox_root)]
     args += ["--bind", str(sandbox_dir), str(sandbox_dir)]
     for p in ro_binds:
-        args += ["--ro-bind", str(p), str(p)]
+        args += ["--ro-bind", str(sources.get(str(p), p)), str(p)]
     prefix: list[str] = []
     if proxy is not None:
         if forwarder_fd is not None:

@@ -20,6 +20,9 @@ Every command (exec or spawn):
     the parent's environment (API keys, proxy URLs) is inherited;
   * gets rlimits from `SandboxConfig` (CPU seconds, address space, file size; processes only
     where there is no cgroup);
+  * started by root under bubblewrap, mounts its own read-only overlays of the trees every
+    sandbox shares (system directories, agent trees) and its own device nodes in a mount
+    namespace of its own before bubblewrap starts (`sandbox/layers.py`);
   * runs under bubblewrap when `use_bwrap` is True, or None and a working `bwrap` is found:
     an unprivileged user without capabilities in its own namespaces, whose only way out is
     the proxy's agent socket behind a forwarder on `127.0.0.1:<proxy port>` (`sandbox/bwrap.py`;
@@ -67,7 +70,7 @@ from subprocess import SubprocessError
 from typing import Literal
 
 from harnessrl.errors import SandboxError
-from harnessrl.sandbox import cgroup, seccomp, spawn
+from harnessrl.sandbox import cgroup, layers, seccomp, spawn
 from harnessrl.sandbox import owner as owners
 from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import (
@@ -96,9 +99,11 @@ from harnessrl.types import Endpoint
 
 
 def devices_dir(root: Path) -> Path:
-    """Where a root-started sandbox at `root` keeps its own device nodes (`bwrap.make_devices`):
-    beside it, `<root_dir>/.dev-<sandbox id>`, out of the agent's reach (bubblewrap, as root,
-    binds them: nothing under the agent's control may name a path it binds)."""
+    """Where a root-started sandbox at `root` keeps its own device nodes (`bwrap.make_devices`)
+    or, with overlays (`sandbox/layers.py`), the staging directory `trees/` each command mounts
+    its overlays and nodes over: beside it, `<root_dir>/.dev-<sandbox id>`, out of the agent's
+    reach (bubblewrap, as root, binds from it: nothing under the agent's control may name a
+    path it binds)."""
     return root.parent / f".dev-{root.name}"
 import sys
 
@@ -124,9 +129,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _child_setup(limits: dict[int, int], group: PidsGroup | None) -> Callable[[], None]:
-    """The `preexec_fn` of every command: join the sandbox's pids cgroup, set rlimits."""
+def _child_setup(limits: dict[int, int], group: PidsGroup | None,
+                 trees: layers.TreeLayers | None = None) -> Callable[[], None]:
+    """The `preexec_fn` of every command: mount its private overlays of the shared trees (in a
+    mount namespace of its own), join the sandbox's pids cgroup, set rlimits."""
     def apply() -> None:
+        if trees is not None:
+            trees.mount()
         if group is not None:
             group.join()
         for which, value in limits.items():
@@ -167,7 +176,7 @@ class LocalSandbox(HostDirSandbox):
     def __init__(
         self, sandbox_id: str, root: Path, config: SandboxConfig, bwrap: str | None,
         ro_binds: Sequence[Path], proxy: ProxyRoute | None = None, group: PidsGroup | None = None,
-        owner: int | None = None, memory_rlimit: bool = False,
+        owner: int | None = None, memory_rlimit: bool = False, layered: bool = False,
     ) -> None:
         super().__init__(sandbox_id, root, config)
         self.owner = owner
@@ -181,6 +190,23 @@ class LocalSandbox(HostDirSandbox):
         self._group = group
         self._pgids: set[int] = set()
         self._spawned: list[Child] = []
+        self._layers = self._tree_layers() if layered and bwrap is not None and owner is not None else None
+        """Private overlays of every shared read-only tree, mounted per command."""
+
+    def _shared_trees(self) -> list[Path]:
+        """The read-only host trees bound into every command: system directories, agent trees,
+        the interpreter prefixes asked for, the forwarder's (each once)."""
+        trees = [Path(p) for p in self.config.system_paths if not os.path.islink(p) and os.path.isdir(p)]
+        trees += self._ro_binds
+        if self.config.bind_python:
+            trees += [Path(p) for p in sorted({sys.prefix, sys.base_prefix})]
+        if self._proxy is not None:
+            trees += self._proxy_binds
+        return list(dict.fromkeys(trees))
+
+    def _tree_layers(self) -> layers.TreeLayers:
+        overlaid, _ = layers.shareable(self._shared_trees())
+        return layers.TreeLayers(devices_dir(self._root) / "trees", overlaid, devices=True)
 
     @property
     def uses_bwrap(self) -> bool:
@@ -205,12 +231,16 @@ class LocalSandbox(HostDirSandbox):
             ro += [Path(p) for p in {sys.prefix, sys.base_prefix}]
         if self._proxy is not None:
             ro += self._proxy_binds
+        ro = list(dict.fromkeys(ro))
+        sources = {} if self._layers is None else {
+            str(tree): self._layers.source(i) for i, tree in enumerate(self._layers.trees)}
         return bwrap_argv(
             self._bwrap, argv, sandbox_dir=self._root, sandbox_root=self._root.parent,
             cwd=cwd, ro_binds=ro, system_paths=self.config.system_paths,
             tmp_bytes=self.config.tmp_bytes, proxy=self._proxy, owner=self.owner,
             seccomp_fd=fds.get("seccomp"), forwarder_fd=fds.get("forwarder"),
-            devices=devices_dir(self._root) if self.owner is not None else None,
+            devices=(self._layers.devices_dir if self._layers is not None
+                     else devices_dir(self._root) if self.owner is not None else None), sources=sources,
         )
 
     def _bwrap_fds(self) -> dict[str, int]:
@@ -261,7 +291,7 @@ class LocalSandbox(HostDirSandbox):
             proc = await spawn.start(
                 self._argv(argv, run_dir, fds), cwd=run_dir if self.owner is None else self._root,
                 env=self._env(env), stdout=stdout, stderr=stderr, start_new_session=True,
-                preexec_fn=_child_setup(self._limits(address_space_bytes), self._group),
+                preexec_fn=_child_setup(self._limits(address_space_bytes), self._group, self._layers),
                 pass_fds=tuple(fds.values()),
             )
         except FileNotFoundError:
@@ -458,6 +488,9 @@ class LocalSandboxBackend:
         self.owned = self.bwrap is not None and owners.owned_sandboxes() and setpriv_path() is not None
         """Each sandbox runs as an unprivileged host uid of its own (`sandbox/owner.py`): this
         process is root and bubblewrap is used."""
+        self.layers_problem = layers.layers_supported() if self.owned else "not root"
+        """None when every command gets private overlays of the shared read-only trees
+        (`sandbox/layers.py`), else why not."""
         if self.owned and self.proxy is not None:
             # every sandbox uid connects through its read-only bind of the socket file; the
             # socket's own 0700 directory keeps every other host user out
@@ -480,6 +513,16 @@ class LocalSandboxBackend:
                 seccomp.program()
             except seccomp.UnsupportedArch as e:
                 gaps.append(f"syscall filter ({e})")
+            if self.layers_problem is not None:
+                gaps.append(f"shared read-only trees (no private overlays: {self.layers_problem}; an inotify "
+                            "watch on a system or agent file sees other sandboxes' opens of it)")
+            else:
+                system = [Path(p) for p in self.config.system_paths if not os.path.islink(p) and os.path.isdir(p)]
+                _, kept = layers.shareable([*system, *self.ro_binds])
+                if kept:
+                    gaps.append("shared read-only trees bound as they are, not directories or with a mount point "
+                                f"below (an inotify watch there sees other sandboxes' opens): "
+                                f"{', '.join(map(str, kept))}")
         if self.config.memory_bytes is not None and self.memory_root is None:
             gaps.append("memory (no writable memory cgroup: RLIMIT_AS of spawned agents only)")
         if self.config.max_processes is not None and self.cgroup_root is None:
@@ -526,7 +569,11 @@ class LocalSandboxBackend:
                 if owner is not None:
                     os.chown(root / sub, owner, owner)
             if owner is not None:
-                make_devices(devices_dir(root))
+                if self.layers_problem is None:  # each command makes its nodes with its overlays
+                    devices_dir(root).mkdir(mode=0o700)
+                else:
+                    make_devices(devices_dir(root))
+                (devices_dir(root) / "trees").mkdir(mode=0o700)  # staging of its overlays
             if self.cgroup_root is not None or self.memory_root is not None:
                 try:
                     group = PidsGroup.create(self.cgroup_root, sandbox_id, self.config.max_processes,
@@ -535,7 +582,8 @@ class LocalSandboxBackend:
                     raise SandboxError(f"sandbox {sandbox_id}: cannot create its cgroups: {exc}") from exc
             sandbox = LocalSandbox(sandbox_id, root, self.config, self.bwrap, self.ro_binds,
                                    self.proxy, group, owner,
-                                   memory_rlimit=self.memory_root is None and self.config.memory_bytes is not None)
+                                   memory_rlimit=self.memory_root is None and self.config.memory_bytes is not None,
+                                   layered=self.layers_problem is None)
             for rel_path, text in workspace.items():
                 if Path(rel_path).is_absolute():
                     raise SandboxError(f"workspace path {rel_path!r} is absolute")

@@ -8,7 +8,11 @@ Layout: the sandbox directory `<root_dir>/<sandbox_id>/{work,home,tmp}` lives on
 owned by `SANDBOX_UID`, exactly as a local sandbox's; every container binds it read-write at
 the same absolute path (so `agent_path` is the host path and paths an agent prints mean the
 same to the verifier). Nothing else of the host is visible: the image's root filesystem,
-read-only; the paths of `ro_binds` (agent install trees), read-only; a private `/tmp` and
+read-only; the paths of `ro_binds` (agent install trees), read-only, each through an overlay
+of the sandbox's own (`sandbox/layers.py`: mounted under its state directory at `create`,
+unmounted at `close()`, those of a killed run at the next run's start by
+`remove_orphan_mounts`), so flock and inotify on their files stay within the sandbox (the
+image's own files are already an overlay per container); a private `/tmp` and
 `/dev/shm` (tmpfs of `tmp_bytes`); and, with a proxy, the proxy's agent socket and
 `sandbox/forward.py` under `/run/harnessrl`.
 
@@ -68,7 +72,7 @@ from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, INNER_SOCKET, SANDBOX_UID
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.fsread import UnsafePathError
-from harnessrl.sandbox import spawn
+from harnessrl.sandbox import layers, spawn
 from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint, remove_tree
 from harnessrl.sandbox.spawn import Child
 from harnessrl.sandbox.local import _UNSAFE
@@ -151,6 +155,17 @@ class PodmanSandbox(HostDirSandbox):
         self._backend = backend
         self._clients: dict[str, Child] = {}
         """Container name -> its `podman run` client, for every command started."""
+        self._tree_sources: dict[Path, Path] = {}
+        """Agent tree -> this sandbox's private overlay of it (`sandbox/layers.py`), bound in its
+        place, so no inode of a tree is shared with another sandbox's containers."""
+
+    def _mount_trees(self) -> None:
+        """Mount this sandbox's overlays of the agent trees (`layers.host_mounts`) under its
+        state directory; `_remove_rest` unmounts them."""
+        overlaid, _ = layers.shareable(self._backend.ro_binds)
+        if overlaid:
+            mounted = layers.host_mounts(self._state / "trees", overlaid)
+            self._tree_sources = dict(zip(overlaid, mounted, strict=True))
 
     def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
         """`endpoint` on `127.0.0.1` (port and path kept): the forwarder inside the container."""
@@ -178,7 +193,7 @@ class PodmanSandbox(HostDirSandbox):
         if cfg.file_size_bytes is not None:
             args += ["--ulimit", f"fsize={cfg.file_size_bytes}:{cfg.file_size_bytes}"]
         for path in self._backend.ro_binds:
-            args += ["-v", f"{path}:{path}:ro"]
+            args += ["-v", f"{self._tree_sources.get(path, path)}:{path}:ro"]
         prefix: list[str] = []
         proxy = self._backend.proxy
         if self._backend.seccomp_profile is not None:
@@ -322,6 +337,9 @@ class PodmanSandbox(HostDirSandbox):
 
     async def _remove_rest(self) -> None:
         try:
+            failed = await asyncio.to_thread(layers.unmount_below, self._state)
+            if failed:
+                log.warning("sandbox %s: overlays not unmounted: %s", self.sandbox_id, "; ".join(failed[:3]))
             errors = await asyncio.to_thread(remove_tree, self._state)
             if errors:
                 log.warning("sandbox %s: state not removed: %s", self.sandbox_id, "; ".join(errors[:3]))
@@ -329,6 +347,31 @@ class PodmanSandbox(HostDirSandbox):
             left = await asyncio.to_thread(remove_cgroups, self.sandbox_id)
         if left:
             log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
+
+
+STATE_PREFIX = "harnessrl-podman-"
+"""Prefix of a sandbox's state directory in the system temp dir: `<prefix><pid>-<sandbox id>-<random>`
+(the pid of the process whose backend made it)."""
+
+
+def remove_orphan_mounts(tmp: Path | None = None) -> int:
+    """Unmount the agent-tree overlays (`PodmanSandbox._mount_trees`) of state directories
+    whose process is gone (a run killed by SIGKILL) and remove those directories; returns
+    how many mounts there were. A live process's are never touched."""
+    base = str(tmp or Path(tempfile.gettempdir())).rstrip("/") + "/" + STATE_PREFIX
+    dead: set[Path] = set()
+    count = 0
+    for point in layers.mount_points():
+        if not point.startswith(base):
+            continue
+        pid = point[len(base):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            dead.add(Path(base + point[len(base):].split("/", 1)[0]))
+            count += 1
+    for state in dead:
+        layers.unmount_below(state)
+        remove_tree(state)
+    return count
 
 
 DEFAULT_SECCOMP = Path("/usr/share/containers/seccomp.json")
@@ -394,6 +437,8 @@ class PodmanSandboxBackend:
         self.proxy: tuple[int, Path] | None = None
         if proxy_port is not None and proxy_socket is not None:
             self.proxy = (proxy_port, Path(proxy_socket))
+        self.layers_problem = layers.layers_supported()
+        """None when each sandbox gets private overlays of the agent trees, else why not."""
         self.seccomp_profile = seccomp_profile(config)
         """podman's default seccomp profile with new user namespaces refused (or None when
         the default profile is not found: then `unisolated` names the gap)."""
@@ -404,10 +449,21 @@ class PodmanSandboxBackend:
 
     def unisolated(self) -> list[str]:
         """Gaps of isolation: none when podman runs (see `check_isolation`) with its default
-        seccomp profile found (else nested user namespaces are not refused)."""
+        seccomp profile found (else nested user namespaces are not refused) and every agent
+        tree gets a private overlay per sandbox (else locks and inotify on its files cross
+        between sandboxes)."""
+        gaps = []
         if self.seccomp_profile is None:
-            return [f"nested user namespaces ({DEFAULT_SECCOMP} not found: podman's built-in profile is used)"]
-        return []
+            gaps.append(f"nested user namespaces ({DEFAULT_SECCOMP} not found: podman's built-in profile is used)")
+        if self.ro_binds and self.layers_problem is not None:
+            gaps.append(f"agent trees shared between sandboxes (no private overlays: {self.layers_problem}; "
+                        "flock and inotify on their files cross between sandboxes)")
+        elif self.ro_binds:
+            _, kept = layers.shareable(self.ro_binds)
+            if kept:
+                gaps.append("agent trees bound as they are, not directories or with a mount point below (flock and "
+                            f"inotify on their files cross between sandboxes): {', '.join(map(str, kept))}")
+        return gaps
 
     def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
         """Raises SandboxError naming the problem when podman sandboxes cannot run here, in
@@ -421,6 +477,9 @@ class PodmanSandboxBackend:
         removed = remove_orphans(self.config)
         if removed:
             log.warning("removed %d podman sandbox containers left by runs that are gone", removed)
+        mounts = remove_orphan_mounts()
+        if mounts:
+            log.warning("unmounted %d agent-tree overlays left by podman runs that are gone", mounts)
         return []
 
     async def create(self, rollout_id: str, workspace: dict[str, str]) -> PodmanSandbox:
@@ -428,7 +487,7 @@ class PodmanSandboxBackend:
         Raises SandboxError when a workspace path is absolute or escapes the workdir."""
         sandbox_id = f"{_UNSAFE.sub('_', rollout_id)[:64]}-{secrets.token_hex(4)}"
         root = self.config.root_dir.resolve() / sandbox_id
-        state = Path(tempfile.mkdtemp(prefix=f"harnessrl-podman-{sandbox_id}-"))
+        state = Path(tempfile.mkdtemp(prefix=f"{STATE_PREFIX}{os.getpid()}-{sandbox_id}-"))
         try:
             root.mkdir(parents=True, mode=0o700)
             os.chown(root, SANDBOX_UID, SANDBOX_UID)
@@ -436,12 +495,15 @@ class PodmanSandboxBackend:
                 (root / sub).mkdir(mode=0o700)
                 os.chown(root / sub, SANDBOX_UID, SANDBOX_UID)
             sandbox = PodmanSandbox(sandbox_id, root, state, self)
+            if self.layers_problem is None:
+                await asyncio.to_thread(sandbox._mount_trees)
             for rel_path, text in workspace.items():
                 if Path(rel_path).is_absolute():
                     raise SandboxError(f"workspace path {rel_path!r} is absolute")
                 sandbox.write_file(rel_path, text)
         except BaseException:
             remove_tree(root)
+            layers.unmount_below(state)
             remove_tree(state)
             raise
         return sandbox

@@ -16,7 +16,8 @@ What it refuses (EPERM unless noted), on x86_64 and aarch64:
     `fsmount`, `fspick`, `open_tree`, `move_mount`, `mount_setattr`), module and kexec
     loading, `reboot`, `swapon` / `swapoff`, `acct`, `quotactl`, `syslog`;
   * file locks, which would be a channel between sandboxes through the read-only files they
-    share (system directories, agent trees): `flock` and `fcntl` F_SETLK / F_SETLKW /
+    share (system directories, agent trees; started by root, each command sees them through
+    overlays of its own, `sandbox/layers.py`, and this is the second layer): `flock` and `fcntl` F_SETLK / F_SETLKW /
     F_OFD_SETLK / F_OFD_SETLKW succeed without taking a lock (return 0). Processes of one
     sandbox therefore get no mutual exclusion from them either.
   * on x86_64, every x32 syscall (numbers with bit 30 set); any other architecture (i386
