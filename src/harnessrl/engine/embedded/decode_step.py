@@ -86,6 +86,11 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_size=_PACK_BATCH_HINT)
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, w, b)`, through `packed` (`_pack(w)`) when there is one."""
+    return F.linear(x, w, b) if packed is None else _packed_linear(x, packed, b)
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, w, b)` through `_pack(w)`, x `[..., in]`."""
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, b, "none", [], "")
@@ -172,7 +177,7 @@ class DecodeStep:
                 o_w=a.o_proj.weight, o_b=a.o_proj.bias, ln2=layer.post_attention_layernorm.weight,
                 gate_up_w=gate_up_w, down_w=mlp.down_proj.weight,
             ))
-        self._packed: list[tuple[torch.Tensor, ...]] | None = None
+        self._packed: list[tuple[torch.Tensor | None, ...]] | None = None
         self._lm_packed: torch.Tensor | None = None
         self._pack = pack_weights and packed_linear_usable(self._lm_head.weight)
         self.refresh()
@@ -222,10 +227,10 @@ class DecodeStep:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
         half = hd // 2
         heads_qk = self._heads + self._kv_heads
-        packed = self._packed if self._packed is not None else [None] * len(self._layers)
+        packed = self._packed if self._packed is not None else [(None, None, None, None)] * len(self._layers)
         for ly, cache_layer, pk in zip(self._layers, layers, packed, strict=True):
             x = self._rms(h, ly.ln1)
-            qkv = F.linear(x, ly.qkv_w, ly.qkv_b) if pk is None else _packed_linear(x, pk[0], ly.qkv_b)
+            qkv = _linear(x, ly.qkv_w, ly.qkv_b, pk[0])
             qk = qkv[..., : nq + nkv].view(B, 1, heads_qk, hd).transpose(1, 2)  # [B, H + H_kv, 1, D]
             v = qkv[..., nq + nkv :].view(B, 1, self._kv_heads, hd).transpose(1, 2)
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, q and k at once
@@ -234,11 +239,11 @@ class DecodeStep:
             q = q.reshape(B, self._kv_heads, self._heads // self._kv_heads, hd)  # one query: heads by kv head
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B_1_1_L, scale=self._scaling)
             att = att.reshape(B, self._heads, 1, hd).transpose(1, 2).reshape(B, 1, nq)
-            h = h + (F.linear(att, ly.o_w, ly.o_b) if pk is None else _packed_linear(att, pk[1], ly.o_b))
+            h = h + _linear(att, ly.o_w, ly.o_b, pk[1])
             x = self._rms(h, ly.ln2)
-            gu = F.linear(x, ly.gate_up_w) if pk is None else _packed_linear(x, pk[2], None)
+            gu = _linear(x, ly.gate_up_w, None, pk[2])
             act = F.silu(gu[..., : self._inter]) * gu[..., self._inter :]
-            h = h + (F.linear(act, ly.down_w) if pk is None else _packed_linear(act, pk[3], None))
+            h = h + _linear(act, ly.down_w, None, pk[3])
         h = self._rms(h, self._norm_w)[:, -1, :]
         if self._lm_packed is None:
             return self._lm_head(h)
