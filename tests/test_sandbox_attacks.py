@@ -643,7 +643,7 @@ async def test_no_inotify_or_lock_channel_through_shared_files(kit: Kit, sandbox
     (tree / "cli.js").write_text("agent\n")
     (tree / "lib" / "mod.js").write_text("module\n")
     shared = [str(tree / "cli.js"), str(tree / "lib"), str(tree / "lib" / "mod.js"), "/etc/passwd",
-              "/usr/bin/env"]
+              "/usr/bin/env", "/dev/null"]
     backend = kit.backend(sandbox_root, ro_binds=(tree,))
     receiver = await backend.create("receiver", {})
     sender = await backend.create("sender", {})

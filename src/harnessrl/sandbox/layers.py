@@ -20,9 +20,9 @@ the same tmpfs (`devices_dir`), so the device binds name no host directory eithe
 command's last process exits; nothing is left on the host to clean up.
 
 `host_mounts()` is used by `podman.py`, which cannot give the `podman` client a mount
-namespace of its own: the same overlays, mounted once per sandbox in the host's namespace
-under the sandbox's state directory, unmounted at `close()` (`unmount_below`; a run killed by
-SIGKILL leaves them to `remove_orphans`).
+namespace of its own: the same overlays in the same kind of tmpfs, mounted once per sandbox in
+the host's namespace over `<state directory>/trees`, detached at `close()` in one lazy unmount
+(`unmount_below`; a run killed by SIGKILL leaves them to `podman.remove_orphan_mounts`).
 
 Trees with a mount point below them are not overlaid (an overlay shows only the tree's own
 filesystem, so the submount would vanish), nor is a path that is not a directory;
@@ -130,6 +130,8 @@ def host_mounts(staging: Path, trees: Sequence[Path]) -> list[Path]:
     staging.mkdir(mode=0o700, exist_ok=True)
 
     def mount() -> None:
+        # one tmpfs holds them all: `unmount_below` detaches it, and every overlay with it, at once
+        _mount("tmpfs", str(staging), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,size=65536")
         os.chdir(staging)
         _overlays(str(staging), trees)
 
@@ -156,13 +158,18 @@ def mount_points() -> list[str]:
 
 
 def unmount_below(directory: Path) -> list[str]:
-    """Detach every mount at or below `directory` (innermost first); returns what failed."""
+    """Detach every mount at or below `directory` (a lazy unmount of the outermost ones, which
+    takes the mounts below each with it); returns what failed."""
     prefix = str(directory).rstrip("/")
-    failed = []
-    for point in sorted((p for p in mount_points() if p == prefix or p.startswith(prefix + "/")),
-                        key=len, reverse=True):
+    failed: list[str] = []
+    detached: list[str] = []
+    for point in sorted((p for p in mount_points() if p == prefix or p.startswith(prefix + "/")), key=len):
+        if any(point == d or point.startswith(d + "/") for d in detached):
+            continue
         if _libc.umount2(point.encode(), MNT_DETACH) != 0:
             failed.append(f"{point}: {os.strerror(ctypes.get_errno())}")
+        else:
+            detached.append(point)
     return failed
 
 

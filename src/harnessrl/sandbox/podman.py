@@ -357,21 +357,19 @@ STATE_PREFIX = "harnessrl-podman-"
 def remove_orphan_mounts(tmp: Path | None = None) -> int:
     """Unmount the agent-tree overlays (`PodmanSandbox._mount_trees`) of state directories
     whose process is gone (a run killed by SIGKILL) and remove those directories; returns
-    how many mounts there were. A live process's are never touched."""
+    how many sandboxes' there were. A live process's are never touched."""
     base = str(tmp or Path(tempfile.gettempdir())).rstrip("/") + "/" + STATE_PREFIX
     dead: set[Path] = set()
-    count = 0
     for point in layers.mount_points():
         if not point.startswith(base):
             continue
         pid = point[len(base):].split("-", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             dead.add(Path(base + point[len(base):].split("/", 1)[0]))
-            count += 1
     for state in dead:
         layers.unmount_below(state)
         remove_tree(state)
-    return count
+    return len(dead)
 
 
 DEFAULT_SECCOMP = Path("/usr/share/containers/seccomp.json")
@@ -479,7 +477,7 @@ class PodmanSandboxBackend:
             log.warning("removed %d podman sandbox containers left by runs that are gone", removed)
         mounts = remove_orphan_mounts()
         if mounts:
-            log.warning("unmounted %d agent-tree overlays left by podman runs that are gone", mounts)
+            log.warning("unmounted the agent-tree overlays of %d podman sandboxes left by runs that are gone", mounts)
         return []
 
     async def create(self, rollout_id: str, workspace: dict[str, str]) -> PodmanSandbox:
