@@ -8,7 +8,8 @@ distribution, labelled with the policy version the request was sent under.
   `return_token_ids: true`, the `Sampling` values (top_k/top_p/seed/stop only when set), and
   `cache_salt = "v<policy version>"` (`"v<version>-<adapter name>"` under a LoRA adapter) so KV
   computed under older weights or another adapter is never reused.
-  One aiohttp session (keep-alive) per event loop; non-streaming only (DESIGN.md §4).
+  Keep-alive connections per replica and event loop (`engine/vllm/http.py`); non-streaming
+  only (DESIGN.md §4).
 * Processed logprobs: at construction a probe (greedy-by-top_k=1, 4 tokens at T=1) must come
   back with logprob exactly 0.0 for every token, which only `--logprobs-mode processed_logprobs`
   gives (raw logprobs ignore top_k and are < 0). A second probe checks the temperature: the
@@ -49,14 +50,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 
+from harnessrl.engine.vllm.http import HttpPool, ResponseCutShort
 from harnessrl.engine.vllm.install import vllm_dir
 from harnessrl.engine.vllm.server import launch_servers, launch_servers_async
 from harnessrl.engine.vllm.sync import serving_dir
 from harnessrl.engine.vllm.validate import (
     loads_body,
+    loads_reply,
     parse_completion,
     parse_token_id,
     status_error,
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
     from harnessrl.engine.vllm.server import VllmServer
 
 __all__ = ["SERVED_MODEL", "VllmEngine", "make_vllm_engine", "parse_completion", "parse_prompt_logprobs",
-           "parse_token_id", "request_body", "start_vllm_engine"]
+           "parse_token_id", "request_body", "request_payload", "start_vllm_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,7 @@ class VllmEngine:
         self._version = 0
         self._model: str | None = None
         self._closed = False
-        self._sessions: dict[int, Any] = {}  # id(loop) -> (loop, aiohttp.ClientSession)
+        self._pools: dict[int, tuple[asyncio.AbstractEventLoop, dict[str, HttpPool]]] = {}  # by id(loop)
         self._inflight: set[asyncio.Task[Any]] = set()
         self._busy = [0] * len(self.replica_urls)
         self._keys_per_replica = [0] * len(self.replica_urls)
@@ -199,9 +201,10 @@ class VllmEngine:
         replica = self._pick(affinity)
         url = self.replica_urls[replica]
         # a LoRA adapter's name joins the salt: KV of another adapter is never reused
-        body = request_body(model or self.served_model, prompt_ids, sampling, max_tokens, version,
+        body = request_body(model or self.served_model, (), sampling, max_tokens, version,
                             f"v{version}" if model is None else f"v{version}-{model}")
-        task = asyncio.get_running_loop().create_task(self._post(url, body))
+        prompt_json = orjson.dumps(prompt_ids)  # encoded once: the request's prompt and the echo check
+        task = asyncio.get_running_loop().create_task(self._post(url, request_payload(body, prompt_json)))
         self._inflight.add(task)
         self._busy[replica] += 1
         try:
@@ -216,7 +219,7 @@ class VllmEngine:
             self._busy[replica] -= 1
         if status != 200:
             raise status_error(url, status, raw)
-        ids, logprobs, finish = parse_completion(loads_body(url, raw), prompt_ids, max_tokens, where=url)
+        ids, logprobs, finish = parse_completion(loads_reply(url, raw, prompt_json), prompt_ids, max_tokens, where=url)
         with self._lock:
             straddled = self._version != version
         return Completion(prompt_ids=tuple(prompt_ids), completion_ids=tuple(ids),
@@ -283,7 +286,7 @@ class VllmEngine:
             server.stop()
 
     def close(self) -> None:
-        """Fail requests in flight (`EngineError`), close the HTTP sessions and stop the owned
+        """Fail requests in flight (`EngineError`), close the HTTP connections and stop the owned
         servers; idempotent."""
         self._closed = True
         self._stop_servers()
@@ -291,20 +294,21 @@ class VllmEngine:
             loop = task.get_loop()
             if not loop.is_closed():
                 loop.call_soon_threadsafe(task.cancel)
-        sessions, self._sessions = self._sessions, {}
-        for loop, session in sessions.values():
+        pools, self._pools = self._pools, {}
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        for loop, by_url in pools.values():
             if loop.is_closed():
                 continue
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is loop:
-                loop.create_task(session.close())
-            elif not loop.is_running():
-                loop.run_until_complete(session.close())
-            else:
-                asyncio.run_coroutine_threadsafe(session.close(), loop)
+            for pool in by_url.values():
+                if running is loop or not loop.is_running():
+                    pool.close()
+                else:
+                    loop.call_soon_threadsafe(pool.close)
+            if running is not loop and not loop.is_running():
+                loop.run_until_complete(asyncio.sleep(0))  # the transports' close callbacks
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -341,32 +345,29 @@ class VllmEngine:
 
     # -- HTTP -------------------------------------------------------------------------------------
 
-    def _session(self) -> Any:
+    def _pool(self, url: str) -> HttpPool:
+        """The keep-alive connections to `url` on the running loop (one set per loop)."""
         loop = asyncio.get_running_loop()
-        entry = self._sessions.get(id(loop))
-        if entry is None or entry[0] is not loop or entry[1].closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections * len(self.replica_urls),
-                                             limit_per_host=self._max_connections,
-                                             # below the server's 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a
-                                             # connection it already closed is never reused (the write
-                                             # would fail: "Can not write request body")
-                                             keepalive_timeout=KEEPALIVE_S)
-            session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self._timeout_s),
-                                            headers={"content-type": "application/json"})
-            self._sessions[id(loop)] = entry = (loop, session)
-        return entry[1]
+        entry = self._pools.get(id(loop))
+        if entry is None or entry[0] is not loop:
+            self._pools[id(loop)] = entry = (loop, {})
+        pool = entry[1].get(url)
+        if pool is None or pool.closed:
+            # idle connections close after KEEPALIVE_S, below the server's 5 s
+            # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a connection it already closed is never reused
+            pool = entry[1][url] = HttpPool(url, max_connections=self._max_connections, timeout_s=self._timeout_s,
+                                            keepalive_s=KEEPALIVE_S)
+        return pool
 
-    async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        payload = orjson.dumps(body)
+    async def _post(self, url: str, payload: bytes) -> tuple[int, bytes]:
         try:
-            async with self._session().post(url + "/v1/completions", data=payload) as resp:
-                return resp.status, await resp.read()
+            return await self._pool(url).post("/v1/completions", payload)
         except asyncio.TimeoutError:
             raise EngineError(f"vLLM server {url} did not answer within {self._timeout_s:g} s "
                               f"(engine.request_timeout_s)") from None
-        except aiohttp.ClientPayloadError as exc:
+        except ResponseCutShort as exc:
             raise EngineError(f"vLLM server {url} cut its response short: {exc}") from None
-        except aiohttp.ClientError as exc:
+        except OSError as exc:
             raise EngineError(f"vLLM server {url} failed: {type(exc).__name__}: {exc}") from None
 
     # -- start-up checks (blocking; run once at construction) -------------------------------------
@@ -514,9 +515,11 @@ def _served_dir(cfg: VllmEngineConfig, model_dir: Path) -> Path:
 def request_body(model: str, prompt_ids: Sequence[int], sampling: Sampling, max_tokens: int,
                  version: int, cache_salt: str | None = None) -> dict[str, Any]:
     """The `/v1/completions` body for one generation (module docstring); `cache_salt`
-    defaults to `v<version>`."""
+    defaults to `v<version>`. A list `prompt_ids` is used as is (the body is encoded at once;
+    12k ids are not copied per call)."""
     body: dict[str, Any] = {
-        "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": sampling.temperature,
+        "model": model, "prompt": prompt_ids if type(prompt_ids) is list else list(prompt_ids),
+        "max_tokens": max_tokens, "temperature": sampling.temperature,
         "logprobs": 0, "return_token_ids": True, "stream": False, "skip_special_tokens": False,
         "cache_salt": cache_salt if cache_salt is not None else f"v{version}",
     }
@@ -530,6 +533,14 @@ def request_body(model: str, prompt_ids: Sequence[int], sampling: Sampling, max_
         body["stop"] = list(sampling.stop)
         body["include_stop_str_in_output"] = True
     return body
+
+
+def request_payload(body: dict[str, Any], prompt_json: bytes) -> bytes:
+    """The JSON of `body` (a `request_body` whose prompt is left out or empty) with `"prompt"` =
+    `prompt_json`, the ids already encoded (`orjson.dumps(ids)`): a 12k-id prompt is encoded
+    once per call and its bytes also serve `loads_reply`'s echo check."""
+    rest = {k: v for k, v in body.items() if k != "prompt"}
+    return b"%b,\"prompt\":%b}" % (orjson.dumps(rest)[:-1], prompt_json)
 
 
 def parse_prompt_logprobs(body: Any, ids: Sequence[int], *, where: str) -> list[float]:
