@@ -57,3 +57,21 @@ def test_host_mounts_unmount_and_orphans_of_dead_runs_only(tmp_path: Path) -> No
         assert layers.unmount_below(tmp_path) == []
     assert [p for p in layers.mount_points() if p.startswith(str(tmp_path))] == []
     assert (tree / "sub" / "file").read_text() == "data\n"
+
+
+async def test_a_tree_that_cannot_be_overlaid_is_bound_as_it_is_and_named(tmp_path: Path) -> None:
+    from harnessrl.sandbox.bwrap import bwrap_path
+    from harnessrl.sandbox.local import LocalSandboxBackend, SandboxConfig
+
+    if bwrap_path() is None:
+        pytest.skip("bubblewrap is not installed")
+    tool = tmp_path / "tool.sh"  # a file, not a directory: no overlay of it
+    tool.write_text("echo tool\n")
+    backend = LocalSandboxBackend(SandboxConfig(root_dir=tmp_path / "sandboxes", use_bwrap=True), ro_binds=(tool,))
+    assert any(str(tool) in gap and "bound as they are" in gap for gap in backend.unisolated())
+    sb = await backend.create("file-bind", {})
+    try:
+        r = await sb.exec(["sh", str(tool)], 30)
+        assert r.stdout == "tool\n", r
+    finally:
+        await sb.close()

@@ -186,9 +186,10 @@ def shareable(trees: Sequence[Path]) -> tuple[tuple[Path, ...], tuple[Path, ...]
 
 
 @functools.cache
-def layers_supported() -> str | None:
-    """None when this process can mount the overlays (root, overlayfs, mount namespaces),
-    else why not. Checked once per process by running `true` under `TreeLayers.mount`."""
+def layers_supported(trees: tuple[Path, ...] = (Path("/usr"),)) -> str | None:
+    """None when this process can mount the overlays of `trees` (root, overlayfs, mount
+    namespaces, each tree's filesystem usable as a layer), else why not. Checked once per
+    process and set of trees by running `true` under `TreeLayers.mount`."""
     if os.geteuid() != 0:
         return "not root (overlays need CAP_SYS_ADMIN)"
     try:
@@ -196,7 +197,7 @@ def layers_supported() -> str | None:
     except OSError as exc:
         return f"no directory for the probe: {exc}"
     try:
-        layers = TreeLayers(probe, (Path("/usr"),), devices=True)
+        layers = TreeLayers(probe, trees, devices=True)
         done = subprocess.run(["true"], preexec_fn=layers.mount, capture_output=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"overlay mounts failed: {exc}"

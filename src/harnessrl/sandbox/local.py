@@ -129,6 +129,19 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+def shared_trees(config: SandboxConfig, ro_binds: Sequence[Path], proxied: bool) -> list[Path]:
+    """The read-only host trees bound into every command under bubblewrap: system
+    directories, agent trees, the interpreter prefixes asked for (`bind_python`), the
+    forwarder's when `proxied` (each once)."""
+    trees = [Path(p) for p in config.system_paths if not os.path.islink(p) and os.path.isdir(p)]
+    trees += ro_binds
+    if config.bind_python:
+        trees += [Path(p) for p in sorted({sys.prefix, sys.base_prefix})]
+    if proxied:
+        trees += forwarder_python(config.system_paths)[1]
+    return list(dict.fromkeys(trees))
+
+
 def _child_setup(limits: dict[int, int], group: PidsGroup | None,
                  trees: layers.TreeLayers | None = None) -> Callable[[], None]:
     """The `preexec_fn` of every command: mount its private overlays of the shared trees (in a
@@ -194,15 +207,7 @@ class LocalSandbox(HostDirSandbox):
         """Private overlays of every shared read-only tree, mounted per command."""
 
     def _shared_trees(self) -> list[Path]:
-        """The read-only host trees bound into every command: system directories, agent trees,
-        the interpreter prefixes asked for, the forwarder's (each once)."""
-        trees = [Path(p) for p in self.config.system_paths if not os.path.islink(p) and os.path.isdir(p)]
-        trees += self._ro_binds
-        if self.config.bind_python:
-            trees += [Path(p) for p in sorted({sys.prefix, sys.base_prefix})]
-        if self._proxy is not None:
-            trees += self._proxy_binds
-        return list(dict.fromkeys(trees))
+        return shared_trees(self.config, self._ro_binds, self._proxy is not None)
 
     def _tree_layers(self) -> layers.TreeLayers:
         overlaid, _ = layers.shareable(self._shared_trees())
@@ -488,7 +493,8 @@ class LocalSandboxBackend:
         self.owned = self.bwrap is not None and owners.owned_sandboxes() and setpriv_path() is not None
         """Each sandbox runs as an unprivileged host uid of its own (`sandbox/owner.py`): this
         process is root and bubblewrap is used."""
-        self.layers_problem = layers.layers_supported() if self.owned else "not root"
+        self.layers_problem = (layers.layers_supported(tuple(layers.shareable(
+            shared_trees(self.config, self.ro_binds, self.proxy is not None))[0])) if self.owned else "not root")
         """None when every command gets private overlays of the shared read-only trees
         (`sandbox/layers.py`), else why not."""
         if self.owned and self.proxy is not None:
@@ -517,8 +523,7 @@ class LocalSandboxBackend:
                 gaps.append(f"shared read-only trees (no private overlays: {self.layers_problem}; an inotify "
                             "watch on a system or agent file sees other sandboxes' opens of it)")
             else:
-                system = [Path(p) for p in self.config.system_paths if not os.path.islink(p) and os.path.isdir(p)]
-                _, kept = layers.shareable([*system, *self.ro_binds])
+                _, kept = layers.shareable(shared_trees(self.config, self.ro_binds, self.proxy is not None))
                 if kept:
                     gaps.append("shared read-only trees bound as they are, not directories or with a mount point "
                                 f"below (an inotify watch there sees other sandboxes' opens): "

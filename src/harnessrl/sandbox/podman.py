@@ -435,7 +435,7 @@ class PodmanSandboxBackend:
         self.proxy: tuple[int, Path] | None = None
         if proxy_port is not None and proxy_socket is not None:
             self.proxy = (proxy_port, Path(proxy_socket))
-        self.layers_problem = layers.layers_supported()
+        self.layers_problem = layers.layers_supported(layers.shareable(self.ro_binds)[0])
         """None when each sandbox gets private overlays of the agent trees, else why not."""
         self.seccomp_profile = seccomp_profile(config)
         """podman's default seccomp profile with new user namespaces refused (or None when
