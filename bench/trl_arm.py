@@ -9,6 +9,26 @@ Writes the final model to OUT/model and a JSON report (wall time, per-step log) 
 
     python bench/trl_arm.py --setup                # prints the venv's python
     VENV/bin/python bench/trl_arm.py --model DIR --out OUT --steps 51 --lr 1e-5
+    VENV/bin/python bench/trl_arm.py --task lookup --model DIR --out OUT --steps 40 --max-turns 3
+
+`--task lookup` (`bench/lookup_env.py`): TRL's multi-turn tool loop, `environment_factory` =
+`LookupEnv` (its `bash` method the tool), the tasks of harnessrl's procedural lookup family in
+harnessrl's order (`shuffle_dataset=False`), the reward harnessrl's exact-match outcome on the
+final reply; `max_tool_calling_iterations` = `--max-turns` - 1, so at most `--max-turns` model
+calls. Each reply is capped at `--max-tokens` as in harnessrl (`generation_kwargs`'
+`max_new_tokens`, which TRL passes to every `generate` call); TRL's `max_completion_length`
+bounds a rollout's whole completion (every reply and the tool results between them) and is set
+to `--max-turns` x (`--max-tokens` + 64), room for the tool results (a `cat` result is ~20
+tokens; harnessrl has no per-rollout bound but the context). TRL needs a chat
+template that renders a tool-calling conversation (`supports_tool_calling`) and one it knows how
+to parse (`add_response_schema` matches the template's text against its bundled ones): with
+`--chat-template auto`, a template that fails the first (SmolLM2-135M-Instruct's, which writes
+only `role` and `content`, dropping `tool_calls`) is replaced by TRL's bundled Qwen2.5 template
+(same `<|im_start|>`/`<|im_end|>` tokens; tools described in the system message, hermes
+`<tool_call>` blocks, tool results as `<tool_response>` in a user turn, which is how harnessrl's
+chat layer renders tools for SmolLM2), and the reason is printed; `--chat-template own` keeps the
+model's own (TRL then refuses to start with SmolLM2). The saved model gets the model's own
+tokenizer files back, so the held-out evaluation renders both arms' models alike.
 """
 
 from __future__ import annotations
@@ -23,6 +43,8 @@ from pathlib import Path
 
 TRL_VERSION = "1.16.0"
 TORCH_SPEC = "torch==2.13.0"
+TOOL_RESULT_TOKENS = 64
+"""Lookup: room a turn leaves for a tool result in TRL's per-rollout budget (module docstring)."""
 
 
 def venv_dir() -> Path:
@@ -49,6 +71,9 @@ def train(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).parent))
+    if args.task == "lookup":
+        train_lookup(args)
+        return
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -83,6 +108,66 @@ def train(args: argparse.Namespace) -> None:
     print(f"trl arm: {args.steps} steps in {train_s:.0f} s", flush=True)
 
 
+def lookup_tokenizer(model: str, choice: str):  # noqa: ANN201 - transformers type, TRL venv only
+    """The tokenizer TRL gets for the lookup task (module docstring: `--chat-template`)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template, supports_tool_calling
+
+    tok = AutoTokenizer.from_pretrained(model)
+    if choice == "qwen2.5" or (choice == "auto" and not supports_tool_calling(tok)):
+        if choice == "auto":
+            print("trl arm: the model's chat template cannot render a tool-calling conversation "
+                  "(trl.chat_template_utils.supports_tool_calling is False: it drops the assistant's "
+                  "tool_calls), so GRPOTrainer would refuse it (ValueError 'The provided chat template does "
+                  "not support tool calling') and add_response_schema knows no parser for it "
+                  "('Unrecognized chat template'); using TRL's bundled Qwen2.5 template instead", flush=True)
+        tok.chat_template = qwen2_5_chat_template
+    return tok
+
+
+def train_lookup(args: argparse.Namespace) -> None:
+    import shutil
+
+    import torch
+
+    torch.set_num_interop_threads(1)
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    import lookup_env as le
+
+    out = Path(args.out)
+    config = GRPOConfig(
+        output_dir=str(out / "trainer"), learning_rate=args.lr, lr_scheduler_type=args.lr_schedule,
+        num_generations=args.completions,
+        per_device_train_batch_size=args.completions * args.prompts_per_step,
+        max_completion_length=args.max_turns * (args.max_tokens + TOOL_RESULT_TOKENS),
+        generation_kwargs={"max_new_tokens": args.max_tokens},
+        max_tool_calling_iterations=args.max_turns - 1, shuffle_dataset=False,
+        max_steps=args.steps, use_cpu=True, bf16=args.bf16,
+        logging_steps=1, save_strategy="no", report_to="none", seed=args.seed, dataloader_num_workers=0)
+    rows = le.rows(args.steps * args.prompts_per_step, args.lookup_kind, args.difficulty)
+    trainer = GRPOTrainer(model=args.model, reward_funcs=le.reward, args=config,
+                          train_dataset=Dataset.from_list(rows),
+                          processing_class=lookup_tokenizer(args.model, args.chat_template),
+                          environment_factory=le.LookupEnv)
+    t0 = time.monotonic()
+    trainer.train()
+    train_s = time.monotonic() - t0
+    trainer.save_model(str(out / "model"))
+    own = ("tokenizer", "chat_template", "special_tokens")
+    for f in (out / "model").iterdir():
+        if f.name.startswith(own):
+            f.unlink()
+    for f in Path(args.model).iterdir():  # the model's own tokenizer and template, not the one TRL used
+        if f.name.startswith(own):
+            shutil.copy(f, out / "model" / f.name)
+    report = {"train_s": train_s, "steps": args.steps, "log": trainer.state.log_history}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    print(f"trl arm: {args.steps} steps in {train_s:.0f} s", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", action="store_true", help="make the TRL venv and print its python")
@@ -99,6 +184,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reward", default="lenient", choices=["lenient", "format_aware"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", default="larger", choices=["larger", "lookup"])
+    p.add_argument("--max-turns", type=int, default=3, help="lookup: most model calls a rollout")
+    p.add_argument("--lookup-kind", default="lookup", choices=["lookup", "lookup_count", "lookup_json"])
+    p.add_argument("--difficulty", type=int, default=1)
+    p.add_argument("--chat-template", default="auto", choices=["auto", "own", "qwen2.5"],
+                   help="lookup: the template TRL renders with (module docstring)")
     args = p.parse_args()
     if args.setup:
         print(setup())
