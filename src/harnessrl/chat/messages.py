@@ -81,21 +81,18 @@ def _normalize_message(i: int, m: object) -> Message:
     content = m.get("content")
     if not isinstance(content, str):
         content = _content_text(content, f"messages[{i}].content", nullable=role == "assistant")
-    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    reasoning = m["reasoning_content"] if "reasoning_content" in m else m.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, str):
         raise RequestError(f"messages[{i}].reasoning_content must be a string", param=f"messages[{i}].reasoning_content")
     tool_call_id, name = m.get("tool_call_id"), m.get("name")
-    for key, value in (("tool_call_id", tool_call_id), ("name", name)):
-        if value is not None and not isinstance(value, str):
-            raise RequestError(f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}")
-    return Message(
-        role=role,  # type: ignore[arg-type]
-        content=content,
-        tool_calls=() if raw_calls is None else _normalize_tool_calls(raw_calls, f"messages[{i}].tool_calls"),
-        tool_call_id=tool_call_id,
-        name=name,
-        reasoning=reasoning or None,
-    )
+    if tool_call_id is not None and not isinstance(tool_call_id, str):
+        raise RequestError(f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
+    if name is not None and not isinstance(name, str):
+        raise RequestError(f"messages[{i}].name must be a string", param=f"messages[{i}].name")
+    # positional: role, content, tool_calls, tool_call_id, name, reasoning
+    return Message(role, content,  # type: ignore[arg-type]
+                   () if raw_calls is None else _normalize_tool_calls(raw_calls, f"messages[{i}].tool_calls"),
+                   tool_call_id, name, reasoning or None)
 
 
 def _content_text(content: object, where: str, *, nullable: bool) -> str:

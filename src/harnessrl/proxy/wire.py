@@ -161,6 +161,10 @@ Real agent bodies nest under 20 levels; the JSON encoders that later write the t
 255 levels, so a body must be refused long before that (DESIGN.md §4)."""
 
 
+_COUNT_BRACKETS_BELOW = 8192
+"""`loads` counts a body's brackets (to skip the depth walk) only when it is smaller than this."""
+
+
 def loads(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
     """Decode a JSON object body nested at most `max_depth` levels.
 
@@ -176,7 +180,10 @@ def loads(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
         raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    if raw.count(b"{") + raw.count(b"[") > max_depth and json_depth(body, max_depth) > max_depth:
+    # a body with at most max_depth brackets cannot nest deeper; a large one always has more
+    # (counting them would cost as much as the walk)
+    if (len(raw) > _COUNT_BRACKETS_BELOW or raw.count(b"{") + raw.count(b"[") > max_depth) \
+            and json_depth(body, max_depth) > max_depth:
         raise _too_deep(max_depth)
     return body
 

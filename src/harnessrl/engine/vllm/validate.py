@@ -131,6 +131,7 @@ def _all_ids(values: list[Any]) -> bool:
     return all(type(v) is int for v in values) and (not values or min(values) >= 0)
 
 
+_ECHO_KEY = b'"prompt_token_ids":'
 _ECHO_MARK = b"echo-checked-" + os.urandom(12).hex().encode()
 """What `loads_reply` puts in place of an echo it checked (no server can guess it)."""
 
@@ -146,12 +147,13 @@ def loads_reply(where: str, raw: bytes, prompt_json: bytes) -> Any:
     Raises:
         EngineError: as `loads_body`.
     """
-    needle = b'"prompt_token_ids":' + prompt_json
-    at = raw.find(needle)
+    at = raw.find(_ECHO_KEY)
+    while at >= 0 and not raw.startswith(prompt_json, at + len(_ECHO_KEY)):
+        at = raw.find(_ECHO_KEY, at + 1)
     if at < 0:
         return loads_body(where, raw)
-    body = loads_body(where, b"".join((raw[:at], b'"prompt_token_ids":"', _ECHO_MARK, b'"',
-                                       memoryview(raw)[at + len(needle):])))
+    body = loads_body(where, b"".join((raw[:at], _ECHO_KEY, b'"', _ECHO_MARK, b'"',
+                                       memoryview(raw)[at + len(_ECHO_KEY) + len(prompt_json):])))
     try:
         choice = body["choices"][0]
         checked = choice.get("prompt_token_ids") == _ECHO_MARK_STR
