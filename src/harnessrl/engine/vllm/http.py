@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -56,7 +57,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream transport (TCP or TLS)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
