@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from harnessrl.engine.embedded import decode_step
 from harnessrl.engine.embedded.batch import KVBatch
 from harnessrl.engine.embedded.decode_step import DecodeStep
 from harnessrl.engine.embedded.engine import EmbeddedEngine
@@ -126,3 +127,40 @@ async def test_engine_with_and_without_the_step_agree(tiny_model_dir: Path) -> N
         w2 = await plain.generate(PROMPTS[1], samplings[0])
         assert g2.completion_ids == w2.completion_ids and g2.completion_ids != got[1].completion_ids
         assert g2.completion_logprobs == pytest.approx(w2.completion_logprobs, abs=1e-5)
+
+
+def test_engine_falls_back_to_unpacked_weights_when_a_rebuild_fails(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed rebuild of the packed copies after `load_weights` leaves the engine serving the
+    new weights through `F.linear`, not the stale copies."""
+    sampling = Sampling(temperature=0.0, max_tokens=12)
+    new = load_causal_lm(tiny_model_dir)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.05)
+    state = dict(new.state_dict())
+    with (EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0) as eng,
+          EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0, fast_decode=False) as plain):
+        assert eng._step is not None
+        if not eng._step.packed:
+            pytest.skip("oneDNN packed inner products are not available here")
+        step = eng._step
+        real_pack = decode_step._pack
+        calls = []
+
+        def failing_pack(w: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) > 3:
+                raise RuntimeError("out of memory (simulated)")
+            return real_pack(w)
+
+        monkeypatch.setattr(decode_step, "_pack", failing_pack)
+        eng.load_weights(state, 1)
+        plain.load_weights(state, 1)
+        got = eng.generate_blocking(PROMPTS[1], sampling)
+        assert calls and not step.packed
+        want = plain.generate_blocking(PROMPTS[1], sampling)
+        assert got.completion_ids == want.completion_ids and got.policy_version == 1
+        assert got.completion_logprobs == pytest.approx(want.completion_logprobs, abs=1e-5)
+

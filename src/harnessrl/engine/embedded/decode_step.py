@@ -184,8 +184,9 @@ class DecodeStep:
 
     @property
     def packed(self) -> bool:
-        """Whether steps multiply through oneDNN-packed copies of the weights."""
-        return self._pack
+        """Whether steps multiply through oneDNN-packed copies of the weights (False when not
+        asked for, not available, or the last `refresh` failed)."""
+        return self._packed is not None and self._lm_packed is not None
 
     def refresh(self) -> None:
         """Rebuild the packed weight copies from the model's current weights (a no-op when
