@@ -10,7 +10,7 @@ usage):
 Arms, same bodies (`bench/proxy.py`'s: small ~1 KB chat call; agent ~60 KB, ~12.5k prompt ids):
   * direct-completions: the completions stub called with the token ids the proxy would send
     (the floor of `VllmEngine`'s hop);
-  * harnessrl: `ProxyServer` + `VllmEngine` (aiohttp) in front of the completions stub, with the
+  * harnessrl: `ProxyServer` + `VllmEngine` (`engine/vllm/http.py`) in front of the completions stub, with the
     proxy config `harnessrl train` builds for its agents' listener (`runtime.proxy_config_for`
     of the default run config; only the per-session turn cap and body budget are lifted, as one
     session takes every call) on `run_loop`, as `train` runs it: auth, validation, chat-template render
