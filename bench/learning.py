@@ -504,7 +504,9 @@ def summary(runs: dict[int, dict], task: str = "larger") -> None:
             ratio = r["train_s"]["harnessrl"] / r["train_s"]["trl"]
             ok = goal_met(task, {a: r["held_out"][a]["pass"] for a in arms}, ratio)
             met += ok
-            line += f" {ratio:6.2f} {'yes' if ok else 'no':>5}"
+            vacuous = not any(r.get("signal_steps", {"_": 1}).values()) and not any(
+                r["held_out"][a]["pass"] for a in arms)
+            line += f" {ratio:6.2f} {('yes' if ok else 'no') + (' (vacuous: no reward in either arm)' if vacuous else ''):>5}"
         print(line)
     means = " ".join(f"{a} {sum(r['held_out'][a]['pass'] for r in runs.values()) / len(runs):.1%}" for a in arms)
     print(f"mean held-out pass over {len(runs)} seeds: {means}"
