@@ -29,6 +29,12 @@ only `role` and `content`, dropping `tool_calls`) is replaced by TRL's bundled Q
 chat layer renders tools for SmolLM2), and the reason is printed; `--chat-template own` keeps the
 model's own (TRL then refuses to start with SmolLM2). The saved model gets the model's own
 tokenizer files back, so the held-out evaluation renders both arms' models alike.
+`--check-tool-loop` runs one batch of TRL's multi-turn path with fixed replies in place of the
+model's (SmolLM2-135M writes no tool call of its own) and checks the call, its result, the masked
+tool tokens and the reward; on SmolLM2 with the Qwen2.5 template: one call a rollout, result
+`exit code 0\n15\n`, 30 tool-result tokens masked a rollout, reward mean 0.5 (one right answer, one wrong).
+
+    VENV/bin/python bench/trl_arm.py --check-tool-loop --task lookup --model DIR --out OUT
 """
 
 from __future__ import annotations
@@ -168,6 +174,63 @@ def train_lookup(args: argparse.Namespace) -> None:
     print(f"trl arm: {args.steps} steps in {train_s:.0f} s", flush=True)
 
 
+def check_tool_loop(args: argparse.Namespace) -> None:
+    """`--check-tool-loop`: TRL's own multi-turn path with `LookupEnv`, without training and
+    without relying on the model to call a tool: the model's sampling is replaced by fixed
+    replies (first a hermes `cat` of the asked file, then, after the tool result, the right
+    answer for one rollout and a wrong one for the other), and one batch of the first task goes
+    through `GRPOTrainer._generate_and_score_completions` (reset, tool parsing and execution,
+    tool-result masking, the reward). Prints what TRL logged and asserts it."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    import lookup_env as le
+
+    torch.set_num_threads(args.threads)
+    rows = le.rows(1, args.lookup_kind, args.difficulty)
+    row = rows[0]
+    stem = row["prompt"][1]["content"].split("the number in ")[1].split("?")[0]
+    config = GRPOConfig(output_dir=str(Path(args.out) / "trainer"), num_generations=2,
+                        per_device_train_batch_size=2, max_completion_length=args.max_turns * (args.max_tokens + 64),
+                        generation_kwargs={"max_new_tokens": args.max_tokens},
+                        max_tool_calling_iterations=args.max_turns - 1, max_steps=1, use_cpu=True,
+                        report_to="none", shuffle_dataset=False)
+    tok = lookup_tokenizer(args.model, args.chat_template)
+    trainer = GRPOTrainer(model=args.model, reward_funcs=le.reward, args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=tok, environment_factory=le.LookupEnv)
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "cat %s"}}\n</tool_call><|im_end|>' % stem
+    seen: list[str] = []
+    answers: list[str] = []
+
+    def fake_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):  # noqa: ANN001, ANN202
+        out = []  # one reply a prompt: without vLLM, TRL's batch already repeats each prompt
+        for ids in prompt_ids:
+            text = tok.decode(ids)
+            seen.append(text)
+            if "<tool_response>" in text.rsplit("<|im_start|>assistant", 1)[0].rsplit("<|im_start|>", 1)[-1]:
+                answers.append(row["answer"] if not answers else "99")
+                reply = answers[-1] + "<|im_end|>"
+            else:
+                reply = call
+            out.append(tok.encode(reply, add_special_tokens=False))
+        return out, None
+
+    trainer._generate_single_turn = fake_generate  # type: ignore[method-assign]
+    trainer.model.train()
+    output = trainer._generate_and_score_completions([dict(row), dict(row)])
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith(("rewards/", "tools/"))}
+    mask = output["tool_mask"].tolist()
+    tool_tokens = [m.count(0) for m in mask]
+    print(f"trl tool loop: {len(seen)} generate calls; tool result of the first: "
+          f"{seen[-1].rsplit('<tool_response>', 1)[-1].split('</tool_response>')[0]!r}; "
+          f"masked tool tokens per rollout {tool_tokens}; {metrics}", flush=True)
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
+    assert metrics["rewards/lookup_exact_match/mean"] == 0.5 and all(n > 0 for n in tool_tokens)
+    assert f"exit code 0\n{row['answer']}\n" in seen[-1]
+    print("trl tool loop: ok", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", action="store_true", help="make the TRL venv and print its python")
@@ -190,9 +253,15 @@ def main() -> None:
     p.add_argument("--difficulty", type=int, default=1)
     p.add_argument("--chat-template", default="auto", choices=["auto", "own", "qwen2.5"],
                    help="lookup: the template TRL renders with (module docstring)")
+    p.add_argument("--check-tool-loop", action="store_true", help="lookup: run TRL's tool loop on one batch "
+                   "with fixed replies instead of sampling, and check its tool call, result, mask and reward")
     args = p.parse_args()
     if args.setup:
         print(setup())
+        return
+    if args.check_tool_loop:
+        sys.path.insert(0, str(Path(__file__).parent))
+        check_tool_loop(args)
         return
     train(args)
 
