@@ -120,21 +120,19 @@ async def held_out(model_dir: Path, n_prompts: int, threads: int, max_tokens: in
             "cap_frac": sum(n >= max_tokens for n in lengths) / n_prompts}
 
 
-def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float, list[dict]]:
-    """Train with harnessrl; returns (final checkpoint, training wall seconds, step metrics)."""
+def train_harnessrl(args: argparse.Namespace, run_dir: Path, task: list[str]) -> tuple[Path, float, list[dict]]:
+    """Train with harnessrl on the arms' shared settings (model, sampling, group and step shape,
+    learning rate, staleness, threads, precision) plus `task`'s overrides (harness, tasks,
+    verifier); returns (final checkpoint, training wall seconds, step metrics)."""
     from harnessrl.config import load_config
-    from harnessrl.train.policy import latest_checkpoint
     from harnessrl.train.loop import run as train
+    from harnessrl.train.policy import latest_checkpoint
 
-    task_file = BENCH / "larger_task.py"
     concurrent = args.completions * args.prompts_per_step * (args.max_staleness + 1)
     bf16 = args.bf16 in ("both", "harnessrl")
     cfg = load_config(None, [
         f"engine.model={json.dumps(args.model)}", "engine.num_threads=1", "harness.kind=\"white_box\"",
-        "harness.options={tools = [], max_turns = 1}", "tasks.kind=\"python\"",
-        f"tasks.source={json.dumps(f'{task_file}:make_source')}",
-        f"tasks.verifier={json.dumps(f'{task_file}:make_verifier')}",
-        f"tasks.verifier_kwargs={{reward = {json.dumps(args.reward)}}}", 'hooks.rollout_reward_fn=""',
+        *task, 'hooks.rollout_reward_fn=""',
         "sampling.temperature=1.0", f"sampling.max_tokens={args.max_tokens}",
         f"rollout.group_size={args.completions}", f"rollout.max_concurrent_rollouts={concurrent}",
         f"train.steps={args.steps}", f"train.groups_per_step={args.prompts_per_step}",
@@ -153,6 +151,17 @@ def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float,
     checkpoint = latest_checkpoint(run_dir)
     assert checkpoint is not None, "training saved no checkpoint"
     return checkpoint, seconds, history
+
+
+def harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float, list[dict]]:
+    """The larger-number task through the white-box single-reply harness (`train_harnessrl`)."""
+    task_file = BENCH / "larger_task.py"
+    return train_harnessrl(args, run_dir, [
+        "harness.options={tools = [], max_turns = 1}", "tasks.kind=\"python\"",
+        f"tasks.source={json.dumps(f'{task_file}:make_source')}",
+        f"tasks.verifier={json.dumps(f'{task_file}:make_verifier')}",
+        f"tasks.verifier_kwargs={{reward = {json.dumps(args.reward)}}}",
+    ])
 
 
 class TrlArmFailed(RuntimeError):
@@ -260,34 +269,11 @@ def lookup_harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path,
     """`--task lookup`: train with harnessrl's white-box tool loop (`bash` only, `--max-turns`
     model calls, each reply at most `--max-tokens`) on the procedural lookup tasks; returns
     (final checkpoint, training wall seconds, step metrics)."""
-    from harnessrl.config import load_config
-    from harnessrl.train.loop import run as train
-    from harnessrl.train.policy import latest_checkpoint
-
-    concurrent = args.completions * args.prompts_per_step * (args.max_staleness + 1)
-    bf16 = args.bf16 in ("both", "harnessrl")
-    cfg = load_config(None, [
-        f"engine.model={json.dumps(args.model)}", "engine.num_threads=1", "harness.kind=\"white_box\"",
+    return train_harnessrl(args, run_dir, [
         f"harness.options={{tools = [\"bash\"], max_turns = {args.max_turns}}}",
         "tasks.kind=\"procedural\"", f"tasks.kinds=[{json.dumps(args.lookup_kind)}]",
-        f"tasks.difficulty={args.difficulty}", "tasks.answer_via=\"reply\"", 'hooks.rollout_reward_fn=""',
-        "sampling.temperature=1.0", f"sampling.max_tokens={args.max_tokens}",
-        f"rollout.group_size={args.completions}", f"rollout.max_concurrent_rollouts={concurrent}",
-        f"train.steps={args.steps}", f"train.groups_per_step={args.prompts_per_step}",
-        f"train.learning_rate={args.lr}", f"train.lr_schedule={json.dumps(args.lr_schedule)}",
-        f"train.max_staleness={args.max_staleness}",
-        f"train.dynamic_sampling_max_groups={args.dynamic_sampling}",
-        f"log.update_norm_every={args.update_norm_every}",
-        f"train.num_threads={args.train_threads}", f"seed={args.seed}",
-        f"train.autocast={json.dumps('bfloat16' if bf16 else 'off')}",
-        f"engine.dtype={json.dumps('bfloat16' if bf16 else 'float32')}",
+        f"tasks.difficulty={args.difficulty}", "tasks.answer_via=\"reply\"",
     ])
-    t0 = time.monotonic()
-    history = asyncio.run(train(cfg, run_dir))
-    seconds = time.monotonic() - t0
-    checkpoint = latest_checkpoint(run_dir)
-    assert checkpoint is not None, "training saved no checkpoint"
-    return checkpoint, seconds, history
 
 
 def agent_curve(args: argparse.Namespace, run_dir: Path) -> None:
