@@ -164,3 +164,23 @@ def test_engine_falls_back_to_unpacked_weights_when_a_rebuild_fails(
         assert got.completion_ids == want.completion_ids and got.policy_version == 1
         assert got.completion_logprobs == pytest.approx(want.completion_logprobs, abs=1e-5)
 
+
+
+def test_engine_pack_weights_of_the_config_reaches_the_decode_step(tiny_model_dir: Path) -> None:
+    """`engine.pack_weights = false` builds the engine's decode step without packed copies; the
+    default packs them (where oneDNN's packed inner products exist)."""
+    from harnessrl.engine.config import EmbeddedEngineConfig
+    from harnessrl.runtime import make_engine
+
+    for pack in (True, False):
+        cfg = EmbeddedEngineConfig(model=str(tiny_model_dir), pack_weights=pack, prefix_cache_tokens=0)
+        engine = make_engine(cfg, tiny_model_dir, seed=0)
+        assert isinstance(engine, EmbeddedEngine)
+        try:
+            step = engine._step
+            assert step is not None
+            if pack and not step.packed:
+                pytest.skip("oneDNN packed inner products are not available here")
+            assert step.packed is pack
+        finally:
+            engine.close()

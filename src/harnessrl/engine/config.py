@@ -36,6 +36,10 @@ class EmbeddedEngineConfig(BaseModel):
     float32, about 1.4 GiB at the default); 0 turns it off. Cleared on every weight swap."""
     prefill_chunk_tokens: int = Field(default=512, ge=1)
     """Most prompt tokens prefilled between two decode steps (chunked prefill)."""
+    pack_weights: bool = True
+    """Decode steps multiply through oneDNN-packed copies of the projections and LM head (float32
+    on the CPU; elsewhere it does nothing): faster decoding for one more copy of the decode
+    weights in memory, rebuilt after each weight sync (`engine/embedded/decode_step.py`)."""
 
 
 class VllmEngineConfig(BaseModel):

@@ -156,7 +156,8 @@ def compare_engines(embedded: EmbeddedEngineConfig, model_dir: Path, *, concurre
     sampling = Sampling(temperature=0.0, max_tokens=max_tokens)
     local = EmbeddedEngine(model_dir, dtype=embedded.dtype, device=embedded.device,
                            num_threads=embedded.num_threads, max_batch_size=max(concurrent, embedded.max_batch_size),
-                           max_context_tokens=embedded.max_context_tokens, prefix_cache_tokens=0)
+                           max_context_tokens=embedded.max_context_tokens, prefix_cache_tokens=0,
+                           pack_weights=embedded.pack_weights)
     embedded_tok_s = _tokens_per_second(local, prompts, sampling)
     n = embedded.num_threads  # on CPU the server gets as many cores as the embedded engine had threads
     cores = (f"0-{n - 1}" if n > 1 else "0") if embedded.device == "cpu" else None
