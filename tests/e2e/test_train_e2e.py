@@ -88,7 +88,8 @@ def test_mini_swe_agent_trains_one_step_through_the_proxy(tmp_path: Path) -> Non
 
 @pytest.mark.e2e
 def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
-    overrides = _overrides(tmp_path, "white_box", "train.checkpoint_every=1")
+    # staleness 1: one group in flight at the first run's end, the one the resumed run replays
+    overrides = _overrides(tmp_path, "white_box", "train.checkpoint_every=1", "train.max_staleness=1")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     asyncio.run(train(load_config(None, overrides), run_dir))
