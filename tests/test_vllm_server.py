@@ -71,7 +71,7 @@ def test_cpu_gpu_and_lora_command_lines() -> None:
 
     lora = VllmEngineConfig(weight_sync="lora", max_lora_rank=8, enforce_eager=False, threads="0-1")
     gpu_argv = " ".join(server_command(lora, Path("p"), Path("/m"), 1, gpu=True, served_model="b"))
-    assert "--enable-lora --max-lora-rank 8 --max-loras 2 --max-cpu-loras 2" in gpu_argv and "--gpu-memory-utilization 0.85" in gpu_argv
+    assert "--enable-lora --max-lora-rank 8 --max-loras 3 --max-cpu-loras 3" in gpu_argv and "--gpu-memory-utilization 0.85" in gpu_argv
     assert "--enforce-eager" not in gpu_argv  # CUDA graphs allowed when asked for
     cpu_argv = " ".join(server_command(lora, Path("p"), Path("/m"), 1, gpu=False, served_model="b"))
     assert "--enforce-eager" in cpu_argv  # always on CPU
