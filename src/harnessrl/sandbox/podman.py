@@ -105,8 +105,16 @@ async def _podman(config: PodmanSandboxConfig, *args: str, timeout_s: float = 60
     """Run one podman command; (exit status, stderr)."""
     proc = await spawn.start([*podman_argv(config), *args], stderr=spawn.PIPE)
     assert proc.stderr is not None, "stderr was piped"
+    stderr = proc.stderr
+
+    async def collect() -> tuple[bytes, int]:
+        # not wait_for(gather(...)): a gather cut by the timeout holds a CancelledError that
+        # nothing retrieves, and its finalizer then logs from whatever code the GC interrupts
+        err = await stderr.read()
+        return err, await proc.wait()
+
     try:
-        err, code = await asyncio.wait_for(asyncio.gather(proc.stderr.read(), proc.wait()), timeout_s)
+        err, code = await asyncio.wait_for(collect(), timeout_s)
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()
