@@ -12,7 +12,8 @@ worst latency of one that straddled a sync (the stall a rollout's turn absorbs).
 
 With `--canary` every sync is wrapped in the weight-sync canary (`engine/canary.py`, on by
 default in runs: `train.sync_canary`) and its cost is reported beside the sync it follows, measured
-in the same run: `canary_s` (the trainer's and the replica's scoring of the 256-id probe) and
+in the same run: `canary_s` (the trainer's and the replica's scoring of the probe: 64 ids in
+float32, 256 when either side is bfloat16, `canary.probe_half`) and
 its ratio to the sync's own seconds, and `dev` (the max abs logprob deviation it read). First the
 embedded engine (SmolLM2-135M, fp32, 1 thread each side, `InProcessWeightSync`): the sync alone,
 then with the canary; then the embedded engine in bfloat16 against the fp32 trainer (the
@@ -111,7 +112,7 @@ def measure(name: str, sync, policy, params, engine: VllmEngine, args: argparse.
 
 def embedded_canary(model_dir: Path, syncs: int) -> None:
     """The canary's cost after in-process syncs (fp32), and what it reads with a bf16 engine."""
-    from harnessrl.engine.canary import BF16_BOUND, FP32_BOUND, CanarySync
+    from harnessrl.engine.canary import BF16_BOUND, FP32_BOUND, PROBE_HALF_LOW_PRECISION, CanarySync
     from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.weight_sync import InProcessWeightSync, SyncReport
     from harnessrl.train.policy import export_weights
@@ -156,7 +157,7 @@ def embedded_canary(model_dir: Path, syncs: int) -> None:
         print(f"trainer side alone {t1 - t0:.2f} s, engine side alone {t2 - t1:.2f} s; a train step of 8 x 256 ids "
               f"{step_s:.2f} s: the canary is {canary_s / step_s:.2f}x of it")
     with EmbeddedEngine(model_dir, num_threads=1, dtype="bfloat16") as engine:
-        checked = CanarySync(InProcessWeightSync(engine), engine, bound=float("inf"))
+        checked = CanarySync(InProcessWeightSync(engine), engine, bound=float("inf"), half=PROBE_HALF_LOW_PRECISION)
         devs = []
         for k in range(syncs):
             perturb(policy.model.parameters(), 1e-3, seed=200 + k)
@@ -170,7 +171,7 @@ def embedded_canary(model_dir: Path, syncs: int) -> None:
                 self._engine.load_weights(weights, version)
                 return SyncReport(version=version, seconds=0.0, bytes=0)
 
-        broken = CanarySync(LeftBehind(engine), engine, bound=float("inf"))
+        broken = CanarySync(LeftBehind(engine), engine, bound=float("inf"), half=PROBE_HALF_LOW_PRECISION)
         for scale in (1e-3, 2e-2):
             perturb(policy.model.parameters(), scale, seed=300)
             dev = broken.publish(policy, 200).canary_abs_dev or 0.0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harnessrl.config import load_config
-from harnessrl.engine.canary import (FP32_BOUND, CanaryError, CanarySync, max_abs_dev, policy_probe, probe_ids,
+from harnessrl.engine.canary import (FP32_BOUND, CanaryError, CanarySync, max_abs_dev, policy_probe, probe_half, probe_ids,
                                      sequence_logprobs)
 from harnessrl.engine.config import EmbeddedEngineConfig
 from harnessrl.engine.select import make_weight_sync
@@ -33,8 +33,12 @@ def _perturb(model: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> None
 
 def test_probe_is_fixed_repeated_and_in_the_frequent_vocabulary() -> None:
     ids = probe_ids(49152)
-    assert len(ids) == 256 and ids[:128] == ids[128:] and ids == probe_ids(49152)
-    assert all(256 <= i < 4096 for i in ids) and len(set(ids)) > 100
+    assert len(ids) == 64 and ids[:32] == ids[32:] and ids == probe_ids(49152)
+    assert all(256 <= i < 4096 for i in ids) and len(set(ids)) > 28
+    wide = probe_ids(49152, half=128)
+    assert len(wide) == 256 and wide[:128] == wide[128:] and wide[:32] == ids[:32], "one seeded draw"
+    assert probe_half("float32", "float32") == 32 and probe_half("float32", "bfloat16") == 128
+    assert probe_half("bfloat16", "float32") == 128
     assert all(256 <= i < 1000 for i in probe_ids(1000))
     with pytest.raises(ValueError, match="vocab_size=200"):
         probe_ids(200)
@@ -53,7 +57,7 @@ def test_trainer_and_engine_score_the_probe_alike(tiny_model_dir: Path) -> None:
     policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
     ids = policy_probe(policy)
     reference = policy.sequence_logprobs(ids)
-    assert len(reference) == 255 and all(lp < 0 for lp in reference)
+    assert len(reference) == 63 and all(lp < 0 for lp in reference)
     # the packed training path equals one plain forward
     assert max_abs_dev(reference, sequence_logprobs(policy.model, ids))[0] < 1e-5
     assert policy.model.training, "the trainer's mode is restored"
@@ -84,7 +88,7 @@ def test_canary_passes_a_good_sync_and_stops_one_that_leaves_a_tensor_behind(tin
         broken = CanarySync(_HeadLeftBehind(engine), engine, bound=FP32_BOUND)
         _perturb(policy.model, seed=2)
         with pytest.raises(CanaryError, match=r"replica embedded .* policy version 2: max \|trainer - engine\| "
-                                              r"logprob over 255 positions of the 256-id probe = [0-9.e-]+ nats") as info:
+                                              r"logprob over 63 positions of the 64-id probe = [0-9.e-]+ nats") as info:
             broken.publish(policy, 2)
         dev = float(str(info.value).split("= ")[1].split(" nats")[0])
         assert dev > FP32_BOUND
@@ -96,6 +100,9 @@ def test_make_weight_sync_wraps_the_sync_unless_the_knob_is_off(tiny_model_dir: 
     with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
         on = make_weight_sync(EmbeddedEngineConfig(), engine, sync_settings(load_config(None, [])))
         assert isinstance(on, CanarySync) and isinstance(on.inner, InProcessWeightSync)
+        assert on.half == 32 and on.bound == FP32_BOUND, "float32 both sides: the 64-id probe"
+        low = make_weight_sync(EmbeddedEngineConfig(dtype="bfloat16"), engine, sync_settings(load_config(None, [])))
+        assert isinstance(low, CanarySync) and low.half == 128 and low.bound > FP32_BOUND
         off = make_weight_sync(EmbeddedEngineConfig(), engine, sync_settings(load_config(None, ["train.sync_canary=false"])))
         assert isinstance(off, InProcessWeightSync)
 

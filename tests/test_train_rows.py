@@ -260,7 +260,7 @@ def test_a_real_run_replaces_flat_groups_and_shapes_each_rollout_once(tmp_path: 
         assert not m.get("skipped"), m.get("skip_reason")
         assert m["rows"] == 2.0, "one group with signal trained each step"
         assert m["groups_drawn_extra"] == m.get("groups_zero_variance", 0.0) <= 2.0
-        assert ("param_delta_l2" in m) == (m["policy_version"] % 2 == 0), "update norm every 2nd update"
+        assert ("param_delta_l2" in m) == (m["policy_version"] % 2 == 1), "update norm at the 1st, 3rd, ... update"
     assert sum(m["groups_drawn_extra"] for m in steps) >= 1.0, "group 0 (flat) was replaced"
     logged = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert len(logged) == 2 * (3 + sum(m["groups_drawn_extra"] for m in steps)), "replaced groups are logged"

@@ -25,7 +25,8 @@ wraps the run's `WeightSync` (`engine/select.make_weight_sync` wraps it while `t
    the deviation; otherwise the `SyncReport` carries it as `sync/canary_abs_dev` (and the
    canary's own time as `sync/canary_seconds`, apart from `sync/seconds`). The trainer's
    forward runs while the replicas score (the embedded engine's on its decode thread, a
-   server's over HTTP), so the canary costs about one 256-id forward of wall time.
+   server's over HTTP), so the canary costs about one probe forward of wall time (64 ids in
+   float32: 0.26 s on SmolLM2-135M, one thread; 256 ids took 0.94 s).
 
 Both sides score at temperature 1, where processed and raw logprobs are the same thing: the
 canary checks the weights, the start-up probe (`engine/vllm/client.py`) checks the sampling modes.
@@ -36,12 +37,19 @@ returns, so before the training loop grants the groups of the new version
 between are sampled from the new weights, but a failed canary stops the run before any step
 trains on them.
 
-The probe (`probe_ids`): 128 ids drawn with a fixed seed from the frequent, non-special part
-of the vocabulary (ids 256-4095), then the same 128 again (256 ids, 255 scored positions). In
-the first half no id is predictable, so each logprob reads the whole output distribution
-(every layer and the LM head); in the second half a model predicts each id from its earlier
-copy (induction through the attention of the deeper layers). A wrong layer anywhere moves
-some of the 255 logprobs.
+The probe (`probe_ids`): `half` ids drawn with a fixed seed from the frequent, non-special
+part of the vocabulary (ids 256-4095), then the same ids again. In the first half no id is
+predictable, so each logprob reads the whole output distribution (every layer and the LM
+head); in the second half a model predicts each id from its earlier copy (induction through
+the attention of the deeper layers). A wrong layer anywhere moves some of the logprobs. The
+half is `probe_half` of the two dtypes: 32 (64 ids) when both are float32, 128 (256 ids)
+otherwise. In float32 the clean reading is ~0 and a stale tensor reads about as much at 64 ids
+as at 256 (SmolLM2-135M, one tensor left behind after an AdamW-like step of 1e-5 per weight:
+3.7e-4 vs 4.7e-4 for layer 0's down projection, 1.6e-4 vs 1.5e-4 for the final norm; every
+tensor left behind, 4.4e-3 vs 6.2e-3), so the 64 ids save ~0.7 s of each side's forward per
+sync; in bfloat16 rounding alone reads several tenths of a nat, and a gross failure clears
+`BF16_BOUND` only over more positions (a tensor left behind after a 0.02 perturbation: 1.60-1.99
+over 255 positions, 1.40 over 63), so those runs keep 256 ids.
 
 The bound (`canary_bound`): 1e-3 nats when trainer and engine both hold float32 weights; when
 either holds bfloat16 or float16, `BF16_BOUND`, set from a measurement (its docstring).
@@ -66,8 +74,11 @@ if TYPE_CHECKING:
 
     from harnessrl.engine.weight_sync import SyncReport, WeightSource, WeightSync
 
-PROBE_HALF = 128
-"""Ids in each half of the probe (the second half repeats the first)."""
+PROBE_HALF = 32
+"""Ids in each half of the probe (the second half repeats the first) when trainer and engine
+both hold float32 weights (module docstring)."""
+PROBE_HALF_LOW_PRECISION = 128
+"""Ids in each half of the probe when either side holds bfloat16 or float16 weights."""
 PROBE_SEED = 20_251_204
 """Seed of the probe's ids (fixed: every run, every rank and every replica score the same)."""
 PROBE_HIGH = 4096
@@ -132,6 +143,11 @@ def probe_ids(vocab_size: int, *, half: int = PROBE_HALF, seed: int = PROBE_SEED
     return first + first
 
 
+def probe_half(trainer_dtype: str, engine_dtype: str) -> int:
+    """`PROBE_HALF` when both dtypes are float32, else `PROBE_HALF_LOW_PRECISION`."""
+    return PROBE_HALF if trainer_dtype == engine_dtype == "float32" else PROBE_HALF_LOW_PRECISION
+
+
 def canary_bound(trainer_dtype: str, engine_dtype: str) -> float:
     """`FP32_BOUND` when both dtypes are float32, else `BF16_BOUND` (nats)."""
     return FP32_BOUND if trainer_dtype == engine_dtype == "float32" else BF16_BOUND
@@ -151,9 +167,9 @@ def sequence_logprobs(model: torch.nn.Module, ids: Sequence[int]) -> list[float]
         return lp.gather(-1, target[:, None])[:, 0].tolist()
 
 
-def policy_probe(policy: WeightSource) -> list[int]:
-    """`probe_ids` of the policy's vocabulary (its input embeddings' size)."""
-    return probe_ids(policy.vocab_size())
+def policy_probe(policy: WeightSource, half: int = PROBE_HALF) -> list[int]:
+    """`probe_ids` of the policy's vocabulary (its input embeddings' size), `half` ids a half."""
+    return probe_ids(policy.vocab_size(), half=half)
 
 
 def max_abs_dev(a: Sequence[float], b: Sequence[float]) -> tuple[float, int]:
@@ -233,12 +249,14 @@ class CanarySync:
         inner: the run's sync.
         engine: the engine it publishes to (`replica_names`, `prompt_logprobs`).
         bound: the largest accepted deviation (`canary_bound`).
+        half: ids in each half of the probe (`probe_half`).
     """
 
-    def __init__(self, inner: WeightSync, engine: ScoresSequences, *, bound: float) -> None:
+    def __init__(self, inner: WeightSync, engine: ScoresSequences, *, bound: float, half: int = PROBE_HALF) -> None:
         self.inner = inner
         self._engine = engine
         self.bound = bound
+        self.half = half
 
     def publish(self, policy: WeightSource, version: int) -> SyncReport:
         """`inner.publish`, then the canary; the report gains `canary_abs_dev` and `canary_seconds`.
@@ -250,7 +268,7 @@ class CanarySync:
         """
         report = self.inner.publish(policy, version)
         t0 = time.perf_counter()
-        ids = policy_probe(policy)
+        ids = policy_probe(policy, self.half)
         # the trainer's forward on this thread while the replicas score theirs; under fsdp2 the
         # forward is a collective the other ranks join once (`TrainerGroup.follow`), so only the probe
         reference = policy.sequence_logprobs(ids) if policy.sharded else policy.sequence_logprobs
@@ -264,7 +282,7 @@ class CanarySync:
 
 
 def with_canary(sync: WeightSync, engine: Any, *, trainer_dtype: str, engine_dtype: str) -> WeightSync:
-    """`sync` wrapped in a `CanarySync` with the bound of the two dtypes.
+    """`sync` wrapped in a `CanarySync` with the bound and probe of the two dtypes.
 
     Raises:
         ConfigError: the engine cannot score a sequence (no `prompt_logprobs`).
@@ -272,4 +290,5 @@ def with_canary(sync: WeightSync, engine: Any, *, trainer_dtype: str, engine_dty
     if not isinstance(engine, ScoresSequences):
         raise ConfigError(f"train.sync_canary = true needs an engine that scores a sequence; "
                           f"{type(engine).__name__} has no prompt_logprobs: set train.sync_canary = false")
-    return CanarySync(sync, engine, bound=canary_bound(trainer_dtype, engine_dtype))
+    return CanarySync(sync, engine, bound=canary_bound(trainer_dtype, engine_dtype),
+                      half=probe_half(trainer_dtype, engine_dtype))

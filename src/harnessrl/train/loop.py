@@ -189,10 +189,11 @@ async def publish(run: TrainingRun, version: int) -> dict[str, float]:
 
 async def after_update(run: TrainingRun, step: int, version: int, updated: bool, clock: StepClock) -> dict[str, Any]:
     """What is measured once the engine has the step's weights: how far the update moved them
-    (every `log.update_norm_every` versions), and the held-out evaluation when due."""
+    (the first update and every `log.update_norm_every`-th after it), and the held-out
+    evaluation when due."""
     cfg, metrics = run.cfg, {}
     norm_every = cfg.log.update_norm_every
-    if updated and norm_every and version % norm_every == 0:
+    if updated and norm_every and (version - 1) % norm_every == 0:
         metrics["param_delta_l2"] = await run.on_trainer(run.trainer.update_norm)
         metrics["time/update_norm_s"] = time.monotonic() - clock.synced
     if run.eval_tasks is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):

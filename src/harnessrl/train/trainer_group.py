@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harnessrl.engine.canary import policy_probe
+from harnessrl.engine.canary import policy_probe, probe_half
 from harnessrl.loss.losses import loss_fn_for
 from harnessrl.train.distributed import SINGLE, Ranks, broadcast_object, inner_module
 from harnessrl.train.policy import (
@@ -146,7 +146,8 @@ class TrainerGroup:
                     policy.export_weights()
                     if self.ranks.sharded and self.cfg.train.sync_canary:
                         # the canary's trainer forward after the publish (`CanarySync`): collective
-                        policy.sequence_logprobs(policy_probe(policy))
+                        half = probe_half(self.cfg.train.dtype, self.cfg.engine.dtype)
+                        policy.sequence_logprobs(policy_probe(policy, half))
                 case "save":
                     self._save(None, *args)
                 case "restore":
