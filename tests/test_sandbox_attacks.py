@@ -105,10 +105,11 @@ async def test_read_only_binds_stay_read_only(kit: Kit, sandbox_root: Path, tmp_
     (tree / "cli.js").write_text("original\n")
     sb = await kit.backend(sandbox_root, ro_binds=(tree,)).create("ro", {})
     try:
-        attack = (f"cat {tree}/cli.js; mount -o remount,rw {tree}; mount -o remount,rw /usr; "
-                  f"unshare -rm sh -c 'mount -o remount,rw {tree}'; "
-                  f"echo changed > {tree}/cli.js; touch /usr/owned; touch /owned; touch {sandbox_root}/owned; "
-                  f"grep -E ' {tree} | {kit.ro_system} ' /proc/self/mounts")
+        inner = sb.tree_path(tree)  # where the sandbox mounts it (not its host path)
+        attack = (f"cat {inner}/cli.js; mount -o remount,rw {inner}; mount -o remount,rw /usr; "
+                  f"unshare -rm sh -c 'mount -o remount,rw {inner}'; "
+                  f"echo changed > {inner}/cli.js; touch /usr/owned; touch /owned; touch {sandbox_root}/owned; "
+                  f"grep -E ' {inner} | {kit.ro_system} ' /proc/self/mounts")
         r = await sb.exec(attack, 60)
         assert r.stdout.startswith("original\n"), r
         assert (tree / "cli.js").read_text() == "original\n"
@@ -334,15 +335,21 @@ async def test_host_device_nodes_cannot_be_changed(kit: Kit, sandbox_root: Path)
             os.chmod(d, stat.S_IMODE(mode))
 
 
+FIND_SOCKET = ('s=/run/harnessrl/proxy.sock; [ -S "$s" ] || for f in /proc/[0-9]*/fd/*; do '
+               '[ -S "$f" ] && [ "$(readlink "$f")" = / ] && s=$f; done; ')
+"""Shell: set `$s` to the proxy socket as the agent reaches it: bound at /run/harnessrl/proxy.sock,
+or (bubblewrap as root) the forwarder's descriptor of it, whose link reads `/`."""
+
+
 async def test_proxy_socket_cannot_be_changed_by_an_agent(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
     socket_path = str(proxy.agent_socket_path)
     backend = kit.backend(sandbox_root, proxy)
     before = _stat(socket_path)
     attacker = await backend.create("chmod-sock", {})
     try:
-        r = await attacker.exec(f"chmod 000 /run/harnessrl/proxy.sock; touch -d @12345 /run/harnessrl/proxy.sock; "
-                                "sleep 1.1; touch /run/harnessrl/proxy.sock; "
-                                "stat -c %a /run/harnessrl/proxy.sock", 30)
+        r = await attacker.exec(FIND_SOCKET + 'chmod 000 "$s"; touch -d @12345 "$s"; sleep 1.1; touch "$s"; '
+                                'stat -L -c "%F %a" "$s"', 30)
+        assert r.stdout.strip().splitlines()[-1].startswith("socket "), r  # it reached the socket
         assert _stat(socket_path) == before, r
         # the next rollout still reaches the proxy
         sibling = await backend.create("sibling", {})
@@ -642,11 +649,11 @@ async def test_no_inotify_or_lock_channel_through_shared_files(kit: Kit, sandbox
     (tree / "lib").mkdir(parents=True)
     (tree / "cli.js").write_text("agent\n")
     (tree / "lib" / "mod.js").write_text("module\n")
-    shared = [str(tree / "cli.js"), str(tree / "lib"), str(tree / "lib" / "mod.js"), "/etc/passwd",
-              "/usr/bin/env", "/dev/null"]
     backend = kit.backend(sandbox_root, ro_binds=(tree,))
     receiver = await backend.create("receiver", {})
     sender = await backend.create("sender", {})
+    shared = [receiver.tree_path(tree / "cli.js"), receiver.tree_path(tree / "lib"),
+              receiver.tree_path(tree / "lib" / "mod.js"), "/etc/passwd", "/usr/bin/env", "/dev/null"]
     window = {"WINDOW_S": "4"}
     try:
         watcher = await receiver.spawn(["python3", "-c", CHANNEL_RECEIVER, *shared], env=window)
@@ -680,10 +687,10 @@ async def test_mount_table_names_no_host_source(kit: Kit, proxy: ProxyServer, sa
                                                 tmp_path: Path) -> None:
     """What is bound into a sandbox from the host (system directories, agent trees, device
     nodes, the forwarder) shows in /proc/self/mountinfo by no host path: not the checkout, not
-    the sandbox root, not harnessrl's cache or an agent tree's path. Left out here (the next
-    test shows they still do): the sandbox directory (bound at its own path), an agent tree's
-    mount point (its own path), the proxy socket, and under podman its own mounts (the image's
-    overlay in harnessrl's podman store, the files it writes per container)."""
+    the sandbox root, not harnessrl's cache or an agent tree's path. Left out here (the last
+    test of the four shows they still do): the sandbox directory (bound at its own path), and
+    under podman its own mounts (the image's overlay in harnessrl's podman store, the files it
+    writes per container)."""
     import harnessrl
 
     checkout = str(Path(harnessrl.__file__).resolve().parents[1])
@@ -696,7 +703,7 @@ async def test_mount_table_names_no_host_source(kit: Kit, proxy: ProxyServer, sa
         assert r.returncode == 0 and "/run/harnessrl" in r.stdout, r
         assert checkout not in r.stdout, r.stdout
         rows = _mountinfo(r.stdout)
-        assert [row["point"] for row in rows].count(str(tree)) == 1, r.stdout
+        assert [row["point"] for row in rows].count("/run/harnessrl/agents/tool") == 1, r.stdout
         secret = [checkout, str(sandbox_root), str(tmp_path / "cache"), str(Path.home() / ".cache")]
         known_open = {str(sb.root), str(sandbox_root), "/run/harnessrl/proxy.sock"}
         if kit.name == "podman":  # podman's own: the image's overlay in its store, the files it writes per container
@@ -709,9 +716,70 @@ async def test_mount_table_names_no_host_source(kit: Kit, proxy: ProxyServer, sa
         await sb.close()
 
 
-@pytest.mark.xfail(strict=True, reason="open: the sandbox directory and agent trees are bound at their host paths "
-                   "(mount point), the sandbox directory's bind shows its path on its filesystem (root), and "
-                   "the proxy socket's and podman's own binds theirs")
+async def test_agent_trees_are_mounted_at_neutral_paths(kit: Kit, proxy: ProxyServer, sandbox_root: Path,
+                                                        tmp_path: Path) -> None:
+    """An agent tree is mounted at /run/harnessrl/agents/<its name>, not at its host path under
+    harnessrl's cache: no mount point, root or option of the mount table names the cache, and
+    `tree_path` gives where a file of the tree is inside (a second tree of the same name gets
+    `-2`)."""
+    tree = tmp_path / "cache" / "agents" / "tool"
+    other = tmp_path / "cache" / "other" / "tool"
+    for t in (tree, other):
+        t.mkdir(parents=True)
+        (t / "which").write_text(f"{t.parent.name}\n")
+    sb = await kit.backend(sandbox_root, proxy, ro_binds=(tree, other)).create("mountinfo", {})
+    try:
+        inner = sb.tree_path(tree / "which")
+        assert (inner, sb.tree_path(other / "which")) == (
+            "/run/harnessrl/agents/tool/which", "/run/harnessrl/agents/tool-2/which")
+        assert sb.tree_path(Path("/usr/bin/env")) == "/usr/bin/env"  # not under a tree: unchanged
+        r = await sb.exec(f"cat {inner} /run/harnessrl/agents/tool-2/which /proc/self/mountinfo", 30)
+        assert r.returncode == 0 and r.stdout.startswith("agents\nother\n"), r
+        assert str(tmp_path / "cache") not in r.stdout, r.stdout
+    finally:
+        await sb.close()
+
+
+async def test_mount_table_names_no_proxy_socket_path(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
+    """The forwarder reaches the proxy socket through a descriptor of a detached read-only
+    bind (`layers.detached_handle`: made per command under bubblewrap as root, per sandbox and
+    passed as descriptor 3 under podman), so no mount shows the socket's host path (a bind's
+    root field would) and the descriptor's link reads `/`; agents still reach the proxy."""
+    backend = kit.backend(sandbox_root, proxy)
+    if kit.name == "bwrap" and backend.layers_problem is not None:
+        pytest.skip(f"the socket's descriptor needs bubblewrap as root with overlays: {backend.layers_problem}")
+    sb = await backend.create("socket-path", {})
+    session_id, key = proxy.open_session("socket-path")
+    endpoint = sb.agent_endpoint(proxy.endpoint(key))
+    try:
+        out = await _py(sb, f"""
+            import json, os, urllib.request
+            body = json.dumps({{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
+            req = urllib.request.Request("{endpoint.base_url}/chat/completions", data=body,
+                                         headers={{"Authorization": "Bearer {key}", "Content-Type": "application/json"}})
+            status = urllib.request.urlopen(req, timeout=30).status
+            links = []
+            for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+                try:
+                    links += [os.readlink(f"/proc/{{pid}}/fd/{{fd}}") for fd in os.listdir(f"/proc/{{pid}}/fd")]
+                except OSError:
+                    pass
+            print(json.dumps({{"status": status, "mountinfo": open("/proc/self/mountinfo").read(), "links": links}}))
+        """)
+        assert out["status"] == 200
+        socket_dir = str(proxy.agent_socket_path.parent)
+        assert socket_dir not in out["mountinfo"], out["mountinfo"]
+        assert not any(socket_dir in link for link in out["links"]), out["links"]
+        proxy.close_session(session_id)
+    finally:
+        await sb.close()
+
+
+@pytest.mark.xfail(strict=True, reason="open where bubblewrap and podman allow nothing else: the sandbox directory "
+                   "is a bind of a directory of the host's filesystem, and a bind's mountinfo root field is that "
+                   "directory's path on its filesystem whatever the mount point (only a filesystem of its own per "
+                   "sandbox would hide it; docs/sandboxes.md says why none is used); under podman also its store "
+                   "paths (the image overlay's layer options, the files it binds per container)")
 async def test_mount_table_names_no_host_path_at_all(kit: Kit, proxy: ProxyServer, sandbox_root: Path,
                                                      tmp_path: Path) -> None:
     tree = tmp_path / "cache" / "agents" / "tool"
@@ -803,7 +871,7 @@ async def test_a_descriptor_flood_from_a_sandbox_spares_the_trainer_and_its_sibl
     before, peak_fds, peak_open = _fds(), 0, 0
     try:
         flood = asyncio.ensure_future(attacker.exec(
-            ["python3", "-c", FLOOD, "/run/harnessrl/proxy.sock", "10", "2000", "45"], 120))
+            ["sh", "-c", FIND_SOCKET + 'exec python3 -c "$0" "$s" 10 2000 45', FLOOD], 120))
         while not flood.done() and not (attacker.workdir / "flooding").exists():
             peak_fds, peak_open = max(peak_fds, _fds()), max(peak_open, proxy.open_connections["total"])
             await asyncio.sleep(0.05)

@@ -71,7 +71,7 @@ async def test_a_tree_that_cannot_be_overlaid_is_bound_as_it_is_and_named(tmp_pa
     assert any(str(tool) in gap and "bound as they are" in gap for gap in backend.unisolated())
     sb = await backend.create("file-bind", {})
     try:
-        r = await sb.exec(["sh", str(tool)], 30)
+        r = await sb.exec(["sh", sb.tree_path(tool)], 30)
         assert r.stdout == "tool\n", r
     finally:
         await sb.close()

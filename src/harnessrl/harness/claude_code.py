@@ -80,7 +80,7 @@ class ClaudeCodeHarness(CliAgentHarness):
 
     def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
         """Claude Code's argv, env and `settings.json`; its result is its last JSON `result` line."""
-        argv = [self.executable(), "-p", "--output-format", "json", "--dangerously-skip-permissions",
+        argv = [*self.command(paths), "-p", "--output-format", "json", "--dangerously-skip-permissions",
                 "--max-turns", str(self.config.max_turns), "--model", endpoint.model,
                 "--settings", paths.state("settings.json"), *self.config.extra_args, task.instruction]
         settings = AgentFile(f"{paths.state_rel}/settings.json", json.dumps(self.settings(endpoint), indent=2))

@@ -37,10 +37,11 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from harnessrl.errors import SandboxError
 from harnessrl.harness.base import HarnessResult
-from harnessrl.harness.install import agent_executable
-from harnessrl.sandbox.base import Base, Sandbox
+from harnessrl.harness.install import agent_dir, agent_executable, agent_spec
+from harnessrl.sandbox.base import Base, Sandbox, tree_path
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint
 
@@ -252,14 +253,30 @@ class CliAgentHarness:
         raise NotImplementedError
 
     def executable(self) -> str:
-        """The installed agent's executable (`install_name`), as the sandbox sees it (install
-        trees are bound read-only at their own path).
+        """The installed agent's executable (`install_name`): its host path (`command` gives
+        the command as the sandbox sees it).
 
         Raises:
             HarnessInstallError: the agent is not installed (the message gives the command).
         """
         assert self.install_name is not None, "only for installed agents"
         return str(agent_executable(self.install_name))
+
+    def command(self, paths: AgentPaths) -> list[str]:
+        """The agent's command as the sandbox sees it: `executable()` where the sandbox mounts
+        its install tree (`sandbox.base.tree_path`: not the host path under bubblewrap or
+        podman). An entry script of a pip agent's venv is run by the venv's own interpreter,
+        named beside it: the script's shebang names the venv's host path.
+
+        Raises:
+            HarnessInstallError: the agent is not installed (the message gives the command).
+        """
+        assert self.install_name is not None, "only for installed agents"
+        host = Path(self.executable())
+        executable = tree_path(paths.sandbox, host)
+        if agent_spec(self.install_name).manager == "pip" and host.is_relative_to(agent_dir(self.install_name)):
+            return [f"{PurePosixPath(executable).parent}/python", executable]
+        return [executable]
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
         """Run the agent on `task` for at most `timeout_s` wall seconds; its tree is dead when

@@ -72,7 +72,7 @@ class CodexHarness(CliAgentHarness):
 
     def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
         """Codex's argv, env and `config.toml`; its answer is the last message it writes with `-o`."""
-        argv = [self.executable(), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
+        argv = [*self.command(paths), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
                 "-c", 'web_search="disabled"', "-o", paths.state("last_message.txt"), *self.config.extra_args,
                 task.instruction]
         return AgentSpec(argv=argv, env={"CODEX_HOME": paths.state(), "DO_NOT_TRACK": "1"},

@@ -66,7 +66,7 @@ class GeminiCliHarness(CliAgentHarness):
         self.config = config or GeminiCliConfig()
 
     def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
-        argv = [self.executable(), "-m", endpoint.model, "--output-format", "json", *self.config.extra_args,
+        argv = [*self.command(paths), "-m", endpoint.model, "--output-format", "json", *self.config.extra_args,
                 "-p", task.instruction]
         files = (AgentFile(".gemini/settings.json", json.dumps(settings(), indent=2)),
                  AgentFile(".gemini/.env", dotenv(endpoint)))

@@ -180,9 +180,9 @@ class MiniSweAgentHarness(CliAgentHarness):
 
     def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
         """mini's argv, env and config file; its result is read from its trajectory file."""
-        executable = self.executable()
+        command = self.command(paths)
         argv = [
-            executable, "-y", "--exit-immediately",
+            *command, "-y", "--exit-immediately",
             "-m", f"openai/{endpoint.model}",
             "-c", "mini.yaml" if self.config.tool_calls else "mini_textbased.yaml",
             "-c", paths.state("harnessrl.yaml"),

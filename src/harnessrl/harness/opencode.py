@@ -100,10 +100,10 @@ class OpencodeHarness(CliAgentHarness):
     def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
         """opencode's argv (the prompt on stdin from a file), env and provider config; its
         result is read from the JSON events in its log."""
-        executable = self.executable()
+        command = self.command(paths)
         argv = [
             "/bin/sh", "-c", 'exec "$@" < "$0"', paths.state("instruction.md"),
-            executable, "run",
+            *command, "run",
             "-m", f"{PROVIDER_ID}/{endpoint.model}",
             "--format", "json",
             *self.config.extra_args,

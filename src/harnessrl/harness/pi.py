@@ -75,7 +75,7 @@ class PiHarness(CliAgentHarness):
 
     def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
         """pi's argv, env and model registry; its answer is read from the JSON lines in its log."""
-        argv = [self.executable(), "--model", f"{PROVIDER_ID}/{endpoint.model}", "--mode", "json", "--no-session",
+        argv = [*self.command(paths), "--model", f"{PROVIDER_ID}/{endpoint.model}", "--mode", "json", "--no-session",
                 *self.config.extra_args, "-p", task.instruction]
         files = (AgentFile(f"{paths.state_rel}/models.json", json.dumps(self.models_config(endpoint), indent=2)),
                  AgentFile(f"{paths.state_rel}/settings.json", json.dumps({"enableInstallTelemetry": False})))

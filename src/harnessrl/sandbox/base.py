@@ -8,6 +8,9 @@ machine next):
     is followed at any component, `..` and absolute paths are refused, reads are bounded.
   * Paths as the agent sees them (its HOME, its work dir, a config file it is told about)
     come from `agent_path`: a container's paths differ from the host's.
+  * Agent install trees are found where the sandbox mounts them: `tree_path(sandbox, host
+    path)` (bubblewrap and podman mount them under `/run/harnessrl/agents/<name>`, not at their
+    host path).
   * The agent's route to the proxy comes from `agent_endpoint` (a sandbox with its own network
     translates the proxy's address into the one it can reach).
   * Processes: `exec` runs a command to completion; `spawn` starts a background agent and
@@ -75,6 +78,23 @@ class SandboxProcess(Protocol):
         alive. Completes even when the awaiting task is cancelled (CancelledError is raised
         after). Raises `SandboxError` when some survive SIGKILL."""
         ...
+
+
+@runtime_checkable
+class MountsTrees(Protocol):
+    """A sandbox that mounts the backend's read-only trees (agent install trees) somewhere
+    other than their host paths."""
+
+    def tree_path(self, host_path: Path) -> str:
+        """`host_path`, a file under one of the backend's read-only trees, as the sandbox's
+        processes see it (any other path unchanged)."""
+        ...
+
+
+def tree_path(sandbox: object, host_path: Path) -> str:
+    """Where `sandbox`'s processes find `host_path` (a file of an agent install tree): its
+    `tree_path` when it mounts trees elsewhere (`MountsTrees`), else the host path itself."""
+    return sandbox.tree_path(host_path) if isinstance(sandbox, MountsTrees) else str(host_path)
 
 
 @runtime_checkable

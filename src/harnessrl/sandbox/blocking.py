@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from harnessrl.errors import SandboxError
-from harnessrl.sandbox.base import READ_MAX_BYTES, Base, ExecResult, Sandbox, SandboxProcess
+from harnessrl.sandbox.base import READ_MAX_BYTES, Base, ExecResult, Sandbox, SandboxProcess, tree_path
 from harnessrl.types import Endpoint
 
 T = TypeVar("T")
@@ -94,6 +94,11 @@ class BlockingSandbox:
     def agent_path(self, base: Base, rel_path: str = "") -> str:
         """As `Sandbox.agent_path`: the path a process inside the sandbox sees."""
         return self.sandbox.agent_path(base, rel_path)
+
+    def tree_path(self, host_path: Path) -> str:
+        """As `sandbox.base.tree_path`: where a process inside the sandbox finds `host_path`, a
+        file of an agent install tree."""
+        return tree_path(self.sandbox, host_path)
 
     def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
         """As `Sandbox.agent_endpoint`: `endpoint` as an agent inside the sandbox addresses it."""

@@ -18,15 +18,17 @@ bind mounts made by a more privileged namespace are locked read-only anyway), ca
 The namespaces a command gets: user (when not started by root), PID (`/proc` shows only its own processes), mount, IPC,
 UTS and network. The network namespace holds only `lo`: nothing is routed, no DNS. When a
 `ProxyRoute` is given, the proxy's agent Unix socket is bound read-only at `INNER_SOCKET`
-(connect works; chmod and utime do not), a copy of `forward.py` is placed beside it, and the
-command runs under `sandbox/forward.py`, which listens on `127.0.0.1:<port>` inside the
+(connect works; chmod and utime do not) or, started by root with overlays, handed to the
+forwarder as a descriptor of a detached read-only bind (`socket_fd`, `layers.TreeLayers.socket_handle`:
+no mount of it, so the mount table does not name its host path), a copy of `forward.py` is placed
+under `INNER_DIR`, and the command runs under `sandbox/forward.py`, which listens on `127.0.0.1:<port>` inside the
 namespace and relays to that socket: the agent's one reachable address is its proxy endpoint
 (the admin listener and every other host port stay out of reach).
 
 The mount namespace a command sees:
   * read-only: the system directories in `system_paths` that exist (symlinks such as
     `/bin -> usr/bin` are recreated as symlinks), every path of `ro_binds` (an agent's install
-    tree), the running interpreter's `sys.prefix` / `sys.base_prefix` when asked, `/dev`
+    tree, mounted at `INNER_TREES/<its name>` when `points` says so), the running interpreter's `sys.prefix` / `sys.base_prefix` when asked, `/dev`
     (a minimal device set: started by root, the sandbox's own nodes, see `make_devices`),
     the root directory and the sandbox root. Started by root, each of those trees is bound
     from `sources`: the command's own overlay of it (`sandbox/layers.py`), so no inode of it is
@@ -40,9 +42,11 @@ The mount namespace a command sees:
 
 Not isolated here: CPU, memory, process count and disk use (bounded by the local sandbox:
 pids and memory cgroups and a disk watchdog, see `sandbox/local.py`), and the host kernel
-itself (a kernel exploit crosses any namespace). `/proc/self/mountinfo` still names the host
-paths of what is bound at its own path (the sandbox directory, agent trees' mount points) and
-of the proxy socket.
+itself (a kernel exploit crosses any namespace). `/proc/self/mountinfo` still names the
+sandbox directory's host path: it is bound at its own path, and a bind's root field is its
+source's path on that filesystem whatever the mount point (only a filesystem of its own per
+sandbox would hide it); without overlays (not root) also the proxy socket's path, by the same
+field.
 
 `--die-with-parent` kills the command when the process that started bwrap dies;
 `--unshare-pid` makes bwrap's child the namespace's init, so every process left in the
@@ -113,7 +117,46 @@ INNER_DIR = "/run/harnessrl"
 """Directory, inside a sandbox, holding the proxy socket and the forwarder script."""
 INNER_SOCKET = f"{INNER_DIR}/proxy.sock"
 INNER_FORWARDER = f"{INNER_DIR}/forward.py"
+INNER_TREES = f"{INNER_DIR}/agents"
+"""Directory, inside a sandbox, under which each read-only tree of `ro_binds` (an agent's
+install tree) is mounted, by its own name (`inner_tree_points`), not at its host path."""
 FORWARDER_SCRIPT = Path(__file__).with_name("forward.py")
+
+
+def inner_tree_points(trees: Sequence[Path]) -> dict[Path, str]:
+    """Where each of `trees` is mounted inside a sandbox: `INNER_TREES/<its name>` (a later
+    tree of a name already taken gets `<name>-2`, `-3`, ...), so the mount table names no host
+    path (`$HARNESSRL_CACHE/agents/...`) for it."""
+    points: dict[Path, str] = {}
+    taken: set[str] = set()
+    for tree in trees:
+        if tree in points:
+            continue
+        name = tree.name or "tree"
+        candidate, n = name, 1
+        while candidate in taken:
+            n += 1
+            candidate = f"{name}-{n}"
+        taken.add(candidate)
+        points[tree] = f"{INNER_TREES}/{candidate}"
+    return points
+
+
+def map_tree_path(points: Mapping[Path, str], host_path: Path) -> str:
+    """`host_path` as a sandbox with trees mounted at `points` sees it: under a tree's mount
+    point when it is under that tree (compared as given and resolved, the link itself kept),
+    else unchanged."""
+    candidates = [Path(host_path)]
+    resolved_parent = Path(os.path.realpath(Path(host_path).parent)) / Path(host_path).name
+    if resolved_parent != candidates[0]:
+        candidates.append(resolved_parent)
+    for candidate in candidates:
+        for tree, inner in points.items():
+            if candidate == tree:
+                return inner
+            if candidate.is_relative_to(tree):
+                return f"{inner}/{candidate.relative_to(tree).as_posix()}"
+    return str(host_path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +253,8 @@ def bwrap_argv(
     forwarder_fd: int | None = None,
     devices: Path | None = None,
     sources: Mapping[str, Path] | None = None,
+    points: Mapping[Path, str] | None = None,
+    socket_fd: int | None = None,
 ) -> list[str]:
     """The full argv running `argv` inside bubblewrap for the sandbox at `sandbox_dir`.
 
@@ -225,7 +270,11 @@ def bwrap_argv(
     holding `sandbox/seccomp.py`'s filter (bubblewrap loads it before the command).
     `devices`: a `make_devices` directory whose nodes replace the host's in `/dev`.
     `sources`: for a system path or `ro_binds` entry (as a string), what to bind there instead
-    of the host tree itself: its private overlay (`sandbox/layers.py`).
+    of the host tree itself: its private overlay (`sandbox/layers.py`). `points`: where an
+    entry of `ro_binds` is mounted inside (`inner_tree_points`); one not in it is mounted at
+    its own path. `socket_fd`: a descriptor the command inherits holding an `O_PATH` handle
+    of the proxy socket (`TreeLayers.socket_handle`); the forwarder then connects through it
+    and the socket is not bound at `INNER_SOCKET`.
 
     The environment is not touched (bwrap passes its own environment to the command), so the
     caller builds it. Mount order matters: later mounts cover earlier ones, so the tmpfs over
@@ -253,21 +302,28 @@ def bwrap_argv(
     if owner is not None:
         # bubblewrap gives the directories it creates for a mount point the host's modes (a
         # 0700 /root above an agent tree): open them for the owner, read-only like the rest
-        for parent in _mount_parents([sandbox_root, *ro_binds], system_paths):
+        targets = [Path((points or {}).get(p, str(p))) for p in ro_binds]
+        for parent in _mount_parents([sandbox_root, *targets], system_paths):
             args += ["--perms", "0755", "--dir", parent]
     args += ["--tmpfs", str(sandbox_root)]
     args += ["--bind", str(sandbox_dir), str(sandbox_dir)]
     for p in ro_binds:
-        args += ["--ro-bind", str(sources.get(str(p), p)), str(p)]
+        args += ["--ro-bind", str(sources.get(str(p), p)), (points or {}).get(p, str(p))]
     prefix: list[str] = []
     if proxy is not None:
         if forwarder_fd is not None:
             args += ["--perms", "0444", "--ro-bind-data", str(forwarder_fd), INNER_FORWARDER]
         else:
             args += ["--ro-bind", str(FORWARDER_SCRIPT), INNER_FORWARDER]
-        # read-only: the agent can connect, never chmod it or carry a value in its times
-        args += ["--ro-bind", str(proxy.socket_path), INNER_SOCKET]
-        prefix = [proxy.python, "-I", "-S", INNER_FORWARDER, str(proxy.port), INNER_SOCKET, "--"]
+        if socket_fd is not None:
+            # a descriptor of the socket (on a detached read-only mount): no mount of it
+            # shows the socket's host path, as a bind's root field would
+            inner = f"/proc/self/fd/{socket_fd}"
+        else:
+            # read-only: the agent can connect, never chmod it or carry a value in its times
+            args += ["--ro-bind", str(proxy.socket_path), INNER_SOCKET]
+            inner = INNER_SOCKET
+        prefix = [proxy.python, "-I", "-S", INNER_FORWARDER, str(proxy.port), inner, "--"]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     args += ["--remount-ro", "/dev", "--remount-ro", str(sandbox_root), "--remount-ro", "/"]

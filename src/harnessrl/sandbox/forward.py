@@ -2,7 +2,8 @@
 
 Responsibility: inside a sandbox's own network namespace (only `lo`, nothing routed), listen
 on `127.0.0.1:<port>` and relay every connection to the proxy's agent Unix socket, which is
-bound into the sandbox; then exec the sandbox's command. Agents keep an ordinary
+bound into the sandbox (or, SOCKET being `/proc/self/fd/<n>`, reached through descriptor n,
+which the relay keeps and the command does not inherit); then exec the sandbox's command. Agents keep an ordinary
 `http://127.0.0.1:<port>/v1` base URL, and the only address they can reach is the proxy's
 agent listener (not its admin listener, not other host ports, not DNS, not the internet).
 
@@ -24,6 +25,7 @@ import os
 import sys
 
 _CHUNK = 1 << 16
+FD_PREFIX = "/proc/self/fd/"
 # `socket` and `threading` are imported by the relay child only, after the fork: the command
 # starts after a bare interpreter start plus the builtin `_socket` (about 10 ms, not 25).
 
@@ -113,6 +115,8 @@ def main(args: list[str]) -> int:
         finally:
             os._exit(0)
     listener.close()
+    if unix_path.startswith(FD_PREFIX):  # the socket's handle stays the relay's, not the command's
+        os.set_inheritable(int(unix_path[len(FD_PREFIX):]), False)
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:

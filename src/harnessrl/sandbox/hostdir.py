@@ -28,6 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from harnessrl.errors import SandboxError, SandboxLimitError
 from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
+from harnessrl.sandbox.bwrap import map_tree_path
 from harnessrl.sandbox.fsread import (
     UnsafePathError,
     open_dir_beneath,
@@ -374,6 +375,9 @@ class HostDirSandbox:
         """True once the sandbox directory outgrew `disk_bytes` (its processes were killed)."""
         self.closed = False
         """True once `close()` started; no command can start after that."""
+        self._tree_points: dict[Path, str] = {}
+        """Read-only tree (host path) -> its mount point inside (`bwrap.inner_tree_points`);
+        empty where commands see the host's paths."""
 
     @property
     def root(self) -> Path:
@@ -387,6 +391,11 @@ class HostDirSandbox:
     @property
     def home(self) -> Path:
         return self._root / "home"
+
+    def tree_path(self, host_path: Path) -> str:
+        """`host_path` (a file of a read-only tree) as this sandbox's processes see it
+        (`sandbox.base.MountsTrees`)."""
+        return map_tree_path(self._tree_points, host_path)
 
     def _rel(self, base: Base, rel_path: str) -> str:
         """`rel_path` under `base` relative to the sandbox root; SandboxError when unsafe."""

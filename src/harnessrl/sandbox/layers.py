@@ -16,7 +16,10 @@ the tree and an empty directory (a read-only overlay needs two). The layers are 
 relative to the staging directory (`lowerdir=tree0:empty`, a symlink `tree0` to the tree),
 which is all `/proc/self/mountinfo` shows of them: not the host path. The caller then binds
 `source(i)` where it bound the tree. With `devices`, the command's device nodes are made in
-the same tmpfs (`devices_dir`), so the device binds name no host directory either. Everything goes with the mount namespace when the
+the same tmpfs (`devices_dir`), so the device binds name no host directory either. With a proxy,
+`socket_handle` leaves the command a descriptor of the proxy's agent socket on a detached
+read-only bind, which the forwarder connects through instead of a bind (whose root field would
+name the socket's host path). Everything goes with the mount namespace when the
 command's last process exits; nothing is left on the host to clean up.
 
 `host_mounts()` is used by `podman.py`, which cannot give the `podman` client a mount
@@ -45,10 +48,11 @@ from pathlib import Path
 
 from harnessrl.sandbox.bwrap import make_devices
 
-__all__ = ["TreeLayers", "host_mounts", "layers_supported", "mount_points", "shareable", "unmount_below"]
+__all__ = ["TreeLayers", "detached_handle", "host_mounts", "layers_supported", "mount_points", "shareable", "unmount_below"]
 
 CLONE_NEWNS = 0x00020000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x1, 0x2, 0x4, 0x4000, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 MNT_DETACH = 0x2
 EMPTY = "empty"
 """Name of the empty directory every overlay uses as its second layer."""
@@ -104,6 +108,15 @@ class TreeLayers:
         """Where the overlay of `trees[i]` is, for the command's mounts (bind it read-only)."""
         return self.staging / f"m{i}"
 
+    def socket_handle(self, socket: Path, fd: int) -> None:
+        """Put at descriptor `fd` (inheritable) a `detached_handle` of `socket` (the proxy's
+        agent socket), made in the staging tmpfs. Call in the child after `mount`."""
+        handle = detached_handle(socket, self.staging / "sock")
+        try:
+            os.dup2(handle, fd, inheritable=True)
+        finally:
+            os.close(handle)
+
     def mount(self) -> None:
         """Enter a new mount namespace (private propagation) and mount the overlays. Call in
         the child after fork, before exec (a `preexec_fn`); needs root. Raises OSError."""
@@ -120,6 +133,21 @@ class TreeLayers:
         finally:
             os.fchdir(back)
             os.close(back)
+
+
+def detached_handle(path: Path, target: Path) -> int:
+    """An `O_PATH` descriptor (close-on-exec) of `path` (the proxy's agent socket) that names
+    no host path: a read-only bind of it at `target` (a new file in a root-only directory),
+    opened, then detached. A `connect` to `/proc/self/fd/<n>` of it reaches the socket; its
+    link reads `/` (its mount is detached) and no mount table lists it; `chmod` is not its
+    owner's and `utime` meets a read-only mount. Needs root. Raises OSError."""
+    os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    _mount(str(path), str(target), "", MS_BIND, "")
+    try:
+        _mount("none", str(target), "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "")
+        return os.open(target, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    finally:
+        _check(_libc.umount2(str(target).encode(), MNT_DETACH), f"umount {target}")
 
 
 def host_mounts(staging: Path, trees: Sequence[Path]) -> list[Path]:

@@ -22,7 +22,9 @@ Every command (exec or spawn):
     where there is no cgroup);
   * started by root under bubblewrap, mounts its own read-only overlays of the trees every
     sandbox shares (system directories, agent trees) and its own device nodes in a mount
-    namespace of its own before bubblewrap starts (`sandbox/layers.py`);
+    namespace of its own before bubblewrap starts (`sandbox/layers.py`), and gets the proxy
+    socket as a descriptor of a detached read-only bind rather than a bind under
+    `/run/harnessrl` (`TreeLayers.socket_handle`: no mount names the socket's host path);
   * runs under bubblewrap when `use_bwrap` is True, or None and a working `bwrap` is found:
     an unprivileged user without capabilities in its own namespaces, whose only way out is
     the proxy's agent socket behind a forwarder on `127.0.0.1:<proxy port>` (`sandbox/bwrap.py`;
@@ -33,7 +35,9 @@ its descendants and every process carrying its spawn marker `HARNESSRL_SPAWN_ID`
 `kill_tree` kills that tree the way `close()` kills the sandbox (`sandbox/procs.py`: SIGTERM,
 `kill_grace_s`, SIGKILL until a scan is empty). File paths are relative to `work/` or `home/`
 (`read_file` / `write_file` with `base`); `agent_path` is the host path, as the sandbox
-directory is bound at its own path under bubblewrap.
+directory is bound at its own path under bubblewrap. Under bubblewrap the agent trees
+(`ro_binds`) are mounted at `/run/harnessrl/agents/<name>`, not at their host paths;
+`tree_path` maps a file of one to where commands find it.
 
 While commands run, a watchdog sums the sandbox directory's allocated bytes every
 `disk_poll_s`; past `disk_bytes` it kills every process of the sandbox and no further
@@ -80,6 +84,7 @@ from harnessrl.sandbox.bwrap import (
     bwrap_argv,
     bwrap_path,
     forwarder_python,
+    inner_tree_points,
     make_devices,
     setpriv_path,
 )
@@ -143,12 +148,17 @@ def shared_trees(config: SandboxConfig, ro_binds: Sequence[Path], proxied: bool)
 
 
 def _child_setup(limits: dict[int, int], group: PidsGroup | None,
-                 trees: layers.TreeLayers | None = None) -> Callable[[], None]:
+                 trees: layers.TreeLayers | None = None,
+                 socket: tuple[Path, int] | None = None) -> Callable[[], None]:
     """The `preexec_fn` of every command: mount its private overlays of the shared trees (in a
-    mount namespace of its own), join the sandbox's pids cgroup, set rlimits."""
+    mount namespace of its own) and put the proxy socket's handle at its descriptor
+    (`socket`: path, descriptor; `TreeLayers.socket_handle`), join the sandbox's pids cgroup,
+    set rlimits."""
     def apply() -> None:
         if trees is not None:
             trees.mount()
+            if socket is not None:
+                trees.socket_handle(*socket)
         if group is not None:
             group.join()
         for which, value in limits.items():
@@ -205,6 +215,8 @@ class LocalSandbox(HostDirSandbox):
         self._spawned: list[Child] = []
         self._layers = self._tree_layers() if layered and bwrap is not None and owner is not None else None
         """Private overlays of every shared read-only tree, mounted per command."""
+        if bwrap is not None:
+            self._tree_points = inner_tree_points(self._ro_binds)
 
     def _shared_trees(self) -> list[Path]:
         return shared_trees(self.config, self._ro_binds, self._proxy is not None)
@@ -243,9 +255,10 @@ class LocalSandbox(HostDirSandbox):
             self._bwrap, argv, sandbox_dir=self._root, sandbox_root=self._root.parent,
             cwd=cwd, ro_binds=ro, system_paths=self.config.system_paths,
             tmp_bytes=self.config.tmp_bytes, proxy=self._proxy, owner=self.owner,
-            seccomp_fd=fds.get("seccomp"), forwarder_fd=fds.get("forwarder"),
+            seccomp_fd=fds.get("seccomp"), forwarder_fd=fds.get("forwarder"), socket_fd=fds.get("socket"),
             devices=(self._layers.devices_dir if self._layers is not None
                      else devices_dir(self._root) if self.owner is not None else None), sources=sources,
+            points=self._tree_points,
         )
 
     def _bwrap_fds(self) -> dict[str, int]:
@@ -263,6 +276,9 @@ class LocalSandbox(HostDirSandbox):
             os.write(fd, FORWARDER_SCRIPT.read_bytes())
             os.lseek(fd, 0, os.SEEK_SET)
             fds["forwarder"] = fd
+            if self._layers is not None:
+                # a descriptor number for the socket's handle, which the child puts there
+                fds["socket"] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         return fds
 
     @property
@@ -296,7 +312,9 @@ class LocalSandbox(HostDirSandbox):
             proc = await spawn.start(
                 self._argv(argv, run_dir, fds), cwd=run_dir if self.owner is None else self._root,
                 env=self._env(env), stdout=stdout, stderr=stderr, start_new_session=True,
-                preexec_fn=_child_setup(self._limits(address_space_bytes), self._group, self._layers),
+                preexec_fn=_child_setup(self._limits(address_space_bytes), self._group, self._layers,
+                                        None if self._proxy is None or "socket" not in fds
+                                        else (self._proxy.socket_path, fds["socket"])),
                 pass_fds=tuple(fds.values()),
             )
         except FileNotFoundError:
@@ -464,7 +482,9 @@ class LocalSandboxBackend:
     Args:
         config: limits and placement; defaults to `SandboxConfig()`.
         ro_binds: paths bound read-only into every sandbox under bubblewrap (agent install
-            trees); ignored without bubblewrap, where the whole filesystem is visible.
+            trees), each at `/run/harnessrl/agents/<its name>` (`bwrap.inner_tree_points`;
+            `LocalSandbox.tree_path` maps a host path of one); ignored without bubblewrap,
+            where the whole filesystem is visible.
         proxy_port, proxy_socket: the proxy's agent port and agent Unix socket. Under
             bubblewrap each command gets a forwarder on `127.0.0.1:proxy_port` inside its own
             network namespace relaying to `proxy_socket` (`sandbox/forward.py`); without them

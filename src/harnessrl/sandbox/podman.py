@@ -8,13 +8,16 @@ Layout: the sandbox directory `<root_dir>/<sandbox_id>/{work,home,tmp}` lives on
 owned by `SANDBOX_UID`, exactly as a local sandbox's; every container binds it read-write at
 the same absolute path (so `agent_path` is the host path and paths an agent prints mean the
 same to the verifier). Nothing else of the host is visible: the image's root filesystem,
-read-only; the paths of `ro_binds` (agent install trees), read-only, each through an overlay
+read-only; the paths of `ro_binds` (agent install trees), read-only at
+`/run/harnessrl/agents/<name>` (not their host paths; `tree_path` maps one), each through an overlay
 of the sandbox's own (`sandbox/layers.py`: mounted under its state directory at `create`,
 unmounted at `close()`, those of a killed run at the next run's start by
 `remove_orphan_mounts`), so flock and inotify on their files stay within the sandbox (the
 image's own files are already an overlay per container); a private `/tmp` and
-`/dev/shm` (tmpfs of `tmp_bytes`); and, with a proxy, the proxy's agent socket and
-`sandbox/forward.py` under `/run/harnessrl`.
+`/dev/shm` (tmpfs of `tmp_bytes`); and, with a proxy, `sandbox/forward.py` under
+`/run/harnessrl` and the proxy's agent socket as descriptor 3 (`--preserve-fds 1`: a handle of
+a detached read-only bind, `layers.detached_handle`, opened at `create`, closed at `close()`),
+so no mount names the socket's host path.
 
 Every command (`exec` or `spawn`) is one container (`podman run --rm`), like every command of
 a local sandbox is one bubblewrap namespace; files persist in the sandbox directory, the
@@ -61,6 +64,7 @@ import logging
 import math
 import os
 import secrets
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Sequence
@@ -69,7 +73,7 @@ from typing import Literal
 
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import Base
-from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, INNER_SOCKET, SANDBOX_UID
+from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, SANDBOX_UID, inner_tree_points
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.fsread import UnsafePathError
 from harnessrl.sandbox import layers, spawn
@@ -163,6 +167,10 @@ class PodmanSandbox(HostDirSandbox):
         self._backend = backend
         self._clients: dict[str, Child] = {}
         """Container name -> its `podman run` client, for every command started."""
+        self._socket: int | None = None
+        """This process's descriptor of the proxy socket (`layers.detached_handle`), handed to
+        every container as its descriptor 3 (`PRESERVED_FD`)."""
+        self._tree_points = inner_tree_points(backend.ro_binds)
         self._tree_sources: dict[Path, Path] = {}
         """Agent tree -> this sandbox's private overlay of it (`sandbox/layers.py`), bound in its
         place, so no inode of a tree is shared with another sandbox's containers."""
@@ -174,6 +182,13 @@ class PodmanSandbox(HostDirSandbox):
         if overlaid:
             mounted = layers.host_mounts(self._state / "trees", overlaid)
             self._tree_sources = dict(zip(overlaid, mounted, strict=True))
+
+    def _open_socket(self) -> None:
+        """Open this sandbox's handle of the proxy socket (a detached read-only bind made in its
+        state directory): containers get it as a descriptor, so no mount of theirs names the
+        socket's host path (a bind's root field would); `_remove_rest` closes it."""
+        assert self._backend.proxy is not None, "only with a proxy"
+        self._socket = layers.detached_handle(self._backend.proxy[1], self._state / "sock")
 
     def agent_endpoint(self, endpoint: Endpoint) -> Endpoint:
         """`endpoint` on `127.0.0.1` (port and path kept): the forwarder inside the container."""
@@ -201,20 +216,21 @@ class PodmanSandbox(HostDirSandbox):
         if cfg.file_size_bytes is not None:
             args += ["--ulimit", f"fsize={cfg.file_size_bytes}:{cfg.file_size_bytes}"]
         for path in self._backend.ro_binds:
-            args += ["-v", f"{self._tree_sources.get(path, path)}:{path}:ro"]
+            args += ["-v", f"{self._tree_sources.get(path, path)}:{self._tree_points[path]}:ro"]
         prefix: list[str] = []
         proxy = self._backend.proxy
         if self._backend.seccomp_profile is not None:
             args += ["--security-opt", f"seccomp={self._backend.seccomp_profile}"]
         if proxy is not None:
             # the forwarder is this sandbox's own copy (no inode shared with another sandbox);
-            # the socket is bound read-only (connect works, chmod and utime do not)
+            # the socket comes as descriptor 3, a handle on a detached read-only bind (connect
+            # works, chmod and utime do not, no mount names its host path)
             forwarder = self._state / "forward.py"
             if not forwarder.exists():
                 forwarder.write_bytes(FORWARDER_SCRIPT.read_bytes())
                 forwarder.chmod(0o644)
-            args += ["-v", f"{forwarder}:{INNER_FORWARDER}:ro", "-v", f"{proxy[1]}:{INNER_SOCKET}:ro"]
-            prefix = [cfg.python, "-I", "-S", INNER_FORWARDER, str(proxy[0]), INNER_SOCKET, "--"]
+            args += ["-v", f"{forwarder}:{INNER_FORWARDER}:ro", "--preserve-fds", "1"]
+            prefix = [cfg.python, "-I", "-S", INNER_FORWARDER, str(proxy[0]), f"/proc/self/fd/{PRESERVED_FD}", "--"]
         # the environment goes through a file in the host-private state directory, not argv
         # (a process's argv is readable by every host user); a value with a newline, which
         # the file format cannot hold, falls back to `-e`
@@ -235,10 +251,13 @@ class PodmanSandbox(HostDirSandbox):
         self._check_startable(argv[0])
         run_dir = self._run_dir(cwd)
         name = f"hrl-{self.sandbox_id}-{len(self._clients)}"
+        command = self._run_argv(name, argv, run_dir, self._env(env))
+        if self._socket is not None:  # `--preserve-fds 1` hands podman's descriptor 3 to the container
+            command = [sys.executable, "-I", "-S", "-c", _AS_FD3, str(self._socket), *command]
         try:
             proc = await spawn.start(
-                self._run_argv(name, argv, run_dir, self._env(env)),
-                stdout=stdout, stderr=stderr, start_new_session=True,
+                command, stdout=stdout, stderr=stderr, start_new_session=True,
+                pass_fds=() if self._socket is None else (self._socket,),
                 cwd=self._state)  # conmon inherits it and writes an `oom` file there on an OOM kill
         except OSError as e:
             raise SandboxError(f"sandbox {self.sandbox_id} cannot start podman for {argv[0]!r}: {e}") from e
@@ -344,6 +363,9 @@ class PodmanSandbox(HostDirSandbox):
         await self.kill_processes()
 
     async def _remove_rest(self) -> None:
+        if self._socket is not None:
+            os.close(self._socket)
+            self._socket = None
         try:
             failed = await asyncio.to_thread(layers.unmount_below, self._state)
             if failed:
@@ -355,6 +377,14 @@ class PodmanSandbox(HostDirSandbox):
             left = await asyncio.to_thread(remove_cgroups, self.sandbox_id)
         if left:
             log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
+
+
+PRESERVED_FD = 3
+"""The descriptor a container gets the proxy socket's handle at (`podman run --preserve-fds 1`)."""
+_AS_FD3 = ("import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); os.close(fd); "
+           "os.execvp(sys.argv[2], sys.argv[2:])")
+"""Moves the handle (argv[1]) to descriptor 3 and execs podman (argv[2:]): `subprocess` keeps a
+descriptor at its own number, and podman passes on exactly 3..3+N-1."""
 
 
 STATE_PREFIX = "harnessrl-podman-"
@@ -423,8 +453,9 @@ class PodmanSandboxBackend:
 
     Args:
         config: image, store and limits.
-        ro_binds: host paths bound read-only at their own path into every container (agent
-            install trees; they must run with the image's libraries).
+        ro_binds: host paths bound read-only into every container at
+            `/run/harnessrl/agents/<its name>` (agent install trees; they must run with the
+            image's libraries; `tree_path` maps a host path of one).
         proxy_port, proxy_socket: the proxy's agent port and agent Unix socket; every command
             then runs under the forwarder on `127.0.0.1:proxy_port`. Without them a container
             reaches nothing at all.
@@ -494,6 +525,7 @@ class PodmanSandboxBackend:
         sandbox_id = f"{_UNSAFE.sub('_', rollout_id)[:64]}-{secrets.token_hex(4)}"
         root = self.config.root_dir.resolve() / sandbox_id
         state = Path(tempfile.mkdtemp(prefix=f"{STATE_PREFIX}{os.getpid()}-{sandbox_id}-"))
+        sandbox: PodmanSandbox | None = None
         try:
             root.mkdir(parents=True, mode=0o700)
             os.chown(root, SANDBOX_UID, SANDBOX_UID)
@@ -503,11 +535,15 @@ class PodmanSandboxBackend:
             sandbox = PodmanSandbox(sandbox_id, root, state, self)
             if self.layers_problem is None:
                 await asyncio.to_thread(sandbox._mount_trees)
+            if self.proxy is not None:
+                sandbox._open_socket()
             for rel_path, text in workspace.items():
                 if Path(rel_path).is_absolute():
                     raise SandboxError(f"workspace path {rel_path!r} is absolute")
                 sandbox.write_file(rel_path, text)
         except BaseException:
+            if sandbox is not None and sandbox._socket is not None:
+                os.close(sandbox._socket)
             remove_tree(root)
             layers.unmount_below(state)
             remove_tree(state)
