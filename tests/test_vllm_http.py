@@ -171,3 +171,33 @@ def test_an_echo_of_the_prompt_sent_is_checked_without_decoding_it() -> None:
     elsewhere = _reply(b"[9]").replace(b'"usage":{', b'"usage":{"a\\"prompt_token_ids":[1,2,3],')
     with pytest.raises(EngineError, match="prompt_token_ids differ"):
         parse_completion(loads_reply("u", elsewhere, sent), prompt, 4)
+
+
+async def test_each_request_on_a_kept_connection_has_its_own_deadline() -> None:
+    """One timer per connection keeps its requests' deadlines: a request sent after an earlier
+    one's deadline was armed is held to its own (later) deadline, not the earlier one, and a
+    request the server leaves unanswered past its own deadline times out and drops the
+    connection."""
+    delays = iter([0.15, 0.2, 10.0])
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await _read_request(reader)) is not None:
+            await asyncio.sleep(next(delays))
+            writer.write(_answer(body))
+            await writer.drain()
+
+    server, url, connections = await _serve(slow)
+    pool = _pool(url, timeout_s=0.3)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await pool.post("/v1/completions", b"1") == (200, b"1")  # deadline t0 + 0.3, answered at ~0.15
+    # sent at ~0.15, answered at ~0.35: past the first request's deadline, within its own
+    assert await pool.post("/v1/completions", b"2") == (200, b"2")
+    assert loop.time() - t0 > 0.3 and connections[0] == 1
+    t1 = loop.time()
+    with pytest.raises(TimeoutError):
+        await pool.post("/v1/completions", b"3")
+    assert 0.25 < loop.time() - t1 < 2.0
+    assert not pool._idle  # the timed-out connection is closed, not kept
+    pool.close()
+    server.close()

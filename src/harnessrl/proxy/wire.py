@@ -27,7 +27,6 @@ What this module deliberately does not do: render, sample, or decide sampling ov
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -96,11 +95,21 @@ class RequestLimits:
 DEFAULT_LIMITS = RequestLimits()
 
 
-@functools.lru_cache(maxsize=16)
 def limits_of(config: Any) -> RequestLimits:
-    """The `RequestLimits` of a `ProxyConfig` (one instance per config)."""
-    return RequestLimits(config.max_stop_strings, config.max_stop_bytes, config.max_messages,
-                         config.max_tool_calls_per_message, config.max_tools, config.max_tools_bytes)
+    """The `RequestLimits` of a `ProxyConfig` (one instance per config object, found by the
+    object's identity: hashing a frozen pydantic config hashes every field, ~1 us a call)."""
+    entry = _LIMITS.get(id(config))
+    if entry is not None and entry[0] is config:
+        return entry[1]
+    limits = RequestLimits(config.max_stop_strings, config.max_stop_bytes, config.max_messages,
+                           config.max_tool_calls_per_message, config.max_tools, config.max_tools_bytes)
+    if len(_LIMITS) >= 16:
+        _LIMITS.clear()
+    _LIMITS[id(config)] = (config, limits)  # the config is held, so its id is not reused meanwhile
+    return limits
+
+
+_LIMITS: dict[int, tuple[object, RequestLimits]] = {}
 
 
 def check_stop(value: object, field: str, limits: RequestLimits) -> tuple[str, ...]:
