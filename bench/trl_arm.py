@@ -35,6 +35,10 @@ tool tokens and the reward; on SmolLM2 with the Qwen2.5 template: one call a rol
 `exit code 0\n15\n`, 30 tool-result tokens masked a rollout, reward mean 0.5 (one right answer, one wrong).
 
     VENV/bin/python bench/trl_arm.py --check-tool-loop --task lookup --model DIR --out OUT
+
+`--render-lookup-demos IN OUT` writes the ids TRL's tool loop feeds the model for given
+demonstrations, computed by TRL's own code (`bench/tool_warmstart.py` trains the lookup warm
+start on them).
 """
 
 from __future__ import annotations
@@ -231,6 +235,44 @@ def check_tool_loop(args: argparse.Namespace) -> None:
     print("trl tool loop: ok", flush=True)
 
 
+def render_lookup_demos(args: argparse.Namespace) -> None:
+    """`--render-lookup-demos IN OUT`: the token ids TRL's multi-turn loop feeds the model for each
+    demonstration in IN (JSON list of {"prompt": [system, user], "replies": [text, ...],
+    "tool_results": [text, ...]}: reply i, then tool result i when there is one), computed with
+    TRL's own code as `train_lookup` sets it up: the prompt as `_generate` renders it (the row's
+    messages with `LookupEnv.bash` as the tool, generation prompt on), each reply's ids as the
+    model would sample them (SmolLM2's tokenizer, the reply text then EOS), each tool result's ids
+    as `_tool_call_loop` appends them (`GRPOTrainer._get_tool_suffix_ids`). Writes OUT: per demo
+    {"ids": [...], "mask": [...]} with mask 1 on the replies' ids (what TRL trains on) and 0 on
+    the prompt's and tool results'."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+    import lookup_env as le
+
+    tok = lookup_tokenizer(args.model, args.chat_template)
+    tools = [le.LookupEnv().bash]
+    template = None if is_chat_template_prefix_preserving(tok) else get_training_chat_template(tok)  # as GRPOTrainer
+    fake = SimpleNamespace(processing_class=tok, chat_template=template, chat_template_kwargs={}, _is_vlm=False,
+                           _tokenizer=tok)
+    out = []
+    for demo in json.loads(Path(args.render_lookup_demos[0]).read_text()):
+        ids = list(tok.apply_chat_template(conversation=[demo["prompt"]], tools=tools, chat_template=template,
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0])
+        mask = [0] * len(ids)
+        for i, reply in enumerate(demo["replies"]):
+            reply_ids = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+            ids, mask = ids + reply_ids, mask + [1] * len(reply_ids)
+            if i < len(demo["tool_results"]):
+                suffix = GRPOTrainer._get_tool_suffix_ids(
+                    fake, [{"role": "tool", "name": "bash", "content": demo["tool_results"][i]}])
+                ids, mask = ids + list(suffix), mask + [0] * len(suffix)
+        out.append({"ids": ids, "mask": mask})
+    Path(args.render_lookup_demos[1]).write_text(json.dumps(out))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", action="store_true", help="make the TRL venv and print its python")
@@ -255,7 +297,13 @@ def main() -> None:
                    help="lookup: the template TRL renders with (module docstring)")
     p.add_argument("--check-tool-loop", action="store_true", help="lookup: run TRL's tool loop on one batch "
                    "with fixed replies instead of sampling, and check its tool call, result, mask and reward")
+    p.add_argument("--render-lookup-demos", nargs=2, metavar=("IN", "OUT"), help="lookup: write the ids TRL's "
+                   "tool loop feeds the model for the demonstrations in IN (bench/tool_warmstart.py)")
     args = p.parse_args()
+    if args.render_lookup_demos:
+        sys.path.insert(0, str(Path(__file__).parent))
+        render_lookup_demos(args)
+        return
     if args.setup:
         print(setup())
         return
