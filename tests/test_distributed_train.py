@@ -43,6 +43,7 @@ def _start(tmp_path: Path, strategy: str, steps: int,
         "train.learning_rate=1e-3",
         f"train.strategy={strategy}",
         "train.max_staleness=0",
+        "log.update_norm_every=1",  # param_delta_l2 at every step (a collective under fsdp2)
         f'hooks.rollout_reward_fn="{PARITY_REWARD}"',
         f'sandbox.root_dir="{tmp_path / "sandboxes"}"',
     ]
