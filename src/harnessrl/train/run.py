@@ -24,8 +24,11 @@ trained on, and drops the lines logged after the checkpoint (that work is redone
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 
@@ -45,7 +48,8 @@ log = logging.getLogger(__name__)
 def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
     """Train per `cfg` in `run_dir`; returns the process exit code: 0 when every step ran, 130 /
     143 when SIGINT / SIGTERM stopped the run (`harnessrl.signals`; the step in progress then
-    leaves no rollouts, metrics or checkpoint behind, earlier checkpoints stay).
+    leaves no rollouts, metrics or checkpoint behind, earlier checkpoints stay). A rank other
+    than 0 does not return: it exits the process with its code (`_end_follower`).
 
     Raises:
         ConfigError: a hook, task source or verifier path that does not import (`check_run`),
@@ -56,9 +60,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
     ranks = init_ranks(cfg.train.device, cfg.train.strategy)
     if not ranks.is_main:
         try:
-            return _follow(cfg, ranks)
+            code = _follow(cfg, ranks)
         finally:
             close_ranks(ranks)
+        _end_follower(code)
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     setup_logging(cfg.log.level, run_dir / "run.log", console=console)
@@ -82,6 +87,19 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
     except KeyboardInterrupt:  # before the run's handler was installed
         return 130
     return 0
+
+
+def _end_follower(code: int) -> NoReturn:
+    """End a rank other than 0 once it has left the process group: flush, then `os._exit`
+    without the interpreter's teardown. A follower holds no file or process of the run by now
+    (rank 0 writes them); in the teardown, one of a torchrun rank's native threads was once
+    destroyed while still joinable ("terminate called without an active exception", SIGABRT,
+    exit -6 after a run that had finished and checkpointed; `tests/test_distributed_train.py`
+    under load), which failed a run that had done everything."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _follow(cfg: RunConfig, ranks: Ranks) -> int:
