@@ -62,10 +62,14 @@ three-file workspace, answered as the reply) through a tool loop with one tool, 
   * TRL: `GRPOTrainer(environment_factory=LookupEnv)`, its in-process multi-turn loop
     (`bench/trl_arm.py --task lookup`: why its SmolLM2 run uses TRL's bundled Qwen2.5 chat
     template, and how its per-rollout budget is set).
-The held-out evaluation (`held_out_lookup`) runs both final models on harnessrl's engine with
-the white-box loop's rules: `--eval-prompts` tasks of the held-out offset, greedy. The goal is
-harnessrl's held-out pass >= TRL's in <= 60% of TRL's training time. Each arm prints how many
-steps had a group with unequal rewards.
+The held-out evaluation (`held_out_lookup`) runs both final models through harnessrl's own
+evaluation path (`train/evaluation.py:evaluate_held_out`: the white-box harness, its sandbox,
+the proxy, the engine and the verifier): `--eval-prompts` tasks of the held-out offset, once
+greedy (`pass`) and `--eval-samples` times at temperature 1.0 (`sampled`, the finer measure once
+greedy saturates). The goal is harnessrl's greedy held-out pass >= TRL's in <= 60% of TRL's
+training time. Each arm prints how many steps had a group with unequal rewards. `--seeds` runs
+each seed in a process of its own. `--rescore DIR ...` trains nothing and scores the final
+models of earlier runs with this evaluation.
 
 SmolLM2-135M-Instruct itself writes no `<tool_call>` for these prompts (0 of 64 samples at
 temperature 1.0, none greedy; with a worked example in the system message, in the user message
@@ -79,6 +83,7 @@ calls the tool but answers right only part of the time; its held-out scores are 
 
     .venv/bin/python bench/learning.py --task lookup --steps 6 --lr 5e-5 --eval-prompts 32 --bf16 harnessrl --dynamic-sampling 6 --seeds 0,1,2
     .venv/bin/python bench/learning.py --task lookup --no-warm-start --steps 4 --lr 5e-5 --eval-prompts 32   # from the model itself
+    .venv/bin/python bench/learning.py --task lookup --eval-prompts 32 --rescore OUT/seed-0 OUT/seed-1   # score again
 """
 
 from __future__ import annotations
@@ -199,76 +204,78 @@ def trl_arm(args: argparse.Namespace, model_dir: Path, out: Path) -> tuple[Path,
 
 
 async def held_out_lookup(model_dir: Path, args: argparse.Namespace, threads: int) -> dict[str, float]:
-    """`--task lookup`: greedy held-out scores of the model in `model_dir` on `--eval-prompts`
-    tasks of the held-out offset (`lookup_env.HELD_OUT_OFFSET`), run on harnessrl's engine through
-    harnessrl's chat layer (SmolLM2's own template, tools described as harnessrl describes them)
-    with the white-box loop's rules: the `bash` tool (`lookup_env.run_bash`), at most `--max-turns`
-    replies of at most `--max-tokens` tokens, a reply without a tool call ends the loop and is
-    the answer, the verifier harnessrl's exact match. Returns pass, the fraction of tasks whose
-    first reply called `bash`, mean model tokens a task and the fraction of replies cut at the cap."""
+    """`--task lookup`: held-out scores of the model in `model_dir` on `--eval-prompts` tasks of
+    the held-out offset (`lookup_env.HELD_OUT_OFFSET`), run through harnessrl's own evaluation
+    path (`train/evaluation.py:evaluate_held_out`: the white-box harness with the `bash` tool,
+    its sandbox, the proxy, the engine and the procedural verifier, as the harnessrl arm's
+    training runs them) under the arms' rules: at most `--max-turns` replies of at most
+    `--max-tokens` tokens, a reply without a tool call is the answer.
+
+    Two evaluations of the same tasks: greedy (one rollout a task) and sampled at temperature
+    1.0, the training temperature (`--eval-samples` rollouts a task, run seed `EVAL_SEED`, the
+    same for every model). Returns `pass` (greedy), `sampled_pass` (over the sampled rollouts;
+    NaN with `--eval-samples 0`), `tool_call_frac` (greedy rollouts whose first reply called a
+    tool), `mean_completion_tokens` (model tokens a greedy rollout), `cap_frac` (greedy replies
+    cut at `--max-tokens`), `turns_passing` (replies a passing greedy rollout) and `errors`
+    (rollouts of either evaluation that ended in an agent, infra or verifier error; each counts
+    as not passing)."""
+    greedy = await _eval_lookup(model_dir, args, threads, samples=1, temperature=0.0)
+    sampled = (await _eval_lookup(model_dir, args, threads, samples=args.eval_samples, temperature=1.0)
+               if args.eval_samples else [])
+    turns = [t for r in greedy for t in r.trace.turns]
+    passing = [r for r in greedy if _passes(r)]
+    first_called = [r for r in greedy if r.trace.turns and r.trace.turns[0].reply is not None
+                    and r.trace.turns[0].reply.tool_calls]
+    return {"pass": len(passing) / len(greedy),
+            "sampled_pass": sum(map(_passes, sampled)) / len(sampled) if sampled else float("nan"),
+            "tool_call_frac": len(first_called) / len(greedy),
+            "mean_completion_tokens": sum(len(t.completion_ids) for t in turns) / len(greedy),
+            "cap_frac": sum(len(t.completion_ids) >= args.max_tokens for t in turns) / max(len(turns), 1),
+            "turns_passing": sum(len(r.trace.turns) for r in passing) / len(passing) if passing else 0.0,
+            "errors": float(sum(r.status in ("agent_error", "infra_error", "verifier_error")
+                                for r in greedy + sampled))}
+
+
+EVAL_SEED = 0
+"""Run seed of every `--task lookup` held-out evaluation (sampling), whatever the training seed."""
+
+
+def _passes(rollout: Any) -> bool:
+    """The verifier's exact match (reward 1.0; `rollout/summary.py`'s pass at its default threshold)."""
+    return rollout.reward is not None and rollout.reward >= 1.0
+
+
+async def _eval_lookup(model_dir: Path, args: argparse.Namespace, threads: int, *, samples: int,
+                       temperature: float) -> list[Any]:
+    """`samples` rollouts of each of the `--eval-prompts` held-out lookup tasks of the model in
+    `model_dir` at `temperature`, through `start_runtime` and `evaluate_held_out`; the rollouts."""
     import lookup_env as le
-    from harnessrl.chat.layer import ChatLayer, normalize_messages
-    from harnessrl.engine.embedded.engine import EmbeddedEngine
-    from harnessrl.engine.model_store import load_tokenizer
-    from harnessrl.harness.python_loop import _TOOL_SPECS
-    from harnessrl.types import Sampling
+    from harnessrl.config import load_config
+    from harnessrl.rollout.runner import RolloutLimits
+    from harnessrl.runtime import start_runtime
+    from harnessrl.train.evaluation import evaluate_held_out
+    from harnessrl.types import Rollout
 
-    src = le.source(args.lookup_kind, args.difficulty, le.HELD_OUT_OFFSET)
-    tasks = [src.get(k) for k in range(args.eval_prompts)]
-    chat = ChatLayer(load_tokenizer(model_dir))
-    engine = EmbeddedEngine(model_dir, num_threads=threads, max_batch_size=64)
-    tools = [_TOOL_SPECS["bash"]]
-    sampling = Sampling(temperature=0.0, max_tokens=args.max_tokens)
-
-    async def one(task: Any) -> tuple[float, bool, int, int, int]:
-        with tempfile.TemporaryDirectory(prefix="lookup-eval-") as tmp:
-            for rel, text in task.workspace.items():
-                (Path(tmp) / rel).write_text(text)
-            messages: list[dict[str, Any]] = [{"role": "system", "content": task.system_prompt},
-                                              {"role": "user", "content": task.instruction}]
-            answer, first_called, tokens, replies, capped = None, False, 0, 0, 0
-            for turn in range(args.max_turns):
-                c = await engine.generate(chat.render(normalize_messages(messages), tools), sampling)
-                ids = list(c.completion_ids)
-                tokens, replies, capped = tokens + len(ids), replies + 1, capped + (len(ids) >= args.max_tokens)
-                reply = chat.parse(ids, True, call_id_seed=f"{task.task_id}:{turn}")
-                answer = reply.content
-                first_called = first_called or (turn == 0 and bool(reply.tool_calls))
-                if not reply.tool_calls:
-                    break
-                messages.append({"role": "assistant", "content": reply.content or "", "tool_calls": [
-                    {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
-                    for tc in reply.tool_calls]})
-                for tc in reply.tool_calls:
-                    messages.append({"role": "tool", "tool_call_id": tc.id,
-                                     "content": await asyncio.to_thread(_white_box_tool, tc.name, tc.arguments, Path(tmp))})
-            return (le.outcome(answer, task.hidden_tests["answer"], task.hidden_tests["answer_kind"]),
-                    first_called, tokens, replies, capped)
-
-    try:
-        results = await asyncio.gather(*(one(t) for t in tasks))
-    finally:
-        engine.close()
-    n = len(results)
-    return {"pass": sum(r[0] for r in results) / n, "tool_call_frac": sum(r[1] for r in results) / n,
-            "mean_completion_tokens": sum(r[2] for r in results) / n,
-            "cap_frac": sum(r[4] for r in results) / max(sum(r[3] for r in results), 1)}
-
-
-def _white_box_tool(name: str, arguments: str, cwd: Path) -> str:
-    """A tool call's result under the white-box loop's rules (`harness/python_loop.py:_run_tool`)
-    with `bash` the only tool."""
-    import lookup_env as le
-
-    try:
-        args = json.loads(arguments or "{}")
-    except json.JSONDecodeError as exc:
-        return f"error: arguments are not valid JSON ({exc.msg})"
-    if not isinstance(args, dict):
-        return "error: arguments must be a JSON object"
-    if name != "bash":
-        return f"error: unknown tool {name!r}; available: bash"
-    return le.run_bash(str(args.get("command", "")), cwd)
+    cfg = load_config(None, [
+        f"engine.model={json.dumps(str(model_dir))}", f"engine.num_threads={threads}",
+        "engine.max_batch_size=64", "harness.kind=\"white_box\"",
+        f"harness.options={{tools = [\"bash\"], max_turns = {args.max_turns}}}",
+        "tasks.kind=\"procedural\"", f"tasks.kinds=[{json.dumps(args.lookup_kind)}]",
+        f"tasks.difficulty={args.difficulty}", "tasks.answer_via=\"reply\"",
+        f"tasks.seed_offset={le.HELD_OUT_OFFSET}", f"tasks.limit={args.eval_prompts}",
+        # greedy as top-k 1 (a run's sampling.temperature is > 0; the proxy enforces top_k)
+        'hooks.rollout_reward_fn=""', f"sampling.temperature={temperature or 1.0}",
+        f"sampling.top_k={0 if temperature else 1}",
+        f"sampling.max_tokens={args.max_tokens}", f"rollout.group_size={samples}",
+        f"seed={EVAL_SEED}",
+    ])
+    with tempfile.TemporaryDirectory(prefix="lookup-eval-") as tmp:
+        async with start_runtime(cfg, run_dir=Path(tmp)) as rt:
+            await evaluate_held_out(rt, rt.tasks, samples=samples, max_concurrent=min(64, len(rt.tasks) * samples),
+                                    limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
+                                    out_dir=Path(tmp) / "eval")
+        lines = (Path(tmp) / "eval" / "rollouts.jsonl").read_text().splitlines()
+    return [Rollout.model_validate_json(line) for line in lines]
 
 
 def lookup_harnessrl_arm(args: argparse.Namespace, run_dir: Path) -> tuple[Path, float, list[dict]]:
@@ -361,6 +368,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "its trainer runs train.autocast) and with 'both' in TRL's (bf16=True: torch.autocast "
                    "over its float32 model, generation included); the held-out evaluation stays float32")
     p.add_argument("--eval-prompts", type=int, default=64)
+    p.add_argument("--eval-samples", type=int, default=4, help="--task lookup: rollouts a held-out task "
+                   "sampled at temperature 1.0 for the `sampled` column, besides the greedy one (0: none)")
+    p.add_argument("--rescore", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="--task lookup: train nothing; score the final models of earlier side-by-side "
+                   "runs (each DIR an OUT or OUT/seed-S of one, with harnessrl/checkpoints and trl/model) "
+                   "with this evaluation and print their table with the training times they recorded")
+    p.add_argument("--base-scores", type=Path, default=None, help=argparse.SUPPRESS)  # --seeds' children
     p.add_argument("--harness", default="white_box", help="white_box (the side-by-side), or an agent "
                    "(mini-swe-agent, ...) for a curve through it")
     p.add_argument("--eval-every", type=int, default=5, help="with --harness AGENT")
@@ -375,6 +389,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.warm_start = args.task == "lookup"
     if args.warm_start and args.task != "lookup":
         p.error("--warm-start is a --task lookup option")
+    if args.rescore and args.task != "lookup":
+        p.error("--rescore is a --task lookup option")
+    if args.eval_samples < 0:
+        p.error("--eval-samples must be >= 0")
     return args
 
 
@@ -402,15 +420,98 @@ def main() -> None:
         model_dir = tw.warm_start(model_dir, cfg, threads=2)
         args.model = str(model_dir)  # both arms start from it
         print(f"both arms start from the tool warm start {model_dir}", flush=True)
-    base = asyncio.run(evaluate(model_dir, args))
+    if args.rescore:
+        rescore(args, model_dir, out)
+        return
+    if args.base_scores is not None:
+        base = json.loads(args.base_scores.read_text())
+    else:
+        base = asyncio.run(evaluate(model_dir, args))
     seeds = args.seeds or [args.seed]
-    runs = {s: side_by_side(argparse.Namespace(**{**vars(args), "seed": s}), model_dir, base,
-                            out / f"seed-{s}" if len(seeds) > 1 else out) for s in seeds}
+    if len(seeds) > 1:
+        # one process a seed: a process's heap only grows over the arms it trains and scores
+        # (12 GB after a seed and a half, killed by the kernel once), so each seed starts bare
+        (out / "base.json").write_text(json.dumps(base))
+        runs = {s: seed_in_child(s, out / f"seed-{s}", out / "base.json") for s in seeds}
+    else:
+        runs = {seeds[0]: side_by_side(args, model_dir, base, out)}
     if len(seeds) > 1:
         summary(runs, args.task)
     (out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                    "base": base, "seeds": runs}, indent=1))
     print(f"results: {out / 'learning.json'}")
+
+
+def seed_in_child(seed: int, out: Path, base_scores: Path) -> dict:
+    """`--seeds`: the side-by-side at `seed` in a process of its own (this command line without
+    `--seeds` and `--out`, plus `--seed`, `--out OUT` and the base row's scores); its result.
+
+    Raises:
+        RuntimeError: the child failed (its output is above)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv(sys.argv[1:], seed, out, base_scores)]
+    if subprocess.run(cmd).returncode != 0:
+        raise RuntimeError(f"the side-by-side at seed {seed} failed: {' '.join(cmd)}")
+    return json.loads((out / "learning.json").read_text())["seeds"][str(seed)]
+
+
+def child_argv(argv: list[str], seed: int, out: Path, base_scores: Path) -> list[str]:
+    """`argv` without its `--seeds`, `--seed`, `--out` and `--base-scores` (either spelling), then
+    `--seed SEED --out OUT --base-scores FILE`."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--seeds", "--out", "--seed", "--base-scores"):
+            skip = True
+        elif not arg.startswith(("--seeds=", "--out=", "--seed=", "--base-scores=")):
+            kept.append(arg)
+    return [*kept, "--seed", str(seed), "--out", str(out), "--base-scores", str(base_scores)]
+
+
+def recorded_args(d: Path, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the training settings (steps, learning rate and schedule, precision, seed) of
+    the run that wrote `d` (its or its parent's `learning.json` `args`; a `seed-S` name gives the
+    seed), for `--rescore`'s table header; the evaluation settings stay `args`'."""
+    out = dict(vars(args))
+    for f in (d / "learning.json", d.parent / "learning.json"):
+        rec = json.loads(f.read_text()).get("args") if f.exists() else None
+        if rec:
+            for key, kind in (("steps", int), ("lr", float), ("lr_schedule", str), ("bf16", str),
+                              ("seed", int), ("prompts_per_step", int), ("completions", int)):
+                if key in rec:
+                    out[key] = kind(rec[key])
+            break
+    if d.name.startswith("seed-") and d.name[5:].isdigit():
+        out["seed"] = int(d.name[5:])
+    return argparse.Namespace(**out)
+
+
+def rescore(args: argparse.Namespace, model_dir: Path, out: Path) -> None:
+    """`--rescore DIR ...`: the base row and each DIR's final models (`harnessrl/checkpoints/step-N`,
+    `trl/model`) scored by this evaluation; the training times are the ones DIR's `learning.json`
+    recorded. Prints each DIR's table and, for several, the summary; writes OUT/rescore.json."""
+    from harnessrl.train.policy import latest_checkpoint
+
+    base = asyncio.run(evaluate(model_dir, args))
+    runs: dict[str, dict] = {}
+    for d in args.rescore:
+        recorded = json.loads((d / "learning.json").read_text())
+        if "seeds" in recorded:  # an OUT of one seed: its run is under its seed's key
+            recorded = next(iter(recorded["seeds"].values()))
+        results: dict[str, dict] = {"base": base}
+        models = {"harnessrl": latest_checkpoint(d / "harnessrl"), "trl": d / "trl" / "model"}
+        for arm, path in models.items():
+            if path is not None and (path / "config.json").exists() and arm in recorded["train_s"]:
+                results[arm] = asyncio.run(evaluate(path, args))
+        print(f"\n{d}:")
+        print_table(recorded_args(d, args), results, recorded["train_s"], recorded.get("clip", {}), recorded.get("load_avg", {}))
+        runs[str(d)] = {**recorded, "held_out": results,
+                        "held_out_recorded": recorded["held_out"]}
+    if len(runs) > 1:
+        summary({k: v for k, v in runs.items() if all(a in v["held_out"] for a in v["train_s"])}, args.task)
+    (out / "rescore.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                  "runs": runs}, indent=1))
+    print(f"results: {out / 'rescore.json'}")
 
 
 def evaluate(model_dir: Path, args: argparse.Namespace) -> Any:
@@ -463,27 +564,7 @@ def side_by_side(args: argparse.Namespace, model_dir: Path, base: dict[str, floa
             clip["trl"] = sum(fracs) / max(len(fracs), 1)
             signal["trl"] = sum(1 for m in log if float(m.get("frac_reward_zero_std", 0.0)) < 1.0)
             print(f"trl arm: {signal['trl']} of {len(log)} steps had a group with unequal rewards", flush=True)
-    if args.task == "lookup":
-        print(f"\n{args.lookup_kind} task (difficulty {args.difficulty}), tool loop (bash, <= {args.max_turns} "
-              f"replies), seed {args.seed}, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), bfloat16: "
-              f"{args.bf16}, {args.prompts_per_step} prompts x {args.completions} completions per step, replies <= "
-              f"{args.max_tokens} tokens (TRL also <= {args.max_turns * (args.max_tokens + 64)} a rollout, tool "
-              f"results included); held-out: {args.eval_prompts} tasks (offset 1000000), greedy, harnessrl's engine")
-        second, key = "1st call", "tool_call_frac"
-    else:
-        print(f"\nlarger-number task, seed {args.seed}, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), "
-              f"bfloat16: {args.bf16}, "
-              f"{args.prompts_per_step} prompts x "
-              f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
-              f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy")
-        second, key = "strict", "strict_pass"
-    print(f"{'arm':10} {'pass':>6} {second:>8} {'len':>6} {'at cap':>7} {'train s':>8} {'clip':>7} {'load':>5}")
-    for arm, r in results.items():
-        t = f"{times[arm]:.0f}" if arm in times else "-"
-        c = f"{clip[arm]:.4f}" if arm in clip else "-"
-        ld = f"{load[arm]:.1f}" if arm in load else "-"
-        print(f"{arm:10} {r['pass']:6.1%} {r[key]:8.1%} {r['mean_completion_tokens']:6.1f} "
-              f"{r['cap_frac']:7.1%} {t:>8} {c:>7} {ld:>5}")
+    print_table(args, results, times, clip, load)
     if trl_failure:
         print(f"TRL arm: no result ({trl_failure})")
     goal = None
@@ -502,7 +583,37 @@ def side_by_side(args: argparse.Namespace, model_dir: Path, base: dict[str, floa
     return run
 
 
-def summary(runs: dict[int, dict], task: str = "larger") -> None:
+def print_table(args: argparse.Namespace, results: dict[str, dict], times: dict[str, float],
+                clip: dict[str, float], load: dict[str, float]) -> None:
+    """One seed's table: each arm's (and the base's) held-out scores, training seconds, mean
+    ratio-clip fraction and load average."""
+    if args.task == "lookup":
+        print(f"\n{args.lookup_kind} task (difficulty {args.difficulty}), tool loop (bash, <= {args.max_turns} "
+              f"replies), seed {args.seed}, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), bfloat16: "
+              f"{args.bf16}, {args.prompts_per_step} prompts x {args.completions} completions per step, replies <= "
+              f"{args.max_tokens} tokens (TRL also <= {args.max_turns * (args.max_tokens + 64)} a rollout, tool "
+              f"results included); held-out: {args.eval_prompts} tasks (offset 1000000) through harnessrl's "
+              f"white-box harness on its engine, greedy (pass) and {args.eval_samples} samples a task at "
+              f"temperature 1.0 (sampled)")
+        cols = [("pass", "pass"), ("sampled", "sampled_pass"), ("1st call", "tool_call_frac")]
+    else:
+        print(f"\nlarger-number task, seed {args.seed}, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), "
+              f"bfloat16: {args.bf16}, "
+              f"{args.prompts_per_step} prompts x "
+              f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
+              f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy")
+        cols = [("pass", "pass"), ("strict", "strict_pass")]
+    print(f"{'arm':10} " + " ".join(f"{name:>8}" for name, _ in cols)
+          + f" {'len':>6} {'at cap':>7} {'train s':>8} {'clip':>7} {'load':>5}")
+    for arm, r in results.items():
+        t = f"{times[arm]:.0f}" if arm in times else "-"
+        c = f"{clip[arm]:.4f}" if arm in clip else "-"
+        ld = f"{load[arm]:.1f}" if arm in load else "-"
+        print(f"{arm:10} " + " ".join(f"{r.get(key, float('nan')):8.1%}" for _, key in cols)
+              + f" {r['mean_completion_tokens']:6.1f} {r['cap_frac']:7.1%} {t:>8} {c:>7} {ld:>5}")
+
+
+def summary(runs: dict, task: str = "larger") -> None:
     """`--seeds`: one line per seed (each arm's held-out pass and training seconds, the time ratio,
     whether the goal holds), then each arm's mean pass and the number of seeds meeting the goal."""
     arms = [a for a in ("harnessrl", "trl") if all(a in r["train_s"] for r in runs.values())]
@@ -522,6 +633,10 @@ def summary(runs: dict[int, dict], task: str = "larger") -> None:
     means = " ".join(f"{a} {sum(r['held_out'][a]['pass'] for r in runs.values()) / len(runs):.1%}" for a in arms)
     print(f"mean held-out pass over {len(runs)} seeds: {means}"
           + (f"; goal met at {met} of {len(runs)} seeds" if len(arms) == 2 else ""))
+    if task == "lookup":
+        sampled = " ".join(f"{a} {sum(r['held_out'][a].get('sampled_pass', float('nan')) for r in runs.values()) / len(runs):.1%}"
+                           for a in ("base", *arms))
+        print(f"mean held-out pass sampled at temperature 1.0: {sampled}")
 
 
 if __name__ == "__main__":

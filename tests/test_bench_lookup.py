@@ -272,3 +272,46 @@ def test_lookup_starts_from_the_warm_start_by_default() -> None:
     assert learning.parse_args([]).warm_start is False
     with pytest.raises(SystemExit):
         learning.parse_args(["--warm-start"])
+
+
+# --- the held-out evaluation and the per-seed processes (bench/learning.py) ---
+
+
+def test_held_out_runs_the_white_box_harness_on_the_held_out_tasks(tiny_model_dir: Path) -> None:
+    import learning
+
+    args = learning.parse_args(["--task", "lookup", "--eval-prompts", "2", "--eval-samples", "2", "--max-tokens", "8"])
+    greedy = asyncio.run(learning._eval_lookup(tiny_model_dir, args, 1, samples=1, temperature=0.0))
+    again = asyncio.run(learning._eval_lookup(tiny_model_dir, args, 1, samples=1, temperature=0.0))
+    sampled = asyncio.run(learning._eval_lookup(tiny_model_dir, args, 1, samples=2, temperature=1.0))
+    held = [r["task_id"] for r in le.rows(2, seed_offset=le.HELD_OUT_OFFSET)]
+    assert sorted(r.task_id for r in greedy) == sorted(held)
+    assert sorted(r.task_id for r in sampled) == sorted(held * 2)
+    for r in greedy + sampled:
+        assert r.harness == "white_box" and r.status == "ok" and r.reward == 0.0, (r.status, r.error)
+        assert r.trace.turns and all(len(t.completion_ids) <= 8 for t in r.trace.turns)
+    # greedy is top-k 1 at temperature 1, enforced by the proxy, and repeats exactly
+    assert {(t.sampling.top_k, t.sampling.temperature) for r in greedy for t in r.trace.turns} == {(1, 1.0)}
+    assert {(t.sampling.top_k, t.sampling.temperature) for r in sampled for t in r.trace.turns} == {(0, 1.0)}
+    ids = {r.task_id: [t.completion_ids for t in r.trace.turns] for r in greedy}
+    assert ids == {r.task_id: [t.completion_ids for t in r.trace.turns] for r in again}
+    scores = asyncio.run(learning.held_out_lookup(tiny_model_dir, args, 1))
+    assert (scores["pass"], scores["sampled_pass"], scores["errors"]) == (0.0, 0.0, 0.0)
+    assert scores["mean_completion_tokens"] == sum(len(t.completion_ids) for r in greedy for t in r.trace.turns) / 2
+
+
+def test_each_seed_runs_in_a_process_of_its_own_with_the_same_flags(tmp_path: Path) -> None:
+    import learning
+
+    argv = ["--task", "lookup", "--seeds", "0,1,2", "--out", "/x", "--steps=6", "--seed=4", "--base-scores", "b"]
+    child = learning.child_argv(argv, 1, tmp_path / "seed-1", tmp_path / "base.json")
+    assert child == ["--task", "lookup", "--steps=6", "--seed", "1", "--out", str(tmp_path / "seed-1"),
+                     "--base-scores", str(tmp_path / "base.json")]
+    args = learning.parse_args(child)
+    assert (args.seed, args.seeds, args.steps, args.base_scores) == (1, [], 6, tmp_path / "base.json")
+    (tmp_path / "learning.json").write_text(json.dumps({"args": {"steps": "6", "lr": "5e-05", "bf16": "harnessrl"}}))
+    (tmp_path / "seed-2").mkdir()
+    rec = learning.recorded_args(tmp_path / "seed-2", learning.parse_args(["--task", "lookup"]))
+    assert (rec.steps, rec.lr, rec.bf16, rec.seed, rec.eval_prompts) == (6, 5e-05, "harnessrl", 2, 64)
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--rescore", "d"])  # a --task lookup option
