@@ -56,6 +56,18 @@ def kit(request: pytest.FixtureRequest) -> Iterator[Kit]:
         assert_no_podman_leftovers()
 
 
+def _chat_call(base_url: str, key: str) -> str:
+    """Python lines for `_py`, unindented: one chat call to the proxy at `base_url` with `key`
+    from inside a sandbox; `status` is its HTTP status."""
+    return textwrap.dedent(f"""
+        import json, urllib.request
+        body = json.dumps({{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
+        req = urllib.request.Request("{base_url}/chat/completions", data=body,
+                                     headers={{"Authorization": "Bearer {key}", "Content-Type": "application/json"}})
+        status = urllib.request.urlopen(req, timeout=30).status
+    """)
+
+
 async def _py(sandbox: Sandbox, code: str, timeout_s: float = 60.0) -> dict:
     """Run `code` with the sandbox's python3; it prints one JSON object, returned here."""
     result = await sandbox.exec(["python3", "-c", textwrap.dedent(code)], timeout_s)
@@ -356,13 +368,7 @@ async def test_proxy_socket_cannot_be_changed_by_an_agent(kit: Kit, proxy: Proxy
         session_id, key = proxy.open_session("sibling")
         endpoint = sibling.agent_endpoint(proxy.endpoint(key))
         try:
-            out = await _py(sibling, f"""
-                import json, urllib.request
-                body = json.dumps({{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
-                req = urllib.request.Request("{endpoint.base_url}/chat/completions", data=body,
-                                             headers={{"Authorization": "Bearer {key}", "Content-Type": "application/json"}})
-                print(json.dumps({{"status": urllib.request.urlopen(req, timeout=30).status}}))
-            """)
+            out = await _py(sibling, _chat_call(endpoint.base_url, key) + 'print(json.dumps({"status": status}))')
             assert out["status"] == 200
             proxy.close_session(session_id)
         finally:
@@ -752,20 +758,16 @@ async def test_mount_table_names_no_proxy_socket_path(kit: Kit, proxy: ProxyServ
     session_id, key = proxy.open_session("socket-path")
     endpoint = sb.agent_endpoint(proxy.endpoint(key))
     try:
-        out = await _py(sb, f"""
-            import json, os, urllib.request
-            body = json.dumps({{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
-            req = urllib.request.Request("{endpoint.base_url}/chat/completions", data=body,
-                                         headers={{"Authorization": "Bearer {key}", "Content-Type": "application/json"}})
-            status = urllib.request.urlopen(req, timeout=30).status
+        out = await _py(sb, _chat_call(endpoint.base_url, key) + textwrap.dedent("""
+            import os
             links = []
             for pid in (p for p in os.listdir("/proc") if p.isdigit()):
                 try:
-                    links += [os.readlink(f"/proc/{{pid}}/fd/{{fd}}") for fd in os.listdir(f"/proc/{{pid}}/fd")]
+                    links += [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
                 except OSError:
                     pass
-            print(json.dumps({{"status": status, "mountinfo": open("/proc/self/mountinfo").read(), "links": links}}))
-        """)
+            print(json.dumps({"status": status, "mountinfo": open("/proc/self/mountinfo").read(), "links": links}))
+        """))
         assert out["status"] == 200
         socket_dir = str(proxy.agent_socket_path.parent)
         assert socket_dir not in out["mountinfo"], out["mountinfo"]

@@ -39,7 +39,7 @@ from harnessrl.signals import RunStopped, run_until_signal
 from harnessrl.train.distributed import Ranks, close_ranks, init_ranks
 from harnessrl.train.loop import run
 from harnessrl.train.policy import latest_checkpoint
-from harnessrl.train.setup import check_training
+from harnessrl.train.setup import check_training, retain_freed_memory
 from harnessrl.train.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ def _follow(cfg: RunConfig, ranks: Ranks) -> int:
         signal.signal(sig, signal.SIG_DFL)  # nothing to release here: end at once
     logging.basicConfig(level=logging.WARNING, format=f"rank {ranks.rank}: %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.train.num_threads)
+    if cfg.train.device == "cpu":
+        retain_freed_memory()  # as rank 0's `open_run`: a step reuses the last step's pages
     try:
         TrainerGroup(cfg, ranks).follow()
     except RuntimeError as exc:  # gloo / NCCL: rank 0's connection closed (or this rank failed)
