@@ -58,7 +58,9 @@ At lr 3e-5 (68 steps, dynamic sampling 6) the two arms end level near 90% and ha
 procedural `lookup` tasks (`--lookup-kind`, `--difficulty`; the number in a named file of a
 three-file workspace, answered as the reply) through a tool loop with one tool, `bash`, at most
 `--max-turns` replies of at most `--max-tokens` (48) tokens each, temperature 1.0:
-  * harnessrl: the white-box harness (`tools = ["bash"]`, its local sandbox), async as above;
+  * harnessrl: the white-box harness (`tools = ["bash"]`, its local sandbox), async as above
+    but with its trainer on 2 torch threads (`--train-threads`): its rows are ~10x the larger
+    task's and the arm is training-bound (seed 1, 6 steps: 106 s against 143 s with 1 thread);
   * TRL: `GRPOTrainer(environment_factory=LookupEnv)`, its in-process multi-turn loop
     (`bench/trl_arm.py --task lookup`: why its SmolLM2 run uses TRL's bundled Qwen2.5 chat
     template, and how its per-rollout budget is set).
@@ -360,7 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=_seed_list, default=[], metavar="S1,S2,...", help="run the side-by-side at each of these "
                    "seeds in turn (OUT/seed-S/ each) and print a summary: per seed, each arm's pass, time "
                    "and the ratio; each arm's mean pass; how many seeds meet the goal")
-    p.add_argument("--train-threads", type=int, default=1, help="torch threads of harnessrl's trainer")
+    p.add_argument("--train-threads", type=int, default=None, help="torch threads of harnessrl's trainer "
+                   "(default 1; with --task lookup 2: its rows are ~10x longer and the arm is training-bound, "
+                   "the engine decoding on one thread beside it)")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (it "
                    "generates and trains in turn, so it gets both cores)")
     p.add_argument("--bf16", default="none", choices=["none", "both", "harnessrl"],
@@ -383,6 +387,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_tokens is None:
         args.max_tokens = 48 if args.task == "lookup" else 24
+    if args.train_threads is None:
+        args.train_threads = 2 if args.task == "lookup" else 1
     if args.max_turns < 1 or args.difficulty < 1:
         p.error("--max-turns and --difficulty must be >= 1")
     if args.warm_start is None:

@@ -81,6 +81,9 @@ def test_command_line_parses_the_lookup_flags() -> None:
     assert (args.task, args.seeds, args.max_turns, args.max_tokens, args.chat_template) == (
         "lookup", [0, 1, 2], 2, 48, "auto")
     assert learning.parse_args([]).max_tokens == 24
+    # the lookup arm is training-bound: its trainer gets both cores' threads unless told
+    assert (args.train_threads, learning.parse_args([]).train_threads) == (2, 1)
+    assert learning.parse_args(["--task", "lookup", "--train-threads", "1"]).train_threads == 1
     with pytest.raises(SystemExit):
         learning.parse_args(["--task", "lookup", "--max-turns", "0"])
     assert learning.goal_met("lookup", {"harnessrl": 0.5, "trl": 0.5}, 0.6)
