@@ -221,30 +221,26 @@ async def held_out_lookup(model_dir: Path, args: argparse.Namespace, threads: in
     cut at `--max-tokens`), `turns_passing` (replies a passing greedy rollout) and `errors`
     (rollouts of either evaluation that ended in an agent, infra or verifier error; each counts
     as not passing)."""
+    from harnessrl.rollout.summary import ERROR_STATUSES, passed
+
     greedy = await _eval_lookup(model_dir, args, threads, samples=1, temperature=0.0)
     sampled = (await _eval_lookup(model_dir, args, threads, samples=args.eval_samples, temperature=1.0)
                if args.eval_samples else [])
     turns = [t for r in greedy for t in r.trace.turns]
-    passing = [r for r in greedy if _passes(r)]
+    passing = [r for r in greedy if passed(r)]
     first_called = [r for r in greedy if r.trace.turns and r.trace.turns[0].reply is not None
                     and r.trace.turns[0].reply.tool_calls]
     return {"pass": len(passing) / len(greedy),
-            "sampled_pass": sum(map(_passes, sampled)) / len(sampled) if sampled else float("nan"),
+            "sampled_pass": sum(map(passed, sampled)) / len(sampled) if sampled else float("nan"),
             "tool_call_frac": len(first_called) / len(greedy),
             "mean_completion_tokens": sum(len(t.completion_ids) for t in turns) / len(greedy),
             "cap_frac": sum(len(t.completion_ids) >= args.max_tokens for t in turns) / max(len(turns), 1),
             "turns_passing": sum(len(r.trace.turns) for r in passing) / len(passing) if passing else 0.0,
-            "errors": float(sum(r.status in ("agent_error", "infra_error", "verifier_error")
-                                for r in greedy + sampled))}
+            "errors": float(sum(r.status in ERROR_STATUSES for r in greedy + sampled))}
 
 
 EVAL_SEED = 0
 """Run seed of every `--task lookup` held-out evaluation (sampling), whatever the training seed."""
-
-
-def _passes(rollout: Any) -> bool:
-    """The verifier's exact match (reward 1.0; `rollout/summary.py`'s pass at its default threshold)."""
-    return rollout.reward is not None and rollout.reward >= 1.0
 
 
 async def _eval_lookup(model_dir: Path, args: argparse.Namespace, threads: int, *, samples: int,

@@ -76,7 +76,7 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     out["errors"] = float(errors)
     out["error_rate"] = errors / len(rollouts)
     if scored:
-        out["pass_rate"] = sum(1 for r in scored if _passed(r, pass_threshold)) / len(scored)
+        out["pass_rate"] = sum(1 for r in scored if passed(r, pass_threshold)) / len(scored)
         for name, values in (("verifier", [r.reward for r in scored]),
                              ("train", [training_reward(r) for r in scored])):
             rewards = [x for x in values if x is not None]
@@ -88,12 +88,12 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     per_group = [g for g in per_group if g]
     k_max = min(len(g) for g in per_group) if per_group else 0
     for k in range(1, k_max + 1):
-        per_task = [pass_at_k(len(g), sum(_passed(r, pass_threshold) for r in g), k) for g in per_group]
+        per_task = [pass_at_k(len(g), sum(passed(r, pass_threshold) for r in g), k) for g in per_group]
         out[f"pass@{k}"] = sum(per_task) / len(per_task)
     for status, count in Counter(r.status for r in rollouts).items():
         out[f"status/{status}"] = float(count)
     out["turns_mean"] = sum(len(r.trace.turns) for r in rollouts) / len(rollouts)
-    passing = [r for r in scored if _passed(r, pass_threshold)]
+    passing = [r for r in scored if passed(r, pass_threshold)]
     if passing:
         out["turns_passing_mean"] = sum(len(r.trace.turns) for r in passing) / len(passing)
     out["prompt_tokens"] = float(sum(len(t.prompt_ids) for r in rollouts for t in r.trace.turns))
@@ -125,5 +125,6 @@ def rollout_line(rollout: Rollout, error_chars: int = 100) -> str:
     return line
 
 
-def _passed(rollout: Rollout, threshold: float) -> bool:
+def passed(rollout: Rollout, threshold: float = 1.0) -> bool:
+    """Whether `rollout` passes: it has a reward >= `threshold` (module docstring)."""
     return rollout.reward is not None and rollout.reward >= threshold
