@@ -4,6 +4,7 @@ loaded through the model reach the fused projections, unknown architectures left
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,56 @@ def test_engine_pack_weights_of_the_config_reaches_the_decode_step(tiny_model_di
             assert step.packed is pack
         finally:
             engine.close()
+
+
+def test_a_probe_scored_right_after_a_load_does_not_wait_for_the_packed_rebuild(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weight-sync canary's `prompt_logprobs`, sent as `load_weights` returns, is scored
+    between two layers of the packed copies' rebuild (with the new weights), not after it; a
+    second load during a rebuild starts it over, and the decode steps after it serve the last
+    weights through packed copies."""
+    sampling = Sampling(temperature=0.0, max_tokens=12)
+    states = []
+    for seed in (5, 6):
+        new = load_causal_lm(tiny_model_dir)
+        with torch.no_grad():
+            for p in new.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+        states.append(dict(new.state_dict()))
+    with (EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0) as eng,
+          EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0, fast_decode=False) as plain):
+        assert eng._step is not None
+        if not eng._step.packed:
+            pytest.skip("oneDNN packed inner products are not available here")
+        real_pack = decode_step._pack
+        packs: list[float] = []
+
+        def slow_pack(w: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.1)
+            packs.append(time.monotonic())
+            return real_pack(w)
+
+        monkeypatch.setattr(decode_step, "_pack", slow_pack)
+        probe = PROMPTS[1]
+        eng.load_weights(states[0], 1)
+        got = eng.prompt_logprobs(probe)
+        scored_at = time.monotonic()
+        plain.load_weights(states[0], 1)
+        assert got == pytest.approx(plain.prompt_logprobs(probe), abs=1e-5)
+        per_rebuild = 4 * len(eng._step._layers) + 1
+        deadline = time.monotonic() + 30
+        while len(packs) < per_rebuild and time.monotonic() < deadline:  # the rebuild goes on after the probe
+            time.sleep(0.05)
+        assert 0 < sum(t > scored_at for t in packs) < per_rebuild, \
+            f"the probe was scored after {len(packs)} of {per_rebuild} packs"
+
+        eng.load_weights(states[1], 2)  # lands while the probe's rebuild may still run
+        eng.load_weights(states[0], 3)
+        plain.load_weights(states[0], 3)
+        out = eng.generate_blocking(PROMPTS[2], sampling)
+        assert eng._step.packed
+        want = plain.generate_blocking(PROMPTS[2], sampling)
+        assert out.policy_version == 3
+        assert out.completion_ids == want.completion_ids
+        assert out.completion_logprobs == pytest.approx(want.completion_logprobs, abs=1e-5)

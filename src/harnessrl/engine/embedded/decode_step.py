@@ -43,6 +43,7 @@ Not thread-safe: called by the engine's decode thread only.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -191,12 +192,25 @@ class DecodeStep:
     def refresh(self) -> None:
         """Rebuild the packed weight copies from the model's current weights (a no-op when
         unpacked). Call after the weights change: the packed copies do not follow the model."""
+        for _ in self.refresh_parts():
+            pass
+
+    def refresh_parts(self) -> Iterator[None]:
+        """`refresh` one layer at a time: yields after each layer's copies are made, so that the
+        caller may serve other work between them (the engine scores a canary probe there, with the
+        model's own forward). The step is unpacked (`packed` False) from the first part until the
+        last is made; a caller that stops iterating, or an exception from a part, leaves it
+        unpacked, multiplying the model's weights."""
         if not self._pack:
             return
         self._packed = None  # the old copies go before the new ones are made
         self._lm_packed = None
-        self._packed = [tuple(_pack(w) for w in (ly.qkv_w, ly.o_w, ly.gate_up_w, ly.down_w)) for ly in self._layers]
-        self._lm_packed = _pack(self._lm_head.weight)
+        layers: list[tuple[torch.Tensor | None, ...]] = []
+        for ly in self._layers:
+            layers.append(tuple(_pack(w) for w in (ly.qkv_w, ly.o_w, ly.gate_up_w, ly.down_w)))
+            yield
+        lm_packed = _pack(self._lm_head.weight)
+        self._packed, self._lm_packed = layers, lm_packed
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

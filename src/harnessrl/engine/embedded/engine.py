@@ -37,9 +37,10 @@ is small and keeps token faithfulness under our control.
 
 Weight swaps (DESIGN §3.6): `load_weights` blocks the caller until the decode thread has
 copied the tensors into the model between two steps, so the caller may reuse its tensors
-afterwards; the decode step's packed weight copies (`DecodeStep.refresh`) are then rebuilt
+afterwards; the decode step's packed weight copies (`DecodeStep.refresh_parts`) are then rebuilt
 from the model before the next step (about 0.5-0.8 s for SmolLM2-135M on this CPU, which
-the caller does not wait for). Requests in flight continue with the new weights from the next step; their
+the caller does not wait for), one layer at a time: a `prompt_logprobs` (the weight-sync
+canary's) queued meanwhile is scored between two layers, not after the rebuild. Requests in flight continue with the new weights from the next step; their
 `Completion.policy_version` stays the version at admission (dispatch). Requests still
 waiting when the swap happens are admitted under the new version. A swap clears the prefix
 cache, entries carry the version they were computed under and lookups ask for the current one,
@@ -194,6 +195,7 @@ class EmbeddedEngine:
         self._max_batch_size = max_batch_size
         self._seed_gen = torch.Generator().manual_seed(seed)
         self._version = 0
+        self._packs_stale = False  # a weight load since the decode step's packed copies were made
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._active: list[Request] = []
         self._batch = KVBatch(self._device)
@@ -383,6 +385,8 @@ class EmbeddedEngine:
         try:
             with torch.inference_mode():
                 while self._drain_queue():
+                    if self._packs_stale and not self._refresh_step():
+                        break
                     t0 = time.perf_counter()
                     self._drop_cancelled()
                     prefilled = self._prefill.run(self._max_batch_size - len(self._active), self._version)
@@ -402,9 +406,9 @@ class EmbeddedEngine:
             return
         self._fail_all(EngineError("engine is closed"))
 
-    def _drain_queue(self) -> bool:
-        """Take queued items (blocking when idle); False once asked to stop."""
-        idle = not self._active and not self._prefill.busy
+    def _drain_queue(self, block: bool = True) -> bool:
+        """Take queued items (blocking when idle and `block`); False once asked to stop."""
+        idle = block and not self._active and not self._prefill.busy
         items = [self._queue.get()] if idle else []
         while True:
             try:
@@ -440,18 +444,29 @@ class EmbeddedEngine:
             self._prefill.restart()  # a prompt mid-prefill has KV of the old weights: admitted anew
             self._stats["weight_loads"] += 1
             load.done.set_result(None)
-        self._refresh_step()
+        self._packs_stale = True
 
-    def _refresh_step(self) -> None:
+    def _refresh_step(self) -> bool:
         """Rebuild the decode step's packed weight copies, which do not follow the model's
-        weights. Done after the caller of `load_weights` is released (they are read from the
-        model, not from the caller's tensors), before the next decode step."""
-        if self._step is None:
-            return
-        try:
-            self._step.refresh()
-        except Exception:  # noqa: BLE001 - without its copies the step multiplies the model's weights
-            log.warning("rebuilding the packed decode weights failed; decode steps use F.linear", exc_info=True)
+        weights; False once asked to stop. Done after the caller of `load_weights` is released
+        (they are read from the model, not from the caller's tensors), before the next decode
+        step, one layer at a time (`DecodeStep.refresh_parts`) with the queue taken between
+        layers: a canary's `prompt_logprobs` sent right after the load is scored then, with the
+        model's own forward, instead of after the whole rebuild (0.5-0.8 s for SmolLM2-135M), and a
+        newer load starts the rebuild over. Requests that arrive wait for the rebuild."""
+        while self._packs_stale:
+            self._packs_stale = False
+            if self._step is None:
+                return True
+            try:
+                for _ in self._step.refresh_parts():
+                    if not self._drain_queue(block=False):
+                        return False
+                    if self._packs_stale:  # weights loaded mid-rebuild: the copies made are stale
+                        break
+            except Exception:  # noqa: BLE001 - without its copies the step multiplies the model's weights
+                log.warning("rebuilding the packed decode weights failed; decode steps use F.linear", exc_info=True)
+        return True
 
     def _drop_cancelled(self) -> None:
         self._prefill.drop_cancelled()
