@@ -17,7 +17,9 @@ import resource, sys, threading
 import torch
 from harnessrl.train.setup import retain_freed_memory
 if sys.argv[1] == "on":
-    assert retain_freed_memory()
+    assert retain_freed_memory("cpu")
+else:
+    assert not retain_freed_memory("cuda")  # another device's tensors are not malloc's: nothing set
 faults = []
 def step():  # like a train step on its own thread: large blocks allocated, touched, freed
     for _ in range(3):

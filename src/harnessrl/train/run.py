@@ -111,8 +111,7 @@ def _follow(cfg: RunConfig, ranks: Ranks) -> int:
         signal.signal(sig, signal.SIG_DFL)  # nothing to release here: end at once
     logging.basicConfig(level=logging.WARNING, format=f"rank {ranks.rank}: %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.train.num_threads)
-    if cfg.train.device == "cpu":
-        retain_freed_memory()  # as rank 0's `open_run`: a step reuses the last step's pages
+    retain_freed_memory(cfg.train.device)  # as rank 0's `open_run`: a step reuses the last step's pages
     try:
         TrainerGroup(cfg, ranks).follow()
     except RuntimeError as exc:  # gloo / NCCL: rank 0's connection closed (or this rank failed)

@@ -157,10 +157,11 @@ def check_training(cfg: RunConfig) -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
 
 
-def retain_freed_memory() -> bool:
-    """Keep the memory this process frees for its own later allocations (glibc's malloc, through
-    `mallopt`): one arena for every thread, no `mmap` per large block, no trimming. Returns
-    whether it applied (False off glibc). Process-wide; it acts on the threads that allocate for
+def retain_freed_memory(device: str) -> bool:
+    """For a trainer on `device` "cpu", keep the memory this process frees for its own later
+    allocations (glibc's malloc, through `mallopt`): one arena for every thread, no `mmap` per
+    large block, no trimming. Returns whether it applied (False for another device, whose
+    tensors are not malloc's, and off glibc). Process-wide; it acts on the threads that allocate for
     the first time afterwards, so call it before the trainer thread starts.
 
     Without it a CPU train step gives most of what it allocates back to the kernel and touches it
@@ -170,7 +171,7 @@ def retain_freed_memory() -> bool:
     a run against 3 s of compute (`bench/async.py`); with it a step faults ~0 pages and the rows,
     losses and updates are unchanged. The cost: the process keeps its peak heap (RSS does not
     shrink after a peak)."""
-    if platform.libc_ver()[0] != "glibc":
+    if device != "cpu" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
     return all(libc.mallopt(option, value) == 1 for option, value in (
@@ -212,8 +213,7 @@ async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, conso
             `train.eval_size` held-out tasks, a weight sync the engine cannot take.
     """
     check_training(cfg)
-    if cfg.train.device == "cpu":
-        retain_freed_memory()  # before the trainer thread's first allocation picks its arena
+    retain_freed_memory(cfg.train.device)  # before the trainer thread's first allocation picks its arena
     point = find_resume_point(run_dir, resume)
     executor = ThreadPoolExecutor(1, thread_name_prefix="trainer", initializer=torch.set_num_threads,
                                   initargs=(cfg.train.num_threads,))
