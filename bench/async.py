@@ -28,8 +28,8 @@ sync-first, 0.95x async-first on the same workload), so `--order` is there to ch
 Workload (chosen so that both sides take comparable time per step on the CPU default, and
 every group trains: a deterministic alternating reward; by default 20 steps with the trainer in
 bfloat16 mixed precision, `train.autocast`, whose step is ~1.4x cheaper than float32's; on
-the 2-core CPU default training + sync still takes ~1.3x generation (3.4 + 0.7 s against
-3.2 s a step, 2026-12-06), so the ceiling is ~1.7x; in float32 training takes ~1.6x generation
+the 2-core CPU default training + sync takes about as long as generation (3.0 + 0.5 s against
+3.6 s a step, 2026-12-06), so the ceiling is ~1.9x; in float32 training takes ~1.6x generation
 and the ceiling is ~1.5x however the loop is run): white-box single-reply rollouts of
 the procedural `compare` / `add` tasks, `--group-size` x `--groups-per-step` rollouts a step,
 replies up to `--max-tokens`, at most `--concurrency` rollouts at once (default: the config's).
