@@ -156,7 +156,7 @@ def train_harnessrl(args: argparse.Namespace, run_dir: Path, task: list[str]) ->
         f"log.update_norm_every={args.update_norm_every}",
         f"train.num_threads={args.train_threads}", f"seed={args.seed}",
         f"train.autocast={json.dumps('bfloat16' if bf16 else 'off')}",
-        f"engine.dtype={json.dumps('bfloat16' if bf16 else 'float32')}",
+        f"engine.dtype={json.dumps('bfloat16' if bf16 else 'float32')}", *args.set,
     ])
     t0 = time.monotonic()
     history = asyncio.run(train(cfg, run_dir))
@@ -378,7 +378,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--harness", default="white_box", help="white_box (the side-by-side), or an agent "
                    "(mini-swe-agent, ...) for a curve through it")
     p.add_argument("--eval-every", type=int, default=5, help="with --harness AGENT")
-    p.add_argument("--set", action="append", default=[], help="with --harness AGENT: a config override")
+    p.add_argument("--set", action="append", default=[], help="a harnessrl config override for the harnessrl arm (TRL's arm takes none), "
+                   "e.g. --set 'train.loss={kind = \"cispo\"}'; repeatable")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.max_tokens is None:
