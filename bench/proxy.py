@@ -17,7 +17,8 @@ ceiling with `wrk` (C, one thread, 32 keep-alive connections, its own process) a
 generator. Each figure comes with its ratio to the baseline measured in the same run.
 
 Usage: `.venv/bin/python bench/proxy.py [--quick] [--wrk-only]` (`--wrk-only`: only the wrk
-ceiling of the small call, proxy and baseline, each `--wrk-s` seconds). The load average is
+ceiling of the small call, baseline, proxy, and the proxy with malloc set as in a CPU training
+process, each `--wrk-s` seconds). The load average is
 printed with the figures: numbers on a shared machine are noisy.
 """
 
@@ -87,6 +88,11 @@ def _server_main(kind: str, queue: Any) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from harnessrl.proxy.server import run_loop
 
+    if kind == "proxy-retained":  # malloc as in a CPU training process (`train/setup.retain_freed_memory`)
+        from harnessrl.train.setup import retain_freed_memory
+
+        assert retain_freed_memory("cpu"), "mallopt is glibc's"
+        kind = "proxy"
     run_loop(_serve(kind, queue))  # as `harnessrl serve` runs (uvloop, serving GC threshold)
 
 
@@ -312,11 +318,13 @@ def _report(size: str, payload: bytes, render: tuple[float, float, int], plan: d
 
 
 def _wrk_only(payload: bytes, wrk_s: float) -> None:
-    """The small call's wrk ceiling, baseline then proxy, with the load average before each."""
-    for kind in ("baseline", "proxy"):
+    """The small call's wrk ceiling, baseline then proxy, then the proxy with malloc set as a CPU
+    training process sets it (`proxy-retained`: one arena, no trim; the agents' listener of
+    `harnessrl train` runs in that process), with the load average before each."""
+    for kind in ("baseline", "proxy", "proxy-retained"):
         load = os.getloadavg()[0]
         result = _measure(kind, {"small": payload}, {"small": {}}, wrk_s)[("small", "wrk")]
-        print(f"{kind:>8}: {result['rps']:7.0f} req/s with wrk ({WRK_CONNECTIONS} connections, {wrk_s:g} s), "
+        print(f"{kind:>14}: {result['rps']:7.0f} req/s with wrk ({WRK_CONNECTIONS} connections, {wrk_s:g} s), "
               f"server CPU {result['cpu_ms']:.3f} ms/call (ceiling {1e3 / result['cpu_ms']:.0f} req/s per core); "
               f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
 
