@@ -4,7 +4,9 @@ loaded through the model reach the fused projections, unknown architectures left
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,27 @@ def _steps_agree(model: torch.nn.Module, steps: int = 6, step: DecodeStep | None
             assert got.argmax(-1).tolist() == ids
             ref_batch.commit_step(ids)
             fast_batch.commit_step(ids)
+
+
+def _perturbed_state(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The model's weights, each moved by noise of std 0.05 drawn with `seed`."""
+    new = load_causal_lm(model_dir)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    return dict(new.state_dict())
+
+
+@contextlib.contextmanager
+def _packed_and_plain(model_dir: Path) -> Iterator[tuple[EmbeddedEngine, EmbeddedEngine]]:
+    """An engine decoding through packed weight copies and one through the model's forward;
+    skips where oneDNN's packed inner products are not available."""
+    with (EmbeddedEngine(model_dir, num_threads=1, prefix_cache_tokens=0) as eng,
+          EmbeddedEngine(model_dir, num_threads=1, prefix_cache_tokens=0, fast_decode=False) as plain):
+        assert eng._step is not None
+        if not eng._step.packed:
+            pytest.skip("oneDNN packed inner products are not available here")
+        yield eng, plain
 
 
 def test_llama_step_equals_the_model_forward(tiny_model_dir: Path) -> None:
@@ -117,11 +140,7 @@ async def test_engine_with_and_without_the_step_agree(tiny_model_dir: Path) -> N
             assert g.completion_logprobs == pytest.approx(w.completion_logprobs, abs=1e-5)
 
         # weights loaded through the engine reach the fused projections
-        new = load_causal_lm(tiny_model_dir)
-        with torch.no_grad():
-            for p in new.parameters():
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
-        state = dict(new.state_dict())
+        state = _perturbed_state(tiny_model_dir, 2)
         await asyncio.to_thread(fast.load_weights, state, 1)
         await asyncio.to_thread(plain.load_weights, state, 1)
         g2 = await fast.generate(PROMPTS[1], samplings[0])
@@ -136,17 +155,10 @@ def test_engine_falls_back_to_unpacked_weights_when_a_rebuild_fails(
     """A failed rebuild of the packed copies after `load_weights` leaves the engine serving the
     new weights through `F.linear`, not the stale copies."""
     sampling = Sampling(temperature=0.0, max_tokens=12)
-    new = load_causal_lm(tiny_model_dir)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.05)
-    state = dict(new.state_dict())
-    with (EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0) as eng,
-          EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0, fast_decode=False) as plain):
-        assert eng._step is not None
-        if not eng._step.packed:
-            pytest.skip("oneDNN packed inner products are not available here")
+    state = _perturbed_state(tiny_model_dir, 4)
+    with _packed_and_plain(tiny_model_dir) as (eng, plain):
         step = eng._step
+        assert step is not None
         real_pack = decode_step._pack
         calls = []
 
@@ -195,18 +207,9 @@ def test_a_probe_scored_right_after_a_load_does_not_wait_for_the_packed_rebuild(
     second load during a rebuild starts it over, and the decode steps after it serve the last
     weights through packed copies."""
     sampling = Sampling(temperature=0.0, max_tokens=12)
-    states = []
-    for seed in (5, 6):
-        new = load_causal_lm(tiny_model_dir)
-        with torch.no_grad():
-            for p in new.parameters():
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
-        states.append(dict(new.state_dict()))
-    with (EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0) as eng,
-          EmbeddedEngine(tiny_model_dir, num_threads=1, prefix_cache_tokens=0, fast_decode=False) as plain):
+    states = [_perturbed_state(tiny_model_dir, seed) for seed in (5, 6)]
+    with _packed_and_plain(tiny_model_dir) as (eng, plain):
         assert eng._step is not None
-        if not eng._step.packed:
-            pytest.skip("oneDNN packed inner products are not available here")
         real_pack = decode_step._pack
         packs: list[float] = []
 
