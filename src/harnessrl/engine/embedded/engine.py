@@ -195,7 +195,7 @@ class EmbeddedEngine:
         self._max_batch_size = max_batch_size
         self._seed_gen = torch.Generator().manual_seed(seed)
         self._version = 0
-        self._packs_stale = False  # a weight load since the decode step's packed copies were made
+        self._packs_stale = False  # a weight load since the decode step's packed copies were made (never without a step)
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._active: list[Request] = []
         self._batch = KVBatch(self._device)
@@ -444,7 +444,7 @@ class EmbeddedEngine:
             self._prefill.restart()  # a prompt mid-prefill has KV of the old weights: admitted anew
             self._stats["weight_loads"] += 1
             load.done.set_result(None)
-        self._packs_stale = True
+        self._packs_stale = self._step is not None  # the decode step's copies no longer follow the model
 
     def _refresh_step(self) -> bool:
         """Rebuild the decode step's packed weight copies, which do not follow the model's
@@ -454,12 +454,12 @@ class EmbeddedEngine:
         layers: a canary's `prompt_logprobs` sent right after the load is scored then, with the
         model's own forward, instead of after the whole rebuild (0.5-0.8 s for SmolLM2-135M), and a
         newer load starts the rebuild over. Requests that arrive wait for the rebuild."""
+        step = self._step
+        assert step is not None, "only an engine with a decode step has packed copies to rebuild"
         while self._packs_stale:
             self._packs_stale = False
-            if self._step is None:
-                return True
             try:
-                for _ in self._step.refresh_parts():
+                for _ in step.refresh_parts():
                     if not self._drain_queue(block=False):
                         return False
                     if self._packs_stale:  # weights loaded mid-rebuild: the copies made are stale
