@@ -371,6 +371,44 @@ def test_shared_prefix_layout_equals_whole_rows_logprobs_and_grads(tiny_model_di
         torch.testing.assert_close(g_s, g_w, atol=1e-5, rtol=1e-4)
 
 
+def test_the_training_step_forwards_each_shared_prefix_once(tiny_model_dir: Path) -> None:
+    """`accumulate_gradients` (the training step) runs the shared layout, not whole rows: the
+    model forwards the pack's tokens, and loss and gradients equal the whole-row layout's.
+    Before the step's own `segment_attention` block let `compute_trainer_logprobs` see an sdpa
+    model, every pack was expanded back to whole rows (360 tokens forwarded here instead of 206)."""
+    from transformers import AutoModelForCausalLM
+
+    from harnessrl.train.step import accumulate_gradients
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    rows = _with_near_policy_sampler_logprobs(model, _group_rows(seed=7))
+    (shared,) = pack_rows(rows, token_budget=10_000)
+    (whole,) = pack_rows(rows, token_budget=10_000, share_prefixes=False)
+    assert shared.num_tokens < whole.num_tokens
+    forwarded: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: forwarded.append(args[0].numel()))
+    try:
+        model.zero_grad(set_to_none=True)
+        acc = accumulate_gradients(model, rows, lambda inputs: ppo_clip_loss(inputs, PpoClipLoss()),
+                                   temperature=1.0, token_budget=10_000)
+    finally:
+        hook.remove()
+    assert acc is not None
+    assert forwarded == [shared.num_tokens]
+    assert acc.metrics["tokens_packed"] == shared.num_tokens
+    grads_step = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    n_global = sum(r.num_trained_tokens for r in rows)
+    lp = compute_trainer_logprobs(model, whole, temperature=1.0, attention="dense")
+    loss_whole = ppo_clip_loss(loss_inputs(whole, lp, n_global), PpoClipLoss()).loss
+    loss_whole.backward()
+    assert acc.metrics["loss"] == pytest.approx(loss_whole.item(), abs=1e-6)
+    grads_whole = [p.grad for p in model.parameters() if p.grad is not None]
+    for g_s, g_w in zip(grads_step, grads_whole, strict=True):
+        torch.testing.assert_close(g_s, g_w, atol=1e-5, rtol=1e-4)
+
+
 def test_shared_prefix_attention_sees_the_prefix(tiny_model_dir: Path) -> None:
     """The test can fail: a branch run without its shared prefix gives other logprobs."""
     from transformers import AutoModelForCausalLM

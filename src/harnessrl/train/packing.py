@@ -68,6 +68,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from harnessrl.loss.losses import LossInputs
+from harnessrl.train.distributed import inner_module
 from harnessrl.train.samples import common_prefix_len
 from harnessrl.train.token_logprobs import token_logprobs
 from harnessrl.types import Row
@@ -386,8 +387,12 @@ AttentionMaskInterface.register(SEGMENT_ATTENTION, _segment_mask)
 
 
 def runs_segments(model: torch.nn.Module) -> bool:
-    """Whether `segment_attention` applies to `model` (a transformers model on `sdpa`)."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
+    """Whether `segment_attention` applies to `model`: a transformers model on `sdpa`, or one
+    already inside a `segment_attention` block (the training step holds one around its
+    micro-batches, in which `compute_trainer_logprobs` opens its own), seen through a
+    `DistributedDataParallel` wrapper."""
+    implementation = getattr(getattr(inner_module(model), "config", None), "_attn_implementation", None)
+    return implementation in ("sdpa", SEGMENT_ATTENTION)
 
 
 @contextlib.contextmanager
@@ -397,20 +402,22 @@ def segment_attention(
     """Run `model` (a transformers model on `sdpa`) with the segment attention inside the block,
     over `segments` (`PackedBatch.segments`; empty: rows from the position resets).
 
+    Blocks nest: an inner block sets its own segments and gives the outer's back on exit.
     Models on another implementation (eager, flash_attention_2, ...) are left as they are.
     Not thread-safe for one model used from two threads at once (it switches the config).
     """
     if not runs_segments(model):
         yield
         return
-    config = model.config
+    config = inner_module(model).config
+    before = config._attn_implementation
     config._attn_implementation = SEGMENT_ATTENTION
     token = _PACK_SEGMENTS.set(segments)
     try:
         yield
     finally:
         _PACK_SEGMENTS.reset(token)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = before
 
 
 def compute_trainer_logprobs(
