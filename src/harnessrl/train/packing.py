@@ -59,11 +59,11 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -409,7 +409,7 @@ def segment_attention(
     if not runs_segments(model):
         yield
         return
-    config = inner_module(model).config
+    config = cast(PretrainedConfig, inner_module(model).config)
     before = config._attn_implementation
     config._attn_implementation = SEGMENT_ATTENTION
     token = _PACK_SEGMENTS.set(segments)
