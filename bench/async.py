@@ -26,17 +26,17 @@ goes first: without it whichever timed run came first trained ~1.5x slower per s
 sync-first, 0.95x async-first on the same workload), so `--order` is there to check it.
 
 Workload (chosen so that both sides take comparable time per step on the CPU default, and
-every group trains: a deterministic alternating reward; by default 20 steps with the trainer in
-bfloat16 mixed precision, `train.autocast`, whose step is ~1.4x cheaper than float32's; on
-the 2-core CPU default training + sync takes about as long as generation (3.0 + 0.5 s against
-3.6 s a step, 2026-12-06), so the ceiling is ~1.9x; in float32 training takes ~1.6x generation
-and the ceiling is ~1.5x however the loop is run): white-box single-reply rollouts of
+every group trains: a deterministic alternating reward; by default 20 steps with the trainer at
+the config's `train.autocast` (off: float32); on the 2-core CPU default training + sync takes
+about as long as generation (2.6 + 0.45 s against 3.2 s a step, 2026-12-06), so the ceiling is
+~1.9x; `--autocast bfloat16` makes the training side ~1.4x cheaper, so generation bounds the
+asynchronous run and the ceiling falls to ~1.65x): white-box single-reply rollouts of
 the procedural `compare` / `add` tasks, `--group-size` x `--groups-per-step` rollouts a step,
 replies up to `--max-tokens`, at most `--concurrency` rollouts at once (default: the config's).
 
     .venv/bin/python bench/async.py                                     # ~6 min
     .venv/bin/python bench/async.py --max-staleness 1 --concurrency 8   # the defaults before
-    .venv/bin/python bench/async.py --steps 8 --autocast off            # training-bound: ceiling ~1.5x
+    .venv/bin/python bench/async.py --autocast bfloat16                 # generation-bound: ceiling ~1.65x
 """
 
 from __future__ import annotations
@@ -105,9 +105,10 @@ def main() -> None:
                              "rollout training grants ahead)")
     parser.add_argument("--max-staleness", type=int, default=TrainConfig().max_staleness,
                         help="train.max_staleness of the async run (default: the config's)")
-    parser.add_argument("--autocast", default="bfloat16", choices=("off", "bfloat16"),
-                        help="train.autocast of both runs (bfloat16, the default: mixed precision, a training "
-                             "side about as long as generation; off: training 1.6x generation, ceiling ~1.5x)")
+    parser.add_argument("--autocast", default=TrainConfig().autocast, choices=("off", "bfloat16"),
+                        help="train.autocast of both runs (default: the config's, off: a float32 training side "
+                             "about as long as generation; bfloat16: training ~1.4x cheaper, generation-bound, "
+                             "ceiling ~1.65x)")
     parser.add_argument("--order", choices=("sync-first", "async-first"), default="sync-first")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed 1-step run before the two timed ones")
