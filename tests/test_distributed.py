@@ -38,6 +38,22 @@ def _rows(n: int = 5) -> list[Row]:
     return rows
 
 
+def _shared_rows() -> list[Row]:
+    """Two groups of two rows, each group's rows sharing a 40-id prompt (packed once: a root and
+    a branch); `split_by_tokens` puts each group on one rank of two."""
+    rows = []
+    for g, prompt_start in enumerate((100, 500)):
+        prompt = tuple(prompt_start + (5 * t) % 300 for t in range(40))
+        for k, length in enumerate((60, 50)):  # a root and its branch fit `BUDGET` (60 + 10 ids)
+            own = tuple(200 + (11 * g + 7 * k + 3 * t) % 700 for t in range(length - 40))
+            n_trained = length // 4
+            mask = tuple([0] * (length - n_trained) + [1] * n_trained)
+            lps = tuple(-2.5 - 0.1 * k if m else 0.0 for m in mask)
+            vers = tuple(0 if m else -1 for m in mask)
+            rows.append(Row(prompt + own, mask, lps, vers, f"g{g}r{k}", g, 1.0 if k == 0 else -1.0))
+    return rows
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -54,13 +70,16 @@ def _run_case(model_dir: Path, rows: list[Row], ranks, lora_rank: int = 0) -> di
     torch.manual_seed(0)
     policy = load_policy(model_dir, learning_rate=LR, weight_decay=0.0, lora_rank=lora_rank, ranks=ranks)
     fn = loss_fn_for("ppo_clip")
+    forwarded: list[int] = []  # ids through the input embeddings, this rank
+    hook = policy.model.get_input_embeddings().register_forward_hook(lambda _m, a, _o: forwarded.append(a[0].numel()))
     acc = accumulate_gradients(policy.trained, rows, fn, temperature=1.0, token_budget=BUDGET, ranks=ranks)
+    hook.remove()
     grads = {n: _full(p.grad) for n, p in inner_module(policy.trained).named_parameters() if p.requires_grad}
     result = optimizer_step(policy.trained, policy.optimizer, rows, fn, temperature=1.0, token_budget=BUDGET,
                             max_grad_norm=1e9, ranks=ranks)
     weights = {k: v.clone() for k, v in full_state_dict(policy.trained, ranks).items()}
     return {"loss": acc.metrics["loss"], "tokens": acc.num_trained, "grads": grads, "weights": weights,
-            "metrics": dict(result.metrics)}
+            "metrics": dict(result.metrics), "forwarded": sum(forwarded)}
 
 
 def _resume_case(model_dir: Path, out_dir: Path, ranks) -> dict:
@@ -103,8 +122,9 @@ def _worker(rank: int, world: int, port: int, strategy: str, lora_rank: int, mod
             torch.save({"many": many}, Path(out_dir) / f"rank{rank}.pt")
             return
         one = _run_case(Path(model_dir), _rows(1), ranks)
+        shared = _run_case(Path(model_dir), _shared_rows(), ranks)
         resume = _resume_case(Path(model_dir), Path(out_dir), ranks)
-        torch.save({"many": many, "one": one, "resume": resume}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save({"many": many, "one": one, "shared": shared, "resume": resume}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         close_ranks(ranks)
 
@@ -117,7 +137,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def single(tiny_model_dir: Path) -> dict:
-    return {"many": _run_case(tiny_model_dir, _rows(), _single()), "one": _run_case(tiny_model_dir, _rows(1), _single())}
+    return {"many": _run_case(tiny_model_dir, _rows(), _single()), "one": _run_case(tiny_model_dir, _rows(1), _single()),
+            "shared": _run_case(tiny_model_dir, _shared_rows(), _single())}
 
 
 def _single():
@@ -128,7 +149,14 @@ def _single():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_equal_one_process(strategy: str, single: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
-    _check_two_ranks(strategy, 0, single, ("many", "one"), tiny_model_dir, tmp_path)
+    _check_two_ranks(strategy, 0, single, ("many", "one", "shared"), tiny_model_dir, tmp_path)
+    # each rank forwarded its group's prompt once (37 ids a branch), as one process does
+    whole = sum(len(r.input_ids) for r in _shared_rows())
+    assert single["shared"]["forwarded"] == single["shared"]["metrics"]["tokens_packed"] == whole - 2 * 37
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["shared"]
+        assert got["metrics"]["tokens_packed"] == whole - 2 * 37
+        assert got["forwarded"] == (whole - 2 * 37) // 2
     # a checkpoint of 2 ranks resumes to the same next step as the run that wrote it
     resume = torch.load(tmp_path / "rank0.pt", weights_only=False)["resume"]
     assert resume["state"] == {"step": 1, "policy_version": 1}
