@@ -3,6 +3,10 @@ fits 80 columns."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 from rich.console import Console
 
 from harnessrl.train.console import FINAL_COLUMNS, bound_line, final_table, rows_line, skip_reason, step_line
@@ -78,6 +82,50 @@ def test_bound_line_names_the_side_that_bounds_the_run() -> None:
     trained = [{"time/step_s": 10.0, "time/rollout_wait_s": 4.0, "time/train_s": 5.5, "time/sync_s": 0.5}]
     assert bound_line(trained).startswith("bound by training: of 10 s of steps, waiting for rollouts 40%, training 55%")
     assert bound_line([{"step": 0, "eval/pass_rate": 0.1}]) == ""
+
+
+def test_bound_line_says_when_other_processes_take_the_cpu() -> None:
+    """This process's and the other processes' CPU per step, and the latter's share of the
+    cores' time; from half of it the line says the loop ran on what they left."""
+    steps = [{"time/step_s": 20.0, "time/rollout_wait_s": 2.0, "time/train_s": 17.0, "time/sync_s": 1.0,
+              "time/process_cpu_s": 14.0, "time/other_cpu_s": 28.0},
+             {"time/step_s": 20.0, "time/rollout_wait_s": 2.0, "time/train_s": 17.0, "time/sync_s": 1.0,
+              "time/process_cpu_s": 16.0, "time/other_cpu_s": 20.0}]
+    line = bound_line(steps, cores=2)
+    assert line.startswith("bound by training: of 40 s of steps")
+    assert "this process 15.0 CPU-s/step; other processes (agents, their commands, other jobs) 24.0 CPU-s/step " \
+           "(60% of 2 cores)" in line
+    assert line.endswith("other processes took most of the CPU: training and generation ran on what they left")
+    light = bound_line(steps, cores=4)
+    assert "24.0 CPU-s/step (30% of 4 cores)" in light
+    assert "most of the CPU" not in light
+    assert "other processes" not in bound_line([{k: v for k, v in m.items() if k != "time/other_cpu_s"}
+                                                for m in steps], cores=2)
+
+
+def test_machine_busy_seconds_counts_another_process_on_the_cores(tmp_path: Path) -> None:
+    """The cores' busy time grows by what a child process burns (it is not this process's CPU),
+    and the per-core lines of /proc/stat are read as proc(5) lays them out."""
+    import subprocess
+    import sys
+    import time
+
+    from harnessrl.train.loop import machine_busy_seconds
+
+    before, own = machine_busy_seconds(), time.process_time()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.5: pass"], check=True)
+    busy = machine_busy_seconds()
+    assert busy is not None
+    assert busy - before - (time.process_time() - own) >= 0.4
+    stat = tmp_path / "stat"
+    cores = sorted(os.sched_getaffinity(0))
+    tick = os.sysconf("SC_CLK_TCK")
+    stat.write_text(f"cpu  9 9 9 9 9 9 9 9 0 0\n" + "".join(
+        f"cpu{c} {tick} 0 {2 * tick} 500 7 0 0 0 0 0\n" for c in cores) + "intr 1 2 3\n")
+    assert machine_busy_seconds(stat) == pytest.approx(3.0 * len(cores))
 
 
 def test_rows_line_totals_the_builders_counts_over_the_steps() -> None:

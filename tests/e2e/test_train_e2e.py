@@ -86,6 +86,10 @@ def test_mini_swe_agent_trains_one_step_through_the_proxy(tmp_path: Path) -> Non
     asyncio.run(train(cfg, run_dir))
     m = _assert_trained_and_clean(run_dir, tmp_path / "sandboxes")
     assert m["turns_mean"] >= 1
+    # the 4 agents' own processes run beside the trainer and the engine (mini imports litellm,
+    # ~3 CPU-s each): the step's metrics count them apart from this process's CPU
+    assert m["time/other_cpu_s"] >= 4.0
+    assert m["time/process_cpu_s"] > 0.0
 
 
 @pytest.mark.e2e

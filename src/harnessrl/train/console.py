@@ -6,6 +6,7 @@ Structured content (lists of parts) is rendered as text; nothing here may raise 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -129,19 +130,26 @@ def final_table(history: Sequence[dict[str, Any]]) -> Table:
     return table
 
 
-def bound_line(history: Sequence[dict[str, Any]]) -> str:
+def bound_line(history: Sequence[dict[str, Any]], cores: int | None = None) -> str:
     """Which part bounds the run, from the training steps' metrics (held-out evaluations left
     out): the shares of the steps' wall time (`time/step_s`) the trainer spent waiting for
     groups (`time/rollout_wait_s`: generation, sandboxes, agents and verifiers), training
     (`time/train_s`) and syncing (`time/sync_s`); the engine's busy fraction (`engine/busy_frac`,
     mean over steps, when the engine reports it); the event loop thread's CPU seconds per step
-    (`time/loop_cpu_s`: the proxy and the orchestrator); and the mean seconds a rollout spent
-    creating its sandbox and being verified. Generation bounds the run when the trainer waited
-    more than it trained and synced, else training does. "" when no step has timings."""
+    (`time/loop_cpu_s`: the proxy and the orchestrator); the CPU seconds per step of this
+    process (`time/process_cpu_s`) and of every other process on its cores
+    (`time/other_cpu_s`: the agents and their commands, other jobs), with the latter's share of
+    the cores' time over the steps (`cores` x the steps' wall time); and the mean seconds a
+    rollout spent creating its sandbox and being verified. Generation bounds the run when the
+    trainer waited more than it trained and synced, else training does; when other processes
+    took half the cores' time or more, the line says that training and generation ran on what
+    those left. `cores`: default, those this process may run on. "" when no step has timings."""
     steps = [m for m in history if "time/step_s" in m]
     total = sum(m["time/step_s"] for m in steps)
     if not steps or total <= 0:
         return ""
+    if cores is None:  # the cores this process may run on
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = {k: sum(m.get(f"time/{k}_s", 0.0) for m in steps) / total for k in ("rollout_wait", "train", "sync")}
     bound = "generation" if share["rollout_wait"] > share["train"] + share["sync"] else "training"
     parts = [f"bound by {bound}: of {total:.0f} s of steps, waiting for rollouts {share['rollout_wait']:.0%}, "
@@ -153,12 +161,29 @@ def bound_line(history: Sequence[dict[str, Any]]) -> str:
 
     for key, text, scale in (("engine/busy_frac", "engine busy {:.0%}", 1.0),
                              ("time/loop_cpu_s", "event loop CPU {:.1f} s/step", 1.0),
-                             ("sandbox_s_mean", "sandbox start {:.0f} ms/rollout", 1e3),
+                             ("time/process_cpu_s", "this process {:.1f} CPU-s/step", 1.0)):
+        value = mean(key)
+        if value is not None:
+            parts.append(text.format(value * scale))
+    other_share = None
+    if (other := mean("time/other_cpu_s")) is not None:
+        other_share = sum(m.get("time/other_cpu_s", 0.0) for m in steps) / (cores * total)
+        parts.append(f"other processes (agents, their commands, other jobs) {other:.1f} CPU-s/step "
+                     f"({other_share:.0%} of {cores} cores)")
+    for key, text, scale in (("sandbox_s_mean", "sandbox start {:.0f} ms/rollout", 1e3),
                              ("verify_s_mean", "verify {:.0f} ms/rollout", 1e3)):
         value = mean(key)
         if value is not None:
             parts.append(text.format(value * scale))
-    return "; ".join(parts)
+    line = "; ".join(parts)
+    if other_share is not None and other_share >= OTHERS_BOUND_SHARE:
+        line += "; other processes took most of the CPU: training and generation ran on what they left"
+    return line
+
+
+OTHERS_BOUND_SHARE = 0.5
+"""Share of the cores' time over the steps taken by other processes (`time/other_cpu_s`: the
+agents' own processes, other jobs) from which `bound_line` says they set the pace."""
 
 
 def rows_line(history: Sequence[Mapping[str, float]]) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,11 +67,37 @@ class StepClock:
     start: float = field(default_factory=time.monotonic)
     cpu: float = field(default_factory=time.thread_time)
     """CPU seconds of this (the event loop's) thread: the proxy, the orchestrator, sandboxes."""
+    process_cpu: float = field(default_factory=time.process_time)
+    """CPU seconds of this process (every thread: trainer, engine, event loop)."""
+    machine_busy: float | None = field(default_factory=lambda: machine_busy_seconds())
+    """`machine_busy_seconds()` at the step's start."""
     idle: float = 0.0
     engine: EngineStats | None = None
     pulled: float = 0.0
     trained: float = 0.0
     synced: float = 0.0
+
+
+def machine_busy_seconds(stat: Path = Path("/proc/stat")) -> float | None:
+    """CPU seconds the cores this process may run on (`os.sched_getaffinity`) have spent busy
+    since boot, every process together: user, nice, system, irq, softirq and steal time of their
+    `cpuN` lines in `/proc/stat` (`proc(5)`; idle and iowait left out), in clock ticks
+    (`SC_CLK_TCK`). None where there is no such file (not Linux). In a container limited by a
+    CPU quota rather than a cpuset, the cores are shared with the host's other tenants, whose
+    time counts too."""
+    try:
+        lines = stat.read_text().splitlines()
+        cores = os.sched_getaffinity(0)
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError, ValueError):
+        return None
+    busy = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in rest.split()[:8])
+            busy += user + nice + system + irq + softirq + steal
+    return busy / tick
 
 
 async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
@@ -228,8 +255,14 @@ def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], 
         # CPU of the event loop's thread: the proxy's HTTP, render and parse, the orchestrator
         # and sandbox management (the trainer and the engine have their own)
         "time/loop_cpu_s": time.thread_time() - clock.cpu,
+        "time/process_cpu_s": time.process_time() - clock.process_cpu,
         "rollouts_in_flight_groups": orch.groups_in_flight,
     })
+    busy = machine_busy_seconds()
+    if busy is not None and clock.machine_busy is not None:
+        # the cores' busy time not spent in this process: the agents and their commands (their
+        # own processes, in sandboxes), verifiers run as processes, and any other job
+        metrics["time/other_cpu_s"] = max(0.0, busy - clock.machine_busy - metrics["time/process_cpu_s"])
     engine_now = run.runtime.engine.stats()  # prefix cache and batching, this step
     if engine_now is not None:
         metrics.update(engine_now.step_metrics(clock.engine))
