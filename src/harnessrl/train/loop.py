@@ -76,6 +76,14 @@ class StepClock:
     pulled: float = 0.0
     trained: float = 0.0
     synced: float = 0.0
+    cpu_at_sync: tuple[float, float | None] = (0.0, None)
+    """`time.process_time()` and `machine_busy_seconds()` when the sync ended (`sync_done`)."""
+
+    def sync_done(self) -> None:
+        """The step's weight sync ended: its end of `time/step_s` and of the CPU counters (a
+        held-out evaluation after it is not part of the step)."""
+        self.synced = time.monotonic()
+        self.cpu_at_sync = (time.process_time(), machine_busy_seconds())
 
 
 def machine_busy_seconds(stat: Path = Path("/proc/stat")) -> float | None:
@@ -147,7 +155,7 @@ async def train(run: TrainingRun) -> list[dict[str, Any]]:
         if updated:
             version += 1
             metrics.update(await publish(run, version))
-        clock.synced = time.monotonic()
+        clock.sync_done()
         orch.after_sync(more=step < cfg.train.steps)  # the groups of later steps may start now
         metrics.update(await after_update(run, step, version, updated, clock))
         record_step(run, step, version, groups, metrics, clock)
@@ -255,10 +263,10 @@ def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], 
         # CPU of the event loop's thread: the proxy's HTTP, render and parse, the orchestrator
         # and sandbox management (the trainer and the engine have their own)
         "time/loop_cpu_s": time.thread_time() - clock.cpu,
-        "time/process_cpu_s": time.process_time() - clock.process_cpu,
+        "time/process_cpu_s": clock.cpu_at_sync[0] - clock.process_cpu,
         "rollouts_in_flight_groups": orch.groups_in_flight,
     })
-    busy = machine_busy_seconds()
+    busy = clock.cpu_at_sync[1]  # over the same span as `time/step_s`
     if busy is not None and clock.machine_busy is not None:
         # the cores' busy time not spent in this process: the agents and their commands (their
         # own processes, in sandboxes), verifiers run as processes, and any other job
