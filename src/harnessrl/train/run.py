@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -43,6 +44,33 @@ from harnessrl.train.setup import check_training, retain_freed_memory
 from harnessrl.train.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
+
+
+RUN_FILES = ("config.toml", "run.log", "metrics.jsonl", "rollouts.jsonl", "curve.png", "checkpoints", "eval",
+             "tensorboard", "wandb")
+"""What a training run writes into its directory (`set_aside_earlier_run` moves these)."""
+
+
+def set_aside_earlier_run(run_dir: Path) -> Path | None:
+    """Before a new (not resumed) run in `run_dir`: move what an earlier run wrote there
+    (`RUN_FILES`) into a sibling directory named after it and the time of its last write
+    (`runs/default` -> `runs/default.20261206-163105`, `-2` and on if taken), so the new run's
+    `metrics.jsonl` and `rollouts.jsonl` do not continue the old ones and a later `--resume`
+    cannot pick an old checkpoint, and nothing is lost. Other files in `run_dir` stay. Returns
+    the sibling, or None when there was nothing to move."""
+    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in found)))
+    target = run_dir.with_name(f"{run_dir.name}.{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = run_dir.with_name(f"{run_dir.name}.{stamp}-{n}")
+    target.mkdir(parents=True)
+    for path in found:
+        path.rename(target / path.name)
+    return target
 
 
 def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
@@ -64,9 +92,12 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
         finally:
             close_ranks(ranks)
         _end_follower(code)
+    earlier = None if resume else set_aside_earlier_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     setup_logging(cfg.log.level, run_dir / "run.log", console=console)
+    if earlier is not None:
+        log.info("%s held an earlier run: moved to %s (train --resume continues a run instead)", run_dir, earlier)
     if not resume:
         (run_dir / "config.toml").write_text(dump_config(cfg), encoding="utf-8")
     log.info("harnessrl train -> %s (model %s, harness %s, tasks %s, G=%d, %d steps)", run_dir,
