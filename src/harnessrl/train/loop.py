@@ -60,32 +60,6 @@ PARITY_BOUND = 1e-3
 """The step-0 check's bound on mean |exp(trainer - sampler logprob) - 1| (float32 on CPU)."""
 
 
-@dataclass
-class StepClock:
-    """Where one step's wall time went (the `time/*` metrics) and the counters read at its start."""
-
-    start: float = field(default_factory=time.monotonic)
-    cpu: float = field(default_factory=time.thread_time)
-    """CPU seconds of this (the event loop's) thread: the proxy, the orchestrator, sandboxes."""
-    process_cpu: float = field(default_factory=time.process_time)
-    """CPU seconds of this process (every thread: trainer, engine, event loop)."""
-    machine_busy: float | None = field(default_factory=lambda: machine_busy_seconds())
-    """`machine_busy_seconds()` at the step's start."""
-    idle: float = 0.0
-    engine: EngineStats | None = None
-    pulled: float = 0.0
-    trained: float = 0.0
-    synced: float = 0.0
-    cpu_at_sync: tuple[float, float | None] = (0.0, None)
-    """`time.process_time()` and `machine_busy_seconds()` when the sync ended (`sync_done`)."""
-
-    def sync_done(self) -> None:
-        """The step's weight sync ended: its end of `time/step_s` and of the CPU counters (a
-        held-out evaluation after it is not part of the step)."""
-        self.synced = time.monotonic()
-        self.cpu_at_sync = (time.process_time(), machine_busy_seconds())
-
-
 def machine_busy_seconds(stat: Path = Path("/proc/stat")) -> float | None:
     """CPU seconds the cores this process may run on (`os.sched_getaffinity`) have spent busy
     since boot, every process together: user, nice, system, irq, softirq and steal time of their
@@ -106,6 +80,40 @@ def machine_busy_seconds(stat: Path = Path("/proc/stat")) -> float | None:
             user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in rest.split()[:8])
             busy += user + nice + system + irq + softirq + steal
     return busy / tick
+
+
+@dataclass
+class StepClock:
+    """Where one step's wall time went (the `time/*` metrics) and the counters read at its start."""
+
+    start: float = field(default_factory=time.monotonic)
+    cpu: float = field(default_factory=time.thread_time)
+    """CPU seconds of this (the event loop's) thread: the proxy, the orchestrator, sandboxes."""
+    process_cpu: float = field(default_factory=time.process_time)
+    """CPU seconds of this process (every thread: trainer, engine, event loop)."""
+    machine_busy: float | None = field(default_factory=machine_busy_seconds)
+    """`machine_busy_seconds()` at the step's start."""
+    idle: float = 0.0
+    engine: EngineStats | None = None
+    pulled: float = 0.0
+    trained: float = 0.0
+    synced: float = 0.0
+    process_cpu_s: float = 0.0
+    """This process's CPU seconds from the start to `sync_done` (`time/process_cpu_s`)."""
+    other_cpu_s: float | None = None
+    """The cores' busy seconds over the same span not spent in this process (`time/other_cpu_s`);
+    None without `/proc/stat`."""
+
+    def sync_done(self) -> None:
+        """The step's weight sync ended: the end of `time/step_s` and of the CPU counters (a
+        held-out evaluation after it is not part of the step)."""
+        self.synced = time.monotonic()
+        self.process_cpu_s = time.process_time() - self.process_cpu
+        busy = machine_busy_seconds()
+        if busy is not None and self.machine_busy is not None:
+            # the agents and their commands (their own processes, in sandboxes), verifiers run
+            # as processes, and any other job
+            self.other_cpu_s = max(0.0, busy - self.machine_busy - self.process_cpu_s)
 
 
 async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
@@ -263,14 +271,11 @@ def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], 
         # CPU of the event loop's thread: the proxy's HTTP, render and parse, the orchestrator
         # and sandbox management (the trainer and the engine have their own)
         "time/loop_cpu_s": time.thread_time() - clock.cpu,
-        "time/process_cpu_s": clock.cpu_at_sync[0] - clock.process_cpu,
+        "time/process_cpu_s": clock.process_cpu_s,  # over the same span as `time/step_s`
         "rollouts_in_flight_groups": orch.groups_in_flight,
     })
-    busy = clock.cpu_at_sync[1]  # over the same span as `time/step_s`
-    if busy is not None and clock.machine_busy is not None:
-        # the cores' busy time not spent in this process: the agents and their commands (their
-        # own processes, in sandboxes), verifiers run as processes, and any other job
-        metrics["time/other_cpu_s"] = max(0.0, busy - clock.machine_busy - metrics["time/process_cpu_s"])
+    if clock.other_cpu_s is not None:
+        metrics["time/other_cpu_s"] = clock.other_cpu_s
     engine_now = run.runtime.engine.stats()  # prefix cache and batching, this step
     if engine_now is not None:
         metrics.update(engine_now.step_metrics(clock.engine))

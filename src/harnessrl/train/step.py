@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from harnessrl.train.distributed import (SINGLE, Ranks, all_reduce, gather_objects, inner_module, local_tensor,
+from harnessrl.train.distributed import (SINGLE, Ranks, all_reduce, gather_objects, local_tensor,
                                          split_by_tokens, zero_contribution)
 from harnessrl.loss.losses import LossFn
 from harnessrl.train.packing import (PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows,
@@ -168,8 +168,7 @@ def accumulate_gradients(
     maxs: dict[str, float] = {}
     abs_dev_sum = 0.0
     loss_total = 0.0
-    inner = inner_module(model)
-    with segment_attention(inner):  # also under a DDP wrapper, which hides the model's config
+    with segment_attention(model):  # it sees through a DDP wrapper to the model's config
         for k in range(num_micro):
             sync = k == num_micro - 1 or not isinstance(model, DistributedDataParallel)
             with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
