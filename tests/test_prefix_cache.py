@@ -121,6 +121,10 @@ def test_agent_turns_with_and_without_cache_agree(engines) -> None:  # noqa: ANN
 
 
 async def test_group_shares_the_task_prompt(engines) -> None:  # noqa: ANN001
+    """The prompt of a group's 4 rollouts is computed once: the copies that reached the engine
+    with the first are served by its forward (`prefill_shared`), those that came after it find it
+    in the prefix cache and compute only its last id (which of the two depends on when the
+    decode thread took them: both are counted)."""
     cached, _ = engines
     prompt = list(range(2000, 2090))
     before = cached.stats()
@@ -128,15 +132,18 @@ async def test_group_shares_the_task_prompt(engines) -> None:  # noqa: ANN001
         *(cached.generate(prompt, Sampling(temperature=1.0, max_tokens=6, seed=s)) for s in range(4))
     )
     after = cached.stats()
-    assert after.prefix_hits - before.prefix_hits == 3
-    assert after.prefill_tokens - before.prefill_tokens == len(prompt) + 3  # rollouts 2-4 compute the last id
+    hits = after.prefix_hits - before.prefix_hits
+    shared = after.prefill_shared - before.prefill_shared
+    assert hits + shared == 3
+    assert after.prefill_tokens - before.prefill_tokens == len(prompt) + hits  # a cache hit computes the last id
     assert len({c.completion_ids for c in outs}) > 1, "seeded rollouts should differ"
     # the step metrics a training run logs: this group's work only
     m = after.step_metrics(before)
-    assert m["engine/prefix_hits"] == 3 and m["engine/prefills"] == 4
-    assert m["engine/prefill_tokens"] == len(prompt) + 3
-    assert m["engine/prefix_hit_tokens"] == 3 * (len(prompt) - 1)
-    assert m["engine/prefix_hit_frac"] == pytest.approx(3 * 89 / (3 * 89 + 93))
+    assert m["engine/prefix_hits"] == hits and m["engine/prefill_shared"] == shared and m["engine/prefills"] == 4
+    assert m["engine/prefill_tokens"] == len(prompt) + hits
+    assert m["engine/prefix_hit_tokens"] == hits * (len(prompt) - 1) + shared * len(prompt)
+    reused = hits * 89 + shared * 90
+    assert m["engine/prefix_hit_frac"] == pytest.approx(reused / (reused + 90 + hits))
     assert m["engine/generated_tokens"] == sum(len(c.completion_ids) for c in outs)
     assert 1.0 <= m["engine/mean_batch_size"] <= 4.0
     assert m["engine/prefix_cache_tokens"] == after.prefix_cache_tokens > 0

@@ -20,7 +20,8 @@ class EngineStats:
     prefill_tokens: int
     """Prompt tokens run through the model in prefill (what the prefix cache saves on)."""
     prefix_hit_tokens: int
-    """Prompt tokens whose KV came from the prefix cache instead."""
+    """Prompt tokens whose KV came from the prefix cache instead, or from an identical prompt
+    computed in the same prefill forward (`prefill_shared`)."""
     prefix_hits: int
     """Prefills that started from a cached prefix."""
     prefill_chunks: int
@@ -30,6 +31,9 @@ class EngineStats:
     prefix_cache_evictions: int = 0
     prefill_batches: int = 0
     """Prefill forwards that ran several prompts together (counted in `prefill_chunks` too)."""
+    prefill_shared: int = 0
+    """Prefills served by an identical prompt computed in the same forward (counted in
+    `prefills`; their prompt tokens in `prefix_hit_tokens`)."""
     busy_seconds: float = 0.0
     """Wall seconds the decode thread spent prefilling or decoding (not waiting for work):
     divided by a step's wall time it is the engine's busy fraction (`engine/busy_frac`)."""

@@ -135,6 +135,7 @@ class EmbeddedEngine:
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         fast_decode: bool = True,
         pack_weights: bool = True,
+        share_prompts: bool = True,
     ) -> None:
         """Load the model and tokenizer from `model_dir` and start the decode thread.
 
@@ -159,6 +160,9 @@ class EmbeddedEngine:
             pack_weights: with `fast_decode`, on the CPU in float32, multiply through
                 oneDNN-packed copies of the weights (faster decode steps for one more copy of
                 the decode weights in memory; rebuilt after each `load_weights`).
+            share_prompts: identical prompts waiting together are computed once (a group's
+                rollouts sending their task prompt at once, `engine/embedded/prefill.py`);
+                False computes each, for comparison (`bench/engine.py --workload group`).
 
         Raises:
             EngineError: unknown dtype or device, `cuda` without a CUDA device, or non-positive sizes.
@@ -202,7 +206,7 @@ class EmbeddedEngine:
         self._prefix_cache = PrefixCache(prefix_cache_tokens)
         self._stats = zero_counters()
         self._prefill = PrefillScheduler(self._model, self._prefix_cache, prefill_chunk_tokens, self._stats,
-                                         admit=self._admit)
+                                         admit=self._admit, share_prompts=share_prompts)
         self._closed = False
         self._failure: BaseException | None = None
         self._close_lock = threading.Lock()

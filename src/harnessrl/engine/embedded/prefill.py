@@ -11,9 +11,11 @@ prompt found in the prefix cache (`engine/embedded/prefix_cache.py`; only its ne
 a prompt wholly cached still computes its last id, whose logits are needed). Requests whose
 new tokens fit in the budget together are prefilled in one batched forward (one pass over the
 weights instead of one per prompt: on CPU a forward costs about as much for 8 short prompts as
-for one). A request that would recompute more than a block of a group member's new tokens
-waits for the next group, where it finds them in the prefix cache (the G rollouts of a group
-share the task prompt that way). The first prompt that does not fit is prefilled in chunks in
+for one). A request whose prompt equals a group member's is not computed again: it
+follows that member and gets its KV and last-position logits (the G rollouts of a group send
+the same task prompt at once). A request that would otherwise recompute more than a block of a
+group member's new tokens waits for the next group, where it finds them in the prefix cache
+(a fork's history, a shared system prompt). The first prompt that does not fit is prefilled in chunks in
 its own batch-1 cache; the decode loop takes a step between its chunks. A prompt's KV is stored
 in the prefix cache when its prefill is done.
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -67,6 +69,9 @@ class _InProgress:
     req: Request
     cache: DynamicCache
     done: int
+    followers: list[Request] = field(default_factory=list)
+    """Admitted requests with the very same prompt, served by this one's forward (their KV
+    and last logits are this prompt's: computed once, `_admit_group`)."""
 
 
 class PrefillScheduler:
@@ -79,15 +84,18 @@ class PrefillScheduler:
         chunk_tokens: int,
         counters: dict[str, int],
         admit: Callable[[Request], bool],
+        share_prompts: bool = True,
     ) -> None:
         """Args:
             model: the engine's causal LM (forward with `cache=`, `logits_to_keep=`).
             prefix_cache: the engine's prefix cache (looked up at admission, filled after prefill).
             chunk_tokens: most prompt tokens computed per `run`, >= 1.
             counters: the engine's counter dict; `prefills`, `prefill_tokens`, `prefill_chunks`,
-                `prefill_batches`, `prefix_hits`, `prefix_hit_tokens` are increased here.
+                `prefill_batches`, `prefill_shared`, `prefix_hits`, `prefix_hit_tokens` are increased here.
             admit: called once per request as it leaves the queue (sets its version and
                 generator); False means it failed and was delivered its error (skipped).
+            share_prompts: a waiting request whose prompt equals a group member's follows it
+                (computed once, `_admit_group`); False computes every prompt.
         """
         assert chunk_tokens >= 1, f"chunk_tokens={chunk_tokens} must be >= 1"
         self._model = model
@@ -95,6 +103,7 @@ class PrefillScheduler:
         self._chunk_tokens = chunk_tokens
         self._counters = counters
         self._admit = admit
+        self._share_prompts = share_prompts
         self.waiting: collections.deque[Request] = collections.deque()
         self._current: _InProgress | None = None
 
@@ -114,7 +123,7 @@ class PrefillScheduler:
                 if not self.waiting or free <= 0:
                     break
                 group, overflow = self._admit_group(budget, free, version)
-                if len(group) > 1 or (group and overflow is not None):
+                if len(group) > 1 or (group and (overflow is not None or group[0].followers)):
                     budget -= self._prefill_together(group, version, done)
                     self._current = overflow
                     continue
@@ -182,13 +191,25 @@ class PrefillScheduler:
     def _admit_group(self, budget: int, free: int, version: int) -> tuple[list[_InProgress], _InProgress | None]:
         """Admit waiting requests, in order, whose new tokens fit in `budget` together (the
         group prefilled in one forward), and the first one that does not fit (prefilled in
-        chunks next), at most `free` in all. A request that shares more than a block of a
-        group member's new tokens waits, so that it finds them in the prefix cache instead."""
+        chunks next), at most `free` in all. A request whose prompt equals a group member's
+        joins it as a follower: the prompt is computed once and its KV and last logits serve
+        both (the G rollouts of a group send the same task prompt at once; computing it G times
+        cost a forward each, 0.2-0.3 s on SmolLM2-135M on one thread, and stalled every decoding
+        row meanwhile). A request that shares more than a block of a group member's new tokens
+        otherwise waits, so that it finds them in the prefix cache instead."""
         group: list[_InProgress] = []
+        admitted = 0
         tokens = 0
         block = self._cache.block_tokens if self._cache.enabled else 0
-        while self.waiting and len(group) < free:
+        while self.waiting and admitted < free:
             prompt = self.waiting[0].prompt_ids
+            leader = next((g for g in group if g.req.prompt_ids == prompt), None) if self._share_prompts else None
+            if leader is not None:
+                req = self.waiting.popleft()
+                if self._admit(req):
+                    leader.followers.append(req)
+                    admitted += 1
+                continue
             if block and any(_shares_beyond(prompt, g.req.prompt_ids, g.done + block) for g in group):
                 break
             p = self._start(self.waiting.popleft(), version)
@@ -198,6 +219,7 @@ class PrefillScheduler:
             if tokens + new > budget:
                 return group, p
             group.append(p)
+            admitted += 1
             tokens += new
         return group, None
 
@@ -223,17 +245,22 @@ class PrefillScheduler:
             row_kv, logits_B_V = group_forward(self._model, [(p.req.prompt_ids, p.done, p.cache) for p in group])
         except Exception as exc:  # noqa: BLE001 - these requests' prefill failed; the others go on
             log.warning("prefill of %d requests failed", len(group), exc_info=True)
-            for r in reqs:
+            for r in [*reqs, *(f for p in group for f in p.followers)]:
                 r.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
             return sum(n)
         self._counters["prefill_tokens"] += sum(n)
         self._counters["prefill_chunks"] += 1
         self._counters["prefill_batches"] += 1
         self._counters["prefills"] += len(group)
-        for r, kv, logits_V in zip(reqs, row_kv, logits_B_V, strict=True):
+        for p, kv, logits_V in zip(group, row_kv, logits_B_V, strict=True):
             if self._cache.enabled:  # copies: a view would keep the whole group's buffers alive
-                self._cache.insert(r.prompt_ids, version, [(k.clone(), v.clone()) for k, v in kv])
-            done.append(Prefilled(r, kv, logits_V))
+                self._cache.insert(p.req.prompt_ids, version, [(k.clone(), v.clone()) for k, v in kv])
+            done.append(Prefilled(p.req, kv, logits_V))
+            for follower in p.followers:  # the same prompt: the same KV and logits (the batch copies them)
+                done.append(Prefilled(follower, kv, logits_V))
+            self._counters["prefills"] += len(p.followers)
+            self._counters["prefill_shared"] += len(p.followers)
+            self._counters["prefix_hit_tokens"] += len(p.req.prompt_ids) * len(p.followers)
         return sum(n)
 
 
