@@ -15,6 +15,7 @@ from harnessrl.engine.embedded.request import Request
 from harnessrl.engine.embedded.sampler import RowSampling
 from harnessrl.engine.model_store import load_causal_lm
 from harnessrl.engine.stats import zero_counters
+from harnessrl.errors import EngineError
 from harnessrl.types import Sampling
 
 
@@ -114,3 +115,32 @@ def test_unshared_prompts_are_each_computed(tiny_model_dir: Path) -> None:
     assert [d.req for d in done] == requests
     assert counters["prefill_tokens"] == 3 * len(task) and counters["prefill_shared"] == 0
     assert all((d.logits_V - logits).abs().max().item() <= 1e-5 for d in done)
+
+
+def test_a_failed_forward_fails_the_followers_too(tiny_model_dir: Path) -> None:
+    """A prefill forward that raises delivers its error to every request it was to serve,
+    followers included, and the scheduler goes on with the next waiting prompt."""
+    model = load_causal_lm(tiny_model_dir)
+    task, other = tuple(range(300, 337)), tuple(range(500, 521))
+    delivered: list = []
+    calls = {"n": 0}
+    real_forward = model.forward
+
+    def failing_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real_forward(*args, **kwargs)
+
+    model.forward = failing_once  # type: ignore[method-assign]
+    counters = zero_counters()
+    scheduler = PrefillScheduler(model, PrefixCache(0), 512, counters, admit=lambda r: True)
+    requests = [_request(task, delivered) for _ in range(3)] + [_request(other, delivered)]
+    scheduler.waiting.extend(requests)
+    with torch.inference_mode():
+        assert scheduler.run(free_rows=16, version=0) == []
+        assert len(delivered) == 4 and all(isinstance(e, EngineError) and "boom" in str(e) for e in delivered)
+        later = _request(other, delivered)
+        scheduler.waiting.append(later)
+        done = scheduler.run(free_rows=16, version=0)
+    assert [d.req for d in done] == [later] and len(delivered) == 4
