@@ -192,11 +192,16 @@ def _require_agent(name: str) -> None:
 
 
 @pytest.mark.agents
-async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: Path) -> None:
+@pytest.mark.parametrize("client", ["direct", "litellm"])
+async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: Path, client: str) -> None:
+    """mini's text protocol through the proxy, with either model client: the direct one (the
+    default, mini's OpenRouter classes over `requests`) and mini's litellm classes; the same
+    request, and the direct client's mini starts without importing litellm."""
     _require_agent("mini-swe-agent")
     sandbox = await _backend(sandbox_root, proxy).create("mini", {"hello.py": "print('hi')\n"})
     session_id, endpoint = _open(proxy, "mini", sandbox)
-    harness = MiniSweAgentHarness(MiniSweAgentConfig(step_limit=2, model_retry_attempts=1))
+    harness = MiniSweAgentHarness(MiniSweAgentConfig(step_limit=2, model_retry_attempts=1,
+                                                     model_client=client))
     try:
         result = await harness.run(Task("t/4", "test", "Print the sum 2+3."), sandbox, endpoint, 180.0)
         trace = proxy.close_session(session_id)  # type: ignore[attr-defined]
@@ -214,6 +219,10 @@ async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: P
     # the default compact templates: the one-line system message, then the worked tasks and this one
     assert first["messages"][0]["content"] == COMPACT_SYSTEM
     assert first["messages"][1]["content"].rstrip().endswith("Task: Print the sum 2+3.")
+    agent = {k.lower(): v for k, v in trace.turns[0].headers.items()}.get("user-agent", "")
+    assert agent.startswith("python-requests/" if client == "direct" else "OpenAI/Python"), agent
+    assert set(first) <= {"model", "messages", "stop", "max_tokens", "temperature", "tools"}, sorted(first)
+    assert ("harnessrl_mini_client.ProxyTextbasedModel" in json.dumps(traj)) == (client == "direct")
 
 
 @pytest.mark.agents

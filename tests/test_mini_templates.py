@@ -1,8 +1,10 @@
 """mini-swe-agent's prompt options: the compact example-led templates (default), mini's bundled
-ones, explicit templates, and the compact action block mini parses with `action_regex`."""
+ones, explicit templates, and the compact action block mini parses with `action_regex`; its model
+client (the direct one shipped into the sandbox, or mini's litellm classes)."""
 
 from __future__ import annotations
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -10,7 +12,7 @@ import pytest
 
 from harnessrl.errors import ConfigError
 from harnessrl.harness.mini_swe_agent import (COMPACT_ACTION_REGEX, COMPACT_INSTANCE, COMPACT_SYSTEM,
-                                              MiniSweAgentConfig, MiniSweAgentHarness)
+                                              MiniSweAgentConfig, MiniSweAgentHarness, client_source)
 from harnessrl.harness.options import validate_options
 from harnessrl.types import Endpoint
 
@@ -147,3 +149,50 @@ def test_multiturn_job_config_is_the_lookup_recipe() -> None:
     makefile = (root / "Makefile").read_text()
     assert "AGENT_RECIPE ?= --config examples/train_agent.toml" in makefile
     assert "train-agent-ci:\n\t$(MAKE) train-agent AGENT_STEPS=1 EVAL=" in makefile
+
+
+class _Paths:
+    """The parts of `AgentPaths` `spec` reads (the state dir as the agent sees it: /home/agent/...)."""
+
+    workdir = "/work"
+    state_rel = ".harnessrl/mini-swe-agent"
+
+    def state(self, rel_path: str = "") -> str:
+        return f"/home/agent/{self.state_rel}/{rel_path}" if rel_path else f"/home/agent/{self.state_rel}"
+
+
+def _spec(monkeypatch: pytest.MonkeyPatch, **options: object):  # noqa: ANN202
+    harness = MiniSweAgentHarness(MiniSweAgentConfig(**options))
+    monkeypatch.setattr(harness, "command", lambda paths: ["mini"])
+    return harness.spec(SimpleNamespace(instruction="Print 5."), ENDPOINT, _Paths())  # type: ignore[arg-type]
+
+
+def test_the_direct_client_is_shipped_and_named_as_minis_model_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model client: the classes of `harness/mini_swe_agent_client.py` written
+    alone into a directory on the agent's PYTHONPATH, named as mini's model class; the model
+    name without litellm's provider prefix; no litellm-only option in the request fields."""
+    spec = _spec(monkeypatch)
+    files = {f.rel_path: f.content for f in spec.files}
+    client = files[".harnessrl/mini-swe-agent/pylib/harnessrl_mini_client.py"]
+    assert client == client_source() and "class ProxyTextbasedModel(OpenRouterTextbasedModel)" in client
+    assert spec.env["PYTHONPATH"] == "/home/agent/.harnessrl/mini-swe-agent/pylib"
+    assert "LITELLM_LOCAL_MODEL_COST_MAP" not in spec.env
+    assert spec.argv[spec.argv.index("-m") + 1] == "m"
+    cfg = json.loads(files[".harnessrl/mini-swe-agent/harnessrl.yaml"])
+    assert cfg["model"]["model_class"] == "harnessrl_mini_client.ProxyTextbasedModel"
+    assert cfg["model"]["model_kwargs"] == {"api_base": ENDPOINT.base_url, "api_key": "k"}
+    tools = json.loads({f.rel_path: f.content for f in _spec(monkeypatch, tool_calls=True).files}[
+        ".harnessrl/mini-swe-agent/harnessrl.yaml"])
+    assert tools["model"]["model_class"] == "harnessrl_mini_client.ProxyToolCallModel"
+
+
+def test_the_litellm_client_keeps_minis_litellm_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _spec(monkeypatch, model_client="litellm")
+    assert [f.rel_path for f in spec.files] == [".harnessrl/mini-swe-agent/harnessrl.yaml"]
+    assert "PYTHONPATH" not in spec.env and spec.env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
+    assert spec.argv[spec.argv.index("-m") + 1] == "openai/m"
+    cfg = json.loads(spec.files[0].content)
+    assert cfg["model"]["model_class"] == "litellm_textbased" and cfg["model"]["model_kwargs"]["drop_params"] is True
+    assert "model_class" not in _config(model_client="litellm", tool_calls=True)["model"]  # mini's default: litellm
+    with pytest.raises(ConfigError, match="model_client"):
+        validate_options("mini-swe-agent", {"model_client": "openai"})

@@ -86,9 +86,10 @@ def test_mini_swe_agent_trains_one_step_through_the_proxy(tmp_path: Path) -> Non
     asyncio.run(train(cfg, run_dir))
     m = _assert_trained_and_clean(run_dir, tmp_path / "sandboxes")
     assert m["turns_mean"] >= 1
-    # the 4 agents' own processes run beside the trainer and the engine (mini imports litellm,
-    # ~3 CPU-s each): the step's metrics count them apart from this process's CPU
-    assert m["time/other_cpu_s"] >= 4.0
+    # the agents' own processes (three groups of 4 granted at the default staleness: mini's
+    # start-up, ~0.3 CPU-s with its direct client, bubblewrap, the commands; 7.1 CPU-s measured)
+    # run beside the trainer and the engine: the step's metrics count them apart from this process's
+    assert m["time/other_cpu_s"] >= 2.0
     assert m["time/process_cpu_s"] > 0.0
 
 

@@ -10,10 +10,14 @@ or its argv, so the bash commands it runs (which inherit its environment) and th
 never see them.
 
 Protocols (mini-swe-agent 2.4 configs):
-  * `tool_calls=False` (default): `mini_textbased.yaml` with the `litellm_textbased` model
-    class; actions are ```` ```mswea_bash_command ```` blocks in plain text. For models that do
-    not emit tool calls (the CPU default SmolLM2-135M).
+  * `tool_calls=False` (default): `mini_textbased.yaml`; actions are ```` ```mswea_bash_command ````
+    blocks in plain text. For models that do not emit tool calls (the CPU default SmolLM2-135M).
   * `tool_calls=True`: `mini.yaml`, one `bash` tool called through OpenAI tool calls.
+Model client (`model_client`): `direct` (default) ships `harness/mini_swe_agent_client.py` as
+`pylib/harnessrl_mini_client.py` under the state dir (on the agent's `PYTHONPATH`) and names its
+classes as mini's `model.model_class` (mini's OpenRouter classes aimed at the proxy, over
+`requests`); `litellm` uses mini's litellm classes (`litellm_textbased` for the text protocol),
+whose import costs ~2.9 CPU-s per rollout.
 The run ends when a command prints `COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` (the rest of its
 output is the submission), at `step_limit`, or after `max_format_errors` bad replies in a row.
 mini runs the action of its last allowed step before it stops at `step_limit`, so a task
@@ -39,8 +43,9 @@ kept; None when empty); mini exits 0 at its limits, so only crashes set `error`.
 
 Environment (measured, see the harness-client notes): `MSWEA_CONFIGURED=true` (no set-up
 wizard), `MSWEA_COST_TRACKING=ignore_errors` (unknown model prices abort otherwise),
-`LITELLM_LOCAL_MODEL_COST_MAP=True` (no price-map download), `MSWEA_GLOBAL_CONFIG_DIR` inside
-the sandbox, `MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT` from the config.
+`MSWEA_GLOBAL_CONFIG_DIR` inside the sandbox, `MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT` from the
+config; with litellm also `LITELLM_LOCAL_MODEL_COST_MAP=True` (no price-map download), with the
+direct client `PYTHONPATH` (the client's directory, which holds nothing else).
 
 What this module deliberately does not do: parse the model's replies or count steps itself;
 the proxy trace is the record of what the model did.
@@ -49,6 +54,7 @@ the proxy trace is the record of what the model did.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -114,6 +120,10 @@ output after `Output: `, the form its worked examples show (mini's own wraps it 
 COMPACT_ACTION_REGEX = r"```(?:mswea_bash_command|bash|shell|sh)?[ \t]*\n(.*?)\n```"
 """The compact prompt's action block: a fence tagged `mswea_bash_command`, `bash`, `shell`,
 `sh` or untagged (mini's own only accepts `mswea_bash_command`)."""
+CLIENT_MODULE = "harnessrl_mini_client"
+"""The name mini imports `harness/mini_swe_agent_client.py` under in the sandbox."""
+CLIENT_DIR = "pylib"
+"""Its directory under the agent's state dir (on the agent's `PYTHONPATH`)."""
 TRAJECTORY_BYTES = 64 << 20
 """Largest trajectory file read back (a larger one reads as missing: truncated JSON)."""
 
@@ -137,6 +147,12 @@ class MiniSweAgentConfig(BaseModel):
     """Stop after this many replies in a row without exactly one action (0 = never)."""
     command_timeout_s: int = Field(default=30, ge=1)
     """Wall-clock limit of each bash command the agent runs (mini's `environment.timeout`)."""
+    model_client: Literal["direct", "litellm"] = "direct"
+    """How mini calls the proxy. `direct`: mini's own model classes over `requests`, aimed at the
+    proxy (`harness/mini_swe_agent_client.py`, shipped into the sandbox): mini starts in ~0.3 s.
+    `litellm`: mini's litellm classes (its default with a local endpoint), whose `import litellm`
+    costs ~2.9 CPU-s more in every rollout. The messages, action parsing, format errors,
+    observations, retries and trajectory are mini's own code either way."""
     model_retry_attempts: int = Field(default=2, ge=1)
     """Attempts per model call before mini gives up (mini retries failed calls with backoff)."""
     model_kwargs: dict[str, str | int | float | bool] = Field(default_factory=dict)
@@ -179,11 +195,13 @@ class MiniSweAgentHarness(CliAgentHarness):
         self.config = config or MiniSweAgentConfig()
 
     def spec(self, task: Task, endpoint: Endpoint, paths: AgentPaths) -> AgentSpec:
-        """mini's argv, env and config file; its result is read from its trajectory file."""
+        """mini's argv, env and files (its config, and with `model_client = "direct"` the model
+        classes it imports); its result is read from its trajectory file."""
         command = self.command(paths)
+        direct = self.config.model_client == "direct"
         argv = [
             *command, "-y", "--exit-immediately",
-            "-m", f"openai/{endpoint.model}",
+            "-m", endpoint.model if direct else f"openai/{endpoint.model}",  # litellm's provider prefix
             "-c", "mini.yaml" if self.config.tool_calls else "mini_textbased.yaml",
             "-c", paths.state("harnessrl.yaml"),
             "-o", paths.state("traj.json"),
@@ -196,27 +214,35 @@ class MiniSweAgentHarness(CliAgentHarness):
             "MSWEA_SILENT_STARTUP": "1",
             "MSWEA_GLOBAL_CONFIG_DIR": paths.state("global"),
             "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": str(self.config.model_retry_attempts),
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         }
         # JSON is valid YAML; mini requires the `.yaml` suffix.
-        config = AgentFile(f"{paths.state_rel}/harnessrl.yaml",
-                           json.dumps(self._agent_config(endpoint, paths), indent=2))
-        return AgentSpec(argv=argv, env=env, files=(config,), output=("home", f"{paths.state_rel}/traj.json"),
+        files = [AgentFile(f"{paths.state_rel}/harnessrl.yaml", json.dumps(self._agent_config(endpoint, paths), indent=2))]
+        if direct:
+            # alone in its directory: the agent's commands inherit PYTHONPATH, not the config's key
+            files.append(AgentFile(f"{paths.state_rel}/{CLIENT_DIR}/{CLIENT_MODULE}.py", client_source()))
+            env["PYTHONPATH"] = paths.state(CLIENT_DIR)
+        else:
+            env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+        return AgentSpec(argv=argv, env=env, files=tuple(files), output=("home", f"{paths.state_rel}/traj.json"),
                          output_bytes=TRAJECTORY_BYTES, interpret=interpret_trajectory)
 
     def _agent_config(self, endpoint: Endpoint, paths: AgentPaths) -> dict[str, Any]:
         """The config merged over mini's bundled one (mini merges `-c` specs recursively)."""
         cfg = self.config
+        direct = cfg.model_client == "direct"
         model: dict[str, Any] = {
             "model_kwargs": {
                 **cfg.model_kwargs,
                 "api_base": endpoint.base_url,
                 "api_key": endpoint.api_key,
-                "drop_params": True,
+                **({} if direct else {"drop_params": True}),
             },
         }
-        if not cfg.tool_calls:
+        if direct:
+            model["model_class"] = f"{CLIENT_MODULE}.{'ProxyToolCallModel' if cfg.tool_calls else 'ProxyTextbasedModel'}"
+        elif not cfg.tool_calls:
             model["model_class"] = "litellm_textbased"
+        if not cfg.tool_calls:
             regex = cfg.action_regex or (COMPACT_ACTION_REGEX if cfg.templates != "bundled" else None)
             if regex is not None:
                 model["action_regex"] = regex
@@ -248,6 +274,11 @@ class MiniSweAgentHarness(CliAgentHarness):
             "environment": {"cwd": paths.workdir, "timeout": cfg.command_timeout_s},
             "model": model,
         }
+
+
+def client_source() -> str:
+    """The source of `harness/mini_swe_agent_client.py`, the model classes shipped to mini."""
+    return resources.files("harnessrl.harness").joinpath("mini_swe_agent_client.py").read_text(encoding="utf-8")
 
 
 def interpret_trajectory(output: str | None, log_tail: str) -> AgentOutcome:
