@@ -27,9 +27,11 @@ sync-first, 0.95x async-first on the same workload), so `--order` is there to ch
 
 Workload (chosen so that both sides take comparable time per step on the CPU default, and
 every group trains: a deterministic alternating reward; by default 20 steps with the trainer at
-the config's `train.autocast` (off: float32); on the 2-core CPU default training + sync takes
-about as long as generation (2.6 + 0.45 s against 3.2 s a step, 2026-12-06), so the ceiling is
-~1.9x; `--autocast bfloat16` makes the training side ~1.4x cheaper, so generation bounds the
+the config's `train.autocast` (off: float32); on the 2-core CPU default training + sync took
+about as long as generation (2.6 + 0.45 s against 3.2 s a step, 2026-12-06), a ceiling of ~1.9x,
+until the engine computed a group's identical prompts once: generation then took 2.7 s against
+3.1 s, and the ceiling fell to ~1.8x (the synchronous run gains the most from cheaper
+generation, the trainer-bound asynchronous run less); `--autocast bfloat16` makes the training side ~1.4x cheaper, so generation bounds the
 asynchronous run and the ceiling falls to ~1.65x): white-box single-reply rollouts of
 the procedural `compare` / `add` tasks, `--group-size` x `--groups-per-step` rollouts a step,
 replies up to `--max-tokens`, at most `--concurrency` rollouts at once (default: the config's).
