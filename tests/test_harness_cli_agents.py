@@ -192,16 +192,18 @@ def _require_agent(name: str) -> None:
 
 
 @pytest.mark.agents
-@pytest.mark.parametrize("client", ["direct", "litellm"])
-async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: Path, client: str) -> None:
-    """mini's text protocol through the proxy, with either model client: the direct one (the
-    default, mini's OpenRouter classes over `requests`) and mini's litellm classes; the same
-    request, and the direct client's mini starts without importing litellm."""
+@pytest.mark.parametrize(("client", "tool_calls"), [("direct", False), ("litellm", False), ("direct", True)])
+async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: Path, client: str,
+                                                  tool_calls: bool) -> None:
+    """mini through the proxy with either model client: the direct one (the default, mini's
+    OpenRouter classes over `requests`) and mini's litellm classes, the same request; and the
+    direct client's tool-call protocol (its `bash` tool sent; random weights call no tool, so
+    mini answers with format errors until its limits)."""
     _require_agent("mini-swe-agent")
     sandbox = await _backend(sandbox_root, proxy).create("mini", {"hello.py": "print('hi')\n"})
     session_id, endpoint = _open(proxy, "mini", sandbox)
     harness = MiniSweAgentHarness(MiniSweAgentConfig(step_limit=2, model_retry_attempts=1,
-                                                     model_client=client))
+                                                     model_client=client, tool_calls=tool_calls))
     try:
         result = await harness.run(Task("t/4", "test", "Print the sum 2+3."), sandbox, endpoint, 180.0)
         trace = proxy.close_session(session_id)  # type: ignore[attr-defined]
@@ -215,14 +217,19 @@ async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: P
     assert 1 <= len(trace.turns) <= 2
     _assert_faithful_turns(trace)
     first = trace.turns[0].request
-    assert first["model"] == MODEL_NAME and "tools" not in first  # text protocol
+    assert first["model"] == MODEL_NAME
+    if tool_calls:
+        assert [t["function"]["name"] for t in first["tools"]] == ["bash"]
+        assert "harnessrl_mini_client.ProxyToolCallModel" in json.dumps(traj)
+    else:
+        assert "tools" not in first  # text protocol
+        assert ("harnessrl_mini_client.ProxyTextbasedModel" in json.dumps(traj)) == (client == "direct")
     # the default compact templates: the one-line system message, then the worked tasks and this one
     assert first["messages"][0]["content"] == COMPACT_SYSTEM
     assert first["messages"][1]["content"].rstrip().endswith("Task: Print the sum 2+3.")
     agent = {k.lower(): v for k, v in trace.turns[0].headers.items()}.get("user-agent", "")
     assert agent.startswith("python-requests/" if client == "direct" else "OpenAI/Python"), agent
     assert set(first) <= {"model", "messages", "stop", "max_tokens", "temperature", "tools"}, sorted(first)
-    assert ("harnessrl_mini_client.ProxyTextbasedModel" in json.dumps(traj)) == (client == "direct")
 
 
 @pytest.mark.agents
