@@ -174,7 +174,7 @@ def test_the_direct_client_is_shipped_and_named_as_minis_model_class(monkeypatch
     spec = _spec(monkeypatch)
     files = {f.rel_path: f.content for f in spec.files}
     client = files[".harnessrl/mini-swe-agent/pylib/harnessrl_mini_client.py"]
-    assert client == client_source() and "class ProxyTextbasedModel(OpenRouterTextbasedModel)" in client
+    assert client == client_source() and "class ProxyTextbasedModel(_AtProxy, OpenRouterTextbasedModel)" in client
     assert spec.env["PYTHONPATH"] == "/home/agent/.harnessrl/mini-swe-agent/pylib"
     assert "LITELLM_LOCAL_MODEL_COST_MAP" not in spec.env
     assert spec.argv[spec.argv.index("-m") + 1] == "m"

@@ -24,11 +24,13 @@ and the trajectory are mini's code: `ProxyTextbasedModel` is `OpenRouterTextbase
 from __future__ import annotations
 
 import json
+
 import requests
 from minisweagent.models.openrouter_model import (
     OpenRouterAPIError,
     OpenRouterAuthenticationError,
     OpenRouterModel,
+    OpenRouterModelConfig,
     OpenRouterRateLimitError,
 )
 from minisweagent.models.openrouter_textbased_model import OpenRouterTextbasedModel
@@ -67,25 +69,29 @@ def _post(model: OpenRouterModel, payload: dict[str, object]) -> dict[str, objec
     return response.json()
 
 
-class ProxyTextbasedModel(OpenRouterTextbasedModel):
+class _AtProxy:
+    """The endpoint and the transport, before mini's model class in the bases; `tools`: what
+    the body carries besides the messages."""
+
+    tools: tuple[dict[str, object], ...] = ()
+    config: OpenRouterModelConfig  # set by mini's class
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        _use_endpoint(self)
+
+    def _query(self, messages: list[dict[str, str]], **kwargs: object) -> dict[str, object]:
+        body: dict[str, object] = {"model": self.config.model_name, "messages": messages}
+        if self.tools:
+            body["tools"] = list(self.tools)
+        return _post(self, {**body, **(self.config.model_kwargs | kwargs)})
+
+
+class ProxyTextbasedModel(_AtProxy, OpenRouterTextbasedModel):
     """mini's text protocol (actions in fenced blocks), no tools."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)
-        _use_endpoint(self)
 
-    def _query(self, messages: list[dict[str, str]], **kwargs: object) -> dict[str, object]:
-        return _post(self, {"model": self.config.model_name, "messages": messages,
-                            **(self.config.model_kwargs | kwargs)})
-
-
-class ProxyToolCallModel(OpenRouterModel):
+class ProxyToolCallModel(_AtProxy, OpenRouterModel):
     """mini's tool-call protocol: one `bash` tool."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)
-        _use_endpoint(self)
-
-    def _query(self, messages: list[dict[str, str]], **kwargs: object) -> dict[str, object]:
-        return _post(self, {"model": self.config.model_name, "messages": messages, "tools": [BASH_TOOL],
-                            **(self.config.model_kwargs | kwargs)})
+    tools = (BASH_TOOL,)
