@@ -109,12 +109,13 @@ QUESTIONS = [
 ]
 
 
-def render_prompts(tokenizer: object, n: int) -> list[list[int]]:
+def render_prompts(tokenizer: object, n: int, tag: str = "") -> list[list[int]]:
+    """The first `n` of `QUESTIONS` as chat prompts; `tag` (when given) goes before each, with its index."""
     prompts = []
-    for q in QUESTIONS[:n]:
+    for i, q in enumerate(QUESTIONS[:n]):
         ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+            [{"role": "user", "content": f"{tag}.{i}: {q}" if tag else q}], add_generation_prompt=True, tokenize=True,
+            return_dict=False)
         prompts.append(list(ids))
     return prompts
 
@@ -329,6 +330,8 @@ def group_main(args: argparse.Namespace, model_dir: Path, tokenizer: object) -> 
     """`--workload group`: the prompts of a GRPO step arriving at once, each sent by a group's
     `--rollouts` rollouts, with the prompt computed once (the default) against once per rollout."""
     k, g = args.groups, args.rollouts
+    if k > len(QUESTIONS):
+        raise SystemExit(f"--groups {k}: at most {len(QUESTIONS)} (one question each)")
     print(f"workload=group groups={k} rollouts={g} max_tokens={args.max_tokens} threads={args.threads} "
           f"repeats={args.repeats}; median wall of interleaved repeats (machine shared)")
     engines = {name: EmbeddedEngine(model_dir, num_threads=args.threads, max_batch_size=max(8, k * g),
@@ -344,10 +347,8 @@ def group_main(args: argparse.Namespace, model_dir: Path, tokenizer: object) -> 
             bench_engine(eng, render_prompts(tokenizer, 2), 2)  # warm-up
         for r in range(args.repeats):
             # new questions each repeat (a step's tasks are new): the prefix cache holds the last ones
-            prompts = [tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                [{"role": "user", "content": f"Task {r}.{i}: {QUESTIONS[i % len(QUESTIONS)]}"}],
-                add_generation_prompt=True, tokenize=True, return_dict=False) for i in range(k)]
-            batch = [list(p) for p in prompts for _ in range(g)]
+            prompts = render_prompts(tokenizer, k, tag=f"Task {r}")
+            batch = [p for p in prompts for _ in range(g)]
             outs: dict[str, list[list[int]]] = {}
             for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
                 before = engines[name].stats()
