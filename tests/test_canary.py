@@ -94,6 +94,60 @@ def test_canary_passes_a_good_sync_and_stops_one_that_leaves_a_tensor_behind(tin
         assert dev > FP32_BOUND
 
 
+class _NormLeftBehind(InProcessWeightSync):
+    """The two-call publish of everything but the final norm (what a deferred canary calls)."""
+
+    def start_publish(self, policy, version):  # type: ignore[no-untyped-def]
+        weights = {k: v for k, v in export_weights(policy).items() if k != "model.norm.weight"}
+        applied = self._engine.submit_weights(weights, version)
+
+        def finish() -> SyncReport:
+            applied.result()
+            return SyncReport(version=version, seconds=0.0, bytes=0)
+
+        return finish
+
+
+def test_a_deferred_canary_returns_before_its_verdict_and_holds_a_failure(tiny_model_dir: Path) -> None:
+    """With `defer`, `publish` returns once the engine has the weights and the trainer has scored
+    the probe; the verdict arrives in `pending_canary` (the engine scores after the copy, the
+    trainer's forward overlapping it), a failed one holds the `CanaryError` and the next publish
+    raises it."""
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
+
+    policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
+    with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
+        scored = engine.prompt_logprobs
+        release = __import__("threading").Event()
+
+        def slow_scoring(ids, replica=0):  # type: ignore[no-untyped-def]
+            release.wait(30)  # the engine's half of the canary is still running when publish returns
+            return scored(ids, replica)
+
+        engine.prompt_logprobs = slow_scoring  # type: ignore[method-assign]
+        good = CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND, defer=True)
+        _perturb(policy.model, seed=1)
+        report = good.publish(policy, 1)
+        assert report.version == 1 and report.canary_abs_dev is None and report.pending_canary is not None
+        assert not report.pending_canary.done(), "publish did not wait for the engine's score"
+        assert "sync/canary_abs_dev" not in report.as_metrics()
+        release.set()
+        dev, seconds = report.pending_canary.result(timeout=60)
+        assert dev < 1e-5 and seconds > 0
+        assert engine.stats().weight_loads == 1
+        good.close()
+
+        broken = CanarySync(_NormLeftBehind(engine), engine, bound=FP32_BOUND, defer=True)
+        _perturb(policy.model, seed=2)
+        pending = broken.publish(policy, 2).pending_canary
+        assert pending is not None
+        with pytest.raises(CanaryError, match=r"replica embedded .* policy version 2: max \|trainer - engine\|"):
+            pending.result(timeout=60)
+        with pytest.raises(CanaryError, match="policy version 2"):
+            broken.publish(policy, 3)  # the failed verdict stops the next publish
+        broken.close()
+
+
 def test_make_weight_sync_wraps_the_sync_unless_the_knob_is_off(tiny_model_dir: Path) -> None:
     from harnessrl.engine.embedded.engine import EmbeddedEngine
 
@@ -115,12 +169,17 @@ def test_a_run_whose_sync_leaves_a_tensor_behind_stops_at_step_1(tmp_path: Path,
     from harnessrl.engine import weight_sync as ws
     from harnessrl.train.loop import run as train
 
-    def broken_publish(self, policy, version):  # type: ignore[no-untyped-def]
+    def broken_start(self, policy, version):  # type: ignore[no-untyped-def]
         weights = {k: v for k, v in export_weights(policy).items() if not k.endswith("layers.0.mlp.down_proj.weight")}
-        self._engine.load_weights(weights, version)
-        return SyncReport(version=version, seconds=0.0, bytes=0)
+        applied = self._engine.submit_weights(weights, version)
 
-    monkeypatch.setattr(ws.InProcessWeightSync, "publish", broken_publish)
+        def finish() -> SyncReport:
+            applied.result()
+            return SyncReport(version=version, seconds=0.0, bytes=0)
+
+        return finish
+
+    monkeypatch.setattr(ws.InProcessWeightSync, "start_publish", broken_start)
     cfg = load_config(None, [
         "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=8",
         "train.steps=2", "train.learning_rate=1e-2", "train.max_staleness=0",
@@ -138,3 +197,34 @@ def test_a_run_whose_sync_leaves_a_tensor_behind_stops_at_step_1(tmp_path: Path,
     rows = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] == [h["step"] for h in history]
     assert all(r["sync/canary_abs_dev"] < 1e-5 for r in rows if not r.get("skipped")), rows
+
+
+@pytest.mark.e2e
+def test_a_run_records_each_step_with_its_deferred_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real 3-step run whose engine takes 1.5 s to score the canary's probe: each step's publish
+    returns before the engine's score (`time/sync_s` below it), every step is recorded with its
+    own verdict (`sync/canary_seconds` includes the 1.5 s), and the run trains all 3 steps."""
+    import time as _time
+
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
+    from harnessrl.train.loop import run as train
+
+    scored = EmbeddedEngine.prompt_logprobs
+
+    def slow(self, ids, replica=0):  # type: ignore[no-untyped-def]
+        _time.sleep(1.5)
+        return scored(self, ids, replica)
+
+    monkeypatch.setattr(EmbeddedEngine, "prompt_logprobs", slow)
+    cfg = load_config(None, [
+        "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=8",
+        "train.steps=3", "train.learning_rate=1e-2", "train.max_staleness=1",
+        'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
+        f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+    history = asyncio.run(train(cfg, tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] == [h["step"] for h in history]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3], "every step trained"
+    for r in rows:
+        assert r["sync/canary_abs_dev"] < 1e-5 and r["sync/canary_seconds"] >= 1.5, r
+        assert r["time/sync_s"] < 1.5, "publish waited for the engine's score"

@@ -54,6 +54,33 @@ def test_a_non_finite_gradient_skips_the_update(tiny_model_dir: Path, poison: fl
     assert any(not torch.equal(moved[k], before[k]) for k in before)
 
 
+def test_an_error_before_the_update_leaves_the_weights_untouched(tiny_model_dir: Path) -> None:
+    """`before_update` (the loop's wait for the last canary verdict) runs after the gradients and
+    before the update; what it raises propagates, weights and optimizer state as they were."""
+    policy = load_policy(tiny_model_dir, learning_rate=1e-2, weight_decay=0.0, lora_rank=0)
+    before = export_weights(policy, copy=True)
+    calls: list[bool] = []
+
+    def refuse() -> None:
+        calls.append(all(p.grad is not None for p in policy.model.parameters() if p.requires_grad))
+        raise RuntimeError("verdict failed")
+
+    with pytest.raises(RuntimeError, match="verdict failed"):
+        optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"), temperature=1.0,
+                       token_budget=256, max_grad_norm=1.0, before_update=refuse)
+    assert calls == [True], "called once, with the gradients computed"
+    after = export_weights(policy)
+    assert all(torch.equal(after[k], before[k]) for k in before), "weights changed after before_update raised"
+    assert policy.optimizer.state_dict()["state"] == {}
+    assert all(p.grad is None for p in policy.model.parameters())
+    passed: list[int] = []
+    m = optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"), temperature=1.0,
+                       token_budget=256, max_grad_norm=1.0, before_update=lambda: passed.append(1)).metrics
+    assert passed == [1] and "skipped" not in m
+    moved = export_weights(policy)
+    assert any(not torch.equal(moved[k], before[k]) for k in before)
+
+
 def test_non_finite_weights_are_not_exported_or_saved(
     tiny_model_dir: Path, tmp_path: Path, tokenizer: object
 ) -> None:

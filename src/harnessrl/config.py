@@ -235,12 +235,13 @@ class TrainConfig(BaseModel):
     and the loss's importance ratio (clip, `tis_cap`) absorbs the mismatch."""
     sync_canary: bool = True
     """The weight-sync canary (`engine/canary.py`): after every publish the trainer and each
-    engine replica score a fixed 256-id sequence, before the groups of the new version are
-    granted; the max abs deviation of their per-token logprobs is `sync/canary_abs_dev`, and
-    above 1e-3 nats (float32 trainer and engine; 1.5 when either is bfloat16 or float16,
-    which catches gross failures only: `canary.BF16_BOUND`) the run stops with an error naming
-    the replica, the version and the deviation. Costs one forward of 256 ids on each side per
-    step, the two at once (`bench/sync.py --canary`); false turns it off."""
+    engine replica score a fixed sequence (64 ids when both hold float32 weights, else 256);
+    the max abs deviation of their per-token logprobs is `sync/canary_abs_dev`, and above
+    1e-3 nats (float32 trainer and engine; 1.5 when either is bfloat16 or float16, which
+    catches gross failures only: `canary.BF16_BOUND`) the run stops with an error naming the
+    replica, the version and the deviation, before the next update and before the step is
+    written (the engine's verdict arrives while the next step trains). Costs the trainer one
+    forward of the sequence per step (`bench/sync.py --canary`); false turns it off."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every N steps (0: only at the end)."""
     lora_rank: int = Field(default=0, ge=0)

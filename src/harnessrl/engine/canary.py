@@ -31,11 +31,23 @@ wraps the run's `WeightSync` (`engine/select.make_weight_sync` wraps it while `t
 Both sides score at temperature 1, where processed and raw logprobs are the same thing: the
 canary checks the weights, the start-up probe (`engine/vllm/client.py`) checks the sampling modes.
 
-When it runs: inside the sync, after the engine serves the new version and before `publish`
-returns, so before the training loop grants the groups of the new version
-(`Orchestrator.allow` follows the publish). Turns that rollouts already in flight send in
-between are sampled from the new weights, but a failed canary stops the run before any step
-trains on them.
+When it runs: inside the sync, after the engine serves the new version. Without `defer`,
+before `publish` returns. Deferred verdict (`defer=True`, the training loop's sync,
+`train/setup.py`): the trainer scores the probe on its own thread while the engine copies the
+weights (`weight_sync.StartsPublish`: the in-process copy is queued, not awaited, and the
+engine's score is queued behind it) or, for a server, right after the publish, while the
+replicas score on a thread of the canary; `publish` returns once the trainer's scores are in
+and the engine serves the new version, and the replicas' verdict arrives later in
+`SyncReport.pending_canary`. The trainer thread thus spends its own forward on the canary and
+no longer waits for the engine's, which waits for the decode step in flight and then shares the
+2 cores with the trainer: `bench/async.py` (SmolLM2-135M, float32) read `time/sync_s` 0.58-0.59
+s a step awaited and 0.43-0.46 s deferred. The loop grants the new version's groups at once, records the step when its verdict
+is in and applies the next update only after it (`train/loop.py`), so a failed canary stops
+the run before any update is applied to tokens sampled from the weights it rejected, and
+before the step that published them is written; the next `publish` also awaits it. Under
+fsdp2 (the trainer's forward is a collective) and for an engine that scores the probe its
+own way (`ScoresProbes`: the trainer must score what the replica sampled) the verdict is
+always awaited in `publish`.
 
 The probe (`probe_ids`): `half` ids drawn with a fixed seed from the frequent, non-special
 part of the vocabulary (ids 256-4095), then the same ids again. In the first half no id is
@@ -63,10 +75,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from harnessrl.engine.weight_sync import StartsPublish
 from harnessrl.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
@@ -250,30 +263,76 @@ class CanarySync:
         engine: the engine it publishes to (`replica_names`, `prompt_logprobs`).
         bound: the largest accepted deviation (`canary_bound`).
         half: ids in each half of the probe (`probe_half`).
+        defer: return from `publish` once the trainer has scored the probe, with the replicas'
+            verdict pending in `SyncReport.pending_canary` ("Deferred verdict" in the module
+            docstring); False waits for it. Ignored (the verdict is awaited) under fsdp2 and
+            for an engine that scores the probe its own way (`ScoresProbes`): there the
+            trainer's forward may be needed after the replicas have answered.
     """
 
-    def __init__(self, inner: WeightSync, engine: ScoresSequences, *, bound: float, half: int = PROBE_HALF) -> None:
+    def __init__(self, inner: WeightSync, engine: ScoresSequences, *, bound: float, half: int = PROBE_HALF,
+                 defer: bool = False) -> None:
         self.inner = inner
         self._engine = engine
         self.bound = bound
         self.half = half
+        self.defer = defer
+        self._pending: Future[tuple[float, float]] | None = None
+        self._verdicts: ThreadPoolExecutor | None = None
 
     def publish(self, policy: WeightSource, version: int) -> SyncReport:
-        """`inner.publish`, then the canary; the report gains `canary_abs_dev` and `canary_seconds`.
+        """`inner.publish`, then the canary; the report gains `canary_abs_dev` and
+        `canary_seconds`, or, deferred, `pending_canary`: a future of `(canary_abs_dev,
+        canary_seconds)` that holds the `CanaryError` of a failed verdict. A deferred verdict
+        still pending from the previous publish is awaited first.
 
         Raises:
             CanaryError: a replica deviates by more than `bound` (the engine serves `version`
-                already; the run is to stop).
+                already; the run is to stop); deferred, from the previous publish's verdict.
             NonFiniteWeightsError, EngineError: from the inner publish.
         """
-        report = self.inner.publish(policy, version)
-        t0 = time.perf_counter()
+        if self._pending is not None:
+            self._pending.result()
         ids = policy_probe(policy, self.half)
-        # the trainer's forward on this thread while the replicas score theirs; under fsdp2 the
-        # forward is a collective the other ranks join once (`TrainerGroup.follow`), so only the probe
-        reference = policy.sequence_logprobs(ids) if policy.sharded else policy.sequence_logprobs
-        dev = check_replicas(self._engine, ids, reference, version=version, bound=self.bound)
-        return replace(report, canary_abs_dev=dev, canary_seconds=time.perf_counter() - t0)
+        if policy.sharded or not self.defer or isinstance(self._engine, ScoresProbes):
+            report = self.inner.publish(policy, version)
+            t0 = time.perf_counter()
+            # the trainer's forward on this thread while the replicas score theirs; under fsdp2 the
+            # forward is a collective the other ranks join once (`TrainerGroup.follow`), so only the probe
+            reference = policy.sequence_logprobs(ids) if policy.sharded else policy.sequence_logprobs
+            dev = check_replicas(self._engine, ids, reference, version=version, bound=self.bound)
+            return replace(report, canary_abs_dev=dev, canary_seconds=time.perf_counter() - t0)
+        # an in-process copy: the trainer's forward below overlaps it
+        if isinstance(self.inner, StartsPublish):
+            finish = self.inner.start_publish(policy, version)
+        else:
+            published = self.inner.publish(policy, version)
+            finish = lambda: published  # noqa: E731 - already published
+        t0 = time.perf_counter()
+        trainer: Future[list[float]] = Future()
+
+        def verdict() -> tuple[float, float]:
+            # sent after the engine has the weights (or has them queued ahead of the probe)
+            dev = check_replicas(self._engine, ids, lambda seq: trainer.result(), version=version, bound=self.bound)
+            return dev, time.perf_counter() - t0
+
+        if self._verdicts is None:
+            self._verdicts = ThreadPoolExecutor(1, thread_name_prefix="canary-verdict")
+        pending = self._verdicts.submit(verdict)
+        try:
+            trainer.set_result(policy.sequence_logprobs(ids))
+        except BaseException as exc:
+            trainer.set_exception(exc)
+            raise
+        report = finish()
+        self._pending = pending
+        return replace(report, pending_canary=pending)
+
+    def close(self) -> None:
+        """Stop the verdicts' thread (after the verdict in flight); idempotent."""
+        if self._verdicts is not None:
+            self._verdicts.shutdown(wait=True)
+            self._verdicts = None
 
     def __getattr__(self, name: str) -> Any:  # the inner sync's own attributes (sync_dir, loaded_versions)
         if name == "inner":
@@ -281,8 +340,10 @@ class CanarySync:
         return getattr(self.inner, name)
 
 
-def with_canary(sync: WeightSync, engine: Any, *, trainer_dtype: str, engine_dtype: str) -> WeightSync:
-    """`sync` wrapped in a `CanarySync` with the bound and probe of the two dtypes.
+def with_canary(sync: WeightSync, engine: Any, *, trainer_dtype: str, engine_dtype: str,
+                defer: bool = False) -> WeightSync:
+    """`sync` wrapped in a `CanarySync` with the bound and probe of the two dtypes (`defer`:
+    `CanarySync`'s).
 
     Raises:
         ConfigError: the engine cannot score a sequence (no `prompt_logprobs`).
@@ -291,4 +352,4 @@ def with_canary(sync: WeightSync, engine: Any, *, trainer_dtype: str, engine_dty
         raise ConfigError(f"train.sync_canary = true needs an engine that scores a sequence; "
                           f"{type(engine).__name__} has no prompt_logprobs: set train.sync_canary = false")
     return CanarySync(sync, engine, bound=canary_bound(trainer_dtype, engine_dtype),
-                      half=probe_half(trainer_dtype, engine_dtype))
+                      half=probe_half(trainer_dtype, engine_dtype), defer=defer)

@@ -42,6 +42,10 @@ class SyncSettings:
     keep_versions: int = 2
     """`train.max_staleness + 1`: LoRA adapter versions kept loaded (rollouts in flight may
     still sample from the oldest)."""
+    defer_canary: bool = False
+    """The canary's verdict comes after `publish` returns, in `SyncReport.pending_canary`
+    (`canary.CanarySync`'s `defer`): for a caller that awaits it before the next update, as the
+    training loop does."""
 
 
 def make_weight_sync(engine_config: EmbeddedEngineConfig | VllmEngineConfig, engine: object,
@@ -73,7 +77,8 @@ def make_weight_sync(engine_config: EmbeddedEngineConfig | VllmEngineConfig, eng
         case other:
             raise ConfigError(f"engine.kind={other!r} has no weight sync")
     if settings.canary:
-        sync = with_canary(sync, engine, trainer_dtype=settings.trainer_dtype, engine_dtype=engine_config.dtype)
+        sync = with_canary(sync, engine, trainer_dtype=settings.trainer_dtype, engine_dtype=engine_config.dtype,
+                           defer=settings.defer_canary)
     return sync
 
 

@@ -36,9 +36,10 @@ compute how far the weights moved (`train.step` measures the update itself).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from harnessrl.errors import HarnessRLError
@@ -131,6 +132,10 @@ class SyncReport:
     canary_seconds: float | None = None
     """Wall seconds of the canary (both sides' scoring, after the publish; not in `seconds`);
     None when off."""
+    pending_canary: Future[tuple[float, float]] | None = None
+    """A deferred canary's verdict (`engine/canary.CanarySync` with `defer`): completes with
+    `(canary_abs_dev, canary_seconds)` or holds its `CanaryError`; None when the canary is off
+    or was awaited (then the two fields above hold it)."""
 
     def as_metrics(self) -> dict[str, float]:
         """`sync/seconds` and `sync/bytes` (and `sync/pause_seconds`, `sync/canary_abs_dev`,
@@ -161,10 +166,18 @@ class WeightSync(Protocol):
         ...
 
 
+@runtime_checkable
+class StartsPublish(Protocol):
+    """A sync whose publish comes in two calls, so the trainer can read (not change) its
+    weights while the engine takes them (`InProcessWeightSync.start_publish`)."""
+
+    def start_publish(self, policy: WeightSource, version: int) -> Callable[[], SyncReport]: ...
+
+
 class InProcessWeights(Protocol):
     """An engine in this process that copies tensors into its model between decode steps."""
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+    def submit_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> Future[None]: ...
 
 
 class InProcessWeightSync:
@@ -178,9 +191,27 @@ class InProcessWeightSync:
         self._engine = engine
 
     def publish(self, policy: WeightSource, version: int) -> SyncReport:
+        return self.start_publish(policy, version)()
+
+    def start_publish(self, policy: WeightSource, version: int) -> Callable[[], SyncReport]:
+        """Export the weights and queue their copy into the engine; returns the function that
+        waits until the engine serves them and gives the report (`publish` is the two at once).
+        Until it returns, the policy's weights must not change (they may be read: the canary's
+        trainer forward runs meanwhile, `engine/canary.CanarySync`); anything sent to the engine
+        after `start_publish` returns is served from the new weights.
+
+        Raises:
+            NonFiniteWeightsError: a weight is NaN or inf (nothing is published).
+            EngineError: the engine rejected the weights or is stopped (from either call).
+        """
         t0 = time.perf_counter()
         weights = policy.export_weights()
-        self._engine.load_weights(weights, version)
+        applied = self._engine.submit_weights(weights, version)
         size = sum(t.numel() * t.element_size() for t in weights.values())
-        return SyncReport(version=version, seconds=time.perf_counter() - t0, bytes=size)
+
+        def finish() -> SyncReport:
+            applied.result()
+            return SyncReport(version=version, seconds=time.perf_counter() - t0, bytes=size)
+
+        return finish
 

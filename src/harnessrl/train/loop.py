@@ -28,6 +28,7 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from rich.console import Console
 
 from harnessrl.config import RunConfig
 from harnessrl.engine.stats import EngineStats
+from harnessrl.engine.weight_sync import SyncReport
 from harnessrl.train.console import (
     bound_line,
     final_table,
@@ -52,6 +54,9 @@ from harnessrl.train.setup import TrainingRun, open_run
 from harnessrl.types import Group
 
 log = logging.getLogger(__name__)
+
+StepMetrics = dict[str, Any]
+"""One step's metrics (`metrics.jsonl` line): numbers, and `skip_reason` text on a skipped step."""
 
 PROGRESS_EVERY_S = 30.0
 """Off a terminal, seconds between progress records while a step waits for its groups."""
@@ -103,6 +108,12 @@ class StepClock:
     other_cpu_s: float | None = None
     """The cores' busy seconds over the same span not spent in this process (`time/other_cpu_s`);
     None without `/proc/stat`."""
+    ended: float = 0.0
+    """When the step's work ended (`end`): the end of the engine counters' span."""
+    idle_end: float = 0.0
+    loop_cpu_end: float = 0.0
+    engine_end: EngineStats | None = None
+    groups_in_flight: int = 0
 
     def sync_done(self) -> None:
         """The step's weight sync ended: the end of `time/step_s` and of the CPU counters (a
@@ -115,9 +126,18 @@ class StepClock:
             # as processes, and any other job
             self.other_cpu_s = max(0.0, busy - self.machine_busy - self.process_cpu_s)
 
+    def end(self, run: TrainingRun) -> None:
+        """The step's work is done (its held-out evaluation included): the counters read now
+        close its span, however late its record is written (`record_step`)."""
+        self.ended = time.monotonic()
+        self.idle_end = run.orchestrator.idle_seconds
+        self.loop_cpu_end = time.thread_time()
+        self.engine_end = run.runtime.engine.stats()
+        self.groups_in_flight = run.orchestrator.groups_in_flight
+
 
 async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
-              ranks: Ranks | None = None) -> list[dict[str, Any]]:
+              ranks: Ranks | None = None) -> list[StepMetrics]:
     """Open the run of `cfg` in `run_dir` and train it (`open_run`, then `train`); returns the
     per-step metrics.
 
@@ -128,13 +148,20 @@ async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: C
         return await train(training_run)
 
 
-async def train(run: TrainingRun) -> list[dict[str, Any]]:
+async def train(run: TrainingRun) -> list[StepMetrics]:
     """The training loop over an open run; returns the per-step metrics it logged (with
     `train.eval_every`, a first entry with `step` 0 holds the held-out evaluation before any
-    update)."""
+    update).
+
+    The weight-sync canary's verdict on step k's publish (`engine/canary.py`, deferred) arrives
+    while step k+1 trains: step k is recorded when it arrives, and step k+1's update waits for
+    it (`TrainerGroup.step`'s `before_update`), so a failed canary stops the run before any
+    update is applied to tokens sampled from the weights it rejected, and before step k is
+    written. A step followed by a held-out evaluation or a checkpoint, and the last, waits for
+    its verdict itself."""
     cfg, orch = run.cfg, run.orchestrator
     version = run.resume.version
-    history: list[dict[str, Any]] = []
+    history: list[StepMetrics] = []
     orch.start()
     if run.eval_tasks is not None and run.resume.checkpoint is None:
         # before the first update (training rollouts of step 1 run meanwhile)
@@ -143,34 +170,95 @@ async def train(run: TrainingRun) -> list[dict[str, Any]]:
         for sink in run.sinks:
             sink.log(0, before)
     nonfinite_skips = 0  # updates skipped for a NaN/inf gradient norm, this process
-    for step in range(run.resume.step + 1, cfg.train.steps + 1):
-        clock = StepClock(idle=orch.idle_seconds, engine=run.runtime.engine.stats())
-        groups = await pull_groups(run, step)
-        extra = await run.sampling.draw(groups, cfg.train.groups_per_step, version)
-        clock.pulled = time.monotonic()
-        batch = rows_for_step(groups, hooks=run.hooks, advantage_fn=run.advantage_fn, version=version,
-                              max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary)
-        metrics: dict[str, Any] = {"step": step, **batch.metrics}
-        if cfg.train.dynamic_sampling_max_groups:
-            metrics["groups_drawn_extra"] = float(extra)
-        if step == run.resume.step + 1 and run.resume.checkpoint is None:
-            metrics.update(await step0_check(run, batch))
-        metrics.update(await trainer_step(run, batch, step))
-        nonfinite_skips += int(metrics.get("skipped_nonfinite", 0))
-        metrics["skipped_nonfinite_steps"] = float(nonfinite_skips)
-        clock.trained = time.monotonic()
-        updated = bool(batch.rows) and not metrics.get("skipped")
-        if updated:
-            version += 1
-            metrics.update(await publish(run, version))
-        clock.sync_done()
-        orch.after_sync(more=step < cfg.train.steps)  # the groups of later steps may start now
-        metrics.update(await after_update(run, step, version, updated, clock))
-        record_step(run, step, version, groups, metrics, clock)
-        history.append(metrics)
-        await checkpoint(run, step, version)
+    verdict: Future[tuple[float, float]] | None = None  # the canary's on the last publish
+    recording: asyncio.Future[None] | None = None  # the last step's record, waiting for that verdict
+    try:
+        for step in range(run.resume.step + 1, cfg.train.steps + 1):
+            clock = StepClock(idle=orch.idle_seconds, engine=run.runtime.engine.stats())
+            groups = await pull_groups(run, step)
+            extra = await run.sampling.draw(groups, cfg.train.groups_per_step, version)
+            clock.pulled = time.monotonic()
+            batch = rows_for_step(groups, hooks=run.hooks, advantage_fn=run.advantage_fn, version=version,
+                                  max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary)
+            metrics: StepMetrics = {"step": step, **batch.metrics}
+            if cfg.train.dynamic_sampling_max_groups:
+                metrics["groups_drawn_extra"] = float(extra)
+            if step == run.resume.step + 1 and run.resume.checkpoint is None:
+                metrics.update(await step0_check(run, batch))
+            metrics.update(await trainer_step(run, batch, step, verdict))
+            nonfinite_skips += int(metrics.get("skipped_nonfinite", 0))
+            metrics["skipped_nonfinite_steps"] = float(nonfinite_skips)
+            clock.trained = time.monotonic()
+            updated = bool(batch.rows) and not metrics.get("skipped")
+            pending = None
+            if updated:
+                version += 1
+                report = await publish(run, version)
+                metrics.update(report.as_metrics())
+                verdict = pending = report.pending_canary
+            clock.sync_done()
+            orch.after_sync(more=step < cfg.train.steps)  # the groups of later steps may start now
+            if pending is not None and (step == cfg.train.steps or eval_due(cfg, step) or checkpoint_due(cfg, step)):
+                metrics.update(await canary_metrics(pending))  # before the evaluation reads the engine
+                pending = None
+            metrics.update(await after_update(run, step, version, updated, clock))
+            clock.end(run)
+            if recording is not None:
+                await recording
+            recording = asyncio.ensure_future(record_when_verified(run, step, version, groups, metrics, clock,
+                                                                   pending))
+            history.append(metrics)
+            if checkpoint_due(cfg, step):
+                await recording
+                await checkpoint(run, step, version)
+    except BaseException:
+        if recording is not None:  # a completed step is written unless its canary failed
+            try:
+                await asyncio.shield(recording)
+            except Exception as exc:  # noqa: BLE001 - the run is ending with its own error
+                log.error("the last completed step was not recorded: %s", exc)
+        raise
+    if recording is not None:
+        await recording
     finish(run, history)
     return history
+
+
+def eval_due(cfg: RunConfig, step: int) -> bool:
+    """Whether a held-out evaluation follows step `step`."""
+    return bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+
+
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """Whether `checkpoints/step-k` is written after step `step` (`train.checkpoint_every`, and
+    the last step)."""
+    every = cfg.train.checkpoint_every
+    return step == cfg.train.steps or bool(every and step % every == 0)
+
+
+async def canary_metrics(verdict: Future[tuple[float, float]]) -> dict[str, float]:
+    """`sync/canary_abs_dev` and `sync/canary_seconds` of a deferred canary once its verdict is
+    in.
+
+    Raises:
+        CanaryError: the verdict failed.
+    """
+    dev, seconds = await asyncio.wrap_future(verdict)
+    return {"sync/canary_abs_dev": dev, "sync/canary_seconds": seconds}
+
+
+async def record_when_verified(run: TrainingRun, step: int, version: int, groups: list[Group],
+                               metrics: StepMetrics, clock: StepClock,
+                               verdict: Future[tuple[float, float]] | None) -> None:
+    """`record_step` once the step's canary verdict (when one is pending) is in; nothing is
+    written when it fails.
+
+    Raises:
+        CanaryError: the verdict failed.
+    """
+    if verdict is not None:
+        metrics.update(await canary_metrics(verdict))
+    record_step(run, step, version, groups, metrics, clock)
 
 
 async def pull_groups(run: TrainingRun, step: int) -> list[Group]:
@@ -209,12 +297,18 @@ async def step0_check(run: TrainingRun, batch: StepRows) -> dict[str, float]:
     return {"step0/ratio_abs_dev": parity}
 
 
-async def trainer_step(run: TrainingRun, batch: StepRows, step: int) -> dict[str, Any]:
-    """One optimizer step over the rows on the trainer thread (rollouts continue meanwhile);
-    a step with no row is skipped, and says why."""
-    metrics: dict[str, Any] = {}
+async def trainer_step(run: TrainingRun, batch: StepRows, step: int,
+                       verdict: Future[tuple[float, float]] | None = None) -> StepMetrics:
+    """One optimizer step over the rows on the trainer thread (rollouts continue meanwhile),
+    its update applied once `verdict` (the last publish's canary) passed; a step with no row is
+    skipped, and says why.
+
+    Raises:
+        CanaryError: `verdict` failed (no update applied)."""
+    metrics: StepMetrics = {}
     if batch.rows:
-        result = await run.on_trainer(run.trainer.step, batch.rows, step)
+        result = await run.on_trainer(run.trainer.step, batch.rows, step,
+                                      verdict.result if verdict is not None else None)
         metrics.update(result.metrics)
     else:
         metrics["skipped"] = 1.0
@@ -223,14 +317,14 @@ async def trainer_step(run: TrainingRun, batch: StepRows, step: int) -> dict[str
     return metrics
 
 
-async def publish(run: TrainingRun, version: int) -> dict[str, float]:
+async def publish(run: TrainingRun, version: int) -> SyncReport:
     """Publish the weights as `version`; blocks (on the trainer thread) until the engine serves
-    them (`WeightSync`, with the canary when on). Returns `sync/*`."""
-    report = await run.on_trainer(run.trainer.publish, run.sync, version)
-    return report.as_metrics()
+    them (`WeightSync`; with the canary on, its verdict may still be pending:
+    `SyncReport.pending_canary`)."""
+    return await run.on_trainer(run.trainer.publish, run.sync, version)
 
 
-async def after_update(run: TrainingRun, step: int, version: int, updated: bool, clock: StepClock) -> dict[str, Any]:
+async def after_update(run: TrainingRun, step: int, version: int, updated: bool, clock: StepClock) -> StepMetrics:
     """What is measured once the engine has the step's weights: how far the update moved them
     (the first update and every `log.update_norm_every`-th after it), and the held-out
     evaluation when due."""
@@ -239,7 +333,7 @@ async def after_update(run: TrainingRun, step: int, version: int, updated: bool,
     if updated and norm_every and (version - 1) % norm_every == 0:
         metrics["param_delta_l2"] = await run.on_trainer(run.trainer.update_norm)
         metrics["time/update_norm_s"] = time.monotonic() - clock.synced
-    if run.eval_tasks is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+    if run.eval_tasks is not None and eval_due(cfg, step):
         metrics.update(await held_out(run, step))  # the policy after this step
     return metrics
 
@@ -254,12 +348,11 @@ async def held_out(run: TrainingRun, after_step: int) -> dict[str, float]:
         out_dir=run.run_dir / "eval" / f"step-{after_step}")
 
 
-def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], metrics: dict[str, Any],
+def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], metrics: StepMetrics,
                 clock: StepClock) -> None:
     """The step completed: its timings and engine counters join its metrics; its rollouts
     (the verifier's reward and the training reward, both) go to `rollouts.jsonl`, its metrics
     to every sink, its line and its first conversations to the console."""
-    orch = run.orchestrator
     metrics.update({
         "policy_version": version,
         "time/rollout_wait_s": clock.pulled - clock.start,
@@ -267,20 +360,19 @@ def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], 
         "time/sync_s": clock.synced - clock.trained,
         "time/step_s": clock.synced - clock.start,
         # the generation side's wait: no rollout running (nothing for the engine)
-        "time/rollouts_idle_s": orch.idle_seconds - clock.idle,
+        "time/rollouts_idle_s": clock.idle_end - clock.idle,
         # CPU of the event loop's thread: the proxy's HTTP, render and parse, the orchestrator
         # and sandbox management (the trainer and the engine have their own)
-        "time/loop_cpu_s": time.thread_time() - clock.cpu,
+        "time/loop_cpu_s": clock.loop_cpu_end - clock.cpu,
         "time/process_cpu_s": clock.process_cpu_s,  # over the same span as `time/step_s`
-        "rollouts_in_flight_groups": orch.groups_in_flight,
+        "rollouts_in_flight_groups": clock.groups_in_flight,
     })
     if clock.other_cpu_s is not None:
         metrics["time/other_cpu_s"] = clock.other_cpu_s
-    engine_now = run.runtime.engine.stats()  # prefix cache and batching, this step
-    if engine_now is not None:
-        metrics.update(engine_now.step_metrics(clock.engine))
-        # over the same span as the counters (from the step's start to now)
-        metrics["engine/busy_frac"] = metrics["engine/busy_seconds"] / max(time.monotonic() - clock.start, 1e-9)
+    if clock.engine_end is not None:  # prefix cache and batching, this step
+        metrics.update(clock.engine_end.step_metrics(clock.engine))
+        # over the same span as the counters (from the step's start to its end)
+        metrics["engine/busy_frac"] = metrics["engine/busy_seconds"] / max(clock.ended - clock.start, 1e-9)
     for g in groups:
         for r in g.rollouts:
             run.rollouts_file.write(r.model_dump_json() + "\n")
@@ -296,8 +388,7 @@ async def checkpoint(run: TrainingRun, step: int, version: int) -> None:
     """`checkpoints/step-k` every `train.checkpoint_every` steps and after the last: the policy,
     the optimizer and the data position (the next new group, and the groups dispatched but not
     trained on yet, which a resumed run replays). Finished even when the run is stopped meanwhile."""
-    every = run.cfg.train.checkpoint_every
-    if not (step == run.cfg.train.steps or (every and step % every == 0)):
+    if not checkpoint_due(run.cfg, step):
         return
     orch = run.orchestrator
     state = {"step": step, "policy_version": version, "next_group_id": orch.next_group_id,
@@ -312,7 +403,7 @@ async def checkpoint(run: TrainingRun, step: int, version: int) -> None:
     log.info("checkpoint %s", directory)
 
 
-def finish(run: TrainingRun, history: list[dict[str, Any]]) -> None:
+def finish(run: TrainingRun, history: list[StepMetrics]) -> None:
     """The closing table, the line naming the side that bounds the run, the rows-and-credit
     line (rows per rollout, merge shares, trained tokens by turn), and the curve."""
     out = Console()

@@ -38,6 +38,7 @@ import torch
 from rich.console import Console
 
 from harnessrl.config import RunConfig
+from harnessrl.engine.canary import CanarySync
 from harnessrl.engine.model_store import load_tokenizer
 from harnessrl.engine.select import SyncSettings, make_weight_sync
 from harnessrl.engine.speed import engine_hint, vllm_installed
@@ -178,11 +179,12 @@ def retain_freed_memory(device: str) -> bool:
         (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
 
 
-def sync_settings(cfg: RunConfig) -> SyncSettings:
-    """The slice of `cfg.train` a weight sync needs."""
+def sync_settings(cfg: RunConfig, *, defer_canary: bool = False) -> SyncSettings:
+    """The slice of `cfg.train` a weight sync needs (`defer_canary`: `SyncSettings`'s; the
+    training loop's sync defers it)."""
     t = cfg.train
     return SyncSettings(canary=t.sync_canary, trainer_dtype=t.dtype, lora_rank=t.lora_rank,
-                        keep_versions=t.max_staleness + 1)
+                        keep_versions=t.max_staleness + 1, defer_canary=defer_canary)
 
 
 def find_resume_point(run_dir: Path, resume: bool) -> ResumePoint:
@@ -230,6 +232,8 @@ async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, conso
         rt = await stack.enter_async_context(start_runtime(cfg, isolation="required", run_dir=run_dir))
         run = await _build(cfg, run_dir, rt, trainer, executor, sinks, rollouts_file, point,
                            console or Console(stderr=True))
+        if isinstance(run.sync, CanarySync):
+            stack.callback(run.sync.close)  # after a verdict in flight, before the engine stops
         stack.push_async_callback(run.orchestrator.close)
         yield run
         completed = True
@@ -249,7 +253,8 @@ async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGro
         log.info(hint)
     hooks = load_hooks(cfg.hooks)
     advantage_fn = advantage_fn_for(cfg.train.advantage)
-    sync = make_weight_sync(cfg.engine, rt.engine, sync_settings(cfg), run_dir=run_dir, model_dir=rt.model_dir)
+    sync = make_weight_sync(cfg.engine, rt.engine, sync_settings(cfg, defer_canary=True), run_dir=run_dir,
+                            model_dir=rt.model_dir)
     if point.checkpoint is not None:
         point = await _restore(point, trainer, sync, executor)
     sampling = DynamicSampling(cfg.train.dynamic_sampling_max_groups, hooks.rollout_reward_fn, advantage_fn,
@@ -274,7 +279,9 @@ async def _restore(point: ResumePoint, trainer: TrainerGroup, sync: WeightSync,
     loop = asyncio.get_running_loop()
     state = await loop.run_in_executor(executor, trainer.restore, point.checkpoint)
     version = int(state["policy_version"])
-    await loop.run_in_executor(executor, trainer.publish, sync, version)
+    report = await loop.run_in_executor(executor, trainer.publish, sync, version)
+    if report.pending_canary is not None:  # the resumed weights are checked before anything trains
+        await asyncio.wrap_future(report.pending_canary)
     log.info("resumed from %s after step %d, policy version %d", point.checkpoint, point.step, version)
     if point.replay:
         log.info("replaying groups %s: they were in flight, not yet trained on, when the checkpoint was "

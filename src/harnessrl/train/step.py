@@ -63,6 +63,7 @@ def optimizer_step(
     ranks: Ranks = SINGLE,
     measure_update: bool = True,
     autocast: str = "off",
+    before_update: Callable[[], object] | None = None,
 ) -> StepResult:
     """Train on `rows` (advantages already stamped) with one optimizer update.
 
@@ -83,6 +84,10 @@ def optimizer_step(
     normaliser is the global trained-token count, and the update equals one process's on the
     same rows. The metrics are the whole step's, the same on every rank.
 
+    `before_update()` runs after the gradients are computed and clipped, right before an
+    update is applied (not when none is: no trainable token, a non-finite norm); what it
+    raises propagates with the weights and the optimizer state untouched.
+
     Rows with no trained token must not be passed (the samples builder drops them).
     Returns metrics; `skipped=1` when no update happened: nothing to train, or a NaN / inf
     gradient norm (then also `skipped_nonfinite=1` and `skip_reason`; the gradients are
@@ -102,6 +107,12 @@ def optimizer_step(
     delta_l2 = None
     updated = None
     if finite:
+        if before_update is not None:
+            try:
+                before_update()
+            except BaseException:
+                optimizer.zero_grad(set_to_none=True)
+                raise
         optimizer.step()
         if measure_update:
             delta_l2 = update_norm(optimizer, None, ranks)

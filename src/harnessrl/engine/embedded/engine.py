@@ -37,7 +37,9 @@ is small and keeps token faithfulness under our control.
 
 Weight swaps (DESIGN §3.6): `load_weights` blocks the caller until the decode thread has
 copied the tensors into the model between two steps, so the caller may reuse its tensors
-afterwards; the decode step's packed weight copies (`DecodeStep.refresh_parts`) are then rebuilt
+afterwards (`submit_weights` queues the copy and returns a future instead, so the caller can
+work meanwhile without changing the tensors: the sync's canary runs the trainer's forward
+then); the decode step's packed weight copies (`DecodeStep.refresh_parts`) are then rebuilt
 from the model before the next step (about 0.5-0.8 s for SmolLM2-135M on this CPU, which
 the caller does not wait for), one layer at a time: a `prompt_logprobs` (the weight-sync
 canary's) queued meanwhile is scored between two layers, not after the rebuild. Requests in flight continue with the new weights from the next step; their
@@ -290,7 +292,19 @@ class EmbeddedEngine:
             raise EngineError(f"generation did not finish within timeout_s={timeout_s}") from None
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `state_dict` into the engine's model between decode steps; blocks until applied.
+        """Copy `state_dict` into the engine's model between decode steps; blocks until applied
+        (`submit_weights(...).result()`).
+
+        Raises:
+            EngineError: an unknown key, a shape mismatch, or the engine is closed/failed.
+        """
+        self.submit_weights(state_dict, version).result()
+
+    def submit_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> concurrent.futures.Future[None]:
+        """Queue a copy of `state_dict` into the engine's model between decode steps; the
+        future completes when it is applied (or holds the `EngineError` of a failed copy). The
+        caller must not change the tensors until then. Anything queued after it (a request, a
+        `prompt_logprobs`) sees the new weights.
 
         Keys are the model's own `state_dict()` names; a subset updates only those tensors.
         Requests in flight continue with the new weights from the next step and keep their
@@ -310,7 +324,7 @@ class EmbeddedEngine:
                 )
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(_WeightLoad(state_dict, version, done))
-        done.result()
+        return done
 
     replica_names = ("embedded",)
     """One replica (the weight-sync canary names it in errors)."""
