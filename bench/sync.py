@@ -18,7 +18,10 @@ its ratio to the sync's own seconds, and `dev` (the max abs logprob deviation it
 embedded engine (SmolLM2-135M, fp32, 1 thread each side, `InProcessWeightSync`): the sync alone,
 then with the canary; then the embedded engine in bfloat16 against the fp32 trainer (the
 deviation a bf16 run's canary reads on correct syncs, and on a sync that left a tensor behind:
-the evidence for `canary.BF16_BOUND`). `--no-vllm` stops there.
+the evidence for `canary.BF16_BOUND`). Between them, what a publish costs the trainer's thread
+while the engine decodes (4 request streams): the sync alone, the canary awaited in `publish`,
+and the canary deferred as the training loop runs it (`CanarySync(defer=True)`), interleaved.
+`--no-vllm` stops there.
 
 Run: `.venv/bin/python bench/sync.py [--syncs 3] [--streams 4] [--max-tokens 16] [--rank 8]
 [--canary] [--no-vllm]`. Needs vLLM installed (`harnessrl engine install vllm`) unless
@@ -133,6 +136,7 @@ def embedded_canary(model_dir: Path, syncs: int) -> None:
         print(f"{'fp32 sync alone':<26} {sync_s:>7.2f}")
         print(f"{'fp32 sync + canary':<26} {statistics.mean(r.seconds for r in with_canary):>7.2f} {canary_s:>9.2f} "
               f"{canary_s / sync_s:>6.2f}x {max(r.canary_abs_dev or 0.0 for r in with_canary):>9.1e}")
+        trainer_side_while_decoding(engine, policy, syncs)
         # each side alone, and a training step of 8 rows x 256 ids (2,048 tokens, 1,024 trained)
         # as the baseline a step's canary adds to
         from harnessrl.engine.canary import policy_probe
@@ -177,6 +181,57 @@ def embedded_canary(model_dir: Path, syncs: int) -> None:
             dev = broken.publish(policy, 200).canary_abs_dev or 0.0
             print(f"{'bf16, a tensor left, ' + format(scale, 'g'):<26} {'':>7} {'':>9} {'':>7} {dev:>9.3f}")
     print(f"bounds: fp32 {FP32_BOUND:g}, bf16 {BF16_BOUND:g} nats")
+
+
+def trainer_side_while_decoding(engine, policy, syncs: int) -> None:  # noqa: ANN001
+    """What a publish costs the trainer's thread while the engine decodes (4 request loops of
+    16 greedy ids, as rollouts keep it busy in a run): the sync alone, the canary awaited in
+    `publish`, and the canary deferred (`CanarySync(defer=True)`, as the training loop runs it:
+    `publish` returns once the trainer has scored the probe; its verdict is awaited after the
+    timing). Interleaved, `syncs` rounds; medians."""
+    from harnessrl.engine.canary import FP32_BOUND, CanarySync
+    from harnessrl.engine.weight_sync import InProcessWeightSync
+    from harnessrl.types import Sampling
+
+    stop = threading.Event()
+
+    def loop(i: int) -> None:
+        while not stop.is_set():
+            engine.generate_blocking([1, 9690, 314, 253 + i, 1357, 28, 2], Sampling(temperature=0.0, max_tokens=16))
+
+    streams = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(4)]
+    for t in streams:
+        t.start()
+    arms = {"sync alone": InProcessWeightSync(engine),
+            "sync + canary awaited": CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND),
+            "sync + canary deferred": CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND, defer=True)}
+    walls: dict[str, list[float]] = {name: [] for name in arms}
+    verdict_s: list[float] = []
+    version = 1000
+    try:
+        time.sleep(1.0)
+        for k in range(syncs + 1):  # the first round warms up
+            for name, sync in arms.items():
+                version += 1
+                perturb(policy.model.parameters(), 1e-3, seed=500 + version)
+                t0 = time.perf_counter()
+                report = sync.publish(policy, version)
+                wall = time.perf_counter() - t0
+                if report.pending_canary is not None:
+                    dev, seconds = report.pending_canary.result()
+                    assert dev <= FP32_BOUND, dev
+                    verdict_s.append(seconds)
+                if k:
+                    walls[name].append(wall)
+    finally:
+        stop.set()
+        for t in streams:
+            t.join()
+        arms["sync + canary deferred"].close()  # type: ignore[attr-defined]
+    print(f"while the engine decodes (4 streams), the trainer thread's seconds a publish, median of {syncs}:")
+    for name, values in walls.items():
+        print(f"  {name:<24} {statistics.median(values):.3f} s  (each: {', '.join(f'{v:.2f}' for v in values)})")
+    print(f"  deferred verdicts arrived {statistics.median(verdict_s[1:]):.3f} s after the publish started (median)")
 
 
 def main() -> None:

@@ -228,3 +228,52 @@ def test_a_run_records_each_step_with_its_deferred_verdict(tmp_path: Path, monke
     for r in rows:
         assert r["sync/canary_abs_dev"] < 1e-5 and r["sync/canary_seconds"] >= 1.5, r
         assert r["time/sync_s"] < 1.5, "publish waited for the engine's score"
+
+
+@pytest.mark.e2e
+def test_a_run_stopped_while_a_step_waits_for_its_verdict_still_records_that_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled (as a signal cancels it) while step 2 trains and step 1's verdict is still on its
+    way: step 1 completed, so it is written once the verdict arrives; step 2 is not."""
+    import threading
+    import time as _time
+
+    from harnessrl.engine.embedded.engine import EmbeddedEngine
+    from harnessrl.train.loop import run as train
+    from harnessrl.train.trainer_group import TrainerGroup
+
+    scored, trainer_step = EmbeddedEngine.prompt_logprobs, TrainerGroup.step
+    second = threading.Event()
+
+    def slow(self, ids, replica=0):  # type: ignore[no-untyped-def]
+        _time.sleep(2.0)
+        return scored(self, ids, replica)
+
+    def step(self, rows, step=None, before_update=None):  # type: ignore[no-untyped-def]
+        if step == 2:
+            second.set()
+        return trainer_step(self, rows, step, before_update)
+
+    monkeypatch.setattr(EmbeddedEngine, "prompt_logprobs", slow)
+    monkeypatch.setattr(TrainerGroup, "step", step)
+    cfg = load_config(None, [
+        "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=8",
+        "train.steps=3", "train.learning_rate=1e-2", "train.max_staleness=1",
+        'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
+        f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+
+    async def main() -> None:
+        task = asyncio.ensure_future(train(cfg, tmp_path / "run"))
+        while not second.is_set():
+            assert not task.done(), task
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1], rows
+    assert rows[0]["sync/canary_abs_dev"] < 1e-5 and rows[0]["sync/canary_seconds"] >= 2.0
+    written = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(written) == 2, "step 1's group, once"
