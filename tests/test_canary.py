@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harnessrl.config import load_config
+from harnessrl.config import RunConfig, load_config
 from harnessrl.engine.canary import (FP32_BOUND, CanaryError, CanarySync, max_abs_dev, policy_probe, probe_half, probe_ids,
                                      sequence_logprobs)
 from harnessrl.engine.config import EmbeddedEngineConfig
@@ -29,6 +29,15 @@ def _perturb(model: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> None
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def _tiny_run(tmp_path: Path, *, steps: int, max_staleness: int) -> RunConfig:
+    """A white-box run on the tiny model, 2 rollouts a step, every group trained."""
+    return load_config(None, [
+        "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=8",
+        f"train.steps={steps}", "train.learning_rate=1e-2", f"train.max_staleness={max_staleness}",
+        'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
+        f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
 
 
 def test_probe_is_fixed_repeated_and_in_the_frequent_vocabulary() -> None:
@@ -180,11 +189,7 @@ def test_a_run_whose_sync_leaves_a_tensor_behind_stops_at_step_1(tmp_path: Path,
         return finish
 
     monkeypatch.setattr(ws.InProcessWeightSync, "start_publish", broken_start)
-    cfg = load_config(None, [
-        "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=8",
-        "train.steps=2", "train.learning_rate=1e-2", "train.max_staleness=0",
-        'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
-        f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+    cfg = _tiny_run(tmp_path, steps=2, max_staleness=0)
     run_dir = tmp_path / "run"
     with pytest.raises(CanaryError, match=r"replica embedded .* policy version 1: .* nats"):
         asyncio.run(train(cfg, run_dir))
@@ -216,11 +221,7 @@ def test_a_run_records_each_step_with_its_deferred_verdict(tmp_path: Path, monke
         return scored(self, ids, replica)
 
     monkeypatch.setattr(EmbeddedEngine, "prompt_logprobs", slow)
-    cfg = load_config(None, [
-        "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=8",
-        "train.steps=3", "train.learning_rate=1e-2", "train.max_staleness=1",
-        'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
-        f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+    cfg = _tiny_run(tmp_path, steps=3, max_staleness=1)
     history = asyncio.run(train(cfg, tmp_path / "run"))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] == [h["step"] for h in history]
@@ -256,11 +257,7 @@ def test_a_run_stopped_while_a_step_waits_for_its_verdict_still_records_that_ste
 
     monkeypatch.setattr(EmbeddedEngine, "prompt_logprobs", slow)
     monkeypatch.setattr(TrainerGroup, "step", step)
-    cfg = load_config(None, [
-        "engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2", "sampling.max_tokens=8",
-        "train.steps=3", "train.learning_rate=1e-2", "train.max_staleness=1",
-        'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
-        f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+    cfg = _tiny_run(tmp_path, steps=3, max_staleness=1)
 
     async def main() -> None:
         task = asyncio.ensure_future(train(cfg, tmp_path / "run"))
