@@ -5,7 +5,9 @@ Responsibility: for each step of an open run (`train/setup.TrainingRun`), pull i
 its rows (`train/rows.py`), take one optimizer step on the trainer thread, publish the new
 weights as policy version + 1 (`WeightSync`, never directly), let the orchestrator grant the
 groups of the next steps (`Orchestrator.after_sync`), then record the step: its rollouts,
-metrics, console lines, held-out evaluation and checkpoint.
+metrics, console lines, held-out evaluation and checkpoint. The weight-sync canary's verdict
+on a publish arrives while the next step trains (`train`'s docstring): the step's record
+waits for it, and the next update too.
 
 Staleness (DESIGN.md §1, §6): the orchestrator keeps `(max_staleness + 1) * groups_per_step`
 groups granted ahead; a row whose oldest trained token was sampled more than `max_staleness`
@@ -14,9 +16,10 @@ versions ago is dropped and counted. `max_staleness = 0` is the synchronous loop
 Steps are 1-based everywhere (console, final table, `metrics.jsonl` `step`, `checkpoints/step-k`):
 step k is the k-th training step and `checkpoints/step-k` the state after it; `policy_version`
 counts the optimizer updates applied (a step that trains nothing, and says why, adds none).
-`rollouts.jsonl` and `metrics.jsonl` get a step's rollouts and metrics when the step completes;
-a signal cancels the step in progress: nothing of it is written, and a checkpoint being written
-is finished.
+`rollouts.jsonl` and `metrics.jsonl` get a step's rollouts and metrics when the step completes
+and its canary verdict is in; a signal cancels the step in progress: nothing of it is written,
+a completed step waiting for its verdict is written when the verdict arrives, and a checkpoint
+being written is finished.
 
 What it does not do: build or release the run's parts (`train/setup.py`), or own the process
 (ranks, signals, exit codes: `train/run.py`).
