@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,25 @@ def _tiny_run(tmp_path: Path, *, steps: int, max_staleness: int) -> RunConfig:
         f"train.steps={steps}", "train.learning_rate=1e-2", f"train.max_staleness={max_staleness}",
         'hooks.rollout_reward_fn="harnessrl.recipes.shaping:alternating_smoke_reward"',
         f'sandbox.root_dir="{tmp_path / "sandboxes"}"'])
+
+
+def _leaving_out(suffix: str) -> type[InProcessWeightSync]:
+    """The in-process sync, but every tensor whose name ends with `suffix` is left out of the
+    copy (a reload that missed a tensor); both `publish` and the deferred canary's
+    `start_publish` go through it."""
+
+    class LeftBehind(InProcessWeightSync):
+        def start_publish(self, policy, version):  # type: ignore[no-untyped-def]
+            weights = {k: v for k, v in export_weights(policy).items() if not k.endswith(suffix)}
+            applied = self._engine.submit_weights(weights, version)
+
+            def finish() -> SyncReport:
+                applied.result()
+                return SyncReport(version=version, seconds=0.0, bytes=0)
+
+            return finish
+
+    return LeftBehind
 
 
 def test_probe_is_fixed_repeated_and_in_the_frequent_vocabulary() -> None:
@@ -77,14 +97,6 @@ def test_trainer_and_engine_score_the_probe_alike(tiny_model_dir: Path) -> None:
 def test_canary_passes_a_good_sync_and_stops_one_that_leaves_a_tensor_behind(tiny_model_dir: Path) -> None:
     from harnessrl.engine.embedded.engine import EmbeddedEngine
 
-    class _HeadLeftBehind(InProcessWeightSync):
-        """Publishes everything but the final norm (a reload that missed a tensor)."""
-
-        def publish(self, policy, version):  # type: ignore[no-untyped-def]
-            weights = {k: v for k, v in export_weights(policy).items() if k != "model.norm.weight"}
-            self._engine.load_weights(weights, version)
-            return SyncReport(version=version, seconds=0.0, bytes=0)
-
     policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
     with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
         good = CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND)
@@ -94,27 +106,13 @@ def test_canary_passes_a_good_sync_and_stops_one_that_leaves_a_tensor_behind(tin
         metrics = report.as_metrics()
         assert metrics["sync/canary_abs_dev"] == report.canary_abs_dev and metrics["sync/canary_seconds"] > 0
 
-        broken = CanarySync(_HeadLeftBehind(engine), engine, bound=FP32_BOUND)
+        broken = CanarySync(_leaving_out("model.norm.weight")(engine), engine, bound=FP32_BOUND)
         _perturb(policy.model, seed=2)
         with pytest.raises(CanaryError, match=r"replica embedded .* policy version 2: max \|trainer - engine\| "
                                               r"logprob over 63 positions of the 64-id probe = [0-9.e-]+ nats") as info:
             broken.publish(policy, 2)
         dev = float(str(info.value).split("= ")[1].split(" nats")[0])
         assert dev > FP32_BOUND
-
-
-class _NormLeftBehind(InProcessWeightSync):
-    """The two-call publish of everything but the final norm (what a deferred canary calls)."""
-
-    def start_publish(self, policy, version):  # type: ignore[no-untyped-def]
-        weights = {k: v for k, v in export_weights(policy).items() if k != "model.norm.weight"}
-        applied = self._engine.submit_weights(weights, version)
-
-        def finish() -> SyncReport:
-            applied.result()
-            return SyncReport(version=version, seconds=0.0, bytes=0)
-
-        return finish
 
 
 def test_a_deferred_canary_returns_before_its_verdict_and_holds_a_failure(tiny_model_dir: Path) -> None:
@@ -127,7 +125,7 @@ def test_a_deferred_canary_returns_before_its_verdict_and_holds_a_failure(tiny_m
     policy = load_policy(tiny_model_dir, learning_rate=1e-3, weight_decay=0.0, lora_rank=0)
     with EmbeddedEngine(tiny_model_dir, num_threads=1) as engine:
         scored = engine.prompt_logprobs
-        release = __import__("threading").Event()
+        release = threading.Event()
 
         def slow_scoring(ids, replica=0):  # type: ignore[no-untyped-def]
             release.wait(30)  # the engine's half of the canary is still running when publish returns
@@ -146,7 +144,7 @@ def test_a_deferred_canary_returns_before_its_verdict_and_holds_a_failure(tiny_m
         assert engine.stats().weight_loads == 1
         good.close()
 
-        broken = CanarySync(_NormLeftBehind(engine), engine, bound=FP32_BOUND, defer=True)
+        broken = CanarySync(_leaving_out("model.norm.weight")(engine), engine, bound=FP32_BOUND, defer=True)
         _perturb(policy.model, seed=2)
         pending = broken.publish(policy, 2).pending_canary
         assert pending is not None
@@ -174,21 +172,12 @@ def test_make_weight_sync_wraps_the_sync_unless_the_knob_is_off(tiny_model_dir: 
 def test_a_run_whose_sync_leaves_a_tensor_behind_stops_at_step_1(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A real 2-step run on the embedded engine whose in-process sync skips a tensor: the first
-    publish raises the canary's error, the run stops, no step's metrics are written."""
+    publish's verdict raises the canary's error, the run stops, no step's metrics are written."""
     from harnessrl.engine import weight_sync as ws
     from harnessrl.train.loop import run as train
 
-    def broken_start(self, policy, version):  # type: ignore[no-untyped-def]
-        weights = {k: v for k, v in export_weights(policy).items() if not k.endswith("layers.0.mlp.down_proj.weight")}
-        applied = self._engine.submit_weights(weights, version)
-
-        def finish() -> SyncReport:
-            applied.result()
-            return SyncReport(version=version, seconds=0.0, bytes=0)
-
-        return finish
-
-    monkeypatch.setattr(ws.InProcessWeightSync, "start_publish", broken_start)
+    monkeypatch.setattr(ws.InProcessWeightSync, "start_publish",
+                        _leaving_out("layers.0.mlp.down_proj.weight").start_publish)
     cfg = _tiny_run(tmp_path, steps=2, max_staleness=0)
     run_dir = tmp_path / "run"
     with pytest.raises(CanaryError, match=r"replica embedded .* policy version 1: .* nats"):
@@ -236,7 +225,6 @@ def test_a_run_stopped_while_a_step_waits_for_its_verdict_still_records_that_ste
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancelled (as a signal cancels it) while step 2 trains and step 1's verdict is still on its
     way: step 1 completed, so it is written once the verdict arrives; step 2 is not."""
-    import threading
     import time as _time
 
     from harnessrl.engine.embedded.engine import EmbeddedEngine
