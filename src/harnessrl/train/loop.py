@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -193,12 +193,13 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
             metrics["skipped_nonfinite_steps"] = float(nonfinite_skips)
             clock.trained = time.monotonic()
             updated = bool(batch.rows) and not metrics.get("skipped")
-            pending = None
+            pending: SyncReport | None = None  # this step's publish, its canary verdict still to come
             if updated:
                 version += 1
                 report = await publish(run, version)
                 metrics.update(report.as_metrics())
-                verdict = pending = report.pending_canary
+                if report.pending_canary is not None:
+                    verdict, pending = report.pending_canary, report
             clock.sync_done()
             orch.after_sync(more=step < cfg.train.steps)  # the groups of later steps may start now
             if pending is not None and (step == cfg.train.steps or eval_due(cfg, step) or checkpoint_due(cfg, step)):
@@ -239,28 +240,28 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     return step == cfg.train.steps or bool(every and step % every == 0)
 
 
-async def canary_metrics(verdict: Future[tuple[float, float]]) -> dict[str, float]:
-    """`sync/canary_abs_dev` and `sync/canary_seconds` of a deferred canary once its verdict is
-    in.
+async def canary_metrics(report: SyncReport) -> dict[str, float]:
+    """The `sync/*` metrics of `report` (`SyncReport.as_metrics`) once its deferred canary
+    verdict (`pending_canary`) is in: with `sync/canary_abs_dev` and `sync/canary_seconds`.
 
     Raises:
         CanaryError: the verdict failed.
     """
-    dev, seconds = await asyncio.wrap_future(verdict)
-    return {"sync/canary_abs_dev": dev, "sync/canary_seconds": seconds}
+    assert report.pending_canary is not None
+    dev, seconds = await asyncio.wrap_future(report.pending_canary)
+    return replace(report, canary_abs_dev=dev, canary_seconds=seconds).as_metrics()
 
 
 async def record_when_verified(run: TrainingRun, step: int, version: int, groups: list[Group],
-                               metrics: StepMetrics, clock: StepClock,
-                               verdict: Future[tuple[float, float]] | None) -> None:
-    """`record_step` once the step's canary verdict (when one is pending) is in; nothing is
-    written when it fails.
+                               metrics: StepMetrics, clock: StepClock, pending: SyncReport | None) -> None:
+    """`record_step` once the canary verdict of the step's publish (`pending`, when it is still
+    to come) is in; nothing is written when it fails.
 
     Raises:
         CanaryError: the verdict failed.
     """
-    if verdict is not None:
-        metrics.update(await canary_metrics(verdict))
+    if pending is not None:
+        metrics.update(await canary_metrics(pending))
     record_step(run, step, version, groups, metrics, clock)
 
 
