@@ -202,9 +202,10 @@ def trainer_side_while_decoding(engine, policy, syncs: int) -> None:  # noqa: AN
     streams = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(4)]
     for t in streams:
         t.start()
+    deferred = CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND, defer=True)
     arms = {"sync alone": InProcessWeightSync(engine),
             "sync + canary awaited": CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND),
-            "sync + canary deferred": CanarySync(InProcessWeightSync(engine), engine, bound=FP32_BOUND, defer=True)}
+            "sync + canary deferred": deferred}
     walls: dict[str, list[float]] = {name: [] for name in arms}
     verdict_s: list[float] = []
     version = 1000
@@ -227,7 +228,7 @@ def trainer_side_while_decoding(engine, policy, syncs: int) -> None:  # noqa: AN
         stop.set()
         for t in streams:
             t.join()
-        arms["sync + canary deferred"].close()  # type: ignore[attr-defined]
+        deferred.close()
     print(f"while the engine decodes (4 streams), the trainer thread's seconds a publish, median of {syncs}:")
     for name, values in walls.items():
         print(f"  {name:<24} {statistics.median(values):.3f} s  (each: {', '.join(f'{v:.2f}' for v in values)})")
