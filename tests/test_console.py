@@ -84,6 +84,30 @@ def test_bound_line_names_the_side_that_bounds_the_run() -> None:
     assert bound_line([{"step": 0, "eval/pass_rate": 0.1}]) == ""
 
 
+def test_bound_line_names_the_late_groups_of_an_async_run() -> None:
+    """An asynchronous run bound by training: the steps after the first that waited for
+    rollouts (>= 10% of the step) waited for a late group; the clause gives them, their wait,
+    the slowest rollout they trained and generation's lead (max_staleness x the mean step).
+    The first step (the pipeline filling), a synchronous run and a run bound by generation get
+    no such clause."""
+    def step(wait: float, slowest: float) -> dict[str, float]:
+        return {"time/step_s": 4.0 + wait, "time/rollout_wait_s": wait, "time/train_s": 3.5, "time/sync_s": 0.5,
+                "total_s_max": slowest}
+
+    steps = [step(3.0, 2.0), step(0.0, 3.0), step(2.5, 9.4), step(0.3, 6.0), step(0.0, 5.0)]  # 0.3 < 10% of 4.3
+    line = bound_line(steps, max_staleness=2)
+    assert line.startswith("bound by training: of 26 s of steps, waiting for rollouts 22%")
+    # steps 2-5: 2.5 s of waits on one step; mean step (4.0 + 6.5 + 4.3 + 4.0) / 4 = 4.7, lead 9.4 s
+    assert line.endswith("; 1 of 4 steps after the first waited for a late group (2.5 s, 10% of the steps' time; "
+                         "their slowest rollout 9.4 s, against generation's lead of ~9.4 s: max_staleness 2 x the "
+                         "mean step; a larger train.max_staleness or a smaller sampling.max_tokens shortens them)")
+    assert "late group" not in bound_line(steps)  # synchronous: every wait is generation
+    assert "late group" not in bound_line([step(0.0, 1.0), step(0.2, 1.0)], max_staleness=2)  # none waited 10%
+    generation_bound = [step(6.0, 9.0), step(6.0, 9.0)]
+    assert bound_line(generation_bound, max_staleness=2).startswith("bound by generation")
+    assert "late group" not in bound_line(generation_bound, max_staleness=2)
+
+
 def test_bound_line_says_when_other_processes_take_the_cpu() -> None:
     """This process's and the other processes' CPU per step, and the latter's share of the
     cores' time; from half of it the line says the loop ran on what they left."""

@@ -110,3 +110,12 @@ def test_phase_means_cover_only_the_rollouts_that_reached_the_phase() -> None:
     s = summarize_groups([Group(group_id=0, task_id="a", rollouts=[a, b, c])])
     assert s["sandbox_s_mean"] == pytest.approx(0.4) and s["verify_s_mean"] == pytest.approx(2.0)
     assert "verify_s_mean" not in summarize_groups([Group(group_id=0, task_id="a", rollouts=[_rollout(3, 0.0)])])
+
+
+def test_total_s_max_is_the_slowest_rollout_of_the_groups() -> None:
+    """A step waits for its slowest rollout: `total_s_max` is that one's seconds, across groups."""
+    a, b, c = _rollout(0, 1.0), _rollout(1, 0.0), _rollout(2, None, "infra_error")
+    a.timings_s["total_s"], b.timings_s["total_s"], c.timings_s["total_s"] = 2.5, 9.4, 4.0
+    s = summarize_groups([Group(group_id=0, task_id="a", rollouts=[a]), Group(group_id=1, task_id="b", rollouts=[b, c])])
+    assert s["total_s_max"] == pytest.approx(9.4)
+    assert s["total_s_mean"] == pytest.approx((2.5 + 9.4 + 4.0) / 3)

@@ -63,8 +63,9 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     reward/train_mean and reward/train_std (the same for the training reward), status/<name> counts,
     turns_mean, turns_passing_mean (the mean turns of the scored rollouts that passed; absent
     when none did: how many model calls a solved task took), prompt_tokens, completion_tokens,
-    agent_s_mean, total_s_mean, and sandbox_s_mean / verify_s_mean (seconds to create the
-    sandbox, and to verify, over the rollouts that reached that phase; absent when none did).
+    agent_s_mean, total_s_mean, total_s_max (the slowest rollout's seconds, sandbox to verdict),
+    and sandbox_s_mean / verify_s_mean (seconds to create the sandbox, and to verify, over the
+    rollouts that reached that phase; absent when none did).
     """
     rollouts = [r for g in groups for r in g.rollouts]
     out: dict[str, float] = {"tasks": float(len(groups)), "rollouts": float(len(rollouts))}
@@ -100,6 +101,7 @@ def summarize_groups(groups: Sequence[Group], pass_threshold: float = 1.0) -> di
     out["completion_tokens"] = float(sum(len(t.completion_ids) for r in rollouts for t in r.trace.turns))
     out["agent_s_mean"] = sum(r.timings_s.get("agent_s", 0.0) for r in rollouts) / len(rollouts)
     out["total_s_mean"] = sum(r.timings_s.get("total_s", 0.0) for r in rollouts) / len(rollouts)
+    out["total_s_max"] = max(r.timings_s.get("total_s", 0.0) for r in rollouts)
     for phase in ("sandbox_s", "verify_s"):
         seconds = [r.timings_s[phase] for r in rollouts if phase in r.timings_s]
         if seconds:

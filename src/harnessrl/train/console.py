@@ -130,7 +130,7 @@ def final_table(history: Sequence[dict[str, Any]]) -> Table:
     return table
 
 
-def bound_line(history: Sequence[dict[str, Any]], cores: int | None = None) -> str:
+def bound_line(history: Sequence[dict[str, Any]], cores: int | None = None, max_staleness: int = 0) -> str:
     """Which part bounds the run, from the training steps' metrics (held-out evaluations left
     out): the shares of the steps' wall time (`time/step_s`) the trainer spent waiting for
     groups (`time/rollout_wait_s`: generation, sandboxes, agents and verifiers), training
@@ -143,7 +143,15 @@ def bound_line(history: Sequence[dict[str, Any]], cores: int | None = None) -> s
     rollout spent creating its sandbox and being verified. Generation bounds the run when the
     trainer waited more than it trained and synced, else training does; when other processes
     took half the cores' time or more, the line says that training and generation ran on what
-    those left. `cores`: default, those this process may run on. "" when no step has timings."""
+    those left. `cores`: default, those this process may run on. "" when no step has timings.
+
+    Late groups: in an asynchronous run (`max_staleness` >= 1, the run's `train.max_staleness`)
+    bound by training, the steps after the first that still waited for rollouts (at least
+    `LATE_GROUP_SHARE` of the step) waited for a group that outlasted generation's lead: a group
+    granted after step k's sync trains at step k + max_staleness + 1, which starts when step
+    k + max_staleness ends, so its rollouts have about `max_staleness` steps of wall time. The
+    line gives those steps, their wait, the slowest rollout they trained (`total_s_max`) and
+    that lead, and what shortens the waits."""
     steps = [m for m in history if "time/step_s" in m]
     total = sum(m["time/step_s"] for m in steps)
     if not steps or total <= 0:
@@ -175,10 +183,34 @@ def bound_line(history: Sequence[dict[str, Any]], cores: int | None = None) -> s
         value = mean(key)
         if value is not None:
             parts.append(text.format(value * scale))
+    if bound == "training" and max_staleness >= 1 and (late := late_groups(steps[1:], total, max_staleness)):
+        parts.append(late)
     line = "; ".join(parts)
     if other_share is not None and other_share >= OTHERS_BOUND_SHARE:
         line += "; other processes took most of the CPU: training and generation ran on what they left"
     return line
+
+
+def late_groups(steps: Sequence[Mapping[str, float]], total: float, max_staleness: int) -> str:
+    """`bound_line`'s late-group clause over `steps` (the run's training steps after the
+    first; `total`: all its steps' wall seconds), "" when none waited `LATE_GROUP_SHARE` of
+    its time."""
+    waited = [m for m in steps if m.get("time/rollout_wait_s", 0.0) >= LATE_GROUP_SHARE * m["time/step_s"]]
+    if not waited:
+        return ""
+    wait = sum(m["time/rollout_wait_s"] for m in waited)
+    lead = max_staleness * sum(m["time/step_s"] for m in steps) / len(steps)
+    slowest = [m["total_s_max"] for m in waited if "total_s_max" in m]
+    longest = f"; their slowest rollout {max(slowest):.1f} s" if slowest else ""
+    return (f"{len(waited)} of {len(steps)} steps after the first waited for a late group ({wait:.1f} s, "
+            f"{wait / total:.0%} of the steps' time{longest}, against generation's lead of ~{lead:.1f} s: "
+            f"max_staleness {max_staleness} x the mean step; a larger train.max_staleness or a smaller "
+            f"sampling.max_tokens shortens them)")
+
+
+LATE_GROUP_SHARE = 0.1
+"""Share of a step's wall time from which its wait for rollouts counts as waiting for a late
+group (`bound_line`, `late_groups`)."""
 
 
 OTHERS_BOUND_SHARE = 0.5

@@ -412,7 +412,7 @@ def finish(run: TrainingRun, history: list[StepMetrics]) -> None:
     line (rows per rollout, merge shares, trained tokens by turn), and the curve."""
     out = Console()
     out.print(final_table(history))
-    out.print(bound_line(history), markup=False, highlight=False)
+    out.print(bound_line(history, max_staleness=run.cfg.train.max_staleness), markup=False, highlight=False)
     if credit := rows_line(history):
         out.print(credit, markup=False, highlight=False)
     cfg = run.cfg

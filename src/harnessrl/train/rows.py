@@ -32,7 +32,7 @@ from harnessrl.types import Group, Row
 
 SUMMARY_KEYS = ("reward/verifier_mean", "reward/verifier_std", "reward/train_mean", "reward/train_std",
                 "pass_rate", "scored", "errors", "error_rate", "turns_mean", "turns_passing_mean",
-                "prompt_tokens", "completion_tokens", "agent_s_mean", "sandbox_s_mean", "verify_s_mean")
+                "prompt_tokens", "completion_tokens", "agent_s_mean", "total_s_max", "sandbox_s_mean", "verify_s_mean")
 """Keys of `rollout.summary.summarize_groups` a step's metrics carry (plus `status/*`, `pass@*`)."""
 
 
