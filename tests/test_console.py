@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from harnessrl.train.console import FINAL_COLUMNS, bound_line, final_table, rows_line, skip_reason, step_line
+from harnessrl.train.console import (FINAL_COLUMNS, bound_line, final_table, late_groups, rows_line, skip_reason,
+                                     step_line)
 
 
 def test_a_step_that_trains_nothing_says_why() -> None:
@@ -103,6 +104,7 @@ def test_bound_line_names_the_late_groups_of_an_async_run() -> None:
                          "mean step; a larger train.max_staleness or a smaller sampling.max_tokens shortens them)")
     assert "late group" not in bound_line(steps)  # synchronous: every wait is generation
     assert "late group" not in bound_line([step(0.0, 1.0), step(0.2, 1.0)], max_staleness=2)  # none waited 10%
+    assert late_groups([{"time/step_s": 0.0, "time/rollout_wait_s": 0.0}], 1.0, 2) == ""  # no wait, however short
     generation_bound = [step(6.0, 9.0), step(6.0, 9.0)]
     assert bound_line(generation_bound, max_staleness=2).startswith("bound by generation")
     assert "late group" not in bound_line(generation_bound, max_staleness=2)

@@ -195,7 +195,8 @@ def late_groups(steps: Sequence[Mapping[str, float]], total: float, max_stalenes
     """`bound_line`'s late-group clause over `steps` (the run's training steps after the
     first; `total`: all its steps' wall seconds), "" when none waited `LATE_GROUP_SHARE` of
     its time."""
-    waited = [m for m in steps if m.get("time/rollout_wait_s", 0.0) >= LATE_GROUP_SHARE * m["time/step_s"]]
+    waited = [m for m in steps
+              if (w := m.get("time/rollout_wait_s", 0.0)) > 0 and w >= LATE_GROUP_SHARE * m["time/step_s"]]
     if not waited:
         return ""
     wait = sum(m["time/rollout_wait_s"] for m in waited)
