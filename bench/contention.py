@@ -3,8 +3,8 @@
 In the asynchronous loop the trainer's step runs on one core while the embedded engine decodes
 on the other (`bench/async.py`: `engine.num_threads = 1`, `train.num_threads = 1`). This script
 measures, in one process, the same training step (`train/step.optimizer_step` on SmolLM2-135M in
-float32: 2 groups x 4 rows sharing a 45-id prompt, 8-40 completion ids, ~256 packed tokens,
-close to `bench/async.py`'s steps; malloc set as `harnessrl train` sets it,
+float32: `bench/packing.make_rows`, 2 groups x 4 rows of 50-80 ids sharing up to a 45-id
+prompt, ~250 packed tokens, close to `bench/async.py`'s steps; malloc set as `harnessrl train` sets it,
 `train/setup.retain_freed_memory`) in two arms, interleaved over `--rounds` rounds:
   * alone: nothing else runs;
   * beside decode: `--streams` request streams keep the engine decoding (40-id prompts, 64
@@ -34,34 +34,29 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))  # bench/: the rows of bench/packing.py
 
 import torch  # noqa: E402 - after the offline switch
 
 from harnessrl.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from harnessrl.engine.model_store import resolve_model  # noqa: E402
 from harnessrl.loss.losses import loss_fn_for  # noqa: E402
+from harnessrl.train.packing import pack_rows  # noqa: E402
 from harnessrl.train.policy import load_policy  # noqa: E402
 from harnessrl.train.setup import retain_freed_memory  # noqa: E402
 from harnessrl.train.step import optimizer_step  # noqa: E402
 from harnessrl.types import Row, Sampling  # noqa: E402
+from packing import make_rows  # noqa: E402 - bench/packing.py
 
 
 def step_rows(seed: int) -> list[Row]:
-    """2 groups x 4 rows: each group's rows share a 45-id prompt; 8-40 completion ids each,
-    sampler logprobs near the policy's (-2.5), advantages +-1 (every row trains)."""
-    rng = random.Random(seed)
-    rows = []
-    for group in range(2):
-        prompt = [rng.randrange(256, 4096) for _ in range(45)]
-        for i in range(4):
-            n = rng.randrange(8, 41)
-            ids = prompt + [rng.randrange(256, 4096) for _ in range(n)]
-            rows.append(Row(input_ids=tuple(ids), completion_mask=(0,) * 45 + (1,) * n,
-                            sampler_logprobs=(0.0,) * 45 + (-2.5,) * n, policy_versions=(0,) * len(ids),
-                            rollout_id=f"g{group}r{i}", group_id=group, advantage=1.0 if i % 2 else -1.0))
-    return rows
+    """A step's rows (`bench/packing.make_rows`): 2 groups x 4 rows of 50-80 ids, each group's
+    sharing its first 45 (the task prompt, as far as each row's context reaches), the last 30%
+    of each row trained, advantages +-1."""
+    return make_rows(8, 50, 80, 0.3, seed, group_size=4, prefix_len=45)
 
 
 def main() -> None:
@@ -131,8 +126,8 @@ def main() -> None:
     finally:
         stop.set()
         engine.close()
-    print(f"\nSmolLM2-135M float32 training step (~{sum(len(r.input_ids) for r in step_rows(1)) - 45 * 6} packed "
-          f"tokens), 1 trainer thread; {args.streams} streams of 64 sampled ids on the engine's 1 thread; "
+    packed = sum(b.num_tokens for b in pack_rows(step_rows(1), token_budget=4096))
+    print(f"\nSmolLM2-135M float32 training step (~{packed} packed tokens), 1 trainer thread; {args.streams} streams of 64 sampled ids on the engine's 1 thread; "
           f"{args.rounds} rounds x {args.steps} steps, medians; load average {load_start:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end")
     for arm in arms:
