@@ -127,14 +127,16 @@ def main() -> None:
         stop.set()
         engine.close()
     packed = sum(b.num_tokens for b in pack_rows(step_rows(1), token_budget=4096))
-    print(f"\nSmolLM2-135M float32 training step (~{packed} packed tokens), 1 trainer thread; {args.streams} streams of 64 sampled ids on the engine's 1 thread; "
+    print(f"\nSmolLM2-135M float32 training step (~{packed} packed tokens), 1 trainer thread; {args.streams} "
+          f"streams of 64 sampled ids on the engine's 1 thread; "
           f"{args.rounds} rounds x {args.steps} steps, medians; load average {load_start:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end")
     for arm in arms:
         w, c = statistics.median(wall[arm]), statistics.median(cpu[arm])
         # the same rows trained in every arm of a round: compare step by step
+        wall_x = statistics.median(a / b for a, b in zip(wall[arm], wall["alone"]))
         paired = "" if arm == "alone" else (
-            f"; step by step against alone: wall {statistics.median(a / b for a, b in zip(wall[arm], wall['alone'])):.2f}x, "
+            f"; step by step against alone: wall {wall_x:.2f}x, "
             f"CPU {statistics.median(a / b for a, b in zip(cpu[arm], cpu['alone'])):.2f}x, slower in "
             f"{sum(a > b for a, b in zip(wall[arm], wall['alone']))} of {len(wall[arm])}")
         print(f"{arm}: wall {w:.2f} s, trainer thread CPU {c:.2f} s, not running {w - c:.2f} s; engine "
