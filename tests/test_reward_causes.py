@@ -246,3 +246,20 @@ async def test_the_workspace_copy_runs_off_the_event_loop(sandbox_root: Path) ->
         assert max(gaps) < copy_s / 4, (max(gaps), copy_s)
     finally:
         await sb.close()
+
+
+class Returning:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    async def score(self, task: Task, sandbox: object, final_answer: str | None) -> Reward:
+        return Reward(value=self.value, parts={"tests_passed": 1.0})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+async def test_a_non_finite_verdict_is_a_verifier_error_naming_it(tmp_path: Path, value: float) -> None:
+    harness = CommandHarness(CommandHarnessConfig(argv=["true"]))
+    rollout = await run_rollout(EXACT, 0, harness, FakeBackend(tmp_path), FakeSessions(), Returning(value))
+    assert (rollout.status, rollout.reward) == ("verifier_error", None), rollout
+    assert rollout.error == f"verifier returned reward {value!r}, which is not finite"
+    assert rollout.reward_parts == {"tests_passed": 1.0}

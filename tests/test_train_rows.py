@@ -271,3 +271,33 @@ def test_a_real_run_replaces_flat_groups_and_shapes_each_rollout_once(tmp_path: 
         by_group.setdefault(r["group_id"], []).append(r["train_reward"])
     for gid, rewards in by_group.items():
         assert sorted(rewards) == ([0.0, 0.0] if gid % 2 == 0 else [0.0, 1.0]), "logged = trained reward"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_reward_hook_returning_a_non_finite_value_unscores_that_rollout_only(bad: float) -> None:
+    """One rollout's hook value of nan / inf makes it unscored with the value named; the rest of
+    the group still trains (before: `reward nan is not finite` raised out of the step)."""
+    cfg = load_config(None, ['hooks.rollout_reward_fn=""'])
+    credit = {"r0-0": 1.0, "r0-1": bad, "r0-2": 0.0}
+    hooks = Hooks(rollout_reward_fn=lambda outcome: credit[outcome.rollout.rollout_id])
+    group = shape_group(Group(group_id=0, task_id="t", rollouts=[_rollout(i, 0, 1.0, 0) for i in range(3)]),
+                        hooks.rollout_reward_fn)
+    hurt = group.rollouts[1]
+    assert hurt.train_reward is None and hurt.status == "ok"
+    assert hurt.metadata["reward_hook_error"] == hurt.error == (
+        f"rollout_reward_fn returned {bad!r}, which is not finite: the rollout is unscored")
+    rows, m, _ = _rows_for_step([group], cfg, hooks, grpo_advantages, version=0)
+    assert sorted(r.rollout_id for r in rows) == ["r0-0", "r0-2"] and m["rows_unscored_dropped"] == 1
+    assert rows[0].advantage == pytest.approx(1.0, abs=1e-5)
+    assert has_signal(group, grpo_advantages)
+
+
+def test_a_record_holding_a_non_finite_reward_is_unscored_not_a_crash() -> None:
+    """A rollout record with reward nan (written before the runner refused one) is unscored by
+    the step and by dynamic sampling's signal check."""
+    cfg = load_config(None, ['hooks.rollout_reward_fn=""'])
+    group = Group(group_id=0, task_id="t",
+                  rollouts=[_rollout(0, 0, 1.0, 0), _rollout(1, 0, float("nan"), 0), _rollout(2, 0, 0.0, 0)])
+    rows, m, _ = _rows_for_step([group], cfg, Hooks(), grpo_advantages, version=0)
+    assert sorted(r.rollout_id for r in rows) == ["r0-0", "r0-2"] and m["rows_unscored_dropped"] == 1
+    assert has_signal(group, grpo_advantages)

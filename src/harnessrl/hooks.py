@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +30,8 @@ from typing import Any, Protocol
 
 from harnessrl.errors import ConfigError
 from harnessrl.types import Group, Rollout, Turn
+
+log = logging.getLogger(__name__)
 
 
 def load_hook(dotted: str, what: str = "hook") -> Callable[..., Any]:
@@ -170,11 +174,20 @@ def load_hooks(hooks_cfg: HooksSettings) -> Hooks:
 
 def reshape_reward(rollout: Rollout, reward_fn: Callable[..., Any] | None) -> Rollout:
     """`rollout` with `train_reward = reward_fn(outcome_of(rollout))` (unchanged when `reward_fn`
-    is None); the verifier's `reward` is kept as it is. `harnessrl train` and `harnessrl rollout`
+    is None); the verifier's `reward` is kept as it is. A value that is not finite (`nan`,
+    `inf`) makes the rollout unscored (`train_reward` None, excluded from the baseline), with
+    the value named in `metadata["reward_hook_error"]` (and `error` when it had none) and a
+    warning: one rollout's verdict never ends the run. `harnessrl train` and `harnessrl rollout`
     both use it, so one config means the same training reward in both."""
     if reward_fn is None:
         return rollout
-    return rollout.model_copy(update={"train_reward": reward_fn(outcome_of(rollout))})
+    value = reward_fn(outcome_of(rollout))
+    if isinstance(value, (int, float)) and not math.isfinite(value):  # no advantage can use it
+        error = f"rollout_reward_fn returned {value!r}, which is not finite: the rollout is unscored"
+        log.warning("rollout %s: %s", rollout.rollout_id, error)
+        return rollout.model_copy(update={"train_reward": None, "error": rollout.error or error,
+                                          "metadata": {**rollout.metadata, "reward_hook_error": error}})
+    return rollout.model_copy(update={"train_reward": value})
 
 
 def shape_group(group: Group, reward_fn: Callable[..., Any] | None) -> Group:
@@ -188,6 +201,8 @@ def shape_group(group: Group, reward_fn: Callable[..., Any] | None) -> Group:
 
 def training_reward(rollout: Rollout) -> float | None:
     """The reward the advantage uses: `train_reward` when shaping ran (even a None it returned:
-    the hook declared the rollout unscored), else the verifier's `reward`."""
+    the hook declared the rollout unscored), else the verifier's `reward`; None for a value that
+    is not finite (a record written before the runner and `reshape_reward` refused them)."""
     shaped = "train_reward" in rollout.model_fields_set
-    return rollout.train_reward if shaped else rollout.reward
+    value = rollout.train_reward if shaped else rollout.reward
+    return value if value is None or math.isfinite(value) else None

@@ -17,8 +17,9 @@ Invariants (DESIGN.md §3.3, §3.5):
     `SandboxError` naming it, a full filesystem: `rewards/base.limit_cause`) or refusing the
     workspace (`Reward.agent_failure`) scores the same. The cause goes to
     `Rollout.metadata["failure_cause"]` (and `error` when nothing else is there); the status
-    stays what the agent phase gave. Only verifier crashes, timeouts and a lost sandbox are
-    unscored (reward None);
+    stays what the agent phase gave. Only verifier crashes, timeouts, a non-finite reward
+    (`nan`, `inf`: `verifier_error` naming the value) and a lost sandbox are unscored (reward
+    None);
   * status precedence: infra_error > verifier_error > timeout > agent_error > ok. Timed-out and
     failed agents are still verified, so their reward is known (usually 0). A sandbox whose
     processes survive the kill (`kill_processes` raises) is `infra_error` and is not verified;
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import traceback
 import uuid
@@ -181,7 +183,7 @@ async def _verify(
 ) -> Reward:
     answer = result.final_answer if result is not None else None
     try:
-        return await asyncio.wait_for(verifier.score(task, sandbox, answer), timeout_s)
+        reward = await asyncio.wait_for(verifier.score(task, sandbox, answer), timeout_s)
     except SandboxLostError:
         raise
     except asyncio.TimeoutError:
@@ -191,6 +193,10 @@ async def _verify(
         if cause is not None:  # a bound the agent filled stopped the verifier: the agent's failure
             return Reward.agent_failure(f"the verifier refused: {cause}", value=failure_value(verifier))
         return Reward(value=None, error=f"verifier crashed: {_describe(exc)}")
+    if reward.value is not None and not math.isfinite(reward.value):  # no advantage can use it
+        return Reward(value=None, parts=reward.parts,
+                      error=f"verifier returned reward {reward.value!r}, which is not finite")
+    return reward
 
 
 async def _release(sessions: SessionHost, session_id: str | None, sandbox: Sandbox | None) -> None:
