@@ -129,3 +129,22 @@ def test_normalize_tools_rejects_non_function_tools():
     with pytest.raises(RequestError) as info:
         normalize_tools([BASH, {"type": "web_search"}])
     assert info.value.param == "tools[1].type"
+
+
+def test_a_call_whose_argument_holds_the_closing_tag_is_parsed_whole(chat, tokenizer):
+    """An argument holding `</tool_call>` (a file about tool calls) is part of its call's JSON: the
+    block ends after the JSON, not at the first closing tag (vLLM #45167), and a call after it
+    still comes back second."""
+    doc = "Call tools as <tool_call>{...}</tool_call> blocks.\n"
+    first = json.dumps({"name": "write", "arguments": {"path": "README.md", "content": doc}})
+    text = (f'Writing.\n<tool_call>\n{first}\n</tool_call>\n'
+            '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>')
+    parsed = chat.parse(tokenizer.encode(text, add_special_tokens=False) + [2], True, call_id_seed="s:0")
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("write", {"path": "README.md", "content": doc}), ("bash", {"command": "ls"})]
+    assert parsed.content == "Writing."
+    # a block whose JSON is not followed by its closing tag stays text; the next block still parses
+    unclosed = '<tool_call>\n{"name": "f", "arguments": {}} trailing\n'
+    parsed = chat.parse(tokenizer.encode(unclosed + text, add_special_tokens=False), True)
+    assert [c.name for c in parsed.tool_calls] == ["write", "bash"]
+    assert parsed.content == (unclosed + "Writing.").strip()

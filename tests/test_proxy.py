@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from fakes import FakeEngine
+from fakes import FakeEngine, in_process
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import EngineError
 from harnessrl.proxy.app import ADMIN_MAX_BODY_BYTES, ProxyDeps, make_admin_app, make_app
@@ -295,3 +295,36 @@ async def test_traces_written_on_close_and_read_back(tokenizer, tmp_path: Path):
     assert [(t.rollout_id, len(t.turns)) for t in traces] == [("ra", 2), ("rb", 1)]
     assert [t.turn_index for t in traces[0].turns] == [0, 1]
     assert traces[1].turns[0].completion_ids == [42, 2]
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_a_call_holding_the_closing_tag_reaches_every_protocol(tokenizer, api: str):
+    """A sampled call whose string argument holds `</tool_call>` comes back as a tool call on
+    chat completions, Responses and Messages alike (not as text with finish_reason stop)."""
+    doc = "wrap calls in <tool_call></tool_call>"
+    text = "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": f"echo '{doc}'"}}) + "\n</tool_call>"
+    engine = FakeEngine(completion_ids=tokenizer.encode(text, add_special_tokens=False) + [2])
+    http, store = in_process(engine, ChatLayer(tokenizer))
+    key = store.open("tag").key
+    params = BASH["function"]["parameters"]
+    path, body = {
+        "chat": ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [BASH]}),
+        "responses": ("/v1/responses", {"model": "m", "input": "list files",
+                                        "tools": [{"type": "function", "name": "bash", "parameters": params}]}),
+        "messages": ("/v1/messages", {"model": "m", "max_tokens": 50, "messages": USER,
+                                      "tools": [{"name": "bash", "input_schema": params}]}),
+    }[api]
+    r = await http.post(path, json=body, headers={"authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    if api == "chat":
+        assert out["choices"][0]["finish_reason"] == "tool_calls"
+        args = out["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    elif api == "responses":
+        calls = [item for item in out["output"] if item["type"] == "function_call"]
+        assert len(calls) == 1 and [i for i in out["output"] if i["type"] == "message"] == []
+        args = calls[0]["arguments"]
+    else:
+        assert out["stop_reason"] == "tool_use" and [b["type"] for b in out["content"]] == ["tool_use"]
+        args = json.dumps(out["content"][0]["input"])
+    assert json.loads(args) == {"command": f"echo '{doc}'"}

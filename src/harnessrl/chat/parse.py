@@ -11,7 +11,8 @@ prompt itself opened the block (`opened`, Qwen3-style templates), is reasoning u
 and no tool calls (a call written while reasoning is never executed). When the request had
 tools, every `<tool_call>` block after the reasoning holding a JSON object with a string
 `name` becomes a `ToolCall` (arguments, or `parameters`, re-serialised as a JSON string
-unless already one); blocks that fail to parse stay in the text. Call ids are
+unless already one); a block ends at the `</tool_call>` after its JSON object, so an argument
+holding that text is kept whole; blocks that fail to parse stay in the text. Call ids are
 `call_<24 hex>` from blake2b(`call_id_seed:index`).
 
 What this module deliberately does not do: render prompts (`chat.py`).
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
@@ -31,7 +31,8 @@ from harnessrl.chat.messages import ToolCall
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,28 +62,47 @@ def parse_text(text: str, has_tools: bool, *, opened: bool, call_id_seed: str) -
         return ParsedAssistant(content=text, tool_calls=[], reasoning=reasoning)
     calls: list[ToolCall] = []
     kept: list[str] = []
-    pos = 0
-    for match in _TOOL_CALL_RE.finditer(text):
-        call = _parse_hermes(match.group(1), _call_id(call_id_seed, len(calls)))
-        if call is None:
+    pos = start = 0
+    while (start := text.find(_OPEN, start)) >= 0:
+        found = _hermes_block(text, start, _call_id(call_id_seed, len(calls)))
+        if found is None:  # not a call: the block stays in the text, look past its opening tag
+            start += len(_OPEN)
             continue
-        kept.append(text[pos:match.start()])
-        pos = match.end()
+        call, end = found
+        kept.append(text[pos:start])
+        pos = start = end
         calls.append(call)
     kept.append(text[pos:])
     content = "".join(kept).strip() if calls else text
     return ParsedAssistant(content=content or (None if calls else ""), tool_calls=calls, reasoning=reasoning)
 
 
-def _parse_hermes(body: str, call_id: str) -> ToolCall | None:
+def _hermes_block(text: str, start: int, call_id: str) -> tuple[ToolCall, int] | None:
+    """The call in the block whose `<tool_call>` opens at `start`, and the index just past its
+    `</tool_call>`; None when the block is not a call. The block ends where its JSON object
+    ends (`JSONDecoder.raw_decode`), not at the first closing tag: a string argument may itself
+    hold `</tool_call>` (an agent writing a file about tool calls), which a non-greedy
+    `<tool_call>(.*?)</tool_call>` would cut, losing the call (vLLM #45167)."""
+    body = _skip_space(text, start + len(_OPEN))
     try:
-        obj = json.loads(body)
+        obj, end = _DECODER.raw_decode(text, body)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    end = _skip_space(text, end)
+    if not text.startswith(_CLOSE, end) or not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
+    return _hermes_call(obj, call_id), end + len(_CLOSE)
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _hermes_call(obj: dict[str, object], call_id: str) -> ToolCall:
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(id=call_id, name=obj["name"],
+    return ToolCall(id=call_id, name=str(obj["name"]),
                     arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
