@@ -87,3 +87,70 @@ def test_an_interrupted_evaluation_resumes_running_only_what_is_missing(tmp_path
     assert summary["tasks"] == 3 and summary["rollouts"] == 6 and summary["errors"] == 0
     replaced = (out / "rollouts.replaced.jsonl").read_text().splitlines()
     assert [json.loads(x)["rollout_id"] for x in replaced] == [errored["rollout_id"]]
+
+
+@pytest.mark.e2e
+def test_ctrl_c_writes_every_finished_rollout_and_resume_fills_its_group(tmp_path: Path, sandbox_root: Path) -> None:
+    """Ctrl-C once 3 of 6 rollouts finished (one at a time, group by group): all 3 are written,
+    the lone one of the incomplete group marked `group_incomplete`; the resumed run runs only
+    the 3 missing and drops the mark (before: only complete groups were written, the rest lost)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    cfg = load_config(None, ["engine.model=tiny-random", "harness.kind=white_box", "rollout.group_size=2",
+                             "rollout.max_concurrent_rollouts=1", "sampling.max_tokens=48",
+                             f'sandbox.root_dir="{sandbox_root}"'])
+    out = tmp_path / "eval"
+
+    def interrupt_after_third() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (out / "run.log").exists() and "rollout 3/6 " in (out / "run.log").read_text():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=interrupt_after_third, daemon=True)
+    watcher.start()
+    assert run_evaluation(cfg, out, limit=3) == 130
+    watcher.join()
+    log = (out / "run.log").read_text()
+    finished = sum(f"rollout {k}/6 " in log for k in range(1, 7))
+    first = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(first) == finished >= 3  # every rollout logged as finished is written
+    sizes = {g: sum(r["group_id"] == g for r in first) for g in {r["group_id"] for r in first}}
+    assert 1 in sizes.values(), sizes  # one at a time: the third rollout is the lone one of group 1
+    for r in first:
+        assert r["metadata"].get("group_incomplete", False) == (sizes[r["group_id"]] < 2), r["group_id"]
+    assert "incomplete groups written (marked group_incomplete)" in log
+
+    assert run_evaluation(cfg, out, limit=3) == 0
+    after = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(after) == 6 and sorted(r["group_id"] for r in after) == [0, 0, 1, 1, 2, 2]
+    assert {r["rollout_id"] for r in first} <= {r["rollout_id"] for r in after}
+    assert not any("group_incomplete" in r["metadata"] for r in after)
+    assert f"rollout {6 - finished}/{6 - finished} " in (out / "run.log").read_text()
+
+
+def test_a_directory_of_another_config_is_refused_before_anything_is_touched(tmp_path: Path) -> None:
+    """Rollouts of one config and a resume with another: a one-line error naming the keys that
+    differ, `config.toml` and `rollouts.jsonl` as they were, no `run.log` (before: the old
+    rollouts were kept and `config.toml` overwritten)."""
+    from harnessrl.config import dump_config
+    from harnessrl.errors import ConfigError
+
+    old = load_config(None, ["rollout.group_size=2", "sampling.temperature=0.7"])
+    d = _write(tmp_path / "e", [_rec("t0", 1.0)])
+    (d / "config.toml").write_text(dump_config(old))
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    new = load_config(None, ["rollout.group_size=2", "sampling.temperature=1.0", "log.level=DEBUG"])
+    with pytest.raises(ConfigError) as exc:
+        run_evaluation(new, d, limit=1)
+    assert str(exc.value) == (f"{d} holds rollouts of another config (sampling.temperature: 0.7 -> 1.0): "
+                              "use another --out, or move that directory aside")
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    (d / "config.toml").unlink()
+    with pytest.raises(ConfigError, match="holds rollouts.jsonl but no config.toml"):
+        run_evaluation(old, d, limit=1)
