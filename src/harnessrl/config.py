@@ -243,7 +243,12 @@ class TrainConfig(BaseModel):
     written (the engine's verdict arrives while the next step trains). Costs the trainer one
     forward of the sequence per step (`bench/sync.py --canary`); false turns it off."""
     checkpoint_every: int = Field(default=0, ge=0)
-    """Save a checkpoint every N steps (0: only at the end)."""
+    """Save a checkpoint every N steps (0: only at the end); these are kept."""
+    checkpoint_every_s: float = Field(default=300.0, ge=0)
+    """Also save a checkpoint after the first step that ends this many seconds after the last
+    checkpoint (or the start), so a stop loses at most about this much; 0 turns it off. These
+    are rolling: each is removed once a newer checkpoint is complete. Cost for SmolLM2-135M,
+    float32: ~1.6 GB and 10-15 s of the trainer per checkpoint (docs/benchmarks.md)."""
     lora_rank: int = Field(default=0, ge=0)
     """LoRA rank via peft; 0 trains every weight."""
     eval_every: int = Field(default=0, ge=0)

@@ -137,3 +137,21 @@ def test_kl_penalty_weight_sync_and_both_rewards_in_a_real_run(tmp_path: Path) -
     saved = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert all("train_reward" in r for r in saved)
     assert "kl_coef = 0.1" in dump_config(cfg), "what run_training saves as config.toml"
+
+
+@pytest.mark.e2e
+def test_a_time_due_checkpoint_is_rolling_and_replaced_by_the_next(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`train.checkpoint_every_s` past after every step: step 1 ends with a rolling checkpoint (what
+    a Ctrl-C during step 2 resumes from; before, nothing before the last step), removed once
+    step 2's (the last, kept) is complete."""
+    cfg = load_config(None, _overrides(tmp_path, "white_box", "train.steps=2", "train.checkpoint_every_s=1e-9",
+                                       "train.max_staleness=0"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with caplog.at_level("INFO", logger="harnessrl.train.loop"):
+        asyncio.run(train(cfg, run_dir))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
+    assert json.loads((run_dir / "checkpoints" / "step-2" / "state.json").read_text())["rolling"] is False
+    log = caplog.text
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step-1'} (rolling)" in log
+    assert f"removed rolling checkpoint {run_dir / 'checkpoints' / 'step-1'}" in log

@@ -28,8 +28,10 @@ What it does not do: build or release the run's parts (`train/setup.py`), or own
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import shutil
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -172,7 +174,7 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
         history.append(before)
         for sink in run.sinks:
             sink.log(0, before)
-    nonfinite_skips = 0  # updates skipped for a NaN/inf gradient norm, this process
+    nonfinite_skips, checkpoints = 0, CheckpointClock(cfg)  # updates skipped for a NaN/inf gradient norm
     verdict: Future[tuple[float, float]] | None = None  # the canary's on the last publish
     recording: asyncio.Future[None] | None = None  # the last step's record, waiting for that verdict
     try:
@@ -202,7 +204,8 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
                     verdict, pending = report.pending_canary, report
             clock.sync_done()
             orch.after_sync(more=step < cfg.train.steps)  # the groups of later steps may start now
-            if pending is not None and (step == cfg.train.steps or eval_due(cfg, step) or checkpoint_due(cfg, step)):
+            due = checkpoints.due(step)
+            if pending is not None and (step == cfg.train.steps or eval_due(cfg, step) or due):
                 metrics.update(await canary_metrics(pending))  # before the evaluation reads the engine
                 pending = None
             metrics.update(await after_update(run, step, version, updated, clock))
@@ -212,9 +215,9 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
             recording = asyncio.ensure_future(record_when_verified(run, step, version, groups, metrics, clock,
                                                                    pending))
             history.append(metrics)
-            if checkpoint_due(cfg, step):
+            if due:
                 await recording
-                await checkpoint(run, step, version)
+                await checkpoint(run, step, version, checkpoints)
     except BaseException:
         if recording is not None:  # a completed step is written unless its canary failed
             try:
@@ -233,11 +236,27 @@ def eval_due(cfg: RunConfig, step: int) -> bool:
     return bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
 
 
-def checkpoint_due(cfg: RunConfig, step: int) -> bool:
-    """Whether `checkpoints/step-k` is written after step `step` (`train.checkpoint_every`, and
-    the last step)."""
-    every = cfg.train.checkpoint_every
-    return step == cfg.train.steps or bool(every and step % every == 0)
+@dataclass
+class CheckpointClock:
+    """When `checkpoints/step-k` is written after step k: every `train.checkpoint_every` steps
+    and after the last (kept), and once `train.checkpoint_every_s` seconds have passed since the
+    last checkpoint or the start of this process (rolling: `checkpoint` removes the older
+    rolling ones once a newer checkpoint is complete, so they cost one checkpoint's disk). The
+    clock is the training loop's, on rank 0: every rank saves when it says so."""
+
+    cfg: RunConfig
+    last: float = field(default_factory=lambda: time.monotonic())
+    """`time.monotonic()` of the last checkpoint written (or of the start)."""
+
+    def kept(self, step: int) -> bool:
+        """Whether step `step` ends with a kept checkpoint (`checkpoint_every`, the last step)."""
+        every = self.cfg.train.checkpoint_every
+        return step == self.cfg.train.steps or bool(every and step % every == 0)
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint, kept or rolling, follows step `step`."""
+        every_s = self.cfg.train.checkpoint_every_s
+        return self.kept(step) or bool(every_s and time.monotonic() - self.last >= every_s)
 
 
 async def canary_metrics(report: SyncReport) -> dict[str, float]:
@@ -388,15 +407,17 @@ def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], 
         print_conversation(run.console, r)
 
 
-async def checkpoint(run: TrainingRun, step: int, version: int) -> None:
-    """`checkpoints/step-k` every `train.checkpoint_every` steps and after the last: the policy,
-    the optimizer and the data position (the next new group, and the groups dispatched but not
-    trained on yet, which a resumed run replays). Finished even when the run is stopped meanwhile."""
-    if not checkpoint_due(run.cfg, step):
+async def checkpoint(run: TrainingRun, step: int, version: int, clock: CheckpointClock) -> None:
+    """`checkpoints/step-k` when `clock` says it is due: the policy, the optimizer and the data
+    position (the next new group, and the groups dispatched but not trained on yet, which a
+    resumed run replays); `"rolling": true` in its state when only `checkpoint_every_s` made it
+    due. Once it is complete, older rolling checkpoints are removed. Finished even when the run is
+    stopped meanwhile."""
+    if not clock.due(step):
         return
     orch = run.orchestrator
     state = {"step": step, "policy_version": version, "next_group_id": orch.next_group_id,
-             "replay_group_ids": orch.undelivered_group_ids()}
+             "replay_group_ids": orch.undelivered_group_ids(), "rolling": not clock.kept(step)}
     directory = run.run_dir / "checkpoints" / f"step-{step}"
     work = asyncio.ensure_future(run.on_trainer(run.trainer.save, run.tokenizer, directory, state))
     try:
@@ -404,7 +425,24 @@ async def checkpoint(run: TrainingRun, step: int, version: int) -> None:
     except asyncio.CancelledError:
         await work  # a checkpoint being written is finished, never left half-made
         raise
-    log.info("checkpoint %s", directory)
+    clock.last = time.monotonic()
+    log.info("checkpoint %s%s", directory, " (rolling)" if state["rolling"] else "")
+    drop_rolling(run.run_dir / "checkpoints", before=step)
+
+
+def drop_rolling(root: Path, before: int) -> None:
+    """Remove the checkpoints `step-N` under `root` with N < `before` whose `state.json` says
+    `"rolling": true` (a newer checkpoint replaces them); one that cannot be removed is logged."""
+    for path in root.glob("step-*"):
+        if not path.name.removeprefix("step-").isdigit() or int(path.name.removeprefix("step-")) >= before:
+            continue
+        try:
+            rolling = json.loads((path / "state.json").read_text(encoding="utf-8")).get("rolling") is True
+        except (OSError, ValueError):
+            continue
+        if rolling:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed rolling checkpoint %s", path)
 
 
 def finish(run: TrainingRun, history: list[StepMetrics]) -> None:
