@@ -191,3 +191,55 @@ def test_rows_line_totals_the_builders_counts_over_the_steps() -> None:
         "trained tokens by turn 1: 0.78, 2: 0.17, 3: 0.06, 4+: 0.00")
     assert rows_line(history[1:2]).startswith("rows and credit over 1 step: 1.00 rows per rollout; merged turns CLEAN 1.00")
     assert rows_line([{"step": 0, "eval/pass_rate": 0.1}]) == ""
+
+
+def _closing(tmp_path: Path, history: list[dict], written: list[dict], monkeypatch: pytest.MonkeyPatch) -> list:
+    """Run `loop.finish` on a run directory whose `metrics.jsonl` holds `written`, logging to
+    `run.log`; returns the histories `write_curve_png` was given."""
+    import json
+    from types import SimpleNamespace
+
+    from harnessrl.config import load_config
+    from harnessrl.log import close_logging, setup_logging
+    from harnessrl.train import loop
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in written))
+    drawn: list = []
+    monkeypatch.setattr(loop, "write_curve_png", lambda h, path, **kw: drawn.append(list(h)) or None)
+    setup_logging("INFO", tmp_path / "run.log")
+    try:
+        loop.finish(SimpleNamespace(cfg=load_config(None, []), run_dir=tmp_path), history)  # type: ignore[arg-type]
+    finally:
+        close_logging()
+    return drawn
+
+
+STEP = {"policy_version": 1, "reward/verifier_mean": 0.5, "reward/train_mean": 0.5, "loss": 0.1,
+        "tokens_trained": 10, "time/step_s": 4.0, "time/rollout_wait_s": 3.0, "time/train_s": 0.5,
+        "time/sync_s": 0.5, "samples/num_rollouts": 4.0, "samples/num_rows": 4.0}
+
+
+def test_a_resumed_run_draws_its_curve_from_every_step_of_metrics_jsonl(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Steps 1-2 before the resume, 3-4 by this process: the curve and its table show 1-4 (before:
+    3-4 only); the closing table stays this process's."""
+    written = [{"step": k, **STEP, "reward/verifier_mean": k / 4} for k in range(1, 5)]
+    drawn = _closing(tmp_path, written[2:], written, monkeypatch)
+    assert [[m["step"] for m in h] for h in drawn] == [[1, 2, 3, 4]]
+    out = capsys.readouterr().out
+    curve = out[out.index("step  verifier"):]
+    assert [line.split()[0] for line in curve.splitlines()[1:5]] == ["1", "2", "3", "4"]
+
+
+def test_run_log_gets_the_closing_table_and_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """What the console printed at the end (the table, the bound line, the rows line, the curve's
+    table) is in `run.log` too (before: none of it)."""
+    history = [{"step": k, **STEP} for k in (1, 2)]
+    _closing(tmp_path, history, history, monkeypatch)
+    out = capsys.readouterr().out
+    log = (tmp_path / "run.log").read_text()
+    for line in (bound_line(history), rows_line(history), "harnessrl train", "step  verifier"):
+        head = line[:40]  # the console wraps at 80 columns; the bound line's tail depends on the config
+        assert head in out and head in log, head

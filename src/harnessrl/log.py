@@ -316,6 +316,16 @@ def setup_logging(level: str = "INFO", path: Path | None = None, console: Any = 
     hf_logging.disable_progress_bar()
 
 
+def to_run_log(text: str, name: str = "harnessrl.console") -> None:
+    """Write `text` (what the console printed outside logging: a closing table, its summary
+    lines) to the run's log file (`setup_logging`'s `path`, `run.log`) as one INFO record, and
+    to no other handler, so stderr does not show it twice. Nothing happens without a file."""
+    record = logging.LogRecord(name, logging.INFO, __file__, 0, "%s", (text,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def close_logging() -> None:
     """Flush and close the handlers `setup_logging` installed (the run's `run.log` included)."""
     root = logging.getLogger()

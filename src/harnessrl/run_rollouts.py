@@ -50,7 +50,7 @@ from harnessrl.config import RunConfig, check_run, dump_config
 from harnessrl.errors import ConfigError
 from harnessrl.hooks import load_hooks, shape_group
 from harnessrl.jsonl import read_jsonl, repair_torn_tail
-from harnessrl.log import setup_logging
+from harnessrl.log import setup_logging, to_run_log
 from harnessrl.proxy.server import run_loop
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
@@ -120,9 +120,10 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
                     "fills them", name, len(groups), n_groups, sum(len(rs) for rs in partial.values()),
                     len(partial), INCOMPLETE)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    out = Console()
+    out = Console(record=True)
     out.print(summary_table(summary, title=title))
     out.print(f"rollouts written to {out_dir / 'rollouts.jsonl'}")
+    to_run_log(out.export_text())
     return 0 if stopped is None else stopped.exit_code
 
 

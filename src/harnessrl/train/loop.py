@@ -43,6 +43,8 @@ from rich.console import Console
 from harnessrl.config import RunConfig
 from harnessrl.engine.stats import EngineStats
 from harnessrl.engine.weight_sync import SyncReport
+from harnessrl.jsonl import read_jsonl
+from harnessrl.log import to_run_log
 from harnessrl.train.console import (
     bound_line,
     final_table,
@@ -447,15 +449,19 @@ def drop_rolling(root: Path, before: int) -> None:
 
 def finish(run: TrainingRun, history: list[StepMetrics]) -> None:
     """The closing table, the line naming the side that bounds the run, the rows-and-credit
-    line (rows per rollout, merge shares, trained tokens by turn), and the curve."""
-    out = Console()
+    line (rows per rollout, merge shares, trained tokens by turn), and the curve, on stdout and
+    in `run.log`. The table and lines cover this process's steps; the curve (`curve.png` and its
+    text table) every step of `metrics.jsonl`, so a resumed run draws the steps before it too."""
+    out = Console(record=True)
     out.print(final_table(history))
     out.print(bound_line(history, max_staleness=run.cfg.train.max_staleness), markup=False, highlight=False)
     if credit := rows_line(history):
         out.print(credit, markup=False, highlight=False)
     cfg = run.cfg
-    curve = write_curve_png(history, run.run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
+    whole = read_jsonl(run.run_dir / "metrics.jsonl").rows or history
+    curve = write_curve_png(whole, run.run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
                             title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
-    out.print(curve_table(history), markup=False, highlight=False)
+    out.print(curve_table(whole), markup=False, highlight=False)
     if curve is not None:
         out.print(f"curve: {curve}", markup=False, highlight=False)
+    to_run_log(out.export_text())
