@@ -24,6 +24,13 @@ def test_a_step_that_trains_nothing_says_why() -> None:
     assert "loss" not in line and "nan" not in line
 
 
+def test_a_step_the_train_turn_fn_emptied_names_it() -> None:
+    """Every turn kept as context by the hook: the step says so (before: "no trainable turn (no
+    rollout has a sampled token to train)")."""
+    m = {"rows_built": 0.0, "samples/num_rejected_by_hook": 6.0}
+    assert skip_reason(m) == "no trainable turn: hooks.train_turn_fn kept 6 turns as context only"
+
+
 def test_skip_reasons() -> None:
     assert skip_reason({"rows_built": 0.0}).startswith("no trainable turn")
     assert skip_reason({"rows_built": 3.0, "rows_stale_dropped": 3.0}).startswith("all rows stale")

@@ -253,3 +253,19 @@ def test_cli_serves_on_loopback_and_prints_the_url(run_dir: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_turn_the_train_turn_fn_rejects_is_named_as_such(run_dir: Path, tokenizer) -> None:
+    """A run whose `train_turn_fn` keeps every turn as context: each main turn says
+    `train_turn_fn`, and the rollout's reason is the filter, not its group's rewards (before:
+    nothing on the turns, and "zero-variance group" or nothing on the rollout)."""
+    hooks = Hooks(train_turn_fn=lambda turn: False)
+    detail = rollout_detail(build_index(run_dir), 0, tokenizer, hooks)
+    assert detail["rows"] == []
+    main = [t for t in detail["turns"] if t["main"]]
+    assert main and [t["excluded"] for t in main] == ["train_turn_fn"] * len(main)
+    assert [t["excluded"] for t in detail["turns"] if not t["main"]] == ["error", "unfaithful"]
+    assert detail["dropped_by_trainer"] == f"no row to train: hooks.train_turn_fn kept {len(main)} turns as context only"
+    kept = rollout_detail(build_index(run_dir), 0, tokenizer, Hooks(train_turn_fn=lambda turn: turn.turn_index != 0))
+    assert [t["excluded"] for t in kept["turns"]][:3] == ["train_turn_fn", None, None]
+    assert kept["rows"] and kept["dropped_by_trainer"] is None

@@ -44,8 +44,11 @@ def step_line(step: int, steps: int, m: dict[str, Any]) -> str:
 
 def skip_reason(m: dict[str, Any]) -> str:
     """Why a step has no row to train, from its row counts (`rows_built` and the
-    `rows_*_dropped` counts of `rows.rows_for_step`)."""
+    `rows_*_dropped` counts of `rows.rows_for_step`), naming `hooks.train_turn_fn` when it kept
+    the turns as context (`samples/num_rejected_by_hook`)."""
     if not m.get("rows_built"):
+        if hooked := int(m.get("samples/num_rejected_by_hook") or 0):
+            return f"no trainable turn: hooks.train_turn_fn kept {hooked} turn{'s' if hooked != 1 else ''} as context only"
         return "no trainable turn (no rollout has a sampled token to train)"
     dropped = {
         "all rewards equal within each group": m.get("rows_zero_variance_dropped", 0),

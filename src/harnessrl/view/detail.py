@@ -92,6 +92,7 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
     parents = find_parents(eligible)
     row_of = _rows_of_turns(rows, eligible)
     by_index = {t.turn_index: j for j, t in enumerate(eligible)}
+    rejected = _rejected_by_hook(eligible, is_main, kwargs)
     vocab_ids = sorted({tok for r in rows for tok in r.input_ids})
     texts = tokenizer.batch_decode([[t] for t in vocab_ids], skip_special_tokens=False)
     return {
@@ -99,10 +100,10 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
         "error": rollout.error,
         "final_answer": rollout.final_answer,
         "turns": _turns(rollout.trace.turns, by_index, is_main, kinds, row_of,
-                        _trained_per_turn(rows, eligible, row_of), tokenizer),
+                        _trained_per_turn(rows, eligible, row_of), tokenizer, rejected),
         "rows": [_row(k, r, eligible, parents, kinds, row_of) for k, r in enumerate(rows)],
         "stats": stats.as_metrics(),
-        "dropped_by_trainer": _dropped_reason(summary),
+        "dropped_by_trainer": _dropped_reason(summary, has_rows=bool(rows), rejected=len(rejected)),
         "vocab": dict(zip((str(t) for t in vocab_ids), texts)),
     }
 
@@ -115,12 +116,28 @@ def merge_kinds(rollout: Rollout, kwargs: dict[str, Any]) -> tuple[list[Turn], l
     return eligible, is_main, _merge_kinds(rollout, eligible, is_main, kwargs)
 
 
-def _dropped_reason(summary: dict[str, Any]) -> str | None:
+def _dropped_reason(summary: dict[str, Any], has_rows: bool = True, rejected: int = 0) -> str | None:
+    """Why the trainer trains nothing of this rollout, or None: `hooks.train_turn_fn` kept every
+    turn it was asked about as context (named first: the rewards are then beside the point), an
+    unscored rollout, or a zero-variance group."""
+    if not has_rows and rejected:
+        return (f"no row to train: hooks.train_turn_fn kept {rejected} turn{'s' if rejected != 1 else ''} "
+                "as context only")
     if summary.get("train_reward") is None:
         return "unscored rollout: its rows are not trained"
     if summary.get("advantage") is None:
         return "zero-variance group: its rows carry no gradient and are dropped"
     return None
+
+
+def _rejected_by_hook(eligible: Sequence[Turn], is_main: Sequence[bool], kwargs: dict[str, Any]) -> set[int]:
+    """Turn indices `train_turn_fn` kept as context only, of the turns `build_rows` asks it about
+    (main-chain turns, and auxiliary ones with `train_auxiliary`)."""
+    fn = kwargs.get("train_turn_fn")
+    if fn is None:
+        return set()
+    asked = [t for t, main in zip(eligible, is_main) if main or kwargs.get("train_auxiliary")]
+    return {t.turn_index for t in asked if not fn(t)}
 
 
 def _eligible_and_main(rollout: Rollout, kwargs: dict[str, Any]) -> tuple[list[Turn], list[bool]]:
@@ -228,7 +245,7 @@ def _row(k: int, row: Row, eligible: Sequence[Turn], parents: Sequence[int | Non
 
 def _turns(turns: Sequence[Turn], by_index: dict[int, int], is_main: Sequence[bool], kinds: Sequence[str],
            row_of: Sequence[int | None], trained: Sequence[int],
-           tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
+           tokenizer: PreTrainedTokenizerBase, rejected: set[int]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     prev_messages: list[Any] = []
     for turn in turns:
@@ -243,6 +260,8 @@ def _turns(turns: Sequence[Turn], by_index: dict[int, int], is_main: Sequence[bo
             why = "unfaithful"
         elif j is None:
             why = "retry_superseded"
+        elif turn.turn_index in rejected:
+            why = "train_turn_fn"  # the run's hook kept it as context only
         unfaithful = check_turn_faithful(turn) if turn.status in ("ok", "unfaithful") else None
         try:
             sampled = tokenizer.decode(turn.completion_ids, skip_special_tokens=False)
