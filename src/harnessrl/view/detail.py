@@ -92,7 +92,7 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
     parents = find_parents(eligible)
     row_of = _rows_of_turns(rows, eligible)
     by_index = {t.turn_index: j for j, t in enumerate(eligible)}
-    rejected = _rejected_by_hook(eligible, is_main, kwargs)
+    rejected = _rejected_by_hook(eligible, is_main, hooks.train_turn_fn, bool(kwargs.get("train_auxiliary")))
     vocab_ids = sorted({tok for r in rows for tok in r.input_ids})
     texts = tokenizer.batch_decode([[t] for t in vocab_ids], skip_special_tokens=False)
     return {
@@ -130,13 +130,13 @@ def _dropped_reason(summary: dict[str, Any], has_rows: bool = True, rejected: in
     return None
 
 
-def _rejected_by_hook(eligible: Sequence[Turn], is_main: Sequence[bool], kwargs: dict[str, Any]) -> set[int]:
-    """Turn indices `train_turn_fn` kept as context only, of the turns `build_rows` asks it about
-    (main-chain turns, and auxiliary ones with `train_auxiliary`)."""
-    fn = kwargs.get("train_turn_fn")
+def _rejected_by_hook(eligible: Sequence[Turn], is_main: Sequence[bool], fn: Callable[[Turn], bool] | None,
+                     train_auxiliary: bool) -> set[int]:
+    """Turn indices `train_turn_fn` (`fn`) kept as context only, of the turns `build_rows` asks
+    it about (main-chain turns, and auxiliary ones with `train_auxiliary`)."""
     if fn is None:
         return set()
-    asked = [t for t, main in zip(eligible, is_main) if main or kwargs.get("train_auxiliary")]
+    asked = [t for t, main in zip(eligible, is_main) if main or train_auxiliary]
     return {t.turn_index for t in asked if not fn(t)}
 
 
