@@ -108,7 +108,10 @@ def test_signal_stops_rollout(sig: signal.Signals, tmp_path: Path) -> None:
     assert exit_s < EXIT_WITHIN_S, f"took {exit_s:.1f} s to exit"
     assert_nothing_left(children, sandboxes, grace_s=2.0)
     rollouts = _lines(out / "rollouts.jsonl")
-    assert [r["group_id"] for r in rollouts] == [0, 0], "only the group finished before the signal"
+    assert [r["group_id"] for r in rollouts][:2] == [0, 0], "the group finished before the signal"
+    # rollouts of group 1 that finished before the signal are written too, marked incomplete
+    assert all(r["group_id"] == 1 and r["metadata"]["group_incomplete"] for r in rollouts[2:]), rollouts[2:]
+    assert not any("group_incomplete" in r["metadata"] for r in rollouts[:2])
     _assert_finished_before(rollouts, t_signal)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_by_signal"] == sig and summary["tasks"] == 1 and summary["rollouts"] == 2
