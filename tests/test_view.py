@@ -269,3 +269,16 @@ def test_a_turn_the_train_turn_fn_rejects_is_named_as_such(run_dir: Path, tokeni
     kept = rollout_detail(build_index(run_dir), 0, tokenizer, Hooks(train_turn_fn=lambda turn: turn.turn_index != 0))
     assert [t["excluded"] for t in kept["turns"]][:3] == ["train_turn_fn", None, None]
     assert kept["rows"] and kept["dropped_by_trainer"] is None
+
+
+def test_a_record_holding_a_nan_reward_is_unscored_in_the_index(tmp_path: Path, tokenizer) -> None:
+    """A rollout written with reward NaN (before the runner refused one) reads as unscored; its
+    group's other rollouts still get their advantages (before: `reward nan is not finite`)."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "config.toml").write_text('[engine]\nmodel = "tiny-random"\n')
+    rewards = [1.0, float("nan"), 0.0]
+    (d / "rollouts.jsonl").write_text("".join(_rollout(tokenizer, f"r{k}", 0, r).model_dump_json() + "\n"
+                                              for k, r in enumerate(rewards)))
+    index = build_index(d)
+    assert [s["advantage"] is not None and round(s["advantage"], 3) for s in index.summaries] == [1.0, False, -1.0]

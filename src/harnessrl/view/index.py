@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import tomllib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -161,13 +162,21 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
     advantage_fn = advantage_fn_for(cfg.train.advantage)
     per_step = cfg.train.groups_per_step
     for k, members in enumerate(group_order.values()):
-        adv = advantage_fn([summaries[i]["train_reward"] for i in members])
+        adv = advantage_fn([_finite(summaries[i]["train_reward"]) for i in members])
         for i, a in zip(members, adv.advantages_G):
             summaries[i]["advantage"] = None if a is None or adv.zero_variance else float(a)
             summaries[i]["step"] = k // per_step + 1 if metrics else None
     if bad > MAX_WARNINGS:
         log.warning("rollouts.jsonl: %d unreadable lines skipped in all", bad)
     return RunIndex(run_dir, cfg, summaries, metrics, bad)
+
+
+def _finite(reward: object) -> float | None:
+    """`reward` when it is a finite number, else None (unscored, as the trainer counts it: a
+    record may hold `"NaN"` from before the runner refused non-finite verdicts)."""
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward):
+        return float(reward)
+    return None
 
 
 def index_json(index: RunIndex) -> dict[str, Any]:
