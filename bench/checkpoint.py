@@ -49,7 +49,8 @@ def main() -> None:
             save_checkpoint(policy, tokenizer, directory, {"step": k, "policy_version": k})
             seconds = time.perf_counter() - t0
             sizes = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
-            big = ", ".join(f"{name} {size / 1e6:.0f} MB" for name, size in sorted(sizes.items(), key=lambda x: -x[1])[:3])
+            largest = sorted(sizes.items(), key=lambda x: -x[1])[:3]
+            big = ", ".join(f"{name} {size / 1e6:.0f} MB" for name, size in largest)
             print(f"save {k}: {seconds:.2f} s, {sum(sizes.values()) / 1e6:.0f} MB ({big})")
 
 

@@ -48,7 +48,8 @@ def skip_reason(m: dict[str, Any]) -> str:
     the turns as context (`samples/num_rejected_by_hook`)."""
     if not m.get("rows_built"):
         if hooked := int(m.get("samples/num_rejected_by_hook") or 0):
-            return f"no trainable turn: hooks.train_turn_fn kept {hooked} turn{'s' if hooked != 1 else ''} as context only"
+            turns = f"{hooked} turn{'s' if hooked != 1 else ''}"
+            return f"no trainable turn: hooks.train_turn_fn kept {turns} as context only"
         return "no trainable turn (no rollout has a sampled token to train)"
     dropped = {
         "all rewards equal within each group": m.get("rows_zero_variance_dropped", 0),
