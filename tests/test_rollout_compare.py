@@ -151,6 +151,12 @@ def test_a_directory_of_another_config_is_refused_before_anything_is_touched(tmp
     assert str(exc.value) == (f"{d} holds rollouts of another config (sampling.temperature: 0.7 -> 1.0): "
                               "use another --out, or move that directory aside")
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    # a key the older config.toml lacks (added since) is no difference
+    from harnessrl.run_rollouts import check_same_config
+    (d / "config.toml").write_text("".join(line for line in dump_config(old).splitlines(keepends=True)
+                                           if not line.startswith("agent_timeout_s")))
+    assert "agent_timeout_s" in dump_config(old) and "agent_timeout_s" not in (d / "config.toml").read_text()
+    check_same_config(d, old)
     (d / "config.toml").unlink()
     with pytest.raises(ConfigError, match="holds rollouts.jsonl but no config.toml"):
         run_evaluation(old, d, limit=1)

@@ -249,8 +249,8 @@ def _settle_marks(out_dir: Path, kept: dict[int, list[Rollout]], groups: list[Gr
 
 def check_same_config(out_dir: Path, cfg: RunConfig) -> None:
     """Refuse to resume in `out_dir` when it holds rollouts of another config: its `config.toml`
-    differs from `cfg` in a key that changes what a rollout is (any key but `RESUME_FREE`).
-    Checked before anything is written.
+    differs from `cfg` in a key that changes what a rollout is (any key both name but
+    `RESUME_FREE`). Checked before anything is written.
 
     Raises:
         ConfigError: one line naming the keys that differ (old -> new), or the missing
@@ -267,10 +267,11 @@ def check_same_config(out_dir: Path, cfg: RunConfig) -> None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{old_path} does not read as TOML ({exc}): use another --out") from exc
     new = _flat(tomllib.loads(dump_config(cfg)))
-    differ = sorted(k for k in old.keys() | new.keys()
-                    if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE))
+    # a key only one side has is one this version added or removed (a kind's own keys differ
+    # with its `kind`, which both have): only keys of both are compared
+    differ = sorted(k for k in old.keys() & new.keys() if old[k] != new[k] and not k.startswith(RESUME_FREE))
     if differ:
-        shown = "; ".join(f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in differ[:4])
+        shown = "; ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in differ[:4])
         more = f"; and {len(differ) - 4} more" if len(differ) > 4 else ""
         raise ConfigError(f"{out_dir} holds rollouts of another config ({shown}{more}): use another --out, "
                           "or move that directory aside")
