@@ -207,6 +207,8 @@ def serve(
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.preflight import check_model
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.serve import serve as serve_impl
 
     overrides = list(set_ or [])
@@ -214,6 +216,7 @@ def serve(
     overrides += [f"engine.num_threads={threads}"] if threads is not None else []
     try:
         cfg = load_config(config, overrides)
+        check_model(cfg.engine.model)
         _sweep(cfg.sandbox.root_dir)
         serve_impl(cfg, host=host, port=port, admin_port=admin_port, open_session=open_session, trace_path=trace_path)
     except HarnessRLError as exc:

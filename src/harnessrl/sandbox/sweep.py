@@ -23,6 +23,7 @@ removed by `podman_host.remove_orphans` when a podman backend starts.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import fcntl
@@ -103,7 +104,16 @@ def _own_lock(root_dir: Path) -> str:
         fd = os.open(_owners_dir(root_dir) / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
         _held[root_dir] = name  # the descriptor stays open for the life of the process
+        atexit.register(_drop_lock, root_dir / OWNERS / f"{name}.lock", os.getpid())
         return name
+
+
+def _drop_lock(path: Path, pid: int) -> None:
+    """At a normal exit, remove this process's lock file (a forked child inherits the hook:
+    only the process that made it removes it). A sandbox still recorded then has an owner
+    that is gone, and the next `sweep` removes it."""
+    if os.getpid() == pid:
+        path.unlink(missing_ok=True)
 
 
 def claim(root_dir: Path, sandbox_id: str) -> None:
