@@ -629,5 +629,6 @@ class LocalSandboxBackend:
 
 
 def leftover_sandboxes(root: Path) -> list[Path]:
-    """Sandbox directories still present under `root` (empty after every sandbox closed)."""
-    return sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
+    """Sandbox directories still present under `root` (empty after every sandbox closed); the
+    owners' directory of `sandbox/sweep.py` is not one."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name != sweep.OWNERS) if root.exists() else []
