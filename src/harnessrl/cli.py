@@ -82,7 +82,7 @@ def train(
     except HarnessRLError as exc:
         raise _fail(exc) from None
     _sweep(cfg.sandbox.root_dir)
-    # lazy: torch and the trainer load only once every check passed (a refusal takes ~1 s, not ~6)
+    # lazy: torch and the trainer load only once every check passed (a refusal never waits for them)
     from harnessrl.train.run import run_training
 
     try:

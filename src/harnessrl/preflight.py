@@ -2,8 +2,8 @@
 loaded, torch not imported.
 
 Responsibility: everything that can refuse a run from its config alone, in one call, so that
-`harnessrl train` and `harnessrl rollout` fail in about a second with one line naming the key
-or option, and an earlier run in `--out` is never moved aside for a run that cannot start
+`harnessrl train` and `harnessrl rollout` refuse before torch loads, with one line naming the
+key or option, and an earlier run in `--out` is never moved aside for a run that cannot start
 (`docs/configuration.md`, "How a config is checked"):
 
 * the dotted paths (`config.check_run`), and for training the sinks and sampling
