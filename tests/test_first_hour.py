@@ -156,6 +156,8 @@ BAD: list[tuple[str, str]] = [
     ("train --out runs/default --set engine.model=/no/such/model", r"engine\.model = '/no/such/model'"),
     ("train --out runs/default --set sampling.top_p=0.5", r"sampling\.top_p = 0\.5"),
     ("train --out runs/default --set train.lr=1", r"unknown key 'train\.lr'"),
+    ("train --out runs/default --set tasks.kind=stdio --set tasks.path={examples}/stdio_tasks.jsonl "
+     "--set train.eval_every=1 --set train.eval_size=500", r"train\.eval_size = 500 leaves no training task"),
     ("train --resume runs/default --out elsewhere", r"--out elsewhere with --resume runs/default"),
     ("train --resume runs/default --config bad.toml", r"--config bad\.toml with --resume"),
     ("train --resume runs/missing", r"--resume runs/missing: not a run directory"),
@@ -180,8 +182,9 @@ BAD: list[tuple[str, str]] = [
 
 
 @pytest.fixture(scope="module")
-def ports() -> Iterator[dict[str, int]]:
-    """A closed loopback port, and one whose server refuses every admin token (401)."""
+def ports() -> Iterator[dict[str, object]]:
+    """A closed loopback port, one whose server refuses every admin token (401), and where the
+    examples are."""
 
     class Refuse(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
@@ -200,12 +203,12 @@ def ports() -> Iterator[dict[str, int]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    yield {"closed": closed, "refusing": server.server_address[1]}
+    yield {"closed": closed, "refusing": server.server_address[1], "examples": str(REPO / "examples")}
     server.shutdown()
 
 
 @pytest.mark.parametrize(("written", "names"), BAD, ids=[w for w, _ in BAD])
-def test_a_mistake_is_one_line_and_touches_nothing(place: Path, ports: dict[str, int], written: str,
+def test_a_mistake_is_one_line_and_touches_nothing(place: Path, ports: dict[str, object], written: str,
                                                    names: str) -> None:
     before = _snapshot(place / RUN)
     env = {k: v for k, v in os.environ.items() if k != "HARNESSRL_ADMIN_TOKEN"}

@@ -12,6 +12,7 @@ key or option, and an earlier run in `--out` is never moved aside for a run that
   a python source that raises or returns nothing) and its verifier made for its first task (a
   task family without one); an OpenEnv factory is imported, not built (building it may start
   servers), and its dataset file must exist;
+* for training with a held-out set, a source of more than `train.eval_size` tasks;
 * the model names something loadable offline (`check_model`): the default's package or cached
   copy, a directory with a `config.json`, or a hub id in the offline cache; nothing is built;
 * under `sandbox.isolation = "required"` a local sandbox needs bubblewrap (the backend's own
@@ -32,7 +33,7 @@ from harnessrl.errors import ConfigError, ModelLoadError
 from harnessrl.rewards.select import make_verifier_for
 from harnessrl.sandbox.config import SandboxConfig
 from harnessrl.sandbox.local import LocalSandboxBackend
-from harnessrl.tasks.config import OpenEnvTasks
+from harnessrl.tasks.config import OpenEnvTasks, ProceduralTasks
 from harnessrl.tasks.select import make_task_source
 
 
@@ -56,12 +57,27 @@ def check_start(cfg: RunConfig, *, isolation: Literal["required", "best_effort"]
     else:
         tasks = make_task_source(cfg.tasks)
         make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))(tasks.get(0))
+        if training and cfg.train.eval_every and not isinstance(cfg.tasks, ProceduralTasks):
+            check_eval_size(len(tasks), cfg.train.eval_size)
     check_model(cfg.engine.model)
     if isinstance(cfg.sandbox, SandboxConfig) and cfg.rollout.executor == "local":
         mode = cfg.sandbox.isolation or isolation
         backend = LocalSandboxBackend(cfg.sandbox) if mode == "required" else None
         if backend is not None and backend.bwrap is None:
             backend.check_isolation(mode)  # raises before it logs; the runtime reports the gaps
+
+
+def check_eval_size(n_tasks: int, eval_size: int) -> None:
+    """A held-out set of `eval_size` tasks (`train.eval_size`) must leave a training task in a
+    source of `n_tasks` (a procedural source draws its held-out tasks from other seeds and is
+    never short: `train/evaluation.held_out_split`).
+
+    Raises:
+        ConfigError: `n_tasks <= eval_size`, naming both keys that fix it.
+    """
+    if n_tasks <= eval_size:
+        raise ConfigError(f"train.eval_size = {eval_size} leaves no training task: the task source has "
+                          f"{n_tasks} tasks (lower train.eval_size or set train.eval_every = 0)")
 
 
 def check_model(model: str) -> None:
