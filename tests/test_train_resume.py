@@ -55,3 +55,29 @@ def test_a_new_run_sets_the_earlier_run_aside(tmp_path: Path) -> None:
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     os.utime(run_dir / "metrics.jsonl", (1_700_000_000, 1_700_000_000))
     assert set_aside_earlier_run(run_dir) == tmp_path / f"default.{stamp}-2"
+
+
+def test_a_run_that_fails_its_checks_leaves_the_earlier_run_where_it_is(tmp_path: Path) -> None:
+    """`run_training` called directly (not through the CLI) checks the task source, the
+    verifier and the model before the earlier run is set aside: a missing tasks file, a source
+    that raises and a missing model each leave the directory as it was, with no sibling."""
+    import pytest
+
+    from harnessrl.config import load_config
+    from harnessrl.errors import HarnessRLError
+    from harnessrl.train.run import run_training
+
+    run_dir = tmp_path / "default"
+    (run_dir / "checkpoints" / "step-1").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "checkpoints" / "step-1" / "state.json").write_text("{}")
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    for overrides, named in (
+        (['tasks.kind="stdio"', f'tasks.path="{tmp_path / "missing.jsonl"}"'], "missing.jsonl"),
+        (['tasks.kind="python"', 'tasks.source="json:loads"'], "tasks.source = 'json:loads'"),
+        (['engine.model="/no/such/model"'], "engine.model = '/no/such/model'"),
+    ):
+        cfg = load_config(None, [*overrides, 'sandbox.isolation="best_effort"'])
+        with pytest.raises(HarnessRLError, match=named.replace(".", r"\.")):
+            run_training(cfg, run_dir)
+        assert sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before

@@ -13,9 +13,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from harnessrl.config import RunConfig
 
 app = typer.Typer(
     name="harnessrl",
@@ -40,6 +43,12 @@ def _fail(exc: Exception) -> typer.Exit:
     return typer.Exit(2)
 
 
+def _refuse(text: str) -> typer.Exit:
+    """Print a refused command line (an option that cannot work) as one line naming the option."""
+    typer.secho(f"harnessrl: {text}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
 def _exit(code: int) -> None:
     """End the command with `code`. A run stopped by a signal (130, 143) has released every
     process, directory and key and flushed its files by now; it exits at once rather than wait
@@ -55,49 +64,96 @@ def _exit(code: int) -> None:
 @app.command()
 def train(
     config: ConfigOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory (default runs/<timestamp>).")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Total number of training steps of the run (overrides train.steps); with --resume the run continues until this many are done, counting the steps already done.")] = None,
-    resume: Annotated[Optional[Path], typer.Option(help="Continue the run in this directory from its last checkpoint.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory (default runs/<timestamp>); an earlier run there is moved to DIR.<time>.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Total number of training steps of the run, >= 1 (overrides train.steps); with --resume the run continues until this many are done, counting the steps already done.")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Continue the run in this directory from its last checkpoint, with its own config.toml (--set still applies; --config and another --out are refused).")] = None,
     set_: SetOpt = None,
 ) -> None:
     """Train the policy with asynchronous GRPO on rollouts of a real agent harness."""
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
-    from harnessrl.config import load_config, resolve_run_dir
-    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
-    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+
+    try:
+        cfg, run_dir = _train_config(config, out, steps, resume, list(set_ or []))
+        # lazy: the checks of tasks, verifier and model load after the config's own (a bad key refuses sooner)
+        from harnessrl.preflight import check_start
+
+        check_start(cfg, isolation="required", training=True)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+    _sweep(cfg.sandbox.root_dir)
+    # lazy: torch and the trainer load only once every check passed (a refusal never waits for them)
     from harnessrl.train.run import run_training
 
     try:
-        if resume is not None:
-            cfg = load_config(resume / "config.toml", set_ or [])
-            run_dir = resume
-        else:
-            cfg = load_config(config, set_ or [])
-            run_dir = resolve_run_dir(out)
-        if steps is not None:
-            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
-        code = run_training(cfg, run_dir, resume=resume is not None)
+        code = run_training(cfg, run_dir, resume=resume is not None, checked=True)
     except HarnessRLError as exc:
         raise _fail(exc) from None
     _exit(code)
+
+
+def _train_config(config: Path | None, out: Path | None, steps: int | None, resume: Path | None,
+                  overrides: list[str]) -> tuple[RunConfig, Path]:
+    """The config and run directory of `harnessrl train`, its options checked (nothing made).
+
+    `--resume DIR` continues DIR with DIR/config.toml: an `--out` naming another directory and a
+    `--config` are refused rather than ignored (a resumed run has one directory and one config).
+
+    Raises:
+        ConfigError: `--steps` below 1, `--out` not a directory, `--resume` not a run directory,
+            `--resume` with `--config` or another `--out`, or the config itself.
+    """
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.config import check_out_dir, load_config, resolve_run_dir
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.errors import ConfigError
+
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps {steps}: must be >= 1 (the total number of training steps of the run)")
+    if resume is None:
+        run_dir = resolve_run_dir(out)
+        check_out_dir(run_dir)
+        cfg = load_config(config, overrides)
+    else:
+        if out is not None and out.resolve() != resume.resolve():
+            raise ConfigError(f"--out {out} with --resume {resume}: a resumed run continues in its own "
+                              f"directory; drop --out (or drop --resume to start a new run in {out})")
+        if config is not None:
+            raise ConfigError(f"--config {config} with --resume {resume}: a resumed run keeps its own "
+                              f"config.toml; change a key with --set")
+        if not (resume / "config.toml").is_file():
+            raise ConfigError(f"--resume {resume}: not a run directory (no config.toml there)")
+        run_dir = resume
+        cfg = load_config(resume / "config.toml", overrides)
+    if steps is not None:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
+    return cfg, run_dir
+
+
+def _sweep(root_dir: Path) -> None:
+    """Remove what a killed run left under the sandbox root `root_dir` (`sandbox/sweep.py`) and
+    say so in one line."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.sandbox.sweep import sweep
+
+    swept = sweep(root_dir)
+    if swept:
+        typer.echo(f"harnessrl: {swept.line()}", err=True)
 
 
 @app.command()
 def rollout(
     config: ConfigOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/rollout-<timestamp>).")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="Number of tasks (groups) to run (default: tasks.limit, else 4); not a config key.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Number of tasks (groups) to run, >= 1 (default: tasks.limit, else 4); not a config key.")] = None,
     compare: Annotated[Optional[tuple[Path, Path]], typer.Option(help="Run nothing: list the tasks fixed and regressed from evaluation directory A to B (each with a rollouts.jsonl).", metavar="A B")] = None,
     set_: SetOpt = None,
 ) -> None:
     """Run rollouts without training (evaluation): writes rollouts.jsonl and prints a summary. An existing --out DIR resumes: only missing or errored rollouts run."""
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
-    from harnessrl.config import load_config, resolve_run_dir
+    from harnessrl.config import check_out_dir, load_config, resolve_run_dir
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
-    from harnessrl.errors import HarnessRLError
-    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
-    from harnessrl.run_rollouts import run_evaluation
+    from harnessrl.errors import ConfigError, HarnessRLError
 
     if compare is not None:
         # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
@@ -111,8 +167,23 @@ def rollout(
             typer.echo(line)
         return
     try:
+        if limit is not None and limit < 1:
+            raise ConfigError(f"--limit {limit}: must be >= 1 (the number of tasks to run)")
+        out_dir = resolve_run_dir(out, prefix="rollout-")
+        check_out_dir(out_dir)
         cfg = load_config(config, set_ or [])
-        code = run_evaluation(cfg, resolve_run_dir(out, prefix="rollout-"), limit=limit)
+        # lazy: the checks of tasks, verifier and model load after the config's own (a bad key refuses sooner)
+        from harnessrl.preflight import check_start
+
+        check_start(cfg, isolation="best_effort", training=False)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+    _sweep(cfg.sandbox.root_dir)
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.run_rollouts import run_evaluation
+
+    try:
+        code = run_evaluation(cfg, out_dir, limit=limit)
     except HarnessRLError as exc:
         raise _fail(exc) from None
     _exit(code)
@@ -136,6 +207,8 @@ def serve(
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.errors import HarnessRLError
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.preflight import check_model
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.serve import serve as serve_impl
 
     overrides = list(set_ or [])
@@ -143,6 +216,8 @@ def serve(
     overrides += [f"engine.num_threads={threads}"] if threads is not None else []
     try:
         cfg = load_config(config, overrides)
+        check_model(cfg.engine.model)
+        _sweep(cfg.sandbox.root_dir)
         serve_impl(cfg, host=host, port=port, admin_port=admin_port, open_session=open_session, trace_path=trace_path)
     except HarnessRLError as exc:
         raise _fail(exc) from None
@@ -221,7 +296,12 @@ def view(
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.view.index import build_index
 
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.config import check_out_dir
+
     try:
+        if out is not None:
+            check_out_dir(out)
         t0 = time.perf_counter()
         index = build_index(run_dir)
         typer.echo(f"indexed {len(index.summaries)} rollouts, {len(index.metrics)} steps in "
@@ -263,7 +343,11 @@ def export(
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.export import export_run
 
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.config import check_out_dir
+
     try:
+        check_out_dir(out)
         done = export_run(run_dir, out, format_)
     except HarnessRLError as exc:
         raise _fail(exc) from None
@@ -281,10 +365,23 @@ def session_open(
     # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
     from harnessrl.serve import session_open as session_open_impl
 
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    import httpx
+
     if not token:
-        raise typer.BadParameter("the admin token is required: --token or HARNESSRL_ADMIN_TOKEN "
-                                 "(printed by `harnessrl serve`)", param_hint="--token")
-    session_open_impl(url, token)
+        raise _refuse("--token: the admin token is required: --token or HARNESSRL_ADMIN_TOKEN (printed by "
+                      "`harnessrl serve`)")
+    try:
+        session_open_impl(url, token)
+    except httpx.HTTPStatusError as exc:
+        status = exc.response.status_code
+        if status in (401, 403):
+            raise _refuse(f"--token: the proxy at --url {url} refused the admin token ({status}); use the "
+                          "token `harnessrl serve` printed") from None
+        raise _refuse(f"--url {url}: the admin API answered {status}") from None
+    except httpx.HTTPError as exc:
+        raise _refuse(f"--url {url}: no proxy admin API reached ({type(exc).__name__}: {exc}); start "
+                      "`harnessrl serve` and pass the admin URL it prints") from None
 
 
 @harness_app.command("install")

@@ -45,13 +45,15 @@ from harnessrl.errors import ConfigError
 from harnessrl.harness.base import HarnessRequirements
 from harnessrl.harness.options import default_limits, requirements_for, validate_options
 from harnessrl.hooks import load_hook, load_hooks
+from harnessrl.log import check_sinks
 from harnessrl.loss.config import LossConfig, PpoClipLoss
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.config import SandboxConfig as LocalSandboxConfig
 from harnessrl.tasks.config import ProceduralTasks, TasksConfig
 
 __all__ = ["EngineConfig", "HarnessConfig", "HooksConfig", "LogConfig", "RayRolloutConfig", "RolloutConfig",
-           "RunConfig", "SamplingConfig", "TasksConfig", "TrainConfig", "check_run", "dump_config", "load_config"]
+           "RunConfig", "SamplingConfig", "TasksConfig", "TrainConfig", "check_out_dir", "check_run",
+           "check_training_config", "dump_config", "load_config"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -431,6 +433,42 @@ def check_run(cfg: RunConfig) -> None:
         load_hook(cfg.tasks.factory, what="tasks.factory")
     if cfg.tasks.verifier:
         load_hook(cfg.tasks.verifier, what="tasks.verifier")
+
+
+def check_training_config(cfg: RunConfig) -> None:
+    """Checks of a config that only training needs and that load nothing heavy (the rest of
+    `train/setup.check_training`), so `harnessrl train` runs them before torch is imported.
+
+    Raises:
+        ConfigError: a `log.sinks` package not installed (`log.check_sinks`, naming its extra).
+        ConfigError: `sampling.top_p < 1` or `sampling.top_k > 0`: the engine renormalises over
+            the kept tokens but the trainer's logprobs are the full softmax at the temperature
+            (`train/packing.py`), so the importance ratio would be wrong from the first step
+            (0.50 at top_p = 0.5); a lower `sampling.temperature` is exact.
+    """
+    check_sinks(cfg.log.sinks)
+    s = cfg.sampling
+    if s.top_p < 1.0 or s.top_k > 0:
+        raise ConfigError(
+            f"sampling.top_p = {s.top_p} / sampling.top_k = {s.top_k}: training needs top_p = 1 and "
+            f"top_k = 0 (the trainer computes logprobs under the full distribution at "
+            f"sampling.temperature, not the truncated one the engine samples from); lower "
+            f"sampling.temperature instead")
+
+
+def check_out_dir(path: Path, option: str = "--out") -> None:
+    """Refuse a run or output directory that cannot be one: `path`, or a directory above it,
+    exists and is not a directory (a file, a socket, a link to one).
+
+    Raises:
+        ConfigError: naming `option` and the path that is in the way.
+    """
+    for candidate in (path, *path.parents):
+        if candidate.exists() or candidate.is_symlink():
+            if not candidate.is_dir():
+                where = "" if candidate == path else f" ({candidate} is not a directory)"
+                raise ConfigError(f"{option} {path}: not a directory{where}")
+            return
 
 
 def dump_config(cfg: RunConfig) -> str:

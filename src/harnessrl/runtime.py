@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from harnessrl.chat.layer import ChatLayer
-from harnessrl.config import EngineConfig, RunConfig, TasksConfig
+from harnessrl.config import EngineConfig, RunConfig
 from harnessrl.engine.base import Engine
 from harnessrl.engine.model_store import load_tokenizer, resolve_model
 from harnessrl.engine.vllm.client import make_vllm_engine, start_vllm_engine
@@ -32,18 +32,7 @@ from harnessrl.rewards.select import make_verifier_for
 from harnessrl.sandbox.base import SandboxBackend
 from harnessrl.sandbox.select import make_backend
 from harnessrl.tasks.base import Task, TaskSource
-from harnessrl.tasks.config import (
-    HumanEvalTasks,
-    OpenEnvTasks,
-    ProceduralTasks,
-    PythonTasks,
-    StdioTasks,
-)
-from harnessrl.tasks.humaneval import HumanEvalSource
-from harnessrl.tasks.openenv import OpenEnvSource
-from harnessrl.tasks.procedural import KINDS, ProceduralSource
-from harnessrl.tasks.python_source import load_python_source
-from harnessrl.tasks.stdio import StdioSource
+from harnessrl.tasks.select import make_task_source
 
 log = logging.getLogger(__name__)
 
@@ -95,39 +84,6 @@ async def start_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: P
     if cfg.kind == "vllm" and not cfg.attached:
         return await start_vllm_engine(cfg, model_dir, run_dir)
     return make_engine(cfg, model_dir, seed, run_dir)
-
-
-def make_task_source(cfg: TasksConfig) -> TaskSource:
-    match cfg:
-        case ProceduralTasks():
-            source: TaskSource = ProceduralSource(kinds=tuple(cfg.kinds) if cfg.kinds else tuple(KINDS),
-                                                  difficulty=cfg.difficulty, seed_offset=cfg.seed_offset,
-                                                  answer_via=cfg.answer_via)
-        case HumanEvalTasks():
-            source = HumanEvalSource()
-        case StdioTasks():
-            source = StdioSource(Path(cfg.path))
-        case PythonTasks():
-            source = load_python_source(cfg.source, dict(cfg.kwargs))
-        case OpenEnvTasks():
-            source = OpenEnvSource(cfg.factory, dict(cfg.kwargs), cfg.path)
-    if cfg.limit is not None:
-        source = LimitedSource(source, cfg.limit)
-    return source
-
-
-class LimitedSource:
-    """The first `limit` seeds of a source, cycled: `get(seed) = inner.get(seed % limit)`."""
-
-    def __init__(self, inner: TaskSource, limit: int) -> None:
-        self._inner = inner
-        self._limit = min(limit, len(inner))
-
-    def __len__(self) -> int:
-        return self._limit
-
-    def get(self, seed: int) -> Task:
-        return self._inner.get(seed % self._limit)
 
 
 def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:

@@ -74,7 +74,7 @@ from subprocess import SubprocessError
 from typing import Literal
 
 from harnessrl.errors import SandboxError
-from harnessrl.sandbox import cgroup, layers, seccomp, spawn
+from harnessrl.sandbox import cgroup, layers, seccomp, spawn, sweep
 from harnessrl.sandbox import owner as owners
 from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import (
@@ -446,6 +446,8 @@ class LocalSandbox(HostDirSandbox):
         finally:
             if self.owner is not None and not self.root.exists():
                 owners.release(self.owner)
+            if not self.root.exists():
+                sweep.release(self.root.parent, self.sandbox_id)
 
     def _remove_group(self) -> None:
         assert self._group is not None, "only called with a group"
@@ -580,6 +582,7 @@ class LocalSandboxBackend:
         group: PidsGroup | None = None
         owner = owners.allocate() if self.owned else None
         try:
+            sweep.claim(root.parent, sandbox_id)  # a killed run's sandbox is swept at the next start
             root.mkdir(parents=True)
             if owner is not None:
                 # the sandbox root is root's and 0700: no other host user reaches any sandbox
@@ -620,10 +623,12 @@ class LocalSandboxBackend:
                 group.remove()
             if owner is not None:
                 owners.release(owner)
+            sweep.release(root.parent, sandbox_id)
             raise
         return sandbox
 
 
 def leftover_sandboxes(root: Path) -> list[Path]:
-    """Sandbox directories still present under `root` (empty after every sandbox closed)."""
-    return sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
+    """Sandbox directories still present under `root` (empty after every sandbox closed); the
+    owners' directory of `sandbox/sweep.py` is not one."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name != sweep.OWNERS) if root.exists() else []

@@ -1,7 +1,7 @@
 """The task source's configuration: one typed model per `tasks.kind`, a discriminated union.
 
 Responsibility: the `[tasks]` table validated at config load without importing any task code
-(`runtime.make_task_source` builds the source from it). Each kind accepts only its own keys, so
+(`tasks/select.make_task_source` builds the source from it). Each kind accepts only its own keys, so
 e.g. `difficulty` under `kind = "stdio"` fails at load, naming the key. Keys common to every
 kind: `limit`, `verifier`, `verifier_kwargs`.
 """

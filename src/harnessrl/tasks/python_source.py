@@ -12,7 +12,7 @@ Each task's `family` picks its verifier unless the config names one (`tasks.veri
 
 Errors: a path that does not import, a callable that raises, or a result of the wrong shape
 raise `ConfigError` naming `tasks.source`, before any model loads (`config.check_run` imports
-the path; `runtime.make_task_source` builds the source).
+the path; `tasks/select.make_task_source` builds the source).
 """
 
 from __future__ import annotations

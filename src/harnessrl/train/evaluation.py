@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harnessrl.errors import ConfigError
+from harnessrl.preflight import check_eval_size
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.summary import summarize_groups
 from harnessrl.runtime import make_task_source
@@ -67,10 +67,8 @@ def held_out_split(tasks_cfg: Any, source: TaskSource, eval_size: int) -> tuple[
         shifted = tasks_cfg.model_copy(update={"seed_offset": tasks_cfg.seed_offset + EVAL_SEED_OFFSET,
                                                "limit": None})
         return source, SeedRange(make_task_source(shifted), 0, eval_size)
+    check_eval_size(len(source), eval_size)
     n = len(source)
-    if n <= eval_size:
-        raise ConfigError(f"train.eval_size = {eval_size} leaves no training task: the task source has "
-                          f"{n} tasks (lower train.eval_size or set train.eval_every = 0)")
     return SeedRange(source, 0, n - eval_size), SeedRange(source, n - eval_size, eval_size)
 
 

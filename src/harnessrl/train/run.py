@@ -1,10 +1,10 @@
 """`harnessrl train`: the process around a training run.
 
-Responsibility: check the config (`config.check_run`, `setup.check_training`) before the run
-directory is made, start the trainer's processes (`train/distributed.py`), set up logging and
-`config.toml`, run the loop (`train/loop.run`) on uvloop when installed (the agents' listener
-runs inside this process) until it completes or a signal stops it, and turn that into the exit
-code.
+Responsibility: check the config (`preflight.check_start`, `setup.check_training`) before the run
+directory is made or an earlier run in it moved aside, start the trainer's processes
+(`train/distributed.py`), set up logging and `config.toml`, run the loop (`train/loop.run`) on
+uvloop when installed (the agents' listener runs inside this process) until it completes or a
+signal stops it, and turn that into the exit code.
 
 Several processes (`torchrun` / `accelerate launch`): rank 0 runs the loop and owns the runtime
 (proxy, engine, orchestrator, files, console); every trainer operation (load, step, parity
@@ -33,8 +33,9 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from harnessrl.config import RunConfig, check_run, dump_config
+from harnessrl.config import RunConfig, dump_config
 from harnessrl.log import setup_logging
+from harnessrl.preflight import check_start
 from harnessrl.proxy.server import run_loop
 from harnessrl.signals import RunStopped, run_until_signal
 from harnessrl.train.distributed import Ranks, close_ranks, init_ranks
@@ -73,17 +74,23 @@ def set_aside_earlier_run(run_dir: Path) -> Path | None:
     return target
 
 
-def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
+def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, checked: bool = False) -> int:
     """Train per `cfg` in `run_dir`; returns the process exit code: 0 when every step ran, 130 /
     143 when SIGINT / SIGTERM stopped the run (`harnessrl.signals`; the step in progress then
     leaves no rollouts, metrics or checkpoint behind, earlier checkpoints stay). A rank other
     than 0 does not return: it exits the process with its code (`_end_follower`).
 
+    Every check that needs no model (`preflight.check_start`: dotted paths, sinks, sampling,
+    the task source and its verifier, the model's name, isolation) runs before the run
+    directory is made or an earlier run in it moved aside; `checked=True` says the caller
+    (`harnessrl train`) ran them already.
+
     Raises:
-        ConfigError: a hook, task source or verifier path that does not import (`check_run`),
-            before the run directory is made.
+        ConfigError, TaskError, ModelLoadError, SandboxError: from `preflight.check_start`,
+            before anything in `run_dir` is touched.
     """
-    check_run(cfg)
+    if not checked:
+        check_start(cfg, isolation="required", training=True)
     check_training(cfg)
     ranks = init_ranks(cfg.train.device, cfg.train.strategy)
     if not ranks.is_main:

@@ -37,16 +37,15 @@ from typing import IO, TYPE_CHECKING, TypeVar
 import torch
 from rich.console import Console
 
-from harnessrl.config import RunConfig
+from harnessrl.config import RunConfig, check_training_config
 from harnessrl.engine.canary import CanarySync
 from harnessrl.engine.model_store import load_tokenizer
 from harnessrl.engine.select import SyncSettings, make_weight_sync
 from harnessrl.engine.speed import engine_hint, vllm_installed
 from harnessrl.engine.weight_sync import WeightSync
-from harnessrl.errors import ConfigError
 from harnessrl.hooks import Hooks, load_hooks
 from harnessrl.jsonl import repair_torn_tail
-from harnessrl.log import MetricsSink, check_sinks, make_sinks
+from harnessrl.log import MetricsSink, make_sinks
 from harnessrl.loss.advantages import AdvantageFn, advantage_fn_for
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
@@ -124,19 +123,16 @@ class TrainingRun:
 
 
 def check_training(cfg: RunConfig) -> None:
-    """Checks of a config that only training needs.
+    """Checks of a config that only training needs: `config.check_training_config` (log sinks
+    installed, no truncated sampling).
 
     Raises:
-        ConfigError: a `log.sinks` package not installed (`log.check_sinks`, naming its extra).
-        ConfigError: `sampling.top_p < 1` or `sampling.top_k > 0`: the engine renormalises over
-            the kept tokens but the trainer's logprobs are the full softmax at the temperature
-            (`train/packing.py`), so the importance ratio would be wrong from the first step
-            (0.50 at top_p = 0.5); a lower `sampling.temperature` is exact.
+        ConfigError: as `config.check_training_config`.
 
     Warns (log) when a bfloat16 setting runs on a CPU without native bfloat16
     (`step.native_cpu_bfloat16`): it is emulated, a train step about ten times slower than in float32.
     """
-    check_sinks(cfg.log.sinks)
+    check_training_config(cfg)
     cpu = cfg.train.device == "cpu"
     slow = [name for name, on in (("train.autocast", cfg.train.autocast == "bfloat16" and cpu),
                                   ("train.dtype", cfg.train.dtype == "bfloat16" and cpu),
@@ -146,13 +142,6 @@ def check_training(cfg: RunConfig) -> None:
         log.warning("%s = \"bfloat16\" on a CPU without native bfloat16 (neither AVX512-BF16 nor AMX): "
                     "torch emulates it, a train step about ten times slower than in float32; use \"float32\" here",
                     " and ".join(slow))
-    s = cfg.sampling
-    if s.top_p < 1.0 or s.top_k > 0:
-        raise ConfigError(
-            f"sampling.top_p = {s.top_p} / sampling.top_k = {s.top_k}: training needs top_p = 1 and "
-            f"top_k = 0 (the trainer computes logprobs under the full distribution at "
-            f"sampling.temperature, not the truncated one the engine samples from); lower "
-            f"sampling.temperature instead")
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
