@@ -43,7 +43,7 @@ def step_line(step: int, steps: int, m: dict[str, Any]) -> str:
                    f"tok {int(m.get('tokens_trained', 0))} stale {f('staleness_mean', '.2f')} ") + times
 
 
-def _crossed(m: Mapping[str, Any], prefix: str) -> list[str]:
+def _crossed(m: Mapping[str, float], prefix: str) -> list[str]:
     """The thresholds the metrics under `prefix` cross, in words."""
     if not m.get(f"{prefix}tokens"):
         return []
@@ -58,7 +58,7 @@ def _crossed(m: Mapping[str, Any], prefix: str) -> list[str]:
     return found
 
 
-def offpolicy_warnings(m: Mapping[str, Any]) -> list[str]:
+def offpolicy_warnings(m: Mapping[str, float]) -> list[str]:
     """One line per likely cause whose tokens cross a threshold: the precision gap (staleness 0
     tokens: engine and trainer disagree at the same weights) and the policy lag (staleness >= 1
     tokens); the totals when no staleness is known. Empty when nothing crosses."""
