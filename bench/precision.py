@@ -28,6 +28,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -148,17 +149,19 @@ def main() -> None:
     engine = EmbeddedEngine(model_dir, dtype=args.dtype, device=args.device, num_threads=args.threads)
     t0 = time.perf_counter()
     rows: list[Row] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            for s in range(args.samples):
-                c = engine.generate_blocking(list(prompt), Sampling(max_tokens=args.max_tokens, temperature=1.0,
-                                                                    seed=1000 * i + s))
-                n_ctx, n = len(c.prompt_ids), len(c.completion_ids)
-                rows.append(Row(tuple(c.prompt_ids) + tuple(c.completion_ids), (0,) * n_ctx + (1,) * n,
-                                (0.0,) * n_ctx + tuple(c.completion_logprobs), (-1,) * n_ctx + (0,) * n,
-                                f"r{i}-{s}", i, 0.0))
+    jobs = [(i, s) for i in range(len(prompts)) for s in range(args.samples)]
+    try:  # concurrent requests: the engine decodes them in one batch
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            done = list(pool.map(lambda job: engine.generate_blocking(
+                list(prompts[job[0]]), Sampling(max_tokens=args.max_tokens, temperature=1.0,
+                                                seed=1000 * job[0] + job[1])), jobs))
     finally:
         engine.close()
+    for (i, s), c in zip(jobs, done):
+        n_ctx, n = len(c.prompt_ids), len(c.completion_ids)
+        rows.append(Row(tuple(c.prompt_ids) + tuple(c.completion_ids), (0,) * n_ctx + (1,) * n,
+                        (0.0,) * n_ctx + tuple(c.completion_logprobs), (-1,) * n_ctx + (0,) * n,
+                        f"r{i}-{s}", i, 0.0))
     sampled = torch.tensor([lp for r in rows for lp, m in zip(r.sampler_logprobs, r.completion_mask) if m])
     print(f"{len(rows)} completions, {sampled.numel()} sampled tokens from the {args.dtype} engine "
           f"({time.perf_counter() - t0:.1f} s), model {args.model}, device {args.device}")
