@@ -76,7 +76,7 @@ def _run_case(model_dir: Path, rows: list[Row], ranks, lora_rank: int = 0) -> di
     hook.remove()
     grads = {n: _full(p.grad) for n, p in inner_module(policy.trained).named_parameters() if p.requires_grad}
     result = optimizer_step(policy.trained, policy.optimizer, rows, fn, temperature=1.0, token_budget=BUDGET,
-                            max_grad_norm=1e9, ranks=ranks)
+                            max_grad_norm=1e9, ranks=ranks, policy_version=1)
     weights = {k: v.clone() for k, v in full_state_dict(policy.trained, ranks).items()}
     return {"loss": acc.metrics["loss"], "tokens": acc.num_trained, "grads": grads, "weights": weights,
             "metrics": dict(result.metrics), "forwarded": sum(forwarded)}
@@ -189,6 +189,10 @@ def _check_two_ranks(strategy: str, lora_rank: int, single: dict, cases: tuple[s
             assert got["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
             assert got["metrics"]["param_delta_l2"] == pytest.approx(ref["metrics"]["param_delta_l2"], rel=1e-4)
             assert got["metrics"]["ratio_abs_dev"] == pytest.approx(ref["metrics"]["ratio_abs_dev"], rel=1e-5)
+            # the off-policy diagnostics are the whole step's (every row's tokens at staleness 1)
+            assert got["metrics"]["offpolicy/s1/tokens"] == ref["metrics"]["offpolicy/s1/tokens"] == ref["tokens"]
+            for key in ("offpolicy/is_weight_ess", "offpolicy/mismatch_kl", "offpolicy/is_weight_max"):
+                assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5), key
             assert set(got["grads"]) == set(ref["grads"])
             scale = max(float(g.abs().max()) for g in ref["grads"].values())
             assert scale > 0

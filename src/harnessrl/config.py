@@ -234,7 +234,7 @@ class TrainConfig(BaseModel):
     gradients and AdamW state kept in `dtype` (the Hugging Face `Trainer`'s `bf16=True`).
     Faster where bfloat16 matmuls are (GPUs; CPUs with AMX or AVX512-BF16). The trainer's
     logprobs then differ from a float32 sampler's by ~1e-2: the step-0 check reads above 1e-3,
-    and the loss's importance ratio (clip, `tis_cap`) absorbs the mismatch."""
+    and the loss's behaviour weight (`train.loss.tis_cap` / mask) bounds the mismatch."""
     sync_canary: bool = True
     """The weight-sync canary (`engine/canary.py`): after every publish the trainer and each
     engine replica score a fixed sequence (64 ids when both hold float32 weights, else 256);
