@@ -430,7 +430,10 @@ def _open_session(agent_root: Callable[[], str], max_body_bytes: int
         rollout_id = body.get("rollout_id")
         if rollout_id is not None and not isinstance(rollout_id, str):
             raise RequestError("'rollout_id' must be a string", param="rollout_id")
-        session = deps.store.open(rollout_id)
+        group = body.get("group")
+        if group is not None and not isinstance(group, str):
+            raise RequestError("'group' must be a string", param="group")
+        session = deps.store.open(rollout_id, group)
         root = agent_root()
         return json_response(200, {"session_id": session.session_id, "key": session.key,
                                    "base_url": root + "/v1", "keyed_base_url": f"{root}/r/{session.key}/v1"})

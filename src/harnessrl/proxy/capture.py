@@ -231,7 +231,8 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
                            p.started_perf_s, p.origin, p.final_stop)
     try:
-        completion = await deps.engine.generate(p.prompt_ids, p.sampling, affinity=p.session.session_id)
+        completion = await deps.engine.generate(p.prompt_ids, p.sampling, affinity=p.session.session_id,
+                                                cache_scope=p.session.cache_scope)
     except ContextLengthError as exc:
         if deps.config.max_model_calls:
             return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,

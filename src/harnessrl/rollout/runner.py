@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 class SessionHost(Protocol):
     """What the runner needs from the proxy (or the white-box recorder): keyed sessions."""
 
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
-        """Open a session; returns `(session_id, key)`."""
+    def open_session(self, rollout_id: str, group: str | None = None) -> tuple[str, str]:
+        """Open a session; returns `(session_id, key)`. Sessions of one `group` share the
+        engine's prefix cache (and no other session does)."""
         ...
 
     def endpoint(self, key: str) -> Endpoint:
@@ -110,7 +111,7 @@ async def run_rollout(
         timings["sandbox_s"] = time.monotonic() - t0
 
         # 2) a keyed proxy session; the key is the agent's API key
-        session_id, key = sessions.open_session(rollout_id)
+        session_id, key = sessions.open_session(rollout_id, group=f"group-{group_id}")
         endpoint = sandbox.agent_endpoint(sessions.endpoint(key))  # as the agent addresses it
 
         # 3) the agent runs its own loop until it exits or times out
