@@ -152,6 +152,10 @@ class RolloutConfig(BaseModel):
     run beside training with as many again."""
     agent_timeout_s: float = Field(default=180.0, gt=0)
     verify_timeout_s: float = Field(default=60.0, gt=0)
+    max_final_answer_chars: int = Field(default=65536, ge=1)
+    """Characters of an agent's final answer a rollout records (`rollouts.jsonl`, the trainer's
+    memory); a longer one is cut and ends with `…[final answer cut: N characters in all]`. The
+    verifier scores the whole answer."""
     max_model_calls: int = Field(default=64, ge=0)
     """Model calls one rollout may make, each counted on arrival, rejected ones too (0: no
     limit). Past it, and when the context is
