@@ -153,3 +153,31 @@ async def test_a_session_of_another_group_gets_no_prefix_hit(engine, chat):
     assert await call("attacker") == 0
     assert await call("victim") == 0  # another group: computed afresh
     assert await call("attacker") > 0  # the attacker's own group reuses its prompt
+
+
+async def test_a_client_leaving_mid_stream_stops_its_generation(engine, chat):
+    """Attack: an agent opens a stream for a long reply and drops it after the first event.
+    Before, the engine decoded the whole reply for nobody; now the generation is cancelled
+    (at most 2 ids after the call is recorded as cancelled) and the call is an error turn."""
+    config = ProxyConfig(port=0, max_tokens_cap=3000, temperature=0.0, stream_keepalive_s=0.05)
+    async with ProxyServer(engine, chat, config) as proxy:
+        session_id, key = proxy.open_session("r-drop", group="g-drop")
+        session = proxy.store.get(session_id)
+        start = engine.stats().generated_tokens
+        async with httpx.AsyncClient(base_url=proxy.base_url, timeout=120) as http:
+            async with http.stream("POST", "/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                   json={"messages": USER, "max_tokens": 3000, "stream": True}) as stream:
+                async for _ in stream.aiter_bytes():
+                    if engine.stats().generated_tokens >= start + 20:
+                        break  # leave with the reply far from done
+        for _ in range(2000):
+            if session.trace.turns:
+                break
+            await asyncio.sleep(0.005)
+        at_record = engine.stats().generated_tokens
+        await asyncio.sleep(0.2)
+        assert engine.stats().generated_tokens - at_record <= 2
+        assert at_record - start < 1500
+        (turn,) = session.trace.turns
+        assert turn.status == "error" and "cancelled" in (turn.error or "")
+        proxy.close_session(session_id)

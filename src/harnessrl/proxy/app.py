@@ -71,7 +71,9 @@ ProtocolHandler = Callable[[Request, Session, ProxyDeps], Awaitable[Response]]
 """Serves one protocol route for an authenticated session; may raise `RequestError`."""
 
 _inflight: set[asyncio.Task[ChatOutcome]] = set()
-"""Streamed generations run as tasks so a client disconnect never loses the turn."""
+"""Streamed generations run as tasks (held here while they run). A client that goes away
+mid-stream cancels its generation: the engine stops decoding for it and the call is recorded
+as an error turn (`capture.generate_chat`)."""
 
 
 ADMIN_MAX_BODY_BYTES = 64 * 1024
@@ -345,10 +347,14 @@ async def _stream(deps: ProxyDeps, prepared: PreparedChat) -> AsyncIterator[byte
     task = asyncio.ensure_future(generate_chat(deps.capture, prepared))
     _inflight.add(task)
     task.add_done_callback(_inflight.discard)
-    while not task.done():
-        await asyncio.wait({task}, timeout=deps.capture.config.stream_keepalive_s)
-        if not task.done():
-            yield sse.KEEPALIVE
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=deps.capture.config.stream_keepalive_s)
+            if not task.done():
+                yield sse.KEEPALIVE
+    finally:
+        if not task.done():  # the client went away: nothing is generated for nobody
+            task.cancel()
     outcome = task.result()
     if outcome.status_code == 200:
         chunks = sse.body_chunks(response_id, outcome.body, outcome.include_usage)

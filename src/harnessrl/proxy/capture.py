@@ -235,6 +235,10 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
     try:
         completion = await deps.engine.generate(p.prompt_ids, p.sampling, affinity=p.session.session_id,
                                                 cache_scope=p.session.cache_scope)
+    except asyncio.CancelledError:  # the client went away mid-stream (`app._stream`): recorded, not trained
+        _failed(p, 499, error_body("cancelled", code="cancelled"),
+                "the call was cancelled while it generated (its client went away); its generation was stopped")
+        raise
     except ContextLengthError as exc:
         if deps.config.max_model_calls:
             return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
