@@ -147,9 +147,9 @@ class VllmEngine:
         self._closed = False
         self._pools: dict[int, tuple[asyncio.AbstractEventLoop, dict[str, HttpPool]]] = {}  # by id(loop)
         self._inflight: set[asyncio.Task[Any]] = set()
-        self._by_session: dict[str, set[asyncio.Task[Any]]] = {}
+        self._by_session: dict[str, set[asyncio.Task[tuple[int, bytes]]]] = {}
         """Requests in flight per affinity key (what `forget` cancels)."""
-        self._forgotten: set[asyncio.Task[Any]] = set()
+        self._forgotten: set[asyncio.Task[tuple[int, bytes]]] = set()
         self._busy = [0] * len(self.replica_urls)
         self._keys_per_replica = [0] * len(self.replica_urls)
         self._affinity: OrderedDict[str, int] = OrderedDict()
