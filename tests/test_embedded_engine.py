@@ -352,6 +352,32 @@ async def test_a_flooding_session_does_not_hold_a_siblings_call_back(tiny_model_
         eng.close()
 
 
+async def test_a_siblings_short_call_does_not_wait_for_a_flooding_sessions_long_prompts(tiny_model_dir: Path) -> None:
+    """Attack: one session sends 4 calls with distinct 4,000-token prompts (8 chunks of prefill
+    each), a sibling a 4-token prompt once the first is being prefilled. The sibling's prompt
+    goes before the rest of the long one, and while the sibling decodes, the attacker's chunks
+    are a quarter of the budget (its 4 calls share it): the sibling's 8 ids are all sampled
+    before any attacker call finishes (before: after the prompt in progress, then a full chunk
+    before each of its ids)."""
+    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, prefill_chunk_tokens=512)
+    try:
+        finished: list[str] = []
+
+        async def call(who: str, prompt: list[int], max_tokens: int) -> None:
+            await eng.generate(prompt, Sampling(temperature=0.0, max_tokens=max_tokens), affinity=who)
+            finished.append(who)
+
+        attackers = [asyncio.create_task(call("attacker", [1000 + 4000 * i + j for j in range(4000)], 1))
+                     for i in range(4)]
+        while eng.stats().prefill_chunks < 1:
+            await asyncio.sleep(0.001)
+        await call("sibling", [5, 6, 7, 8], 8)
+        assert finished == ["sibling"], f"finished before the sibling: {finished[:-1]}"
+        await asyncio.gather(*attackers)
+    finally:
+        eng.close()
+
+
 def test_fair_order_is_round_robin_and_bounds_a_sessions_rows() -> None:
     from harnessrl.engine.embedded.prefill import fair_order
     from harnessrl.engine.embedded.request import Request

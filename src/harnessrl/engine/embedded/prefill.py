@@ -22,7 +22,11 @@ follows that member and gets its KV and last-position logits (the G rollouts of 
 the same task prompt at once). A request that would otherwise recompute more than a block of a
 group member's new tokens waits for the next group, where it finds them in the prefix cache
 (a fork's history, a shared system prompt). The first prompt that does not fit is prefilled in chunks in
-its own batch-1 cache; the decode loop takes a step between its chunks. A prompt's KV is stored
+its own batch-1 cache; the decode loop takes a step between its chunks. Meanwhile, prompts that
+fit in an iteration's budget go before its next chunk (a sibling's short call does not wait for a
+long prompt to finish), and while other sessions' rows decode, a chunk of a session with n
+calls in the engine is at most `chunk_tokens / n` (`_share`): those rows wait behind every
+chunk, so a session's parallel long prompts must not take the whole budget step after step. A prompt's KV is stored
 in the prefix cache when its prefill is done.
 
 Batched layouts (`group_forward`): fresh prompts (none has a cached prefix) are packed into
@@ -127,23 +131,27 @@ class PrefillScheduler:
         """Prefill up to `chunk_tokens` prompt tokens, admitting at most `free_rows` requests
         (rows the running batch can still take), in `fair_order` given the batch's `running`
         requests; returns the prompts finished, in order."""
+        running = list(running)
+        decoding: collections.Counter[str | None] = collections.Counter(r.affinity for r in running)
+        calls = collections.Counter(r.affinity for r in self.requests()) + decoding
         held: list[Request] = []
         if len(self.waiting) > 1 or self._max_rows is not None:
-            rows = collections.Counter(r.affinity for r in running if r.affinity is not None)
-            if self._current is not None and self._current.req.affinity is not None:
+            rows = decoding.copy()
+            if self._current is not None:
                 rows[self._current.req.affinity] += 1
             self.waiting, held = fair_order(self.waiting, rows, self._max_rows)
         try:
-            return self._run(free_rows, version)
+            return self._run(free_rows, version, decoding, calls)
         finally:
             self.waiting.extend(held)
 
-    def _run(self, free_rows: int, version: int) -> list[Prefilled]:
+    def _run(self, free_rows: int, version: int, decoding: Mapping[str | None, int],
+             calls: Mapping[str | None, int]) -> list[Prefilled]:
         budget = self._chunk_tokens
         done: list[Prefilled] = []
         while budget > 0:
+            free = free_rows - len(done)
             if self._current is None:
-                free = free_rows - len(done)
                 if not self.waiting or free <= 0:
                     break
                 group, overflow = self._admit_group(budget, free, version)
@@ -154,8 +162,29 @@ class PrefillScheduler:
                 self._current = group[0] if group else overflow  # alone: in chunks, below
                 if self._current is None:
                     continue
-            budget -= self._prefill_chunk(budget, version, done)
+            elif self.waiting and free > 0:  # prompts that fit go before the rest of a long one
+                group, _ = self._admit_group(budget, free, version, overflow_ok=False)
+                if group:
+                    budget -= self._prefill_together(group, version, done)
+                    continue
+            current = self._current
+            assert current is not None
+            share = self._share(current.req, [*decoding, *(p.req.affinity for p in done)], calls)
+            budget -= self._prefill_chunk(min(budget, share), version, done)
+            if self._current is not None:  # a long prompt: its share of this iteration is spent
+                break
         return done
+
+    def _share(self, req: Request, decoding: Iterable[str | None], calls: Mapping[str | None, int]) -> int:
+        """Prompt tokens `req` may prefill in this iteration: `chunk_tokens`; divided by the
+        number of calls its session has in the engine (decoding, waiting, this one) while another
+        session has rows decoding (`decoding`: their sessions, those prefilled this iteration too). Those rows wait behind every chunk, so a session's parallel
+        long prompts get a share by their number instead of the whole budget step after step;
+        a session's single call, or any call while nobody else decodes, prefills at full speed."""
+        others = any(a != req.affinity for a in decoding)
+        if req.affinity is None or not others:
+            return self._chunk_tokens
+        return max(1, self._chunk_tokens // max(1, calls.get(req.affinity, 1)))
 
     def restart(self) -> None:
         """After a weight swap: the prompt being prefilled is admitted anew (its KV is stale)."""
@@ -216,7 +245,8 @@ class PrefillScheduler:
 
     # -- several prompts in one forward -------------------------------------------------
 
-    def _admit_group(self, budget: int, free: int, version: int) -> tuple[list[_InProgress], _InProgress | None]:
+    def _admit_group(self, budget: int, free: int, version: int,
+                     overflow_ok: bool = True) -> tuple[list[_InProgress], _InProgress | None]:
         """Admit waiting requests, in order, whose new tokens fit in `budget` together (the
         group prefilled in one forward), and the first one that does not fit (prefilled in
         chunks next), at most `free` in all. A request whose prompt equals a group member's
@@ -224,7 +254,9 @@ class PrefillScheduler:
         both (the G rollouts of a group send the same task prompt at once; computing it G times
         cost a forward each, 0.2-0.3 s on SmolLM2-135M on one thread, and stalled every decoding
         row meanwhile). A request that shares more than a block of a group member's new tokens
-        otherwise waits, so that it finds them in the prefix cache instead."""
+        otherwise waits, so that it finds them in the prefix cache instead. Without
+        `overflow_ok` (a prompt is being prefilled in chunks already), admission stops before
+        the first prompt whose ids (cached or not) do not fit in what is left of `budget`."""
         group: list[_InProgress] = []
         admitted = 0
         tokens = 0
@@ -241,6 +273,8 @@ class PrefillScheduler:
                 continue
             if block and any(g.req.cache_scope == scope and _shares_beyond(prompt, g.req.prompt_ids, g.done + block)
                              for g in group):
+                break
+            if not overflow_ok and tokens + len(prompt) > budget:
                 break
             p = self._start(self.waiting.popleft(), version)
             if p is None:
@@ -378,7 +412,7 @@ def packed_forward(model: torch.nn.Module, prompts: list[tuple[int, ...]]) -> tu
     return row_kv, out.logits[0]
 
 
-def fair_order(waiting: Iterable[Request], rows: Mapping[str, int],
+def fair_order(waiting: Iterable[Request], rows: Mapping[str | None, int],
                max_rows: int | None) -> tuple[collections.deque[Request], list[Request]]:
     """Split `waiting` into the requests to admit, in admission order, and those held back.
 
