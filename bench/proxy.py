@@ -48,7 +48,8 @@ class InstantEngine:
     def forget(self, affinity: str) -> None:
         return None
 
-    async def generate(self, prompt_ids: list[int], sampling: Any, *, affinity: str | None = None) -> Any:
+    async def generate(self, prompt_ids: list[int], sampling: Any, *, affinity: str | None = None,
+                       cache_scope: str | None = None) -> Any:
         from harnessrl.types import Completion
 
         ids = OUT_IDS[: sampling.max_tokens]

@@ -107,7 +107,8 @@ class SoakEngine:
     def forget(self, affinity: str) -> None:
         return None
 
-    async def generate(self, prompt_ids: list[int], sampling: Any, *, affinity: str | None = None) -> Any:
+    async def generate(self, prompt_ids: list[int], sampling: Any, *, affinity: str | None = None,
+                       cache_scope: str | None = None) -> Any:
         from harnessrl.errors import EngineError
         from harnessrl.types import Completion
 

@@ -49,7 +49,8 @@ class FakeEngine:
     """Seconds each call takes (asyncio.sleep), to hold calls in flight."""
     calls: list[tuple[list[int], Sampling]] = field(default_factory=list)
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, affinity: str | None = None) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, affinity: str | None = None,
+                       cache_scope: str | None = None) -> Completion:
         self.calls.append((list(prompt_ids), sampling))
         if self.delay_s > 0:
             await asyncio.sleep(self.delay_s)
@@ -272,7 +273,7 @@ class FakeSessions:
     def __init__(self) -> None:
         self.open: set[str] = set()
 
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
+    def open_session(self, rollout_id: str, group: str | None = None) -> tuple[str, str]:
         self.open.add(rollout_id)
         return rollout_id, "k"
 

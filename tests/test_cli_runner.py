@@ -140,7 +140,7 @@ class _Sessions:
     def __init__(self) -> None:
         self.open: set[str] = set()
 
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
+    def open_session(self, rollout_id: str, group: str | None = None) -> tuple[str, str]:
         self.open.add(rollout_id)
         return rollout_id, KEY
 

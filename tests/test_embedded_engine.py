@@ -319,3 +319,112 @@ async def test_busy_seconds_count_work_not_waiting(engine: EmbeddedEngine) -> No
     busy = engine.stats().busy_seconds - before
     assert 0.0 < busy <= wall
     assert engine.stats().step_metrics(engine.stats())["engine/busy_seconds"] == 0.0
+
+
+# -- fairness between sessions (issue 47: a session flooding the engine, a session that ended) ----------
+
+
+async def test_a_flooding_session_does_not_hold_a_siblings_call_back(tiny_model_dir: Path) -> None:
+    """Attack: one session sends 16 long calls with distinct 200-token prompts, then a sibling sends
+    a 4-token call. First in, first out, the attacker's calls filled the batch and the sibling
+    waited for one of them to finish; admitted round robin with at most 2 rows per session, the
+    sibling's call is served before any attacker call finishes (order of service, not seconds)."""
+    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, max_rows_per_session=2)
+    try:
+        finished: list[str] = []
+
+        async def call(who: str, prompt: list[int], max_tokens: int) -> Completion:
+            c = await eng.generate(prompt, Sampling(temperature=0.0, max_tokens=max_tokens), affinity=who)
+            finished.append(who)
+            return c
+
+        attackers = [asyncio.create_task(call("attacker", [1000 + 200 * i + j for j in range(200)], 40))
+                     for i in range(16)]
+        while eng.stats().decode_steps < 2:  # the attacker's calls are queued and decoding
+            await asyncio.sleep(0.002)
+        sibling = await call("sibling", [5, 6, 7, 8], 1)
+        assert len(sibling.completion_ids) == 1
+        assert "attacker" not in finished, f"the sibling's call was served after {finished.count('attacker')} " \
+                                            "of the attacker's calls had finished"
+        assert eng.stats().max_batch_size_seen <= 3  # the attacker's 2 rows and the sibling's
+        await asyncio.gather(*attackers)
+    finally:
+        eng.close()
+
+
+async def test_a_siblings_short_call_does_not_wait_for_a_flooding_sessions_long_prompts(tiny_model_dir: Path) -> None:
+    """Attack: one session sends 4 calls with distinct 4,000-token prompts (8 chunks of prefill
+    each), a sibling a 4-token prompt once the first is being prefilled. The sibling's prompt
+    goes before the rest of the long one, and while the sibling decodes, the attacker's chunks
+    are a quarter of the budget (its 4 calls share it): the sibling's 8 ids are all sampled
+    before any attacker call finishes (before: after the prompt in progress, then a full chunk
+    before each of its ids)."""
+    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, prefill_chunk_tokens=512)
+    try:
+        finished: list[str] = []
+
+        async def call(who: str, prompt: list[int], max_tokens: int) -> None:
+            await eng.generate(prompt, Sampling(temperature=0.0, max_tokens=max_tokens), affinity=who)
+            finished.append(who)
+
+        attackers = [asyncio.create_task(call("attacker", [1000 + 4000 * i + j for j in range(4000)], 1))
+                     for i in range(4)]
+        while eng.stats().prefill_chunks < 1:
+            await asyncio.sleep(0.001)
+        await call("sibling", [5, 6, 7, 8], 8)
+        assert finished == ["sibling"], f"finished before the sibling: {finished[:-1]}"
+        await asyncio.gather(*attackers)
+    finally:
+        eng.close()
+
+
+def test_fair_order_is_round_robin_and_bounds_a_sessions_rows() -> None:
+    from harnessrl.engine.embedded.prefill import fair_order
+    from harnessrl.engine.embedded.request import Request
+    from harnessrl.engine.embedded.sampler import RowSampling
+
+    def req(who: str | None, n: int) -> Request:
+        r = Request((n,), Sampling(), 1, lambda _: None, RowSampling(1.0, 1.0, 0), None)
+        r.affinity = who
+        return r
+
+    waiting = [req("a", 1), req("a", 2), req("a", 3), req("b", 4), req(None, 5), req("b", 6), req("c", 7)]
+    order, held = fair_order(waiting, {"a": 1}, max_rows=2)
+    # a holds 1 row: its first waiting call ranks 1, its second 2 (held); b, c and the unkeyed rank 0
+    assert [r.prompt_ids[0] for r in order] == [4, 5, 7, 1, 6]
+    assert [r.prompt_ids[0] for r in held] == [2, 3]
+    order, held = fair_order(waiting, {}, max_rows=None)
+    assert [r.prompt_ids[0] for r in order] == [1, 4, 5, 7, 2, 6, 3] and held == []
+
+
+async def test_forget_cancels_the_sessions_generation(tiny_model_dir: Path) -> None:
+    """Attack: an agent starts a long generation and its session is closed (the agent exited).
+    The engine stops decoding it within a step: the tokens decoded after `forget` are at most 2
+    (before: the whole `max_tokens`, 3000 here), the caller gets `EngineError`; a sibling
+    session's call decodes to its end."""
+    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8)
+    try:
+        gone = asyncio.create_task(eng.generate([9, 10, 11], Sampling(temperature=0.0, max_tokens=3000),
+                                                affinity="gone"))
+        while eng.stats().generated_tokens < 20:
+            await asyncio.sleep(0.002)
+        eng.forget("gone")
+        at_forget = eng.stats().generated_tokens
+        with pytest.raises(EngineError, match="session gone ended"):
+            await asyncio.wait_for(gone, timeout=60)
+        await asyncio.sleep(0.2)
+        assert eng.stats().generated_tokens - at_forget <= 2
+        assert eng.stats().cancelled_requests == 1
+
+        other = asyncio.create_task(eng.generate([12, 13], Sampling(temperature=0.0, max_tokens=200),
+                                                 affinity="other"))
+        again = asyncio.create_task(eng.generate([9, 10, 11], Sampling(temperature=0.0, max_tokens=3000),
+                                                 affinity="again"))
+        while eng.stats().generated_tokens < at_forget + 20:
+            await asyncio.sleep(0.002)
+        eng.forget("again")
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(again, timeout=60)
+        assert len((await other).completion_ids) == 200  # the sibling's call is untouched
+    finally:
+        eng.close()

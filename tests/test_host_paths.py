@@ -221,7 +221,7 @@ async def test_symlinked_answer_file_is_not_read(tmp_path: Path, sandbox_root: P
 class _Sessions:
     """A session host without a proxy (the command agent below never calls a model)."""
 
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
+    def open_session(self, rollout_id: str, group: str | None = None) -> tuple[str, str]:
         return rollout_id, "key"
 
     def endpoint(self, key: str) -> Endpoint:

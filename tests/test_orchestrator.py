@@ -27,7 +27,7 @@ class Tasks:
 
 
 class Sessions:
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
+    def open_session(self, rollout_id: str, group: str | None = None) -> tuple[str, str]:
         return rollout_id, "key"
 
     def endpoint(self, key: str) -> Endpoint:

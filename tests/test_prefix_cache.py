@@ -53,6 +53,20 @@ def test_entries_of_another_weight_version_never_match() -> None:
     assert cache.lookup(ids, version=3) is None and cache.num_tokens == 0 and len(cache) == 0
 
 
+def test_entries_of_another_scope_never_match() -> None:
+    cache = PrefixCache(max_tokens=1000, block_tokens=4)
+    ids = tuple(range(40))
+    cache.insert(ids, version=0, kv=kv_of(40), scope="g:1")
+    assert cache.lookup(ids, version=0, scope="g:1") is not None
+    assert cache.lookup(ids, version=0, scope="g:2") is None
+    assert cache.lookup(ids, version=0) is None  # unscoped is a scope of its own
+    # the same ids stored for another scope are another entry; neither replaces the other
+    assert cache.insert(ids, version=0, kv=kv_of(40, fill=2.0), scope="g:2")
+    assert len(cache) == 2
+    hit = cache.lookup(ids, version=0, scope="g:1")
+    assert hit is not None and float(hit.kv[0][0][0, 0, 5, 0]) == 5.0  # g:1's own KV (fill 1), not g:2's
+
+
 def test_lru_bound_evicts_least_recently_used_and_prefixes_are_replaced() -> None:
     cache = PrefixCache(max_tokens=100, block_tokens=4)
     a, b, c = tuple(range(0, 40)), tuple(range(100, 140)), tuple(range(200, 240))
@@ -243,3 +257,31 @@ async def test_waiting_prompts_prefill_together_with_and_without_cached_prefixes
     for g, w in zip(got, want, strict=True):
         assert g.completion_ids == w.completion_ids
         assert g.completion_logprobs == pytest.approx(w.completion_logprobs, abs=1e-5)
+
+
+async def test_the_cache_is_no_channel_between_groups(tiny_model_dir: Path) -> None:
+    """Attack: a session of one group sends a prompt; a session of another group sends the same
+    prompt to time it (a cached prefix comes back several times faster, so the victim could read
+    the attacker's bits). Keyed by group, the second group computes the prompt afresh (no prefix
+    hit, no shared prefill); a member of the first group still reuses it."""
+    eng = EmbeddedEngine(tiny_model_dir, num_threads=1, max_batch_size=8, prefix_cache_tokens=4096)
+    try:
+        secret = list(range(3000, 3080))
+        await eng.generate(secret, GREEDY, affinity="attacker", cache_scope="g:1")
+        before = eng.stats()
+        await eng.generate(secret, GREEDY, affinity="victim", cache_scope="g:2")
+        after = eng.stats()
+        assert after.prefix_hits == before.prefix_hits and after.prefix_hit_tokens == before.prefix_hit_tokens
+        assert after.prefill_tokens - before.prefill_tokens == len(secret)
+        await eng.generate(secret, GREEDY, affinity="sibling", cache_scope="g:1")
+        assert eng.stats().prefix_hits == after.prefix_hits + 1
+        # sent at once, identical prompts of two groups are not computed as one either
+        before = eng.stats()
+        fresh = list(range(4000, 4060))
+        await asyncio.gather(eng.generate(fresh, GREEDY, affinity="a", cache_scope="g:3"),
+                             eng.generate(fresh, GREEDY, affinity="b", cache_scope="g:4"))
+        after = eng.stats()
+        assert after.prefill_shared == before.prefill_shared and after.prefix_hits == before.prefix_hits
+        assert after.prefill_tokens - before.prefill_tokens == 2 * len(fresh)
+    finally:
+        eng.close()

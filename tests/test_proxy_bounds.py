@@ -152,6 +152,43 @@ async def test_fields_the_proxy_ignores_are_not_recorded(tokenizer, tmp_path: Pa
     assert "labels" not in google.raw_request
 
 
+async def test_fields_the_template_never_renders_are_not_recorded(tokenizer, tmp_path: Path):
+    """Attack: 6 MiB of `reasoning_content` and a 1 MiB message `name` per call, fields SmolLM2's
+    template never renders. They made every call's turn 7 MiB and one `rollouts.jsonl` line 74 MB;
+    now the turn keeps the messages without them (the prompt ids are the same either way)."""
+    huge, name = "r" * (6 * 1024 * 1024), "n" * (1024 * 1024)
+    messages = [{"role": "user", "content": "hi", "name": name},
+                {"role": "assistant", "content": "ok", "reasoning_content": huge},
+                {"role": "user", "content": "more"}]
+    chat = ChatLayer(tokenizer)
+    assert {"reasoning_content", "reasoning", "name", "tool_call_id"} <= chat.unrendered_message_keys
+    async with served(tokenizer, trace_path=tmp_path / "traces.jsonl") as (proxy, http):
+        session_id, key = proxy.open_session("unrendered")
+        replies = [await http.post("/v1/chat/completions", json={"model": "m", "messages": messages},
+                                   headers=auth(key)) for _ in range(2)]
+        plain = await http.post("/v1/chat/completions", headers=auth(key), json={"model": "m", "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]})
+        trace = proxy.close_session(session_id)
+    assert [r.status_code for r in replies] == [200, 200] and plain.status_code == 200
+    line = (tmp_path / "traces.jsonl").read_bytes()
+    assert len(line) < 100_000 and b"rrrrrrrr" not in line and b"nnnnnnnn" not in line
+    first, _, third = trace.turns
+    assert first.request["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                                         {"role": "user", "content": "more"}]
+    assert first.prompt_ids == third.prompt_ids  # what was dropped was never in the prompt
+
+
+def test_keys_a_template_renders_are_recorded() -> None:
+    from harnessrl.chat.layer import unrendered_message_keys
+
+    native = "{% for message in messages %}{{ message['name'] }}{{ message.tool_call_id }}{% endfor %}{{ tools }}"
+    assert unrendered_message_keys(native, has_tools=True, has_reasoning=True) == frozenset()
+    assert unrendered_message_keys(native, has_tools=False, has_reasoning=False) == frozenset(
+        {"reasoning_content", "reasoning", "name", "tool_call_id"})
+    tool_name_only = "{% for message in messages %}{{ tool_call.function.name }}{% endfor %}{{ tools }}"
+    assert "name" in unrendered_message_keys(tool_name_only, has_tools=True, has_reasoning=True)
+
+
 async def test_headers_are_bounded_and_recorded_cut(tokenizer):
     """Headers are outside max_body_bytes: a header section past max_header_bytes gets 431, and a
     recorded header value is cut to RECORDED_HEADER_CHARS."""

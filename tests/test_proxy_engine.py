@@ -3,8 +3,11 @@ parity with a plain forward pass, SSE == unary, a real uvicorn socket, captured 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+
+import httpx
 
 import openai
 import pytest
@@ -106,3 +109,75 @@ def test_captured_requests_are_present() -> None:
     # the replay tests above are parametrized over these files; an empty set would test nothing
     assert len(CHAT_CAPTURES) == 7
     assert len(list((CAPTURES_DIR / "codex").glob("responses-*.json"))) == 2
+
+
+# -- issue 47: a closed session's generation, the prefix cache between groups ---------------------------
+
+
+async def test_closing_a_session_stops_its_generation(engine, chat):
+    """Attack: an agent asks for a long reply and exits; the runner closes its session. Before,
+    the engine decoded the whole reply for a turn that is never recorded; now it decodes at most
+    2 more ids, and the call gets 401."""
+    config = ProxyConfig(port=0, max_tokens_cap=3000, temperature=0.0)
+    async with ProxyServer(engine, chat, config) as proxy:
+        session_id, key = proxy.open_session("r-gone", group="g-gone")
+        async with httpx.AsyncClient(base_url=proxy.base_url, timeout=120) as http:
+            call = asyncio.create_task(http.post("/chat/completions", json={"messages": USER, "max_tokens": 3000},
+                                                 headers={"authorization": f"Bearer {key}"}))
+            start = engine.stats().generated_tokens
+            while engine.stats().generated_tokens < start + 20:
+                await asyncio.sleep(0.002)
+            trace = proxy.close_session(session_id)
+            at_close = engine.stats().generated_tokens
+            reply = await call
+        await asyncio.sleep(0.2)
+        assert engine.stats().generated_tokens - at_close <= 2
+        assert reply.status_code == 401 and trace.turns == []
+
+
+async def test_a_session_of_another_group_gets_no_prefix_hit(engine, chat):
+    """Attack: a session times a prompt to learn whether another session sent it (a cache hit
+    comes back several times faster). A session of another group finds nothing in the prefix
+    cache (the whole prompt is computed); one of the same group reuses it."""
+    http, store = in_process(engine, chat, max_tokens_cap=2)
+    messages = [{"role": "user", "content": "the secret is 10110010, " * 8}]
+
+    async def call(group: str) -> int:
+        session = store.open(f"r-{group}", group)
+        before = engine.stats().prefix_hit_tokens
+        r = await http.post("/v1/chat/completions", json={"messages": messages},
+                            headers={"authorization": f"Bearer {session.key}"})
+        assert r.status_code == 200
+        return engine.stats().prefix_hit_tokens - before
+
+    assert await call("attacker") == 0
+    assert await call("victim") == 0  # another group: computed afresh
+    assert await call("attacker") > 0  # the attacker's own group reuses its prompt
+
+
+async def test_a_client_leaving_mid_stream_stops_its_generation(engine, chat):
+    """Attack: an agent opens a stream for a long reply and drops it after the first event.
+    Before, the engine decoded the whole reply for nobody; now the generation is cancelled
+    (at most 2 ids after the call is recorded as cancelled) and the call is an error turn."""
+    config = ProxyConfig(port=0, max_tokens_cap=3000, temperature=0.0, stream_keepalive_s=0.05)
+    async with ProxyServer(engine, chat, config) as proxy:
+        session_id, key = proxy.open_session("r-drop", group="g-drop")
+        session = proxy.store.get(session_id)
+        start = engine.stats().generated_tokens
+        async with httpx.AsyncClient(base_url=proxy.base_url, timeout=120) as http:
+            async with http.stream("POST", "/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                   json={"messages": USER, "max_tokens": 3000, "stream": True}) as stream:
+                async for _ in stream.aiter_bytes():
+                    if engine.stats().generated_tokens >= start + 20:
+                        break  # leave with the reply far from done
+        for _ in range(2000):
+            if session.trace.turns:
+                break
+            await asyncio.sleep(0.005)
+        at_record = engine.stats().generated_tokens
+        await asyncio.sleep(0.2)
+        assert engine.stats().generated_tokens - at_record <= 2
+        assert at_record - start < 1500
+        (turn,) = session.trace.turns
+        assert turn.status == "error" and "cancelled" in (turn.error or "")
+        proxy.close_session(session_id)

@@ -94,7 +94,7 @@ async def test_request_headers_are_read_once_first_value_wins() -> None:
 class _FailsOnThreeTokens(FakeEngine):
     """An engine that fails the calls asking for exactly 3 tokens."""
 
-    async def generate(self, prompt_ids, sampling, *, affinity=None):  # noqa: ANN001, ANN201
+    async def generate(self, prompt_ids, sampling, *, affinity=None, cache_scope=None):  # noqa: ANN001, ANN201
         if sampling.max_tokens == 3:
             from harnessrl.errors import EngineError
 

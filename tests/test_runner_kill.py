@@ -27,7 +27,7 @@ class Sessions:
     def __init__(self) -> None:
         self.open: set[str] = set()
 
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
+    def open_session(self, rollout_id: str, group: str | None = None) -> tuple[str, str]:
         self.open.add(rollout_id)
         return rollout_id, "k-" + rollout_id
 
@@ -117,3 +117,31 @@ def test_status_table_on_the_fake_sandbox(tmp_path: Path, case: tuple, expected:
     assert verifier.scored == int(verified)
     assert (rollout.reward is not None) == (status in ("ok", "agent_error", "timeout"))
     assert backend.made[0].calls[-1] == "close" and sessions.open == set()
+
+
+def test_a_huge_final_answer_is_recorded_cut_and_scored_whole(tmp_path: Path) -> None:
+    """Attack: an 8 MiB final answer, a 74 MB rollout row with the traces. The rollout records
+    its first `max_final_answer_chars` characters and a marker saying it was cut; the verifier
+    scores the whole answer."""
+    from harnessrl.rollout.runner import ANSWER_CUT_MARK
+
+    answer = "a" * (8 * 1024 * 1024)
+    seen: list[int] = []
+
+    class Huge(Harness):
+        async def run(self, task: Task, sandbox: FakeSandbox, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+            return HarnessResult(exit_code=0, timed_out=False, final_answer=answer)
+
+    class Measuring(Verifier):
+        async def score(self, task: Task, sandbox: FakeSandbox, final_answer: str | None) -> Reward:
+            seen.append(len(final_answer or ""))
+            return Reward(value=1.0)
+
+    rollout = asyncio.run(run_rollout(Task("t/0", "test", "do it"), 0, Huge(), Backend(tmp_path, [False]), Sessions(),
+                                      Measuring(), RolloutLimits(agent_timeout_s=5, max_final_answer_chars=1000)))
+    assert rollout.final_answer == "a" * 1000 + ANSWER_CUT_MARK.format(n=len(answer))
+    assert rollout.final_answer.endswith("…[final answer cut: 8388608 characters in all]")
+    assert seen == [len(answer)] and rollout.reward == 1.0
+    short = asyncio.run(run_rollout(Task("t/0", "test", "do it"), 0, Harness(), Backend(tmp_path, [False]), Sessions(),
+                                    Verifier(), RolloutLimits(agent_timeout_s=5, max_final_answer_chars=2)))
+    assert short.final_answer == "42"  # at the bound: recorded whole

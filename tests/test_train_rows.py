@@ -14,7 +14,7 @@ from harnessrl.loss.advantages import grpo_advantages
 from harnessrl.hooks import Hooks, shape_group
 from harnessrl.train.dynamic_sampling import DynamicSampling, has_signal, is_fresh
 from harnessrl.rollout.orchestrator import ReplacementTickets
-from harnessrl.train.rows import rows_for_step
+from harnessrl.train.rows import RolloutBound, rows_for_step
 from harnessrl.types import Group, Rollout, Trace, Turn
 
 
@@ -73,7 +73,8 @@ def test_a_shaped_step_reports_both_rewards_and_passes_on_the_verifiers() -> Non
 
 def _rows_for_step(groups: list[Group], cfg: Any, hooks: Hooks, advantage_fn: Any, version: int) -> Any:
     step = rows_for_step(groups, hooks=hooks, advantage_fn=advantage_fn, version=version,
-                         max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary)
+                         max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary,
+                         bound=RolloutBound(cfg.train.max_rows_per_rollout, cfg.train.max_tokens_per_rollout))
     return step.rows, step.metrics, step.built
 
 
@@ -301,3 +302,42 @@ def test_a_record_holding_a_non_finite_reward_is_unscored_not_a_crash() -> None:
     rows, m, _ = _rows_for_step([group], cfg, Hooks(), grpo_advantages, version=0)
     assert sorted(r.rollout_id for r in rows) == ["r0-0", "r0-2"] and m["rows_unscored_dropped"] == 1
     assert has_signal(group, grpo_advantages)
+
+
+def _flood_rollout(calls: int, group_id: int, reward: float) -> Rollout:
+    """A rollout of `calls` one-token calls sharing a 90-id system prompt, each with its own user
+    ids: every call is a main-chain turn that starts a row of its own."""
+    system = list(range(1000, 1090))
+    turns = [Turn(turn_index=k, request={"messages": []}, prompt_ids=system + [5000 + k, 6000 + k],
+                  completion_ids=[7], completion_logprobs=[-0.1], policy_version=0, usage={"completion_tokens": 1})
+             for k in range(calls)]
+    return Rollout(rollout_id=f"flood-{group_id}", group_id=group_id, task_id="t", harness="h", status="ok",
+                   reward=reward, trace=Trace(session_id="s-flood", turns=turns))
+
+
+def test_one_rollout_of_thousands_of_calls_gives_a_bounded_number_of_rows() -> None:
+    """Attack: 3,000 one-token calls sharing a system prompt. Unbounded, each was a row: 3,000
+    rows, 276k tokens from one rollout, beside its sibling's single row. Now the rollout gives at
+    most `train.max_rows_per_rollout` rows, the rest dropped and counted in the step's metrics."""
+    cfg = load_config(None, ['hooks.rollout_reward_fn=""'])
+    assert cfg.train.max_rows_per_rollout == 8 and cfg.rollout.max_model_calls == 64
+    group = Group(group_id=0, task_id="t", rollouts=[_flood_rollout(3000, 0, 1.0), _rollout(1, 0, 0.0, 0)])
+    rows, m, _ = _rows_for_step([group], cfg, Hooks(), grpo_advantages, version=0)
+    flood = [r for r in rows if r.rollout_id == "flood-0"]
+    assert len(flood) == 8 and [r.rollout_id for r in rows].count("r0-1") == 1
+    assert m["rows_capped_dropped"] == 2992 and m["rollouts_capped"] == 1
+    assert m["tokens_capped_dropped"] == 2992 * 93
+    assert m["rows"] == 9
+
+
+def test_the_rollout_bound_counts_tokens_too() -> None:
+    from harnessrl.train.rows import RolloutBound, cap_rollout_rows
+    from harnessrl.train.samples import build_rows
+
+    built, _ = build_rows(_flood_rollout(5, 0, 1.0))
+    assert [len(r.input_ids) for r in built] == [93] * 5
+    kept, dropped = cap_rollout_rows(built, RolloutBound(max_rows=8, max_tokens=200))
+    assert (len(kept), len(dropped)) == (2, 3)  # 186 tokens kept; a third row would make 279
+    kept, dropped = cap_rollout_rows(built, RolloutBound(max_rows=3, max_tokens=10_000))
+    assert (len(kept), len(dropped)) == (3, 2)
+    assert cap_rollout_rows(built, RolloutBound(max_rows=5, max_tokens=465)) == (built, [])

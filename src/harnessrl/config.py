@@ -154,12 +154,20 @@ class RolloutConfig(BaseModel):
     run beside training with as many again."""
     agent_timeout_s: float = Field(default=180.0, gt=0)
     verify_timeout_s: float = Field(default=60.0, gt=0)
-    max_model_calls: int = Field(default=0, ge=0)
+    max_final_answer_chars: int = Field(default=65536, ge=1)
+    """Characters of an agent's final answer a rollout records (`rollouts.jsonl`, the trainer's
+    memory); a longer one is cut and ends with `…[final answer cut: N characters in all]`. The
+    verifier scores the whole answer."""
+    max_model_calls: int = Field(default=64, ge=0)
     """Model calls one rollout may make, each counted on arrival, rejected ones too (0: no
     limit). Past it, and when the context is
     exhausted, the agent gets a final stop in its own protocol (a reply with no tool call,
     finish_reason stop) that ends its loop, instead of an error it may retry until the
-    timeout; recorded as an `error` turn (`final_stop: ...` in its notes), never trained."""
+    timeout; recorded as an `error` turn (`final_stop: ...` in its notes), never trained.
+    64 by default: the shipped harnesses need at most about 40 (claude-code's `max_turns` 20,
+    each with a side call; mini-swe-agent's `step_limit` and the white-box loops' `max_turns`
+    are single digits; the opencode recipe sets 64 itself), and without a bound one rollout
+    could make thousands of calls."""
 
 
 class TrainConfig(BaseModel):
@@ -193,6 +201,16 @@ class TrainConfig(BaseModel):
     all equal (no gradient) is replaced by another, at most this many extra groups a step and
     at most this many groups beyond the base allowance in flight; 0 (the default): off. Replaced
     groups are still logged and counted (`groups_drawn_extra`)."""
+    max_rows_per_rollout: int = Field(default=8, ge=1)
+    """Most training rows one rollout gives a step (`train/rows.py`, `cap_rollout_rows`): its
+    first rows are kept, later ones dropped and counted (`rows_capped_dropped`,
+    `tokens_capped_dropped`). A normal rollout trains as one row (more only when its agent
+    rewrites its history); without a bound, an agent making thousands of short calls that each
+    start a row would take the step's memory and the loss's weighting."""
+    max_tokens_per_rollout: int = Field(default=32768, ge=64)
+    """Most tokens (context and trained, summed over its kept rows) one rollout gives a step;
+    the first row past it and every later one are dropped and counted, as for
+    `max_rows_per_rollout`. The default is 8 rows of the default 4096-token context."""
     token_budget: int = Field(default=4096, ge=64)
     """Most tokens per packed micro-batch. Packed rows attend per row segment (no dense
     block-diagonal mask; `train/packing.py`), so cost no longer grows with the square of the

@@ -192,7 +192,8 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, needed: dict[int, int], kept:
             rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
             group_size=cfg.rollout.group_size,
             max_concurrent_rollouts=cfg.concurrent_rollouts,
-            limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s),
+            limits=RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s,
+                                 cfg.rollout.max_final_answer_chars),
             on_rollout=on_rollout, replay_group_ids=sorted(needed), group_sizes=needed,
         )
         # the bar's total is fixed: every rollout of the run, known before any starts

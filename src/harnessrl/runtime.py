@@ -73,6 +73,7 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | N
                 prefix_cache_tokens=cfg.prefix_cache_tokens,
                 prefill_chunk_tokens=cfg.prefill_chunk_tokens,
                 pack_weights=cfg.pack_weights,
+                max_rows_per_session=cfg.max_rows_per_session,
             )
         case "vllm":
             return make_vllm_engine(cfg, model_dir, run_dir)

@@ -62,7 +62,7 @@ async def test_agent_cannot_read_hidden_tests(tmp_path: Path) -> None:
             return await verifier_for(task).score(task, sandbox, final_answer)
 
     class Sessions:
-        def open_session(self, rollout_id: str) -> tuple[str, str]:
+        def open_session(self, rollout_id: str, group: str | None = None) -> tuple[str, str]:
             return "s", "k"
 
         def endpoint(self, key: str):  # noqa: ANN201

@@ -108,6 +108,22 @@ def hermes_tool_call(call: ToolCall) -> str:
     return _hermes_block(call.name, call.arguments)
 
 
+def unrendered_message_keys(template: str, has_tools: bool, has_reasoning: bool) -> frozenset[str]:
+    """The accepted message keys whose values the prompt never shows (`_template_messages`):
+    `reasoning_content` / `reasoning` unless the template mentions `reasoning_content`; `name`
+    and `tool_call_id` unless the template renders tools natively and reads them (the hermes
+    rendering writes neither). An agent can send megabytes in such a key; recording it would
+    grow the trace, `rollouts.jsonl` and the trainer's memory for nothing the model saw."""
+    keys = set()
+    if not has_reasoning:
+        keys |= {"reasoning_content", "reasoning"}
+    if not has_tools or not re.search(r"message\s*(\.\s*name\b|\[\s*['\"]name['\"]\s*\])", template):
+        keys.add("name")
+    if not has_tools or "tool_call_id" not in template:
+        keys.add("tool_call_id")
+    return frozenset(keys)
+
+
 def _hermes_block(name: str, arguments: str) -> str:
     # Cached: an agent re-sends every earlier call on each turn; a long call is not kept.
     if len(name) + len(arguments) <= CACHED_CALL_CHARS:
@@ -153,6 +169,10 @@ class ChatLayer(BridgedRendering):
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self.template_has_tools = "tools" in template
         self.template_has_reasoning = "reasoning_content" in template
+        self.unrendered_message_keys = unrendered_message_keys(template, self.template_has_tools,
+                                                               self.template_has_reasoning)
+        """Message keys whose values never reach the prompt under this template (not recorded on
+        a turn, `wire.recorded_body`)."""
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else default_eos(tokenizer))
         self._init_escapes()
         backend = getattr(tokenizer, "backend_tokenizer", None)

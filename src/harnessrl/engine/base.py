@@ -43,12 +43,15 @@ class Engine(Protocol):
         ...
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *,
-                       affinity: str | None = None) -> Completion:
+                       affinity: str | None = None, cache_scope: str | None = None) -> Completion:
         """Generate one completion.
 
         `affinity` groups requests that should be served by the same replica (the proxy passes
         the rollout's session id, so a multi-replica engine reuses that replica's prefix cache
-        turn after turn); an engine with one replica ignores it.
+        turn after turn); the embedded engine also admits sessions round robin by it.
+        `cache_scope` (the proxy passes the rollout's group) confines prefix-cache reuse: a
+        request reuses only KV that requests of the same scope computed, so a session cannot
+        time another group's prompts through the cache.
 
         Raises:
             ContextLengthError: the prompt leaves no room for a completion.
@@ -57,8 +60,9 @@ class Engine(Protocol):
         ...
 
     def forget(self, affinity: str) -> None:
-        """The session `affinity` ended: drop what routes it (a multi-replica engine's choice of
-        replica); a no-op for one replica."""
+        """The session `affinity` ended: cancel its calls still in flight (each fails with
+        `EngineError`; no more tokens are generated for them) and drop what routes it (a
+        multi-replica engine's choice of replica)."""
         ...
 
     def close(self) -> None:

@@ -36,6 +36,10 @@ class EmbeddedEngineConfig(BaseModel):
     float32, about 1.4 GiB at the default); 0 turns it off. Cleared on every weight swap."""
     prefill_chunk_tokens: int = Field(default=512, ge=1)
     """Most prompt tokens prefilled between two decode steps (chunked prefill)."""
+    max_rows_per_session: int = Field(default=4, ge=1)
+    """Most rows of the decode batch one rollout's session holds at once; its further calls wait
+    while other sessions' calls are admitted (admission is round robin by session), so one
+    rollout flooding the engine cannot hold its siblings' calls back."""
     pack_weights: bool = True
     """Decode steps multiply through oneDNN-packed copies of the projections and LM head (float32
     on the CPU; elsewhere it does nothing): faster decoding for one more copy of the decode

@@ -34,6 +34,9 @@ class EngineStats:
     prefill_shared: int = 0
     """Prefills served by an identical prompt computed in the same forward (counted in
     `prefills`; their prompt tokens in `prefix_hit_tokens`)."""
+    cancelled_requests: int = 0
+    """Requests cancelled because their session ended (`EmbeddedEngine.forget`) before they
+    finished."""
     busy_seconds: float = 0.0
     """Wall seconds the decode thread spent prefilling or decoding (not waiting for work):
     divided by a step's wall time it is the engine's busy fraction (`engine/busy_frac`)."""

@@ -71,7 +71,9 @@ ProtocolHandler = Callable[[Request, Session, ProxyDeps], Awaitable[Response]]
 """Serves one protocol route for an authenticated session; may raise `RequestError`."""
 
 _inflight: set[asyncio.Task[ChatOutcome]] = set()
-"""Streamed generations run as tasks so a client disconnect never loses the turn."""
+"""Streamed generations run as tasks (held here while they run). A client that goes away
+mid-stream cancels its generation: the engine stops decoding for it and the call is recorded
+as an error turn (`capture.generate_chat`)."""
 
 
 ADMIN_MAX_BODY_BYTES = 64 * 1024
@@ -345,10 +347,14 @@ async def _stream(deps: ProxyDeps, prepared: PreparedChat) -> AsyncIterator[byte
     task = asyncio.ensure_future(generate_chat(deps.capture, prepared))
     _inflight.add(task)
     task.add_done_callback(_inflight.discard)
-    while not task.done():
-        await asyncio.wait({task}, timeout=deps.capture.config.stream_keepalive_s)
-        if not task.done():
-            yield sse.KEEPALIVE
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=deps.capture.config.stream_keepalive_s)
+            if not task.done():
+                yield sse.KEEPALIVE
+    finally:
+        if not task.done():  # the client went away: nothing is generated for nobody
+            task.cancel()
     outcome = task.result()
     if outcome.status_code == 200:
         chunks = sse.body_chunks(response_id, outcome.body, outcome.include_usage)
@@ -430,7 +436,10 @@ def _open_session(agent_root: Callable[[], str], max_body_bytes: int
         rollout_id = body.get("rollout_id")
         if rollout_id is not None and not isinstance(rollout_id, str):
             raise RequestError("'rollout_id' must be a string", param="rollout_id")
-        session = deps.store.open(rollout_id)
+        group = body.get("group")
+        if group is not None and not isinstance(group, str):
+            raise RequestError("'group' must be a string", param="group")
+        session = deps.store.open(rollout_id, group)
         root = agent_root()
         return json_response(200, {"session_id": session.session_id, "key": session.key,
                                    "base_url": root + "/v1", "keyed_base_url": f"{root}/r/{session.key}/v1"})

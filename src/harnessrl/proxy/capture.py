@@ -60,6 +60,7 @@ from pydantic import BaseModel
 
 from harnessrl.engine.base import Engine
 from harnessrl.chat.layer import ChatLayer, ParsedAssistant
+from harnessrl.chat.messages import IGNORED_MESSAGE_KEYS
 from harnessrl.errors import ContextLengthError, EngineError, RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import Session
@@ -188,7 +189,8 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
     budget = deps.config.max_model_calls
     try:
         request = parse_chat_request(body, limits_of(deps.config))
-        body = recorded_body(body)  # the fields the proxy ignores are not kept on the turn
+        # neither the fields the proxy ignores nor message keys the template never renders are kept
+        body = recorded_body(body, message_keys=_unrecorded_keys(deps.chat.unrendered_message_keys))
         if budget and turn_index >= budget:
             return PreparedChat(session, request, body, kept, [], Sampling(max_tokens=1), turn_index, started_at,
                                 started_perf_s, None, origin, final_stop=f"max_model_calls={budget} reached")
@@ -231,7 +233,12 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
                            p.started_perf_s, p.origin, p.final_stop)
     try:
-        completion = await deps.engine.generate(p.prompt_ids, p.sampling, affinity=p.session.session_id)
+        completion = await deps.engine.generate(p.prompt_ids, p.sampling, affinity=p.session.session_id,
+                                                cache_scope=p.session.cache_scope)
+    except asyncio.CancelledError:  # the client went away mid-stream (`app._stream`): recorded, not trained
+        _failed(p, 499, error_body("cancelled", code="cancelled"),
+                "the call was cancelled while it generated (its client went away); its generation was stopped")
+        raise
     except ContextLengthError as exc:
         if deps.config.max_model_calls:
             return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
@@ -432,6 +439,12 @@ def _logprobs(chat: ChatLayer, completion: Completion) -> dict[str, Any]:
         {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
         for s, lp in zip(strings, completion.completion_logprobs, strict=True)
     ]}
+
+
+@functools.lru_cache(maxsize=8)
+def _unrecorded_keys(unrendered: frozenset[str]) -> frozenset[str]:
+    """The message keys a turn does not record: ignored ones and those the template never renders."""
+    return IGNORED_MESSAGE_KEYS | unrendered
 
 
 def recorded_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> dict[str, str]:

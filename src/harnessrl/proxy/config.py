@@ -64,10 +64,13 @@ class ProxyConfig(BaseModel):
     """Open connections one peer may hold: a TCP client address, a session key (while a call
     holds it), or one Unix-socket connection's sender (pid and uid, `SO_PEERCRED`). One past
     it is closed; its siblings are served."""
-    max_concurrent_calls_per_session: int = Field(default=64, ge=1)
+    max_concurrent_calls_per_session: int = Field(default=8, ge=1)
     """Calls one session may have in flight at once (each holds a connection while it is
     served, a stream until its last event); one more gets 429 (code
-    `too_many_concurrent_calls`), counted in `Trace.refused_calls`, not recorded."""
+    `too_many_concurrent_calls`), counted in `Trace.refused_calls`, not recorded. The shipped
+    agents make one call at a time, a few with a side call (a title, a summary) or parallel
+    sub-agents beside it; 8 leaves them room while one session cannot queue dozens of long
+    calls in front of its siblings'."""
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     """Bytes of one request's header section at most (request line and headers); past it the
     connection gets 431 and is closed. Headers are outside `max_body_bytes`."""

@@ -93,14 +93,19 @@ async def generate(call: Call, deps: CaptureDeps, prepared: PreparedChat) -> Cha
 
 async def generate_with_keepalive(call: Call, deps: CaptureDeps, prepared: PreparedChat,
                                   keepalive_s: float) -> AsyncIterator[ChatOutcome | None]:
-    """Generate in a task; yield None every `keepalive_s` while it runs, then the outcome."""
+    """Generate in a task; yield None every `keepalive_s` while it runs, then the outcome. A
+    consumer that stops early (the client went away) cancels the generation."""
     task = asyncio.ensure_future(generate(call, deps, prepared))
     _inflight.add(task)
     task.add_done_callback(_inflight.discard)
-    while not task.done():
-        await asyncio.wait({task}, timeout=keepalive_s)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=keepalive_s)
+            if not task.done():
+                yield None
+    finally:
         if not task.done():
-            yield None
+            task.cancel()
     yield task.result()
 
 

@@ -225,9 +225,10 @@ class ProxyServer:
         since start (`ConnectionLimits.snapshot`)."""
         return self.connection_limits.snapshot()
 
-    def open_session(self, rollout_id: str | None = None) -> tuple[str, str]:
-        """Open a session; returns `(session_id, key)`."""
-        session = self.store.open(rollout_id)
+    def open_session(self, rollout_id: str | None = None, group: str | None = None) -> tuple[str, str]:
+        """Open a session; returns `(session_id, key)`. Its calls reuse the engine's prefix cache
+        only with sessions of the same `group` (None: with none, `Session.cache_scope`)."""
+        session = self.store.open(rollout_id, group)
         return session.session_id, session.key
 
     def endpoint(self, key: str) -> Endpoint:
@@ -237,8 +238,9 @@ class ProxyServer:
                         keyed_base_url=f"{root}/r/{key}/v1")
 
     def close_session(self, session_id: str) -> Trace:
-        """Revoke the session's key and return its final trace (written if a path is set); an
-        engine that routes by affinity (`VllmEngine.forget`) drops the session's key."""
+        """Revoke the session's key and return its final trace (written if a path is set); the
+        engine cancels the session's calls still generating (`Engine.forget`: nothing more is
+        generated for a turn that is never recorded) and drops its routing key."""
         trace = self.store.close(session_id)
         self.deps.capture.engine.forget(session_id)
         return trace

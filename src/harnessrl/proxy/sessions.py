@@ -60,8 +60,12 @@ class Session:
     """Request-body bytes received so far (calls refused by `charge_body` not counted)."""
     in_flight: int = 0
     """Calls of this session being served now (`begin_call` / `end_call`)."""
-    max_in_flight: int = 64
+    max_in_flight: int = 8
     """Calls served at once at most (`begin_call`)."""
+    cache_scope: str | None = None
+    """The engine's prefix-cache scope of its calls (`Engine.generate`): its rollout group, so
+    the group's rollouts share their task prompt's KV and no other session times it; without a
+    group its own session id."""
     _next_index: int = field(default=0, repr=False)
     bridge_points: list[BridgePoint] = field(default_factory=list, repr=False)
     """Recent finished turns a later request may bridge on (`capture.py`, `chat.plan_prompt`)."""
@@ -164,7 +168,7 @@ class SessionStore:
 
     def __init__(self, trace_path: Path | None = None, *, max_closed_traces: int = 64,
                  max_revoked_keys: int = 100_000, max_turns_per_session: int = 4096,
-                 max_session_body_bytes: int = 64 * 1024 * 1024, max_concurrent_calls: int = 64) -> None:
+                 max_session_body_bytes: int = 64 * 1024 * 1024, max_concurrent_calls: int = 8) -> None:
         if max_closed_traces < 0 or max_revoked_keys < 1 or max_turns_per_session < 1 or max_session_body_bytes < 1:
             raise ConfigError(f"max_closed_traces={max_closed_traces} must be >= 0, "
                               f"max_revoked_keys={max_revoked_keys}, "
@@ -184,7 +188,9 @@ class SessionStore:
         self._in_memory: collections.deque[str] = collections.deque()
         """Ids of closed sessions whose trace is kept in memory, oldest first."""
 
-    def open(self, rollout_id: str | None = None) -> Session:
+    def open(self, rollout_id: str | None = None, group: str | None = None) -> Session:
+        """Open a session for `rollout_id`; its calls share the prefix cache with `group`'s
+        sessions only (None: with no other session)."""
         session = Session(
             session_id="ses_" + secrets.token_hex(8),
             key="hrl-" + secrets.token_urlsafe(24),
@@ -194,6 +200,7 @@ class SessionStore:
             max_in_flight=self.max_concurrent_calls,
         )
         session.trace.session_id = session.session_id
+        session.cache_scope = session.session_id if group is None else f"g:{group}"
         self._by_id[session.session_id] = session
         self._by_key[session.key] = session
         return session

@@ -290,17 +290,19 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIM
     )
 
 
-def recorded_body(body: dict[str, Any], ignored: frozenset[str] = IGNORED_FIELDS) -> dict[str, Any]:
+def recorded_body(body: dict[str, Any], ignored: frozenset[str] = IGNORED_FIELDS,
+                  message_keys: frozenset[str] = IGNORED_MESSAGE_KEYS) -> dict[str, Any]:
     """What a turn records of a request body: `body` without its top-level fields in `ignored`
-    and, for a chat body, without the message keys that change nothing the model sees
-    (`messages.IGNORED_MESSAGE_KEYS`), so a large field the proxy never reads is not kept in
-    the trace (memory, `rollouts.jsonl`). `body` itself is unchanged; returned as is when
-    nothing is dropped."""
+    and, for a chat body, without the message keys in `message_keys`: those that change nothing
+    the model sees (`messages.IGNORED_MESSAGE_KEYS`, and the capture adds the keys the chat
+    template never renders, `ChatLayer.unrendered_message_keys`), so a large field the model
+    never saw is not kept in the trace (memory, `rollouts.jsonl`). `body` itself is unchanged;
+    returned as is when nothing is dropped."""
     if not ignored.isdisjoint(body):
         body = {k: v for k, v in body.items() if k not in ignored}
     messages = body.get("messages") if ignored is IGNORED_FIELDS else None
-    if type(messages) is list and any(type(m) is dict and not IGNORED_MESSAGE_KEYS.isdisjoint(m) for m in messages):
-        kept = [{k: v for k, v in m.items() if k not in IGNORED_MESSAGE_KEYS} if type(m) is dict else m
+    if type(messages) is list and any(type(m) is dict and not message_keys.isdisjoint(m) for m in messages):
+        kept = [{k: v for k, v in m.items() if k not in message_keys} if type(m) is dict else m
                 for m in messages]
         body = {**body, "messages": kept}
     return body

@@ -33,6 +33,7 @@ What it does not do: choose tasks, group rollouts or bound staleness (`orchestra
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -55,8 +56,9 @@ log = logging.getLogger(__name__)
 class SessionHost(Protocol):
     """What the runner needs from the proxy (or the white-box recorder): keyed sessions."""
 
-    def open_session(self, rollout_id: str) -> tuple[str, str]:
-        """Open a session; returns `(session_id, key)`."""
+    def open_session(self, rollout_id: str, group: str | None = None) -> tuple[str, str]:
+        """Open a session; returns `(session_id, key)`. Sessions of one `group` share the
+        engine's prefix cache (and no other session does)."""
         ...
 
     def endpoint(self, key: str) -> Endpoint:
@@ -74,6 +76,9 @@ class RolloutLimits:
     """Wall-clock limit of the agent phase."""
     verify_timeout_s: float = 120.0
     """Wall-clock limit of the verifier (beyond its own per-test limits)."""
+    max_final_answer_chars: int = 65536
+    """Characters of the agent's final answer the rollout records (`cut_answer`); the verifier
+    scores the whole answer."""
 
 
 async def run_rollout(
@@ -112,7 +117,7 @@ async def run_rollout(
         timings["sandbox_s"] = time.monotonic() - t0
 
         # 2) a keyed proxy session; the key is the agent's API key
-        session_id, key = sessions.open_session(rollout_id)
+        session_id, key = sessions.open_session(rollout_id, group=f"group-{group_id}")
         endpoint = sandbox.agent_endpoint(sessions.endpoint(key))  # as the agent addresses it
 
         # 3) the agent runs its own loop until it exits or times out
@@ -165,6 +170,7 @@ async def run_rollout(
             timings["verify_s"] = time.monotonic() - t_verify
             if reward is not None and reward.error is not None:
                 status, error = "verifier_error", reward.error
+        result = cut_answer(result, limits.max_final_answer_chars)
         return _finish(task, group_id, harness, rollout_id, status, error, trace, result, reward, timings, t0,
                        node_id=getattr(sandbox, "node_id", None))
     finally:
@@ -176,6 +182,20 @@ async def run_rollout(
         except asyncio.CancelledError:
             await release
             raise
+
+
+ANSWER_CUT_MARK = "…[final answer cut: {n} characters in all]"
+"""Ends a recorded final answer that `cut_answer` shortened (`{n}`: the answer's length)."""
+
+
+def cut_answer(result: HarnessResult | None, max_chars: int) -> HarnessResult | None:
+    """`result` with its final answer cut to its first `max_chars` characters plus
+    `ANSWER_CUT_MARK`, when longer. The answer is kept on the rollout (`rollouts.jsonl`, the
+    trainer's memory, the viewer): an agent could otherwise make one row of megabytes."""
+    answer = result.final_answer if result is not None else None
+    if result is None or answer is None or len(answer) <= max_chars:
+        return result
+    return dataclasses.replace(result, final_answer=answer[:max_chars] + ANSWER_CUT_MARK.format(n=len(answer)))
 
 
 async def _verify(

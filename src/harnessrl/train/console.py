@@ -39,6 +39,9 @@ def step_line(step: int, steps: int, m: dict[str, Any]) -> str:
         head += f"eval {f('eval/pass_rate', '.2f')} "
     if m.get("skipped"):
         return head + f"no update: {m.get('skip_reason') or 'no row to train'}; " + times
+    if m.get("rows_capped_dropped"):  # rollouts past train.max_rows_per_rollout / max_tokens_per_rollout
+        times = (f"capped {int(m['rows_capped_dropped'])} rows of {int(m.get('rollouts_capped', 0))} rollouts "
+                 f"({int(m.get('tokens_capped_dropped', 0))} tok) ") + times
     return head + (f"loss {f('loss', '.4f')} gnorm {f('grad_norm', '.3f')} |r-1| {f('ratio_abs_dev', '.2e')} "
                    f"tok {int(m.get('tokens_trained', 0))} stale {f('staleness_mean', '.2f')} ") + times
 

@@ -57,7 +57,7 @@ from harnessrl.train.console import (
 from harnessrl.train.distributed import Ranks
 from harnessrl.train.evaluation import evaluate_held_out
 from harnessrl.train.plot import curve_table, write_curve_png
-from harnessrl.train.rows import StepRows, rows_for_step
+from harnessrl.train.rows import RolloutBound, StepRows, rows_for_step
 from harnessrl.train.setup import TrainingRun, open_run
 from harnessrl.types import Group
 
@@ -187,7 +187,8 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
             extra = await run.sampling.draw(groups, cfg.train.groups_per_step, version)
             clock.pulled = time.monotonic()
             batch = rows_for_step(groups, hooks=run.hooks, advantage_fn=run.advantage_fn, version=version,
-                                  max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary)
+                                  max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary,
+                                  bound=RolloutBound(cfg.train.max_rows_per_rollout, cfg.train.max_tokens_per_rollout))
             metrics: StepMetrics = {"step": step, **batch.metrics}
             if cfg.train.dynamic_sampling_max_groups:
                 metrics["groups_drawn_extra"] = float(extra)

@@ -248,7 +248,8 @@ async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGro
         point = await _restore(point, trainer, sync, executor)
     sampling = DynamicSampling(cfg.train.dynamic_sampling_max_groups, hooks.rollout_reward_fn, advantage_fn,
                                cfg.train.max_staleness)
-    limits = RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s)
+    limits = RolloutLimits(cfg.rollout.agent_timeout_s, cfg.rollout.verify_timeout_s,
+                           cfg.rollout.max_final_answer_chars)
     train_tasks, eval_tasks = rt.tasks, None
     if cfg.train.eval_every:
         train_tasks, eval_tasks = held_out_split(cfg.tasks, rt.tasks, cfg.train.eval_size)

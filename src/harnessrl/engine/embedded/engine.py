@@ -117,6 +117,11 @@ class _Score:
     done: concurrent.futures.Future[list[float]]
 
 
+@dataclass(frozen=True, slots=True)
+class _Forget:
+    affinity: str
+
+
 _STOP = object()
 
 
@@ -138,6 +143,7 @@ class EmbeddedEngine:
         fast_decode: bool = True,
         pack_weights: bool = True,
         share_prompts: bool = True,
+        max_rows_per_session: int | None = None,
     ) -> None:
         """Load the model and tokenizer from `model_dir` and start the decode thread.
 
@@ -165,6 +171,9 @@ class EmbeddedEngine:
             share_prompts: identical prompts waiting together are computed once (a group's
                 rollouts sending their task prompt at once, `engine/embedded/prefill.py`);
                 False computes each, for comparison (`bench/engine.py --workload group`).
+            max_rows_per_session: most rows of the batch one session (`generate`'s `affinity`)
+                holds at once; its further calls wait while other sessions' calls are admitted
+                (round robin, `prefill.fair_order`). None: a quarter of `max_batch_size`, at least 1.
 
         Raises:
             EngineError: unknown dtype or device, `cuda` without a CUDA device, or non-positive sizes.
@@ -183,6 +192,8 @@ class EmbeddedEngine:
             raise EngineError(f"prefix_cache_tokens={prefix_cache_tokens} must be >= 0")
         if prefill_chunk_tokens < 1:
             raise EngineError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
+        if max_rows_per_session is not None and max_rows_per_session < 1:
+            raise EngineError(f"max_rows_per_session={max_rows_per_session} must be >= 1")
         self._device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self._model = load_causal_lm(Path(model_dir), dtype=dtype).to(self._device)
         self._step = DecodeStep.for_model(self._model, pack_weights=pack_weights) if fast_decode else None
@@ -208,7 +219,8 @@ class EmbeddedEngine:
         self._prefix_cache = PrefixCache(prefix_cache_tokens)
         self._stats = zero_counters()
         self._prefill = PrefillScheduler(self._model, self._prefix_cache, prefill_chunk_tokens, self._stats,
-                                         admit=self._admit, share_prompts=share_prompts)
+                                         admit=self._admit, share_prompts=share_prompts,
+                                         max_rows_per_session=max_rows_per_session or max(1, max_batch_size // 4))
         self._closed = False
         self._failure: BaseException | None = None
         self._close_lock = threading.Lock()
@@ -245,9 +257,11 @@ class EmbeddedEngine:
         )
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *,
-                       affinity: str | None = None) -> Completion:
-        """Generate one completion; concurrent calls are decoded in one batch (`affinity` is
-        ignored: one replica).
+                       affinity: str | None = None, cache_scope: str | None = None) -> Completion:
+        """Generate one completion; concurrent calls are decoded in one batch. `affinity` (the
+        caller's session) makes admission fair between sessions and bounds the session's rows
+        (`max_rows_per_session`); `forget(affinity)` cancels its calls. `cache_scope` (the
+        rollout group) is the only prefix-cache scope the request reads and writes.
 
         Raises:
             ContextLengthError: `len(prompt_ids) >= max_context_tokens`.
@@ -263,6 +277,7 @@ class EmbeddedEngine:
                 log.debug("dropping a result for a closed event loop")
 
         request = self._make_request(prompt_ids, sampling, deliver)
+        request.affinity, request.cache_scope = affinity, cache_scope
         fut.add_done_callback(lambda f: request.cancelled.set() if f.cancelled() else None)
         self._submit(request)
         return await fut
@@ -345,8 +360,12 @@ class EmbeddedEngine:
         return done.result()
 
     def forget(self, affinity: str) -> None:
-        """One replica: nothing routes by affinity."""
-        return None
+        """The session `affinity` ended: its calls still waiting or decoding are cancelled at
+        the next step (each fails with `EngineError`), so nothing is generated for a turn that
+        is never recorded. Returns at once; a closed engine ignores it."""
+        with self._close_lock:
+            if not self._closed and self._failure is None:
+                self._queue.put(_Forget(affinity))
 
     def close(self) -> None:
         """Stop the decode thread and fail requests still pending; idempotent."""
@@ -407,7 +426,8 @@ class EmbeddedEngine:
                         break
                     t0 = time.perf_counter()
                     self._drop_cancelled()
-                    prefilled = self._prefill.run(self._max_batch_size - len(self._active), self._version)
+                    prefilled = self._prefill.run(self._max_batch_size - len(self._active), self._version,
+                                                  self._active)
                     worked = bool(prefilled) or self._prefill.busy  # a prompt (or a chunk of one) ran
                     if prefilled:
                         self._join(prefilled)
@@ -441,6 +461,8 @@ class EmbeddedEngine:
                 self._apply_weights(item)
             elif isinstance(item, _Score):
                 _score(self._model, item)
+            elif isinstance(item, _Forget):
+                self._cancel_session(item.affinity)
             else:
                 assert isinstance(item, Request), f"unexpected queue item {item!r}"
                 if keep_running:
@@ -485,6 +507,15 @@ class EmbeddedEngine:
             except Exception:  # noqa: BLE001 - without its copies the step multiplies the model's weights
                 log.warning("rebuilding the packed decode weights failed; decode steps use F.linear", exc_info=True)
         return True
+
+    def _cancel_session(self, affinity: str) -> None:
+        """Cancel and fail every request of session `affinity` (dropped by `_drop_cancelled`)."""
+        error = EngineError(f"the session {affinity} ended; its call was cancelled")
+        for req in [*self._active, *self._prefill.requests()]:
+            if req.affinity == affinity and not req.cancelled.is_set():
+                req.cancelled.set()
+                self._stats["cancelled_requests"] += 1
+                req.deliver(error)
 
     def _drop_cancelled(self) -> None:
         self._prefill.drop_cancelled()
@@ -555,7 +586,7 @@ class EmbeddedEngine:
             kv = self._batch.row_kv(b)
             n = kv[0][0].shape[-2]
             ids = (req.prompt_ids + tuple(req.completion_ids))[:n]
-            self._prefix_cache.insert(ids, self._version, kv)
+            self._prefix_cache.insert(ids, self._version, kv, scope=req.cache_scope)
 
     def _append(self, req: Request, tok: int, lp: float) -> bool:
         """Record one sampled id; True when the request finished (and was delivered)."""

@@ -6,7 +6,13 @@ the requests whose prompt is now fully prefilled (`Prefilled`: the prompt's KV a
 of its last position). The decode loop (`engine/embedded/engine.py`) samples their first ids and adds
 them to the running batch (`engine/embedded/batch.py`).
 
-Policy. Waiting requests are admitted in order. Each starts from the longest prefix of its
+Policy. Waiting requests are admitted round-robin by session (`Request.affinity`, the proxy's
+session id; `fair_order`): a session's k-th waiting request ranks after every other session's
+(k-1)-th, counting the rows it already holds in the batch, and a session holding
+`max_rows_per_session` rows admits no more until one finishes. First in, first out, one
+session's many long calls would hold every sibling's call back until all of them were admitted
+(under RL, the policy's best move against its siblings); here a sibling's call is next once a
+row is free, and rows stay free for other sessions. Each starts from the longest prefix of its
 prompt found in the prefix cache (`engine/embedded/prefix_cache.py`; only its new tokens are computed;
 a prompt wholly cached still computes its last id, whose logits are needed). Requests whose
 new tokens fit in the budget together are prefilled in one batched forward (one pass over the
@@ -16,7 +22,11 @@ follows that member and gets its KV and last-position logits (the G rollouts of 
 the same task prompt at once). A request that would otherwise recompute more than a block of a
 group member's new tokens waits for the next group, where it finds them in the prefix cache
 (a fork's history, a shared system prompt). The first prompt that does not fit is prefilled in chunks in
-its own batch-1 cache; the decode loop takes a step between its chunks. A prompt's KV is stored
+its own batch-1 cache; the decode loop takes a step between its chunks. Meanwhile, prompts that
+fit in an iteration's budget go before its next chunk (a sibling's short call does not wait for a
+long prompt to finish), and while other sessions' rows decode, a chunk of a session with n
+calls in the engine is at most `chunk_tokens / n` (`_share`): those rows wait behind every
+chunk, so a session's parallel long prompts must not take the whole budget step after step. A prompt's KV is stored
 in the prefix cache when its prefill is done.
 
 Batched layouts (`group_forward`): fresh prompts (none has a cached prefix) are packed into
@@ -36,7 +46,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +95,7 @@ class PrefillScheduler:
         counters: dict[str, int],
         admit: Callable[[Request], bool],
         share_prompts: bool = True,
+        max_rows_per_session: int | None = None,
     ) -> None:
         """Args:
             model: the engine's causal LM (forward with `cache=`, `logits_to_keep=`).
@@ -96,6 +107,9 @@ class PrefillScheduler:
                 generator); False means it failed and was delivered its error (skipped).
             share_prompts: a waiting request whose prompt equals a group member's follows it
                 (computed once, `_admit_group`); False computes every prompt.
+            max_rows_per_session: most rows of the running batch (and the prompt being
+                prefilled) one session (`Request.affinity`) holds; None: no bound. Requests
+                without an affinity are sessions of their own.
         """
         assert chunk_tokens >= 1, f"chunk_tokens={chunk_tokens} must be >= 1"
         self._model = model
@@ -104,6 +118,7 @@ class PrefillScheduler:
         self._counters = counters
         self._admit = admit
         self._share_prompts = share_prompts
+        self._max_rows = max_rows_per_session
         self.waiting: collections.deque[Request] = collections.deque()
         self._current: _InProgress | None = None
 
@@ -112,14 +127,31 @@ class PrefillScheduler:
         """Whether requests wait or a prompt is being prefilled."""
         return bool(self.waiting) or self._current is not None
 
-    def run(self, free_rows: int, version: int) -> list[Prefilled]:
+    def run(self, free_rows: int, version: int, running: Iterable[Request] = ()) -> list[Prefilled]:
         """Prefill up to `chunk_tokens` prompt tokens, admitting at most `free_rows` requests
-        (rows the running batch can still take); returns the prompts finished, in order."""
+        (rows the running batch can still take), in `fair_order` given the batch's `running`
+        requests; returns the prompts finished, in order."""
+        running = list(running)
+        decoding: collections.Counter[str | None] = collections.Counter(r.affinity for r in running)
+        calls = collections.Counter(r.affinity for r in self.requests()) + decoding
+        held: list[Request] = []
+        if len(self.waiting) > 1 or self._max_rows is not None:
+            rows = decoding.copy()
+            if self._current is not None:
+                rows[self._current.req.affinity] += 1
+            self.waiting, held = fair_order(self.waiting, rows, self._max_rows)
+        try:
+            return self._run(free_rows, version, decoding, calls)
+        finally:
+            self.waiting.extend(held)
+
+    def _run(self, free_rows: int, version: int, decoding: Mapping[str | None, int],
+             calls: Mapping[str | None, int]) -> list[Prefilled]:
         budget = self._chunk_tokens
         done: list[Prefilled] = []
         while budget > 0:
+            free = free_rows - len(done)
             if self._current is None:
-                free = free_rows - len(done)
                 if not self.waiting or free <= 0:
                     break
                 group, overflow = self._admit_group(budget, free, version)
@@ -130,8 +162,29 @@ class PrefillScheduler:
                 self._current = group[0] if group else overflow  # alone: in chunks, below
                 if self._current is None:
                     continue
-            budget -= self._prefill_chunk(budget, version, done)
+            elif self.waiting and free > 0:  # prompts that fit go before the rest of a long one
+                group, _ = self._admit_group(budget, free, version, overflow_ok=False)
+                if group:
+                    budget -= self._prefill_together(group, version, done)
+                    continue
+            current = self._current
+            assert current is not None
+            share = self._share(current.req, [*decoding, *(p.req.affinity for p in done)], calls)
+            budget -= self._prefill_chunk(min(budget, share), version, done)
+            if self._current is not None:  # a long prompt: its share of this iteration is spent
+                break
         return done
+
+    def _share(self, req: Request, decoding: Iterable[str | None], calls: Mapping[str | None, int]) -> int:
+        """Prompt tokens `req` may prefill in this iteration: `chunk_tokens`; divided by the
+        number of calls its session has in the engine (decoding, waiting, this one) while another
+        session has rows decoding (`decoding`: their sessions, those prefilled this iteration too). Those rows wait behind every chunk, so a session's parallel
+        long prompts get a share by their number instead of the whole budget step after step;
+        a session's single call, or any call while nobody else decodes, prefills at full speed."""
+        others = any(a != req.affinity for a in decoding)
+        if req.affinity is None or not others:
+            return self._chunk_tokens
+        return max(1, self._chunk_tokens // max(1, calls.get(req.affinity, 1)))
 
     def restart(self) -> None:
         """After a weight swap: the prompt being prefilled is admitted anew (its KV is stale)."""
@@ -145,6 +198,10 @@ class PrefillScheduler:
             self._current = None
         if any(r.cancelled.is_set() for r in self.waiting):
             self.waiting = collections.deque(r for r in self.waiting if not r.cancelled.is_set())
+
+    def requests(self) -> list[Request]:
+        """Every request held (waiting or being prefilled), without removing them."""
+        return [*self.waiting, *([self._current.req] if self._current is not None else [])]
 
     def take_all(self) -> list[Request]:
         """Remove and return every request held (waiting or being prefilled)."""
@@ -181,14 +238,15 @@ class PrefillScheduler:
         if p.done == len(p.req.prompt_ids):
             self._current = None
             kv = [(ly.keys, ly.values) for ly in p.cache.layers]
-            self._cache.insert(p.req.prompt_ids, version, kv)
+            self._cache.insert(p.req.prompt_ids, version, kv, scope=p.req.cache_scope)
             self._counters["prefills"] += 1
             done.append(Prefilled(p.req, kv, out.logits[0, -1]))
         return n
 
     # -- several prompts in one forward -------------------------------------------------
 
-    def _admit_group(self, budget: int, free: int, version: int) -> tuple[list[_InProgress], _InProgress | None]:
+    def _admit_group(self, budget: int, free: int, version: int,
+                     overflow_ok: bool = True) -> tuple[list[_InProgress], _InProgress | None]:
         """Admit waiting requests, in order, whose new tokens fit in `budget` together (the
         group prefilled in one forward), and the first one that does not fit (prefilled in
         chunks next), at most `free` in all. A request whose prompt equals a group member's
@@ -196,21 +254,27 @@ class PrefillScheduler:
         both (the G rollouts of a group send the same task prompt at once; computing it G times
         cost a forward each, 0.2-0.3 s on SmolLM2-135M on one thread, and stalled every decoding
         row meanwhile). A request that shares more than a block of a group member's new tokens
-        otherwise waits, so that it finds them in the prefix cache instead."""
+        otherwise waits, so that it finds them in the prefix cache instead. Without
+        `overflow_ok` (a prompt is being prefilled in chunks already), admission stops before
+        the first prompt whose ids (cached or not) do not fit in what is left of `budget`."""
         group: list[_InProgress] = []
         admitted = 0
         tokens = 0
         block = self._cache.block_tokens if self._cache.enabled else 0
         while self.waiting and admitted < free:
-            prompt = self.waiting[0].prompt_ids
-            leader = next((g for g in group if g.req.prompt_ids == prompt), None) if self._share_prompts else None
+            prompt, scope = self.waiting[0].prompt_ids, self.waiting[0].cache_scope
+            leader = next((g for g in group if g.req.prompt_ids == prompt and g.req.cache_scope == scope),
+                          None) if self._share_prompts else None
             if leader is not None:
                 req = self.waiting.popleft()
                 if self._admit(req):
                     leader.followers.append(req)
                     admitted += 1
                 continue
-            if block and any(_shares_beyond(prompt, g.req.prompt_ids, g.done + block) for g in group):
+            if block and any(g.req.cache_scope == scope and _shares_beyond(prompt, g.req.prompt_ids, g.done + block)
+                             for g in group):
+                break
+            if not overflow_ok and tokens + len(prompt) > budget:
                 break
             p = self._start(self.waiting.popleft(), version)
             if p is None:
@@ -228,7 +292,7 @@ class PrefillScheduler:
         if not self._admit(req):
             return None
         cache = DynamicCache(config=self._model.config)  # type: ignore[attr-defined]
-        hit = self._cache.lookup(req.prompt_ids, version, max_length=len(req.prompt_ids) - 1)
+        hit = self._cache.lookup(req.prompt_ids, version, max_length=len(req.prompt_ids) - 1, scope=req.cache_scope)
         if hit is None:
             return _InProgress(req, cache, 0)
         for layer, (k, v) in enumerate(hit.kv):
@@ -254,7 +318,8 @@ class PrefillScheduler:
         self._counters["prefills"] += len(group)
         for p, kv, logits_V in zip(group, row_kv, logits_B_V, strict=True):
             if self._cache.enabled:  # copies: a view would keep the whole group's buffers alive
-                self._cache.insert(p.req.prompt_ids, version, [(k.clone(), v.clone()) for k, v in kv])
+                self._cache.insert(p.req.prompt_ids, version, [(k.clone(), v.clone()) for k, v in kv],
+                                   scope=p.req.cache_scope)
             done.append(Prefilled(p.req, kv, logits_V))
             for follower in p.followers:  # the same prompt: the same KV and logits (the batch copies them)
                 done.append(Prefilled(follower, kv, logits_V))
@@ -345,6 +410,40 @@ def packed_forward(model: torch.nn.Module, prompts: list[tuple[int, ...]]) -> tu
         for s, k in zip(starts, n, strict=True)
     ]
     return row_kv, out.logits[0]
+
+
+def fair_order(waiting: Iterable[Request], rows: Mapping[str | None, int],
+               max_rows: int | None) -> tuple[collections.deque[Request], list[Request]]:
+    """Split `waiting` into the requests to admit, in admission order, and those held back.
+
+    A request that is the k-th waiting one (k = 0, 1, ...) of a session holding `rows[session]`
+    rows ranks `rows[session] + k`; requests are admitted by rank, then by arrival (round robin
+    between sessions, a session's own calls in its order). One whose rank is `max_rows` or more
+    is held (its session would hold more than `max_rows` rows). A request without an affinity
+    ranks 0 and is never held.
+
+    Args:
+        waiting: the waiting requests in arrival order.
+        rows: per session (`Request.affinity`), the rows it holds now (batch and prefill).
+        max_rows: a session's bound on rows; None: none.
+
+    Returns:
+        (admissible requests by rank, held requests in arrival order).
+    """
+    taken: dict[str, int] = {}
+    ranked: list[tuple[int, int, Request]] = []
+    held: list[Request] = []
+    for i, req in enumerate(waiting):
+        rank = 0
+        if req.affinity is not None:
+            rank = taken.get(req.affinity, rows.get(req.affinity, 0))
+            taken[req.affinity] = rank + 1
+        if max_rows is not None and rank >= max_rows:
+            held.append(req)
+        else:
+            ranked.append((rank, i, req))
+    ranked.sort(key=lambda t: (t[0], t[1]))
+    return collections.deque(req for _, _, req in ranked), held
 
 
 def _shares_beyond(a: tuple[int, ...], b: tuple[int, ...], k: int) -> bool:

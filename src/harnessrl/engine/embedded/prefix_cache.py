@@ -13,6 +13,10 @@ start (hash collisions cannot serve a wrong prefix) and extends the match past t
 block, so the reused length is the exact common prefix. Every entry carries the weight
 version it was computed under; `lookup` only considers entries of the version asked for, and
 the engine calls `clear()` when it swaps weights (KV from old weights never serves new ones).
+Every entry also carries a scope (the rollout group of the request that computed it, or None):
+`lookup` only considers entries of the scope asked for. A shared cache is a timing channel: a
+prompt served from another session's entry comes back several times faster than one computed
+afresh, so one session could read what another sent, bit by bit; within a group the rollouts share the task prompt, which is what the cache is for.
 
 Memory bound: `max_tokens` cached token positions in total (a position costs
 `2 * layers * kv_heads * head_dim * dtype_size` bytes; `bytes_per_token` reports it once an
@@ -45,6 +49,7 @@ class _Entry:
     version: int
     kv: KV
     hashes: list[int]
+    scope: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,29 +97,30 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _chain(self, ids: tuple[int, ...], version: int) -> list[int]:
+    def _chain(self, ids: tuple[int, ...], version: int, scope: str | None) -> list[int]:
         bs = self.block_tokens
-        h = hash(("harnessrl-prefix", version))
+        h = hash(("harnessrl-prefix", version, scope))
         out = []
         for j in range(len(ids) // bs):
             h = hash((h, ids[j * bs : (j + 1) * bs]))
             out.append(h)
         return out
 
-    def lookup(self, ids: tuple[int, ...], version: int, max_length: int | None = None) -> PrefixHit | None:
-        """The longest cached prefix of `ids` computed under weights `version`, at most
+    def lookup(self, ids: tuple[int, ...], version: int, max_length: int | None = None, *,
+               scope: str | None = None) -> PrefixHit | None:
+        """The longest cached prefix of `ids` computed under weights `version` in `scope`, at most
         `max_length` ids (default `len(ids)`); None when no full block matches.
         A hit moves its entry to the most-recently-used end."""
         if not self._entries:
             return None
         limit = len(ids) if max_length is None else min(max_length, len(ids))
         best: _Entry | None = None
-        for h in self._chain(ids[:limit], version):
+        for h in self._chain(ids[:limit], version, scope):
             keys = self._index.get(h)
             if not keys:
                 break
             best = self._entries[next(reversed(keys))]
-        if best is None or best.version != version:
+        if best is None or best.version != version or best.scope != scope:
             return None
         n = min(limit, len(best.ids))
         m = 0
@@ -125,8 +131,8 @@ class PrefixCache:
         self._entries.move_to_end(best.key)
         return PrefixHit(m, [(k[:, :, :m], v[:, :, :m]) for k, v in best.kv])
 
-    def insert(self, ids: tuple[int, ...], version: int, kv: KV) -> bool:
-        """Store the KV of `ids` (each tensor `[1, H_kv, len(ids), D]`); True when stored.
+    def insert(self, ids: tuple[int, ...], version: int, kv: KV, *, scope: str | None = None) -> bool:
+        """Store the KV of `ids` (each tensor `[1, H_kv, len(ids), D]`) for `scope`; True when stored.
 
         Not stored: a disabled cache, fewer ids than one block, more ids than `max_tokens`,
         or `ids` already covered by an entry of the same version. Entries that are prefixes of
@@ -136,16 +142,17 @@ class PrefixCache:
         if not self.enabled or n < self.block_tokens or n > self.max_tokens:
             return False
         assert all(k.shape[-2] == n and v.shape[-2] == n for k, v in kv), "KV length differs from len(ids)"
-        covered = self.lookup(ids, version)
+        covered = self.lookup(ids, version, scope=scope)
         if covered is not None and covered.length == n:
             return False
-        hashes = self._chain(ids, version)
+        hashes = self._chain(ids, version, scope)
         for j, h in enumerate(hashes):  # entries whose ids are a prefix of `ids` end in block j
             for key in list(self._index.get(h, {})):
                 old = self._entries[key]
-                if len(old.hashes) == j + 1 and len(old.ids) <= n and ids[: len(old.ids)] == old.ids:
+                if (len(old.hashes) == j + 1 and len(old.ids) <= n and old.scope == scope
+                        and ids[: len(old.ids)] == old.ids):
                     self._drop(key)
-        entry = _Entry(next(self._next_key), ids, version, kv, hashes)
+        entry = _Entry(next(self._next_key), ids, version, kv, hashes, scope)
         self._entries[entry.key] = entry
         for h in hashes:
             self._index.setdefault(h, {})[entry.key] = None

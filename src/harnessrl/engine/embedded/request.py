@@ -37,6 +37,14 @@ class Request:
     row: RowSampling
     stop: StopWatcher | None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    affinity: str | None = None
+    """The caller's session (the proxy's session id): admission is fair between sessions and a
+    session's rows in the batch are bounded (`prefill.fair_order`); `EmbeddedEngine.forget`
+    cancels them. None: a session of its own."""
+    cache_scope: str | None = None
+    """Whose prefix-cache entries this request may read and write (the proxy's rollout group):
+    a prompt never reuses KV another scope computed, so its latency tells nothing of what
+    another scope sent (`prefix_cache.py`)."""
     generator: torch.Generator | None = None
     """Set at admission (from `sampling.seed`, or drawn from the engine's seed generator)."""
     policy_version: int = -1

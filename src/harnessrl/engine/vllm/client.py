@@ -6,8 +6,11 @@ distribution, labelled with the policy version the request was sent under.
 
 * Requests: `POST /v1/completions` with `prompt` = the ids, `logprobs: 0`,
   `return_token_ids: true`, the `Sampling` values (top_k/top_p/seed/stop only when set), and
-  `cache_salt = "v<policy version>"` (`"v<version>-<adapter name>"` under a LoRA adapter) so KV
-  computed under older weights or another adapter is never reused.
+  `cache_salt = "v<policy version>"` (`"v<version>-<adapter name>"` under a LoRA adapter; then
+  `"-s<cache scope>"`, the rollout group, when the caller gives one) so KV computed under older
+  weights, another adapter or for another group is never reused (vLLM's prefix cache keys its
+  blocks by the salt: a prompt cached by another group would come back faster, a timing
+  channel between sessions).
   Keep-alive connections per replica and event loop (`engine/vllm/http.py`); non-streaming
   only (DESIGN.md §4).
 * Processed logprobs: at construction a probe (greedy-by-top_k=1, 4 tokens at T=1) must come
@@ -26,6 +29,9 @@ distribution, labelled with the policy version the request was sent under.
   so its prefix cache is reused turn after turn; a new affinity key goes to the replica with
   the fewest keys (of the last `AFFINITY_KEYS_KEPT` seen, or fewer after `forget`; ties: fewest
   requests in flight); no key: fewest in flight.
+* Session end (`forget(affinity)`): the session's requests in flight are cancelled, which closes
+  their connections; vLLM's server aborts a request whose client disconnected, so it stops
+  generating for a turn that is never recorded. The caller gets `EngineError`.
 
 Validation: `engine/vllm/validate.py` (`parse_completion`, `status_error`): a fault is an
 `EngineError` (an error turn, never trained) or, for logprob values only, passed through for
@@ -141,6 +147,9 @@ class VllmEngine:
         self._closed = False
         self._pools: dict[int, tuple[asyncio.AbstractEventLoop, dict[str, HttpPool]]] = {}  # by id(loop)
         self._inflight: set[asyncio.Task[Any]] = set()
+        self._by_session: dict[str, set[asyncio.Task[tuple[int, bytes]]]] = {}
+        """Requests in flight per affinity key (what `forget` cancels)."""
+        self._forgotten: set[asyncio.Task[tuple[int, bytes]]] = set()
         self._busy = [0] * len(self.replica_urls)
         self._keys_per_replica = [0] * len(self.replica_urls)
         self._affinity: OrderedDict[str, int] = OrderedDict()
@@ -180,7 +189,8 @@ class VllmEngine:
         with self._lock:
             self._version, self._model = version, model
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, affinity: str | None = None) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, affinity: str | None = None,
+                       cache_scope: str | None = None) -> Completion:
         """One completion from a replica (`affinity` picks it; module docstring).
 
         Raises:
@@ -201,21 +211,37 @@ class VllmEngine:
         replica = self._pick(affinity)
         url = self.replica_urls[replica]
         # a LoRA adapter's name joins the salt: KV of another adapter is never reused
+        salt = f"v{version}" if model is None else f"v{version}-{model}"
         body = request_body(model or self.served_model, (), sampling, max_tokens, version,
-                            f"v{version}" if model is None else f"v{version}-{model}")
+                            salt if cache_scope is None else f"{salt}-s{cache_scope}")
         prompt_json = orjson.dumps(prompt_ids)  # encoded once: the request's prompt and the echo check
         task = asyncio.get_running_loop().create_task(self._post(url, request_payload(body, prompt_json)))
         self._inflight.add(task)
+        if affinity is not None:
+            with self._lock:
+                self._by_session.setdefault(affinity, set()).add(task)
         self._busy[replica] += 1
         try:
             status, raw = await task
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if self._closed and not (current is not None and current.cancelling()):
+            if current is not None and current.cancelling():
+                raise
+            if self._closed:
                 raise EngineError("the vLLM engine was closed while the request was in flight") from None
+            if task in self._forgotten:
+                raise EngineError(f"the session {affinity} ended; its request was aborted") from None
             raise
         finally:
             self._inflight.discard(task)
+            self._forgotten.discard(task)
+            if affinity is not None:
+                with self._lock:
+                    tasks = self._by_session.get(affinity)
+                    if tasks is not None:
+                        tasks.discard(task)
+                        if not tasks:
+                            del self._by_session[affinity]
             self._busy[replica] -= 1
         if status != 200:
             raise status_error(url, status, raw)
@@ -332,11 +358,21 @@ class VllmEngine:
             return replica
 
     def forget(self, affinity: str) -> None:
-        """Drop an affinity key whose rollout ended (its replica takes new keys again)."""
+        """The rollout of `affinity` ended: cancel its requests in flight (their connections
+        close, the server aborts them; each caller gets `EngineError`) and drop the key (its
+        replica takes new keys again). Thread-safe."""
         with self._lock:
             replica = self._affinity.pop(affinity, None)
             if replica is not None:
                 self._keys_per_replica[replica] -= 1
+            tasks = list(self._by_session.pop(affinity, ()))
+        for task in tasks:
+            if task.done():
+                continue
+            self._forgotten.add(task)
+            loop = task.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
 
     def replica_of(self, affinity: str) -> int | None:
         """The replica index `affinity` is routed to, or None when it has not been seen."""

@@ -15,6 +15,7 @@
     ["trained tokens by turn", ["samples/trained_token_share/turn_1", "samples/trained_token_share/turn_2",
                                 "samples/trained_token_share/turn_3", "samples/trained_token_share/turn_4plus"]],
     ["untrained sampled tokens", ["untrained_sampled_tokens", "samples/tokens_untrained_by_realign"]],
+    ["rows past a rollout's bound (dropped)", ["rows_capped_dropped", "rollouts_capped"]],
   ];
   const el = (tag, attrs, ...kids) => {
     const e = document.createElement(tag);
