@@ -16,7 +16,8 @@ Invariants (DESIGN.md §3.5, §10):
     (entries, files, bytes, depth). A workspace past them, or a filesystem the agent filled,
     raises `SandboxLimitError`: the agent's failure, scored 0 with its cause, never None.
     Everything in it belongs to the owner of the sandbox root, so a backend whose commands run
-    as an unprivileged user (podman's uid 1000) can read it.
+    as an unprivileged user (podman's uid 1000) can read it; a sandbox root the agent made
+    unenterable gets its owner's `u+rwx` back first.
     Verifier programs run there with `python3 -I` (isolated mode: no script-directory or user
     site-packages on sys.path, no PYTHON* environment variables), so a `sitecustomize.py`,
     `conftest.py` or module shadowing the standard library left by the agent is never imported;
@@ -112,6 +113,7 @@ def new_verify_dir(sandbox: Sandbox, files: dict[str, str], copy_workspace: bool
     root = sandbox_root(sandbox)
     try:
         owner = owner_of_root(root)
+        _restore_owner_access(root)
         path, dir_fd = make_private_dir(root, "verify-", owner)
     except OSError as e:
         raise _staging_error(f"cannot create the verify directory under {root}", e) from e
@@ -132,6 +134,19 @@ async def stage_verify_dir(sandbox: Sandbox, files: dict[str, str], copy_workspa
     """`new_verify_dir` on a worker thread, so that copying a large workspace never holds up
     the event loop (the proxy's calls of sibling rollouts run on it). Same result and errors."""
     return await asyncio.to_thread(new_verify_dir, sandbox, files, copy_workspace, limits)
+
+
+def _restore_owner_access(root: Path) -> None:
+    """Give the sandbox root's owner back read, write and search on it (`u+rwx`): an agent may
+    have made its own directory unenterable (`chmod 0`), which would stop the verifier's
+    commands, run as that owner, from reaching the verify directory below it."""
+    fd = open_root(root)
+    try:
+        mode = os.fstat(fd).st_mode & 0o7777
+        if mode & 0o700 != 0o700:
+            os.fchmod(fd, mode | 0o700)
+    finally:
+        os.close(fd)
 
 
 def _staging_error(what: str, e: OSError) -> SandboxError:

@@ -41,7 +41,15 @@ from typing import Protocol
 
 from harnessrl.errors import ConfigError, HarnessInstallError, SandboxLostError
 from harnessrl.harness.base import Harness, HarnessResult
-from harnessrl.rewards.base import Reward, Verifier, failure_value, limit_cause, over_limit
+from harnessrl.rewards.base import (
+    Reward,
+    Verifier,
+    failure_value,
+    limit_cause,
+    over_limit,
+    verify_budget,
+    verify_budget_s,
+)
 from harnessrl.rollout.cause import explain_agent_error
 from harnessrl.sandbox.base import Sandbox, SandboxBackend
 from harnessrl.tasks.base import Task
@@ -181,7 +189,10 @@ async def _verify(
 ) -> Reward:
     answer = result.final_answer if result is not None else None
     try:
-        return await asyncio.wait_for(verifier.score(task, sandbox, answer), timeout_s)
+        # the verifier's own deadline falls inside this timeout (rewards/base.verify_budget):
+        # the built-in verifiers end on time, scoring what they could not run as failed
+        with verify_budget(verify_budget_s(timeout_s)):
+            return await asyncio.wait_for(verifier.score(task, sandbox, answer), timeout_s)
     except SandboxLostError:
         raise
     except asyncio.TimeoutError:
