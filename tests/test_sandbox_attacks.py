@@ -904,3 +904,66 @@ async def test_a_descriptor_flood_from_a_sandbox_spares_the_trainer_and_its_sibl
     assert peak_fds < soft // 2, (before, peak_fds, soft)
     assert answered["status"] == 200
     assert [t.status for t in trace.turns] == ["ok"]
+
+
+async def test_descriptor_hog_is_bounded_by_the_sandbox_rlimit(kit: Kit, sandbox_root: Path) -> None:
+    """An agent holding eventfds in 8 processes (each in its own session) until refused: each
+    stops at `max_open_files` (default 256; the trainer's own RLIMIT_NOFILE was inherited,
+    20,000 here, before), cannot raise it, and the sandbox as a whole holds at most
+    `max_processes * max_open_files`."""
+    sb = await kit.backend(sandbox_root).create("fdhog", {})
+    try:
+        out = await _py(sb, """
+            import json, os, resource
+            def hog():
+                n = 0
+                try:
+                    while n < 100_000:
+                        os.eventfd(0)
+                        n += 1
+                except OSError as e:
+                    return n, e.errno
+                return n, None
+            r, w = os.pipe()
+            for _ in range(8):
+                if os.fork() == 0:
+                    os.setsid()
+                    n, err = hog()
+                    os.write(w, (json.dumps([n, err]) + "\\n").encode())
+                    os._exit(0)
+            os.close(w)
+            lines = os.fdopen(r).read().splitlines()
+            got = [json.loads(line) for line in lines]
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (100_000, 100_000))
+                raised = True
+            except (ValueError, OSError):
+                raised = False
+            print(json.dumps({"held": got, "limit": resource.getrlimit(resource.RLIMIT_NOFILE), "raised": raised}))
+        """)
+        assert out["limit"] == [256, 256], out["limit"]
+        assert not out["raised"]
+        assert all(err == 24 and n <= 256 for n, err in out["held"]), out["held"]  # EMFILE
+        total = sum(n for n, _ in out["held"])
+        assert total <= 8 * 256
+    finally:
+        await sb.close()
+
+
+def test_run_refuses_sandboxes_that_could_take_the_file_table(sandbox_root: Path) -> None:
+    """pids.max * RLIMIT_NOFILE * concurrent sandboxes within half of fs.file-max, checked at start."""
+    from harnessrl.errors import SandboxError
+    from harnessrl.sandbox.filetable import file_max, file_table_use
+
+    kit_available("bwrap")
+    limit = file_max()
+    assert limit is not None
+    backend = KITS["bwrap"].backend(sandbox_root)
+    line, fits = file_table_use(256, 256, 4)
+    assert fits and f"{256 * 256 * 4:,}" in line
+    if backend.cgroup_root is None:
+        pytest.skip("no writable pids cgroup: processes unbounded, only a warning")
+    backend.check_isolation("best_effort", concurrency=4)
+    too_many = limit // (256 * 256) + 1
+    with pytest.raises(SandboxError, match="max_open_files"):
+        backend.check_isolation("best_effort", concurrency=too_many)

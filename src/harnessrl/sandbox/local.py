@@ -75,6 +75,7 @@ from typing import Literal
 
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox import cgroup, layers, seccomp, spawn
+from harnessrl.sandbox.filetable import check_file_table
 from harnessrl.sandbox import owner as owners
 from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import (
@@ -295,6 +296,7 @@ class LocalSandbox(HostDirSandbox):
             resource.RLIMIT_CPU: cfg.cpu_s,
             resource.RLIMIT_AS: address_space_bytes,
             resource.RLIMIT_FSIZE: cfg.file_size_bytes,
+            resource.RLIMIT_NOFILE: cfg.max_open_files,  # not the trainer's (sandbox/filetable.py)
             # the pids cgroup bounds the sandbox as a whole; RLIMIT_NPROC is only a fallback
             resource.RLIMIT_NPROC: cfg.max_processes if self._group is None else None,
         }
@@ -555,11 +557,15 @@ class LocalSandboxBackend:
                         + (": RLIMIT_NPROC is ignored for root)" if os.geteuid() == 0 else ")"))
         return gaps
 
-    def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
+    def check_isolation(self, mode: Literal["required", "best_effort"], concurrency: int = 1) -> list[str]:
         """Apply the isolation policy: returns the gaps (see `unisolated`) after logging them as
         a warning. Raises SandboxError naming them when `mode` is "required" and bubblewrap
-        is not used (a missing pids cgroup alone only warns: many containers have none)."""
+        is not used (a missing pids cgroup alone only warns: many containers have none), and
+        in either mode when `concurrency` sandboxes could hold more than the host's file table
+        allows (`sandbox/filetable.py`); logs that figure."""
         gaps = self.unisolated()
+        check_file_table(self.config.max_processes if self.cgroup_root is not None else None,
+                         self.config.max_open_files, concurrency)
         if self.bwrap is None and mode == "required":
             raise SandboxError("sandbox.isolation = 'required' but bubblewrap is not used, so sandboxes "
                                "would not isolate: " + "; ".join(gaps) + ". Install bubblewrap "

@@ -73,6 +73,7 @@ from typing import Literal
 
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import Base
+from harnessrl.sandbox.filetable import check_file_table
 from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, SANDBOX_UID, inner_tree_points
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.fsread import UnsafePathError
@@ -205,7 +206,7 @@ class PodmanSandbox(HostDirSandbox):
                 "--network", "none", "--user", f"{uid}:{uid}", "--cap-drop", "all",
                 "--security-opt", "no-new-privileges", "--read-only", "--read-only-tmpfs=false",
                 "--tmpfs", f"/tmp:rw,size={cfg.tmp_bytes},mode=1777", "--shm-size", str(cfg.tmp_bytes),
-                "--pids-limit", str(cfg.max_processes), *ulimit_args(), "--workdir", str(cwd),
+                "--pids-limit", str(cfg.max_processes), *ulimit_args(cfg.max_open_files), "--workdir", str(cwd),
                 "-v", f"{self._root}:{self._root}"]
         if cfg.memory_bytes is not None:
             args += ["--memory", str(cfg.memory_bytes), "--memory-swap", str(cfg.memory_bytes)]
@@ -502,13 +503,16 @@ class PodmanSandboxBackend:
                             f"inotify on their files cross between sandboxes): {', '.join(map(str, kept))}")
         return gaps
 
-    def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
+    def check_isolation(self, mode: Literal["required", "best_effort"], concurrency: int = 1) -> list[str]:
         """Raises SandboxError naming the problem when podman sandboxes cannot run here, in
-        either mode (there is no unisolated fallback); otherwise removes the containers of
-        dead runs (`remove_orphans`) and returns []. A run calls it once, at start."""
+        either mode (there is no unisolated fallback), or when `concurrency` containers could
+        take more than the host's file table allows (`sandbox/filetable.py`); otherwise removes
+        the containers of dead runs (`remove_orphans`) and returns []. A run calls it once, at
+        start."""
         problem = podman_problem(self.config)
         if problem is not None:
             raise SandboxError(f"sandbox.kind = 'podman' cannot run here: {problem}")
+        check_file_table(self.config.max_processes, self.config.max_open_files, concurrency)
         for gap in self.unisolated():
             log.warning("podman sandboxes do not isolate: %s", gap)
         removed = remove_orphans(self.config)
