@@ -865,7 +865,7 @@ async def test_a_descriptor_flood_from_a_sandbox_spares_the_trainer_and_its_sibl
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    backend = kit.backend(sandbox_root, proxy)
+    backend = kit.backend(sandbox_root, proxy, max_open_files=2100)  # 2,000 connections a process
     attacker = await backend.create("flood", {})
     sibling = await backend.create("sibling", {})
     session_id, key = proxy.open_session("sibling")
@@ -967,3 +967,39 @@ def test_run_refuses_sandboxes_that_could_take_the_file_table(sandbox_root: Path
     too_many = limit // (256 * 256) + 1
     with pytest.raises(SandboxError, match="max_open_files"):
         backend.check_isolation("best_effort", concurrency=too_many)
+
+
+async def test_busy_loops_in_many_sessions_share_the_sandbox_cpu_quota(kit: Kit, sandbox_root: Path) -> None:
+    """8 busy loops, each in its own session, for 2 s of wall time: together they get at most
+    the sandbox's `cpus` (0.25 here) of CPU time, so a sibling keeps its share. Under
+    bubblewrap they shared the root cpu cgroup before (no quota at all)."""
+    if kit.name == "bwrap":
+        from harnessrl.sandbox import cgroup
+
+        if cgroup.cpu_available() is None:
+            pytest.skip("no writable cpu cgroup on this machine")
+    sb = await kit.backend(sandbox_root, cpus=0.25).create("cpuhog", {})
+    try:
+        out = await _py(sb, """
+            import json, os, time
+            start = time.monotonic()
+            kids = []
+            for _ in range(8):
+                pid = os.fork()
+                if pid == 0:
+                    os.setsid()
+                    end = time.monotonic() + 2.0
+                    while time.monotonic() < end:
+                        pass
+                    os._exit(0)
+                kids.append(pid)
+            for pid in kids:
+                os.waitpid(pid, 0)
+            t = os.times()
+            print(json.dumps({"cpu_s": t.children_user + t.children_system, "wall_s": time.monotonic() - start}))
+        """)
+        # at most 0.25 CPU over the wall time (one period of slack); unbounded, 8 loops take
+        # every core they are given for 2 s
+        assert out["cpu_s"] <= 0.25 * out["wall_s"] + 0.15, out
+    finally:
+        await sb.close()

@@ -74,6 +74,11 @@ class SandboxConfig(BaseModel):
     kernel OOM-kills inside the sandbox. Where none is, RLIMIT_AS of spawned agents whose
     `spawn_address_space_bytes` is None (Node/Bun agents reserve more virtual memory than
     they use: raise it for them there). None = unbounded."""
+    cpus: float | None = Field(default=1.0, gt=0.0)
+    """CPU quota of the whole sandbox, in CPUs: its cpu cgroup's `cpu.max` (v2) or
+    `cpu.cfs_quota_us` (v1) over a 100 ms period (`sandbox/cgroup.py`), as podman's `--cpus`;
+    busy processes in any number of sessions share it, so a sibling sandbox keeps its own.
+    Where no cpu cgroup is writable the isolation report names the gap. None = unlimited."""
     output_cap_bytes: int = Field(default=1 << 20, ge=1)
     """Captured bytes kept of each of stdout and stderr of `exec`; the rest is counted, dropped."""
     kill_grace_s: float = Field(default=0.5, ge=0.0)

@@ -298,7 +298,7 @@ class LocalSandbox(HostDirSandbox):
             resource.RLIMIT_FSIZE: cfg.file_size_bytes,
             resource.RLIMIT_NOFILE: cfg.max_open_files,  # not the trainer's (sandbox/filetable.py)
             # the pids cgroup bounds the sandbox as a whole; RLIMIT_NPROC is only a fallback
-            resource.RLIMIT_NPROC: cfg.max_processes if self._group is None else None,
+            resource.RLIMIT_NPROC: cfg.max_processes if self._group is None or self._group.path is None else None,
         }
         return {k: v for k, v in limits.items() if v is not None}
 
@@ -512,6 +512,7 @@ class LocalSandboxBackend:
             self.proxy = ProxyRoute(proxy_port, Path(proxy_socket), python)
         self.cgroup_root = cgroup.available() if self.config.max_processes is not None else None
         self.memory_root = cgroup.memory_available() if self.config.memory_bytes is not None else None
+        self.cpu_root = cgroup.cpu_available() if self.config.cpus is not None else None
         self.owned = self.bwrap is not None and owners.owned_sandboxes() and setpriv_path() is not None
         """Each sandbox runs as an unprivileged host uid of its own (`sandbox/owner.py`): this
         process is root and bubblewrap is used."""
@@ -552,6 +553,8 @@ class LocalSandboxBackend:
                                 f"{', '.join(map(str, kept))}")
         if self.config.memory_bytes is not None and self.memory_root is None:
             gaps.append("memory (no writable memory cgroup: RLIMIT_AS of spawned agents only)")
+        if self.config.cpus is not None and self.cpu_root is None:
+            gaps.append("CPU (no writable cpu cgroup: busy processes of one sandbox slow its siblings)")
         if self.config.max_processes is not None and self.cgroup_root is None:
             gaps.append("process count (no writable pids cgroup"
                         + (": RLIMIT_NPROC is ignored for root)" if os.geteuid() == 0 else ")"))
@@ -605,10 +608,11 @@ class LocalSandboxBackend:
                 else:
                     make_devices(devices_dir(root))
                 (devices_dir(root) / "trees").mkdir(mode=0o700)  # staging of its overlays
-            if self.cgroup_root is not None or self.memory_root is not None:
+            if self.cgroup_root is not None or self.memory_root is not None or self.cpu_root is not None:
                 try:
                     group = PidsGroup.create(self.cgroup_root, sandbox_id, self.config.max_processes,
-                                             self.memory_root, self.config.memory_bytes)
+                                             self.memory_root, self.config.memory_bytes,
+                                             self.cpu_root, self.config.cpus)
                 except OSError as exc:
                     raise SandboxError(f"sandbox {sandbox_id}: cannot create its cgroups: {exc}") from exc
             sandbox = LocalSandbox(sandbox_id, root, self.config, self.bwrap, self.ro_binds,
