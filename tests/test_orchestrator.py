@@ -302,3 +302,58 @@ async def test_a_dispatcher_failure_while_waiting_is_raised_not_hung_on(tmp_path
             await asyncio.wait_for(waiting, timeout=5)
     finally:
         await orch.close()
+
+
+class StaggeredHarness:
+    """Rollout i of a group runs its agent 0.2 * i s, recording when each agent ended."""
+
+    name = "staggered"
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.ended: list[float] = []
+
+    async def run(self, task: Task, sandbox: object, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        import asyncio
+        import time
+
+        i, self.started = self.started, self.started + 1
+        await asyncio.sleep(0.2 * (i % 3))
+        self.ended.append(time.monotonic())
+        return HarnessResult(exit_code=0, timed_out=False, final_answer=task.task_id)
+
+
+class ClockVerifier:
+    def __init__(self) -> None:
+        self.started: list[float] = []
+
+    async def score(self, task: Task, sandbox: object, final_answer: str | None) -> Reward:
+        import time
+
+        self.started.append(time.monotonic())
+        return Reward(value=1.0)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+async def test_a_group_is_verified_only_after_all_of_its_agents_ended(tmp_path: Path, slots: int) -> None:
+    """A hidden test moves host-wide figures (`/proc/sys/fs/file-nr`) a sibling still in its agent
+    phase could read: no rollout of a group is verified before the group's last agent ended,
+    with fewer concurrency slots than rollouts too (a waiting rollout gives its slot back)."""
+    import asyncio
+
+    harness, verifier = StaggeredHarness(), ClockVerifier()
+    orch = Orchestrator(Tasks(), harness, LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)), Sessions(),
+                        lambda task: verifier, group_size=3, max_concurrent_rollouts=slots,
+                        limits=RolloutLimits(10, 10))
+    orch.allow(1)
+    orch.start()
+    try:
+        group = await asyncio.wait_for(orch.get_group(), 30)
+    finally:
+        await orch.close()
+    assert [r.reward for r in group.rollouts] == [1.0, 1.0, 1.0]
+    assert len(harness.ended) == 3 and len(verifier.started) == 3
+    assert min(verifier.started) >= max(harness.ended), (verifier.started, harness.ended)
+    waited = sorted(r.timings_s["verify_wait_s"] for r in group.rollouts)
+    assert waited[-1] >= 0.3 and waited[0] < 0.1, waited  # the first agent waited for the last
+    assert leftover_sandboxes(tmp_path) == []

@@ -1003,3 +1003,31 @@ async def test_busy_loops_in_many_sessions_share_the_sandbox_cpu_quota(kit: Kit,
         assert out["cpu_s"] <= 0.25 * out["wall_s"] + 0.15, out
     finally:
         await sb.close()
+
+
+async def test_host_wide_proc_figures_do_not_move_with_the_host(kit: Kit, sandbox_root: Path) -> None:
+    """A sibling's verifier moves `/proc/sys/fs/file-nr` (its hidden test opens files), the
+    load average and `/proc/stat`: inside a sandbox they read the same before and after the
+    host opens 3,000 files and burns CPU, so no agent reads another rollout through them."""
+    import time
+
+    masked = ("/proc/loadavg", "/proc/stat", "/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr")
+    sb = await kit.backend(sandbox_root).create("procfig", {})
+    read = f"import json\nprint(json.dumps({{p: open(p).read() for p in {list(masked)!r}}}))"
+    held: list[int] = []
+    try:
+        before = await _py(sb, read)
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(3000)]
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            pass
+        after = await _py(sb, read)
+        result = await sb.exec(["sh", "-c", "cat /proc/loadavg; nproc"], 30)
+    finally:
+        for fd in held:
+            os.close(fd)
+        await sb.close()
+    assert before == after, (before, after)
+    assert all(before[p].strip() in ("", "0\t0") or before[p].startswith(("0\t0\t", "0.00 0.00 0.00", "cpu  0 0"))
+               for p in masked), before
+    assert result.returncode == 0 and result.stdout.startswith("0.00 0.00 0.00"), result

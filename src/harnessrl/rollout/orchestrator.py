@@ -19,6 +19,11 @@ overtaken and dropped as stale). "completion" hands out whatever finished first;
 lets be overtaken can exceed the bound, and the trainer, which measures staleness per turn,
 drops its rows.
 
+Verification order: a group's rollouts are verified only once all of its agents have ended
+(`GroupGate`, the runner's `VerifyGate`): a hidden test moves host-wide figures
+(`/proc/sys/fs/file-nr`, `/proc/loadavg`) that a sibling still in its agent phase on the same
+task could read. A rollout waiting there holds no concurrency slot.
+
 Invariants: groups are dispatched for the ids in `replay_group_ids` first, then consecutively
 from `first_group_id` (the data position for resume); `undelivered_group_ids()` is what a resumed
 run must replay (dispatched or queued but not yet handed to the consumer); all G rollouts of a
@@ -43,6 +48,59 @@ from harnessrl.tasks.base import Task, TaskSource
 from harnessrl.types import Group, Rollout
 
 log = logging.getLogger(__name__)
+
+
+class GroupGate:
+    """The `VerifyGate` of one group of `size` rollouts (rollout/runner.py): each rollout
+    waits in `agents_ended` until all `size` have ended their agents or left. While it waits
+    it gives its concurrency slot back (`slots`), so the group's last rollouts can start when
+    there are fewer slots than rollouts, and takes one again before it verifies."""
+
+    def __init__(self, size: int, slots: asyncio.Semaphore) -> None:
+        self._left = size
+        self._all_ended = asyncio.Event()
+        if size <= 0:
+            self._all_ended.set()
+        self._slots = slots
+
+    def ticket(self) -> _GateTicket:
+        """One rollout's place in the gate (arrives once, however it ends)."""
+        return _GateTicket(self)
+
+    def _arrive(self) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            self._all_ended.set()
+
+
+class _GateTicket:
+    """One rollout's `VerifyGate`; `slot` says whether it holds a concurrency slot now."""
+
+    def __init__(self, gate: GroupGate) -> None:
+        self._gate = gate
+        self._arrived = False
+        self.slot = False
+
+    async def acquire_slot(self) -> None:
+        await self._gate._slots.acquire()
+        self.slot = True
+
+    def release_slot(self) -> None:
+        if self.slot:
+            self.slot = False
+            self._gate._slots.release()
+
+    async def agents_ended(self) -> None:
+        self.leave()
+        if not self._gate._all_ended.is_set():
+            self.release_slot()
+            await self._gate._all_ended.wait()
+            await self.acquire_slot()
+
+    def leave(self) -> None:
+        if not self._arrived:
+            self._arrived = True
+            self._gate._arrive()
 
 
 class ReplacementTickets:
@@ -283,8 +341,10 @@ class Orchestrator(ReplacementTickets):
         try:
             task = self._tasks_source.get(group_id)
             verifier = self._verifier_for(task)
-            jobs = [asyncio.ensure_future(self._run_one(task, group_id, verifier))
-                    for _ in range(self._group_sizes.get(group_id, self._group_size))]
+            size = self._group_sizes.get(group_id, self._group_size)
+            gate = GroupGate(size, self._rollout_slots)
+            jobs = [asyncio.ensure_future(self._run_one(task, group_id, verifier, gate.ticket()))
+                    for _ in range(size)]
             rollouts = await asyncio.gather(*jobs)
         except BaseException as exc:
             # cancel the group's other rollouts and wait until each released its resources
@@ -303,8 +363,9 @@ class Orchestrator(ReplacementTickets):
             return
         self._deliver(group)
 
-    async def _run_one(self, task: Task, group_id: int, verifier: Verifier) -> Rollout:
-        async with self._rollout_slots:
+    async def _run_one(self, task: Task, group_id: int, verifier: Verifier, gate: _GateTicket) -> Rollout:
+        try:
+            await gate.acquire_slot()
             self.rollouts_started += 1
             if self._running == 0 and self._idle_since is not None:
                 self._idle_s += time.monotonic() - self._idle_since
@@ -312,7 +373,8 @@ class Orchestrator(ReplacementTickets):
             self._running += 1
             try:
                 rollout = await run_rollout(
-                    task, group_id, self._harness, self._backend, self._sessions, verifier, self._limits
+                    task, group_id, self._harness, self._backend, self._sessions, verifier, self._limits,
+                    gate=gate,
                 )
             finally:
                 self._running -= 1
@@ -324,3 +386,6 @@ class Orchestrator(ReplacementTickets):
             log.debug("rollout %s of group %d: %s reward=%s", rollout.rollout_id, group_id,
                       rollout.status, rollout.reward)
             return rollout
+        finally:
+            gate.leave()
+            gate.release_slot()

@@ -10,7 +10,9 @@ Invariants (DESIGN.md §3.3, §3.5):
   * every resource taken is released in `finally`: processes, the sandbox directory, the proxy
     key; teardown is shielded from cancellation;
   * the agent's processes are dead and its key revoked before the verifier runs; hidden tests
-    enter the sandbox only inside the verifier;
+    enter the sandbox only inside the verifier; with a `VerifyGate` (the orchestrator gives each
+    group one), not before every agent of the group has ended, so no live sibling on the same
+    task can read a host-wide figure the hidden tests move;
   * no opting out of a reward (DESIGN.md §3.5): a sandbox the agent took past a bound
     (`disk_bytes`, inodes: `rewards/base.over_limit`) is not verified and scores the verifier's
     failure value (0.0); a verifier stopped by such a bound (`SandboxLimitError`, a
@@ -74,6 +76,20 @@ class SessionHost(Protocol):
         ...
 
 
+class VerifyGate(Protocol):
+    """Where a rollout waits, its agent dead, until the agents of its whole group have ended
+    (`orchestrator.GroupGate`): its hidden tests then run while no sibling on the same task can
+    read a host-wide figure they move (`/proc/sys/fs/file-nr`, `/proc/loadavg`)."""
+
+    async def agents_ended(self) -> None:
+        """This rollout's agent has ended; returns once every rollout of the group's has."""
+        ...
+
+    def leave(self) -> None:
+        """This rollout ends (any way); a no-op after `agents_ended`. Idempotent."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutLimits:
     agent_timeout_s: float = 300.0
@@ -91,8 +107,11 @@ async def run_rollout(
     verifier: Verifier,
     limits: RolloutLimits = RolloutLimits(),
     rollout_id: str | None = None,
+    gate: VerifyGate | None = None,
 ) -> Rollout:
-    """Run `harness` on `task` in a fresh sandbox and score it.
+    """Run `harness` on `task` in a fresh sandbox and score it. With `gate`, verification
+    waits until every rollout of the group has ended its agent (`VerifyGate`); the wait is
+    `timings_s["verify_wait_s"]`.
 
     Returns a `Rollout` whatever the agent, sandbox or verifier did. Raises only
     `asyncio.CancelledError`, `HarnessInstallError` and `ConfigError` (after releasing every
@@ -153,6 +172,10 @@ async def run_rollout(
         # 6) verify (also after a timeout or an agent error: the workspace is still scored).
         # A sandbox the agent took past one of its bounds scores as the agent's failure, and
         # so does a verifier that refused because of one: never an unscored rollout
+        if gate is not None:  # no hidden test runs while a sibling's agent lives
+            t_wait = time.monotonic()
+            await gate.agents_ended()
+            timings["verify_wait_s"] = time.monotonic() - t_wait
         if status != "infra_error":
             t_verify = time.monotonic()
             limit = over_limit(sandbox)
@@ -174,6 +197,8 @@ async def run_rollout(
         return _finish(task, group_id, harness, rollout_id, status, error, trace, result, reward, timings, t0,
                        node_id=getattr(sandbox, "node_id", None))
     finally:
+        if gate is not None:
+            gate.leave()  # a rollout that ended early never holds its siblings back
         # 7) release everything, even under cancellation: a cancel arriving meanwhile waits
         # for the release to finish before it propagates
         release = asyncio.ensure_future(_release(sessions, session_id, sandbox))

@@ -87,6 +87,7 @@ from harnessrl.sandbox.bwrap import (
     forwarder_python,
     inner_tree_points,
     make_devices,
+    masked_proc_texts,
     setpriv_path,
 )
 from harnessrl.sandbox.config import SandboxConfig
@@ -257,6 +258,7 @@ class LocalSandbox(HostDirSandbox):
             cwd=cwd, ro_binds=ro, system_paths=self.config.system_paths,
             tmp_bytes=self.config.tmp_bytes, proxy=self._proxy, owner=self.owner,
             seccomp_fd=fds.get("seccomp"), forwarder_fd=fds.get("forwarder"), socket_fd=fds.get("socket"),
+            proc_fds={k: v for k, v in fds.items() if k.startswith("/proc/")},
             devices=(self._layers.devices_dir if self._layers is not None
                      else devices_dir(self._root) if self.owner is not None else None), sources=sources,
             points=self._tree_points,
@@ -272,6 +274,11 @@ class LocalSandbox(HostDirSandbox):
             fds["seccomp"] = seccomp.program_fd()
         except seccomp.UnsupportedArch:
             pass
+        for path, text in masked_proc_texts().items():  # constants over host-wide figures
+            fd = os.memfd_create("harnessrl-proc", os.MFD_CLOEXEC)
+            os.write(fd, text)
+            os.lseek(fd, 0, os.SEEK_SET)
+            fds[path] = fd
         if self._proxy is not None:
             fd = os.memfd_create("harnessrl-forward", os.MFD_CLOEXEC)
             os.write(fd, FORWARDER_SCRIPT.read_bytes())

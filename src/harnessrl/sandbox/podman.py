@@ -74,7 +74,13 @@ from typing import Literal
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.filetable import check_file_table
-from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, SANDBOX_UID, inner_tree_points
+from harnessrl.sandbox.bwrap import (
+    FORWARDER_SCRIPT,
+    INNER_FORWARDER,
+    SANDBOX_UID,
+    inner_tree_points,
+    masked_proc_texts,
+)
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.fsread import UnsafePathError
 from harnessrl.sandbox import layers, spawn
@@ -219,6 +225,7 @@ class PodmanSandbox(HostDirSandbox):
         for path in self._backend.ro_binds:
             args += ["-v", f"{self._tree_sources.get(path, path)}:{self._tree_points[path]}:ro"]
         prefix: list[str] = []
+        args += self._masked_proc_args()
         proxy = self._backend.proxy
         if self._backend.seccomp_profile is not None:
             args += ["--security-opt", f"seccomp={self._backend.seccomp_profile}"]
@@ -246,6 +253,23 @@ class PodmanSandbox(HostDirSandbox):
                 args += ["-e", f"{key}={value}"]
         return [*args, cfg.image, *prefix, *argv]
 
+
+    def _masked_proc_args(self) -> list[str]:
+        """Host-wide figures of `/proc` as constants (`bwrap.MASKED_PROC`): `/proc/loadavg` and
+        `/proc/stat` bound from this sandbox's own copies of `bwrap.masked_proc_texts`; the
+        files under `/proc/sys`, where runc refuses a bind, masked (read empty)."""
+        args: list[str] = []
+        masked: list[str] = []
+        for path, text in masked_proc_texts().items():
+            if path.startswith("/proc/sys/"):
+                masked.append(path)
+                continue
+            copy = self._state / f"proc-{Path(path).name}"
+            if not copy.exists():
+                copy.write_bytes(text)
+                copy.chmod(0o444)
+            args += ["-v", f"{copy}:{path}:ro"]
+        return [*args, "--security-opt", "mask=" + ":".join(masked)] if masked else args
 
     async def _start(self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
                      stdout: int, stderr: int) -> tuple[str, Child]:
