@@ -1031,3 +1031,37 @@ async def test_host_wide_proc_figures_do_not_move_with_the_host(kit: Kit, sandbo
     assert all(before[p].strip() in ("", "0\t0") or before[p].startswith(("0\t0\t", "0.00 0.00 0.00", "cpu  0 0"))
                for p in masked), before
     assert result.returncode == 0 and result.stdout.startswith("0.00 0.00 0.00"), result
+
+
+async def test_only_the_allowed_socket_families_open(kit: Kit, sandbox_root: Path) -> None:
+    """`socket(AF_VSOCK)` (a way to the host or a hypervisor) and other families an agent never
+    needs are refused by the syscall filter; AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK (the
+    resolver's, `getifaddrs`) still open."""
+    sb = await kit.backend(sandbox_root).create("families", {})
+    try:
+        out = await _py(sb, """
+            import json, socket
+            got = {}
+            for name, fam, kind in (("unix", 1, socket.SOCK_STREAM), ("inet", 2, socket.SOCK_DGRAM),
+                                    ("inet6", 10, socket.SOCK_DGRAM), ("netlink", 16, socket.SOCK_RAW),
+                                    ("vsock", 40, socket.SOCK_STREAM), ("packet", 17, socket.SOCK_DGRAM),
+                                    ("bluetooth", 31, socket.SOCK_STREAM), ("alg", 38, socket.SOCK_SEQPACKET)):
+                try:
+                    socket.socket(fam, kind).close()
+                    got[name] = "ok"
+                except OSError as e:
+                    got[name] = e.errno
+            try:
+                socket.socketpair(2, socket.SOCK_STREAM)
+                got["pair_inet"] = "ok"
+            except OSError as e:
+                got["pair_inet"] = e.errno
+            socket.socketpair()
+            print(json.dumps(got))
+        """)
+        assert [out[k] for k in ("unix", "inet", "inet6", "netlink")] == ["ok"] * 4, out
+        # EAFNOSUPPORT under bubblewrap, the profile's default (ENOSYS) under podman
+        assert all(out[k] in (1, 38, 97) for k in ("vsock", "packet", "bluetooth", "alg")), out
+        assert out["pair_inet"] != "ok", out
+    finally:
+        await sb.close()

@@ -16,7 +16,7 @@ Invariants (DESIGN.md §3.5, §10):
     (entries, files, bytes, depth). A workspace past them, or a filesystem the agent filled,
     raises `SandboxLimitError`: the agent's failure, scored 0 with its cause, never None.
     Everything in it belongs to the owner of the sandbox root, so a backend whose commands run
-    as an unprivileged user (podman's uid 1000) can read it; a sandbox root the agent made
+    as an unprivileged user (the sandbox's own uid) can read it; a sandbox root the agent made
     unenterable gets its owner's `u+rwx` back first.
     Verifier programs run there with `python3 -I` (isolated mode: no script-directory or user
     site-packages on sys.path, no PYTHON* environment variables), so a `sitecustomize.py`,
@@ -41,6 +41,7 @@ from harnessrl.rewards.base import FULL_ERRNOS
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.sandbox.fsread import (
     UnsafePathError,
+    escaped,
     copy_tree_beneath,
     make_private_dir,
     open_dir_beneath,
@@ -100,8 +101,8 @@ def new_verify_dir(sandbox: Sandbox, files: dict[str, str], copy_workspace: bool
     """Create a fresh `<sandbox root>/verify-<hex>/` holding `files` (name -> text, single
     path components) and, with `copy_workspace`, a link-free copy of the workdir; returns its
     host path (pass it as `cwd` to `sandbox.exec`). The directory and everything in it belong
-    to the owner of the sandbox root (the user the backend runs commands as: uid 1000 under
-    podman), mode 0700 / 0600. Blocking (it walks the agent's tree): call it through
+    to the owner of the sandbox root (the user the backend runs commands as: the sandbox's own
+    uid), mode 0700 / 0600. Blocking (it walks the agent's tree): call it through
     `stage_verify_dir` on an event loop.
 
     Raises:
@@ -160,7 +161,7 @@ def _copy_workspace(sandbox: Sandbox, root: Path, dst_fd: int, owner: tuple[int,
     try:
         src_fd = open_dir_beneath(root_fd, relative_to_root(root, sandbox.workdir), shown=str(root))
     except (FileNotFoundError, UnsafePathError) as e:
-        log.warning("workspace not copied for verification: %s", e)
+        log.warning("workspace not copied for verification: %s", escaped(e))
         return
     finally:
         os.close(root_fd)
@@ -174,5 +175,5 @@ def _copy_workspace(sandbox: Sandbox, root: Path, dst_fd: int, owner: tuple[int,
                                 f"({report.entries} entries looked at, {report.files} files, {report.bytes} bytes "
                                 "copied)")
     if report.skipped:
-        shown = ", ".join(f"{k} ({v})" for k, v in list(report.skipped.items())[:5])
+        shown = escaped(", ".join(f"{k} ({v})" for k, v in list(report.skipped.items())[:5]))
         log.info("verify copy of %s skipped %d entries: %s", sandbox.workdir, len(report.skipped), shown)

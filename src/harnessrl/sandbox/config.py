@@ -117,7 +117,7 @@ class PodmanSandboxConfig(BaseModel):
     image: str = "localhost/harnessrl-sandbox:bookworm-1"
     """OCI image every command runs in; it must hold `python3` (the proxy forwarder runs with
     it) and whatever the task's agent needs, and directories a bound agent tree lies under
-    must be traversable by uid 1000 (`scripts/podman-image` makes the image's empty `/root`
+    must be traversable by any uid (each sandbox runs as its own; `scripts/podman-image` makes the image's empty `/root`
     0755 for trees under root's `$HARNESSRL_CACHE`). Never pulled: build it locally
     (`docs/containers.md`)."""
     podman: str = "podman"
