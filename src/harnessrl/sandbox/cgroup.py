@@ -121,7 +121,7 @@ class PidsGroup:
         memory = memory_parent / name if bounded and memory_parent != parent else None
         cpu_bounded = cpu_parent is not None and cpus is not None
         shared = [d for d in (parent, memory_parent if bounded else None) if d is not None]
-        cpu = cpu_parent / name if cpu_bounded and cpu_parent not in shared else None
+        cpu = cpu_parent / name if cpu_parent is not None and cpus is not None and cpu_parent not in shared else None
         group = cls(path, memory, cpu)
         try:
             if path is not None:

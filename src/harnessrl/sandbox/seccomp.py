@@ -74,7 +74,7 @@ _X86_64 = {
               "move_mount": 429, "mount_setattr": 442, "init_module": 175, "finit_module": 313,
               "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320, "reboot": 169,
               "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179, "syslog": 103},
-    "enosys": {"clone3": 435}, "clone": 56, "flock": 73, "fcntl": 72, "socket": 41, "socketpair": 53,
+    "enosys": {"clone3": 435}, "clone": 56, "flock": 73, "fcntl": 72,
 }
 _AARCH64 = {
     "arch": 0xC00000B7, "x32": False,
@@ -88,9 +88,12 @@ _AARCH64 = {
               "move_mount": 429, "mount_setattr": 442, "init_module": 105, "finit_module": 273,
               "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294, "reboot": 142,
               "swapon": 224, "swapoff": 225, "acct": 89, "quotactl": 60, "syslog": 116},
-    "enosys": {"clone3": 435}, "clone": 220, "flock": 32, "fcntl": 25, "socket": 198, "socketpair": 199,
+    "enosys": {"clone3": 435}, "clone": 220, "flock": 32, "fcntl": 25,
 }
 _TABLES = {"x86_64": _X86_64, "amd64": _X86_64, "aarch64": _AARCH64, "arm64": _AARCH64}
+_SOCKET_CALLS: dict[str, tuple[int, int]] = {"x86_64": (41, 53), "amd64": (41, 53), "aarch64": (198, 199),
+                                             "arm64": (198, 199)}
+"""Numbers of `socket` and `socketpair` per architecture (the same sources as the tables)."""
 
 
 class UnsupportedArch(RuntimeError):
@@ -118,7 +121,8 @@ def _families(nr: int, allowed: list[int]) -> list[bytes]:
 def program(machine: str | None = None) -> bytes:
     """The filter as `struct sock_filter[]` bytes for `machine` (default: this one's
     `platform.machine()`). Raises UnsupportedArch for an architecture without a table."""
-    table = _TABLES.get((machine or platform.machine()).lower())
+    arch = (machine or platform.machine()).lower()
+    table = _TABLES.get(arch)
     if table is None:
         raise UnsupportedArch(f"no seccomp syscall table for {machine or platform.machine()!r}")
     eperm = _RET_ERRNO | errno.EPERM
@@ -134,8 +138,9 @@ def program(machine: str | None = None) -> bytes:
             _ins(_JSET_K, CLONE_NEWUSER, 0, 1), _ins(_RET_K, eperm)]
     out.append(_ins(_LD_W_ABS, _OFF_NR))
     # socket families: an allow-list (the number stays loaded for the blocks after)
-    out += _families(table["socket"], list(SOCKET_FAMILIES.values()))
-    out += _families(table["socketpair"], list(SOCKETPAIR_FAMILIES.values()))
+    socket_nr, socketpair_nr = _SOCKET_CALLS[arch]
+    out += _families(socket_nr, list(SOCKET_FAMILIES.values()))
+    out += _families(socketpair_nr, list(SOCKETPAIR_FAMILIES.values()))
     # fcntl: the lock-setting commands succeed without locking (args[1] is the command)
     checks = [_ins(_JEQ_K, cmd, len(_LOCK_CMDS) - 1 - i, 0) for i, cmd in enumerate(_LOCK_CMDS)]
     out += [_ins(_JEQ_K, table["fcntl"], 0, 2 + len(checks)), _ins(_LD_W_ABS, _OFF_ARG[1]), *checks[:-1]]
