@@ -19,10 +19,10 @@ overtaken and dropped as stale). "completion" hands out whatever finished first;
 lets be overtaken can exceed the bound, and the trainer, which measures staleness per turn,
 drops its rows.
 
-Verification order: a group's rollouts are verified only once all of its agents have ended
-(`GroupGate`, the runner's `VerifyGate`): a hidden test moves host-wide figures
-(`/proc/sys/fs/file-nr`, `/proc/loadavg`) that a sibling still in its agent phase on the same
-task could read. A rollout waiting there holds no concurrency slot.
+Verification order: no rollout of a group is verified while an agent of the group is live,
+and no agent of it starts while one is verified (`GroupGate`, the runner's `VerifyGate`): a
+hidden test moves host-wide figures (`/proc/sys/fs/file-nr`, `/proc/loadavg`) that a sibling
+in its agent phase on the same task could read.
 
 Invariants: groups are dispatched for the ids in `replay_group_ids` first, then consecutively
 from `first_group_id` (the data position for resume); `undelivered_group_ids()` is what a resumed
@@ -51,56 +51,65 @@ log = logging.getLogger(__name__)
 
 
 class GroupGate:
-    """The `VerifyGate` of one group of `size` rollouts (rollout/runner.py): each rollout
-    waits in `agents_ended` until all `size` have ended their agents or left. While it waits
-    it gives its concurrency slot back (`slots`), so the group's last rollouts can start when
-    there are fewer slots than rollouts, and takes one again before it verifies."""
+    """The `VerifyGate` of one group (rollout/runner.py): no rollout of the group verifies while
+    an agent of the group is live, and no agent starts while one verifies. A verification waits
+    for the live agents to end; an agent start waits for running verifications to end. Neither
+    waits for a sibling that has not started (its sandbox may wait for capacity a waiting
+    rollout holds, a Ray node's slot), so no wait is circular: each waits only on work that is
+    running and bounded by its timeout."""
 
-    def __init__(self, size: int, slots: asyncio.Semaphore) -> None:
-        self._left = size
-        self._all_ended = asyncio.Event()
-        if size <= 0:
-            self._all_ended.set()
-        self._slots = slots
+    def __init__(self) -> None:
+        self.agents = 0
+        """Agents of the group live now."""
+        self.verifying = 0
+        """Rollouts of the group verifying now."""
+        self._changed = asyncio.Event()
 
     def ticket(self) -> _GateTicket:
-        """One rollout's place in the gate (arrives once, however it ends)."""
+        """One rollout's place in the gate."""
         return _GateTicket(self)
 
-    def _arrive(self) -> None:
-        self._left -= 1
-        if self._left <= 0:
-            self._all_ended.set()
+    def changed(self) -> None:
+        old, self._changed = self._changed, asyncio.Event()
+        old.set()
+
+    async def wait_until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._changed.wait()
 
 
 class _GateTicket:
-    """One rollout's `VerifyGate`; `slot` says whether it holds a concurrency slot now."""
+    """One rollout's `VerifyGate`: idle -> agent -> ended -> verifying, any state -> left."""
 
     def __init__(self, gate: GroupGate) -> None:
         self._gate = gate
-        self._arrived = False
-        self.slot = False
+        self._state = "idle"
 
-    async def acquire_slot(self) -> None:
-        await self._gate._slots.acquire()
-        self.slot = True
-
-    def release_slot(self) -> None:
-        if self.slot:
-            self.slot = False
-            self._gate._slots.release()
+    async def agent_starts(self) -> None:
+        gate = self._gate
+        await gate.wait_until(lambda: gate.verifying == 0)
+        gate.agents += 1
+        self._state = "agent"
 
     async def agents_ended(self) -> None:
-        self.leave()
-        if not self._gate._all_ended.is_set():
-            self.release_slot()
-            await self._gate._all_ended.wait()
-            await self.acquire_slot()
+        gate = self._gate
+        self._end_agent()
+        await gate.wait_until(lambda: gate.agents == 0)
+        gate.verifying += 1
+        self._state = "verifying"
+
+    def _end_agent(self) -> None:
+        if self._state == "agent":
+            self._gate.agents -= 1
+            self._gate.changed()
+        self._state = "ended"
 
     def leave(self) -> None:
-        if not self._arrived:
-            self._arrived = True
-            self._gate._arrive()
+        if self._state == "verifying":
+            self._gate.verifying -= 1
+            self._gate.changed()
+        self._end_agent()
+        self._state = "left"
 
 
 class ReplacementTickets:
@@ -342,7 +351,7 @@ class Orchestrator(ReplacementTickets):
             task = self._tasks_source.get(group_id)
             verifier = self._verifier_for(task)
             size = self._group_sizes.get(group_id, self._group_size)
-            gate = GroupGate(size, self._rollout_slots)
+            gate = GroupGate()
             jobs = [asyncio.ensure_future(self._run_one(task, group_id, verifier, gate.ticket()))
                     for _ in range(size)]
             rollouts = await asyncio.gather(*jobs)
@@ -364,8 +373,7 @@ class Orchestrator(ReplacementTickets):
         self._deliver(group)
 
     async def _run_one(self, task: Task, group_id: int, verifier: Verifier, gate: _GateTicket) -> Rollout:
-        try:
-            await gate.acquire_slot()
+        async with self._rollout_slots:
             self.rollouts_started += 1
             if self._running == 0 and self._idle_since is not None:
                 self._idle_s += time.monotonic() - self._idle_since
@@ -386,6 +394,3 @@ class Orchestrator(ReplacementTickets):
             log.debug("rollout %s of group %d: %s reward=%s", rollout.rollout_id, group_id,
                       rollout.status, rollout.reward)
             return rollout
-        finally:
-            gate.leave()
-            gate.release_slot()

@@ -11,8 +11,8 @@ Invariants (DESIGN.md §3.3, §3.5):
     key; teardown is shielded from cancellation;
   * the agent's processes are dead and its key revoked before the verifier runs; hidden tests
     enter the sandbox only inside the verifier; with a `VerifyGate` (the orchestrator gives each
-    group one), not before every agent of the group has ended, so no live sibling on the same
-    task can read a host-wide figure the hidden tests move;
+    group one), never while an agent of the group is live, so no sibling on the same task can
+    read a host-wide figure the hidden tests move;
   * no opting out of a reward (DESIGN.md §3.5): a sandbox the agent took past a bound
     (`disk_bytes`, inodes: `rewards/base.over_limit`) is not verified and scores the verifier's
     failure value (0.0); a verifier stopped by such a bound (`SandboxLimitError`, a
@@ -77,16 +77,21 @@ class SessionHost(Protocol):
 
 
 class VerifyGate(Protocol):
-    """Where a rollout waits, its agent dead, until the agents of its whole group have ended
-    (`orchestrator.GroupGate`): its hidden tests then run while no sibling on the same task can
-    read a host-wide figure they move (`/proc/sys/fs/file-nr`, `/proc/loadavg`)."""
+    """Keeps a group's verifications and its agents apart in time (`orchestrator.GroupGate`):
+    hidden tests run while no sibling agent on the same task is live to read a host-wide
+    figure they move (`/proc/sys/fs/file-nr`, `/proc/loadavg`)."""
+
+    async def agent_starts(self) -> None:
+        """Returns once no rollout of the group is verifying; this rollout's agent is then live."""
+        ...
 
     async def agents_ended(self) -> None:
-        """This rollout's agent has ended; returns once every rollout of the group's has."""
+        """This rollout's agent has ended; returns once no agent of the group is live (this
+        rollout is then verifying)."""
         ...
 
     def leave(self) -> None:
-        """This rollout ends (any way); a no-op after `agents_ended`. Idempotent."""
+        """This rollout is done with the gate, in whatever state (idempotent)."""
         ...
 
 
@@ -109,9 +114,9 @@ async def run_rollout(
     rollout_id: str | None = None,
     gate: VerifyGate | None = None,
 ) -> Rollout:
-    """Run `harness` on `task` in a fresh sandbox and score it. With `gate`, verification
-    waits until every rollout of the group has ended its agent (`VerifyGate`); the wait is
-    `timings_s["verify_wait_s"]`.
+    """Run `harness` on `task` in a fresh sandbox and score it. With `gate`, the agent starts
+    when no sibling verifies and verification when no sibling agent is live (`VerifyGate`);
+    the second wait is `timings_s["verify_wait_s"]`.
 
     Returns a `Rollout` whatever the agent, sandbox or verifier did. Raises only
     `asyncio.CancelledError`, `HarnessInstallError` and `ConfigError` (after releasing every
@@ -140,7 +145,10 @@ async def run_rollout(
         session_id, key = sessions.open_session(rollout_id)
         endpoint = sandbox.agent_endpoint(sessions.endpoint(key))  # as the agent addresses it
 
-        # 3) the agent runs its own loop until it exits or times out
+        # 3) the agent runs its own loop until it exits or times out (never beside a
+        # sibling's verification)
+        if gate is not None:
+            await gate.agent_starts()
         t_agent = time.monotonic()
         try:
             result = await harness.run(task, sandbox, endpoint, limits.agent_timeout_s)
@@ -172,7 +180,7 @@ async def run_rollout(
         # 6) verify (also after a timeout or an agent error: the workspace is still scored).
         # A sandbox the agent took past one of its bounds scores as the agent's failure, and
         # so does a verifier that refused because of one: never an unscored rollout
-        if gate is not None:  # no hidden test runs while a sibling's agent lives
+        if gate is not None:  # no hidden test runs while a sibling's agent is live
             t_wait = time.monotonic()
             await gate.agents_ended()
             timings["verify_wait_s"] = time.monotonic() - t_wait
