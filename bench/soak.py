@@ -15,6 +15,12 @@ Each rollout gets one fault, round-robin over `FAULTS`:
   symlink_plant    links answer.txt and its own log to a host file
   upstream_error   its call reaches an engine that fails
   verifier_crash   ok agent, the verifier raises
+and, with `--hostile`, three hostile agents that answer right and then hold on until killed:
+  fd_hog           8 processes, each in its own session, open eventfds until refused
+  cpu_hog          8 busy loops, each in its own session
+  sleeper          sleeps past the agent timeout
+(the honest `ok` rollouts' rewards and latency are printed to compare a run with and without
+them: their bounds, `max_open_files` and the sandbox's cpu cgroup, are what keeps them apart);
 and every `--cancel-every`-th step of `--step-size` rollouts is interrupted like Ctrl-C: the
 rollouts still running 0.3-1.0 s into the step are cancelled.
 
@@ -47,6 +53,7 @@ import psutil
 
 FAULTS = ("ok", "agent_crash", "hang", "garbage", "daemon_escape", "symlink_plant", "upstream_error",
           "verifier_crash")
+HOSTILE = ("fd_hog", "cpu_hog", "sleeper")
 UPSTREAM_MARKER = "SOAK-UPSTREAM-FAIL"
 SECRET = "SOAK-HOST-SECRET"
 
@@ -63,6 +70,20 @@ def call(text):
     return json.load(urllib.request.urlopen(req, timeout=30))
 
 if fault == "hang":
+    time.sleep(10_000)
+if fault in ("fd_hog", "cpu_hog", "sleeper"):
+    open("answer.txt", "w").write(task["answer"])
+    for _ in range(8 if fault != "sleeper" else 0):
+        if os.fork() == 0:
+            os.setsid()
+            held = []
+            while fault == "fd_hog":
+                try:
+                    held.append(os.eventfd(0))
+                except OSError:
+                    time.sleep(10_000)
+            while True:
+                pass
     time.sleep(10_000)
 if fault == "garbage":
     out = os.fdopen(1, "wb")
@@ -196,8 +217,11 @@ async def soak(args: argparse.Namespace) -> int:
         sem = asyncio.Semaphore(args.concurrency)
         t0 = time.monotonic()
 
+        faults = FAULTS + HOSTILE if args.hostile else FAULTS
+        honest: list[Any] = []
+
         async def one(i: int, fh: Any) -> None:
-            fault = FAULTS[i % len(FAULTS)]
+            fault = faults[i % len(faults)]
             answer = str(rng.randrange(1000))
             spec = {"fault": fault, "question": f"What is {answer}?", "answer": answer, "marker": UPSTREAM_MARKER,
                     "secret_path": str(secret_path)}
@@ -208,7 +232,9 @@ async def soak(args: argparse.Namespace) -> int:
                                                                            "task.json": json.dumps(spec)}}))
             async with sem:
                 rollout = await run_rollout(task, i, h, backend, proxy, verifier, limits, rollout_id=f"soak-{i}")
-            by_fault[fault][rollout.status] += 1
+            by_fault.setdefault(fault, Counter())[rollout.status] += 1
+            if fault == "ok":
+                honest.append(rollout)
             fh.write(rollout.model_dump_json() + "\n")
 
         with out.open("a", encoding="utf-8") as fh:
@@ -250,6 +276,12 @@ async def soak(args: argparse.Namespace) -> int:
           f"mid-step), engine calls {engine.calls}")
     for fault, counts in by_fault.items():
         print(f"  {fault:<15} " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if honest:
+        totals = sorted(r.timings_s["total_s"] for r in honest)
+        rewards = [r.reward for r in honest if r.reward is not None]
+        print(f"honest (ok) rollouts:  {len(honest)}, reward mean {sum(rewards) / max(len(rewards), 1):.3f} "
+              f"({len(honest) - len(rewards)} unscored), total_s p50 {totals[len(totals) // 2]:.2f} "
+              f"p90 {totals[int(len(totals) * 0.9)]:.2f}")
     print(f"leaked processes:      {len(leaked_procs)} {leaked_procs[:10] if leaked_procs else ''}")
     print(f"leaked directories:    {len(leaked_dirs)}")
     print(f"leaked mounts:         {len(leaked_mounts)} {leaked_mounts[:5] if leaked_mounts else ''}")
@@ -278,6 +310,7 @@ def main() -> None:
     parser.add_argument("--bwrap", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the soak directory")
+    parser.add_argument("--hostile", action="store_true", help="also run fd_hog, cpu_hog and sleeper agents")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch

@@ -111,7 +111,7 @@ KITS = {
                  cgroup_bounded=cgroup.available() is not None),
     "plain": Kit("plain", _local(False), uid=None, max_pids=1 << 30, ro_system="/usr", namespaced=False,
                  cgroup_bounded=cgroup.available() is not None),
-    "podman": Kit("podman", _podman, uid=1000, max_pids=2, ro_system="/", namespaced=True, cgroup_bounded=True),
+    "podman": Kit("podman", _podman, uid=None, max_pids=2, ro_system="/", namespaced=True, cgroup_bounded=True),
 }
 
 

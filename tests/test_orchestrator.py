@@ -302,3 +302,65 @@ async def test_a_dispatcher_failure_while_waiting_is_raised_not_hung_on(tmp_path
             await asyncio.wait_for(waiting, timeout=5)
     finally:
         await orch.close()
+
+
+class StaggeredHarness:
+    """Rollout i of a group runs its agent 0.2 * (i % 3) s, recording each agent's interval."""
+
+    name = "staggered"
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.intervals: list[tuple[float, float]] = []
+
+    async def run(self, task: Task, sandbox: object, endpoint: Endpoint, timeout_s: float) -> HarnessResult:
+        import asyncio
+        import time
+
+        i, self.started = self.started, self.started + 1
+        t0 = time.monotonic()
+        await asyncio.sleep(0.2 * (i % 3))
+        self.intervals.append((t0, time.monotonic()))
+        return HarnessResult(exit_code=0, timed_out=False, final_answer=task.task_id)
+
+
+class ClockVerifier:
+    """Takes 0.1 s, recording each verification's interval."""
+
+    def __init__(self) -> None:
+        self.intervals: list[tuple[float, float]] = []
+
+    async def score(self, task: Task, sandbox: object, final_answer: str | None) -> Reward:
+        import asyncio
+        import time
+
+        t0 = time.monotonic()
+        await asyncio.sleep(0.1)
+        self.intervals.append((t0, time.monotonic()))
+        return Reward(value=1.0)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+async def test_no_verification_of_a_group_overlaps_a_live_agent_of_it(tmp_path: Path, slots: int) -> None:
+    """A hidden test moves host-wide figures (`/proc/sys/fs/file-nr`) a sibling in its agent
+    phase could read: no verification of a group runs while an agent of the group is live, with
+    fewer concurrency slots than rollouts too (and no wait is circular: the group completes)."""
+    import asyncio
+
+    harness, verifier = StaggeredHarness(), ClockVerifier()
+    orch = Orchestrator(Tasks(), harness, LocalSandboxBackend(SandboxConfig(root_dir=tmp_path)), Sessions(),
+                        lambda task: verifier, group_size=3, max_concurrent_rollouts=slots,
+                        limits=RolloutLimits(10, 10))
+    orch.allow(1)
+    orch.start()
+    try:
+        group = await asyncio.wait_for(orch.get_group(), 30)
+    finally:
+        await orch.close()
+    assert [r.reward for r in group.rollouts] == [1.0, 1.0, 1.0]
+    assert len(harness.intervals) == 3 and len(verifier.intervals) == 3
+    overlaps = [(a, v) for a in harness.intervals for v in verifier.intervals if v[0] < a[1] and a[0] < v[1]]
+    assert overlaps == [], overlaps
+    if slots >= 3:  # all three agents live at once: every verification waited for the last
+        assert min(v[0] for v in verifier.intervals) >= max(a[1] for a in harness.intervals)
+    assert leftover_sandboxes(tmp_path) == []

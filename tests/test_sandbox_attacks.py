@@ -865,7 +865,7 @@ async def test_a_descriptor_flood_from_a_sandbox_spares_the_trainer_and_its_sibl
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    backend = kit.backend(sandbox_root, proxy)
+    backend = kit.backend(sandbox_root, proxy, max_open_files=2100)  # 2,000 connections a process
     attacker = await backend.create("flood", {})
     sibling = await backend.create("sibling", {})
     session_id, key = proxy.open_session("sibling")
@@ -904,3 +904,164 @@ async def test_a_descriptor_flood_from_a_sandbox_spares_the_trainer_and_its_sibl
     assert peak_fds < soft // 2, (before, peak_fds, soft)
     assert answered["status"] == 200
     assert [t.status for t in trace.turns] == ["ok"]
+
+
+async def test_descriptor_hog_is_bounded_by_the_sandbox_rlimit(kit: Kit, sandbox_root: Path) -> None:
+    """An agent holding eventfds in 8 processes (each in its own session) until refused: each
+    stops at `max_open_files` (default 256; the trainer's own RLIMIT_NOFILE was inherited,
+    20,000 here, before), cannot raise it, and the sandbox as a whole holds at most
+    `max_processes * max_open_files`."""
+    sb = await kit.backend(sandbox_root).create("fdhog", {})
+    try:
+        out = await _py(sb, """
+            import json, os, resource
+            def hog():
+                n = 0
+                try:
+                    while n < 100_000:
+                        os.eventfd(0)
+                        n += 1
+                except OSError as e:
+                    return n, e.errno
+                return n, None
+            r, w = os.pipe()
+            for _ in range(8):
+                if os.fork() == 0:
+                    os.setsid()
+                    n, err = hog()
+                    os.write(w, (json.dumps([n, err]) + "\\n").encode())
+                    os._exit(0)
+            os.close(w)
+            lines = os.fdopen(r).read().splitlines()
+            got = [json.loads(line) for line in lines]
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (100_000, 100_000))
+                raised = True
+            except (ValueError, OSError):
+                raised = False
+            print(json.dumps({"held": got, "limit": resource.getrlimit(resource.RLIMIT_NOFILE), "raised": raised}))
+        """)
+        assert out["limit"] == [256, 256], out["limit"]
+        assert not out["raised"]
+        assert all(err == 24 and n <= 256 for n, err in out["held"]), out["held"]  # EMFILE
+        total = sum(n for n, _ in out["held"])
+        assert total <= 8 * 256
+    finally:
+        await sb.close()
+
+
+def test_run_refuses_sandboxes_that_could_take_the_file_table(sandbox_root: Path) -> None:
+    """pids.max * RLIMIT_NOFILE * concurrent sandboxes within half of fs.file-max, checked at start."""
+    from harnessrl.errors import SandboxError
+    from harnessrl.sandbox.filetable import file_max, file_table_use
+
+    kit_available("bwrap")
+    limit = file_max()
+    assert limit is not None
+    backend = KITS["bwrap"].backend(sandbox_root)
+    line, fits = file_table_use(256, 256, 4)
+    assert fits and f"{256 * 256 * 4:,}" in line
+    if backend.cgroup_root is None:
+        pytest.skip("no writable pids cgroup: processes unbounded, only a warning")
+    backend.check_isolation("best_effort", concurrency=4)
+    too_many = limit // (256 * 256) + 1
+    with pytest.raises(SandboxError, match="max_open_files"):
+        backend.check_isolation("best_effort", concurrency=too_many)
+
+
+async def test_busy_loops_in_many_sessions_share_the_sandbox_cpu_quota(kit: Kit, sandbox_root: Path) -> None:
+    """8 busy loops, each in its own session, for 2 s of wall time: together they get at most
+    the sandbox's `cpus` (0.25 here) of CPU time, so a sibling keeps its share. Under
+    bubblewrap they shared the root cpu cgroup before (no quota at all)."""
+    if kit.name == "bwrap":
+        from harnessrl.sandbox import cgroup
+
+        if cgroup.cpu_available() is None:
+            pytest.skip("no writable cpu cgroup on this machine")
+    sb = await kit.backend(sandbox_root, cpus=0.25).create("cpuhog", {})
+    try:
+        out = await _py(sb, """
+            import json, os, time
+            start = time.monotonic()
+            kids = []
+            for _ in range(8):
+                pid = os.fork()
+                if pid == 0:
+                    os.setsid()
+                    end = time.monotonic() + 2.0
+                    while time.monotonic() < end:
+                        pass
+                    os._exit(0)
+                kids.append(pid)
+            for pid in kids:
+                os.waitpid(pid, 0)
+            t = os.times()
+            print(json.dumps({"cpu_s": t.children_user + t.children_system, "wall_s": time.monotonic() - start}))
+        """)
+        # at most 0.25 CPU over the wall time (one period of slack); unbounded, 8 loops take
+        # every core they are given for 2 s
+        assert out["cpu_s"] <= 0.25 * out["wall_s"] + 0.15, out
+    finally:
+        await sb.close()
+
+
+async def test_host_wide_proc_figures_do_not_move_with_the_host(kit: Kit, sandbox_root: Path) -> None:
+    """A sibling's verifier moves `/proc/sys/fs/file-nr` (its hidden test opens files), the
+    load average and `/proc/stat`: inside a sandbox they read the same before and after the
+    host opens 3,000 files and burns CPU, so no agent reads another rollout through them."""
+    import time
+
+    masked = ("/proc/loadavg", "/proc/stat", "/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr")
+    sb = await kit.backend(sandbox_root).create("procfig", {})
+    read = f"import json\nprint(json.dumps({{p: open(p).read() for p in {list(masked)!r}}}))"
+    held: list[int] = []
+    try:
+        before = await _py(sb, read)
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(3000)]
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            pass
+        after = await _py(sb, read)
+        result = await sb.exec(["sh", "-c", "cat /proc/loadavg; nproc"], 30)
+    finally:
+        for fd in held:
+            os.close(fd)
+        await sb.close()
+    assert before == after, (before, after)
+    assert all(before[p].strip() in ("", "0\t0") or before[p].startswith(("0\t0\t", "0.00 0.00 0.00", "cpu  0 0"))
+               for p in masked), before
+    assert result.returncode == 0 and result.stdout.startswith("0.00 0.00 0.00"), result
+
+
+async def test_only_the_allowed_socket_families_open(kit: Kit, sandbox_root: Path) -> None:
+    """`socket(AF_VSOCK)` (a way to the host or a hypervisor) and other families an agent never
+    needs are refused by the syscall filter; AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK (the
+    resolver's, `getifaddrs`) still open."""
+    sb = await kit.backend(sandbox_root).create("families", {})
+    try:
+        out = await _py(sb, """
+            import json, socket
+            got = {}
+            for name, fam, kind in (("unix", 1, socket.SOCK_STREAM), ("inet", 2, socket.SOCK_DGRAM),
+                                    ("inet6", 10, socket.SOCK_DGRAM), ("netlink", 16, socket.SOCK_RAW),
+                                    ("vsock", 40, socket.SOCK_STREAM), ("packet", 17, socket.SOCK_DGRAM),
+                                    ("bluetooth", 31, socket.SOCK_STREAM), ("alg", 38, socket.SOCK_SEQPACKET)):
+                try:
+                    socket.socket(fam, kind).close()
+                    got[name] = "ok"
+                except OSError as e:
+                    got[name] = e.errno
+            try:
+                socket.socketpair(2, socket.SOCK_STREAM)
+                got["pair_inet"] = "ok"
+            except OSError as e:
+                got["pair_inet"] = e.errno
+            socket.socketpair()
+            print(json.dumps(got))
+        """)
+        assert [out[k] for k in ("unix", "inet", "inet6", "netlink")] == ["ok"] * 4, out
+        # EAFNOSUPPORT under bubblewrap, the profile's default (ENOSYS) under podman
+        assert all(out[k] in (1, 38, 97) for k in ("vsock", "packet", "bluetooth", "alg")), out
+        assert out["pair_inet"] != "ok", out
+    finally:
+        await sb.close()

@@ -82,7 +82,7 @@ async def test_files_exec_spawn_and_close(sandbox_root: Path) -> None:
         r = await sb.exec("cat in.txt; cat $HOME/.harnessrl/conf.json; echo more >> in.txt; echo new > sub/made.txt; "
                           "echo err >&2; pwd; id -u; exit 3", 60)
         assert r.returncode == 3 and not r.timed_out, r
-        assert r.stdout.splitlines() == ["hello", '{"k": 1}', str(sb.workdir), "1000"]
+        assert r.stdout.splitlines() == ["hello", '{"k": 1}', str(sb.workdir), str(sb.owner)]
         assert r.stderr == "err\n"
         # the agent's writes land on the host, readable through the seam
         assert sb.read_file("in.txt") == b"hello\nmore\n" and sb.read_file("sub/made.txt") == b"new\n"
@@ -290,3 +290,40 @@ def test_harnessrl_rollout_runs_mini_swe_agent_in_containers(tmp_path: Path, san
     assert rollout["status"] == "ok", (rollout["error"], rollout["metadata"])
     assert len(rollout["trace"]["turns"]) >= 1 and all(t["status"] == "ok" for t in rollout["trace"]["turns"])
     assert rollout["metadata"]["exit_code"] == 0, rollout["metadata"]
+
+
+async def test_each_sandbox_has_a_uid_of_its_own_and_a_private_root(sandbox_root: Path) -> None:
+    """Every container was host uid 1000: one container took the user's 128 inotify instances
+    and a sibling got EMFILE, and a setuid-1000 file an agent planted ran for any host user (the
+    sandbox root was 0755). Now each sandbox is a uid of its own and the root is 0700."""
+    hog_code = (
+        "import ctypes, os, sys, time\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "n = 0\n"
+        "while n < 100000 and libc.inotify_init() >= 0:\n"
+        "    n += 1\n"
+        "open('held', 'w').write(str(n))\n"
+        "time.sleep(60)\n")
+    one_code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "print(libc.inotify_init(), ctypes.get_errno())\n")
+    backend = _backend(sandbox_root)
+    hog = await backend.create("inotify-hog", {"hog.py": hog_code})
+    sibling = await backend.create("inotify-sibling", {"one.py": one_code})
+    try:
+        proc = await hog.spawn(["python3", "-I", "hog.py"])
+        for _ in range(600):
+            if (hog.workdir / "held").exists() and hog.read_file("held"):
+                break
+            await asyncio.sleep(0.1)
+        held = int(hog.read_file("held"))
+        assert held >= 16, held  # the hog ran out of its user's instances
+        r = await sibling.exec(["python3", "-I", "one.py"], 60)
+        fd, err = map(int, r.stdout.split())
+        assert fd >= 0, (fd, err, held)  # not EMFILE: the sibling's budget is its own
+        assert os.stat(sandbox_root).st_mode & 0o777 == 0o700
+        ids = [(await sb.exec(["id", "-u"], 30)).stdout.strip() for sb in (hog, sibling)]
+        assert ids[0] != ids[1] and "0" not in ids and "1000" not in ids, ids
+        await proc.kill_tree()
+    finally:
+        await hog.close()
+        await sibling.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -455,3 +456,25 @@ async def test_plain_values_cross_and_prints_do_not_matter(kit_backend) -> None:
         assert reward.value == 1.0, reward
     finally:
         await sb.close()
+
+
+async def test_workspace_names_reach_the_log_without_terminal_escapes(
+        backend: LocalSandboxBackend, caplog: pytest.LogCaptureFixture) -> None:
+    """A file name holding an OSC 52 clipboard write and a screen clear, skipped by the verify
+    copy (a FIFO), is logged with its control characters escaped, never raw."""
+    import logging
+
+    from harnessrl.rewards.submission import new_verify_dir
+
+    name = "x\x1b]52;c;aGk=\x07\x1b[2J\nFAKE LINE"
+    sb = await backend.create("escapes", {"solution.py": "print(1)\n"})
+    try:
+        os.mkfifo(sb.workdir / name)
+        with caplog.at_level(logging.INFO, logger="harnessrl.rewards.submission"):
+            new_verify_dir(sb, {"a.txt": "a"})
+    finally:
+        await sb.close()
+    logged = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert logged, caplog.records
+    assert "\x1b" not in logged[0] and "\x07" not in logged[0] and "\n" not in logged[0], logged
+    assert "\\x1b]52;c;aGk=\\x07\\x1b[2J\\nFAKE LINE" in logged[0], logged

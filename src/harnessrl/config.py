@@ -153,7 +153,11 @@ class RolloutConfig(BaseModel):
     by this cap while the trainer works. Held-out evaluations
     run beside training with as many again."""
     agent_timeout_s: float = Field(default=180.0, gt=0)
-    verify_timeout_s: float = Field(default=60.0, gt=0)
+    verify_timeout_s: float = Field(default=60.0, ge=10.0)
+    """Wall-clock limit of one verification, seconds. The verifier's own budget is this less a
+    margin (`rewards/base.verify_budget_s`: 10%, at least 1 s), so it ends first and scores what
+    it could not run as failed; below 10 s that budget cannot hold the interpreter probe and
+    one stdio test at its default limit (6 s), so a run refuses it."""
     max_final_answer_chars: int = Field(default=65536, ge=1)
     """Characters of an agent's final answer a rollout records (`rollouts.jsonl`, the trainer's
     memory); a longer one is cut and ends with `…[final answer cut: N characters in all]`. The

@@ -119,7 +119,7 @@ async def start_runtime(cfg: RunConfig, isolation: Literal["required", "best_eff
     verifier_for = make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))
     verifier_for(tasks.get(0))  # a task family without a verifier stops the run here (TaskError)
     if cfg.rollout.executor == "local":  # with "ray" each node checks its own (ray_executor.py)
-        make_backend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation)
+        make_backend(cfg.sandbox).check_isolation(cfg.sandbox.isolation or isolation, cfg.concurrent_rollouts)
     model_dir = resolve_model(cfg.engine.model)
     engine = await start_engine(cfg.engine, model_dir, cfg.seed, run_dir)
     try:

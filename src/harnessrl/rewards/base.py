@@ -14,11 +14,22 @@ returns a `Reward`. Three kinds of outcome (DESIGN.md §3.5, "no opting out of a
 
 `limit_cause` tells a sandbox error the agent caused from an infrastructure one, whatever
 type it surfaces as; `over_limit` reads the bound a sandbox records as exceeded.
+
+Budget: a verifier that runs the agent's code must end within the rollout's
+`rollout.verify_timeout_s`, or the runner cancels it and the rollout goes unscored, which a
+submission that sleeps would choose. The runner sets the verifier's budget (`verify_budget`:
+the rollout's timeout less `verify_margin_s` for staging and teardown) and the built-in
+verifiers read its deadline (`verify_deadline`), cutting each run of the agent's code to what
+is left: a timeout there is a failed test, a scored outcome.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,3 +110,47 @@ def over_limit(sandbox: Any) -> str | None:
         limit = getattr(getattr(sandbox, "config", None), "disk_bytes", None)
         return f"disk_bytes={limit} exceeded" if limit is not None else "disk_bytes exceeded"
     return None
+
+
+VERIFY_MARGIN_FRACTION = 0.1
+"""Share of the rollout's verify timeout kept back from the verifier's budget (`verify_margin_s`)."""
+VERIFY_MARGIN_MIN_S = 1.0
+"""Least seconds kept back: staging the workspace copy, killing the last command, teardown."""
+_DEADLINE: ContextVar[float | None] = ContextVar("harnessrl_verify_deadline", default=None)
+
+
+def verify_margin_s(timeout_s: float) -> float:
+    """Seconds of a rollout's verify timeout `timeout_s` the verifier leaves unspent:
+    max(`VERIFY_MARGIN_MIN_S`, `VERIFY_MARGIN_FRACTION` * timeout_s)."""
+    return max(VERIFY_MARGIN_MIN_S, VERIFY_MARGIN_FRACTION * timeout_s)
+
+
+def verify_budget_s(timeout_s: float) -> float:
+    """Seconds a verifier may spend within a rollout's verify timeout `timeout_s` (seconds):
+    `timeout_s - verify_margin_s(timeout_s)`, possibly <= 0 for a timeout too short to verify
+    (`rollout.verify_timeout_s` is refused below 10 s)."""
+    return timeout_s - verify_margin_s(timeout_s)
+
+
+@contextlib.contextmanager
+def verify_budget(budget_s: float) -> Iterator[None]:
+    """Within the block (and the tasks it starts), verifiers must end within `budget_s`
+    seconds from now (`verify_deadline`)."""
+    token = _DEADLINE.set(time.monotonic() + budget_s)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def verify_deadline(default_s: float) -> float:
+    """The `time.monotonic()` by which the verifier running now must be done: the runner's
+    (`verify_budget`), else `default_s` seconds from now (a verifier called directly)."""
+    deadline = _DEADLINE.get()
+    return deadline if deadline is not None else time.monotonic() + default_s
+
+
+def remaining_budget_s() -> float | None:
+    """Seconds left of the budget set by `verify_budget` (None outside one; may be <= 0)."""
+    deadline = _DEADLINE.get()
+    return None if deadline is None else deadline - time.monotonic()

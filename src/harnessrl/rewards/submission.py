@@ -16,7 +16,8 @@ Invariants (DESIGN.md §3.5, §10):
     (entries, files, bytes, depth). A workspace past them, or a filesystem the agent filled,
     raises `SandboxLimitError`: the agent's failure, scored 0 with its cause, never None.
     Everything in it belongs to the owner of the sandbox root, so a backend whose commands run
-    as an unprivileged user (podman's uid 1000) can read it.
+    as an unprivileged user (the sandbox's own uid) can read it; a sandbox root the agent made
+    unenterable gets its owner's `u+rwx` back first.
     Verifier programs run there with `python3 -I` (isolated mode: no script-directory or user
     site-packages on sys.path, no PYTHON* environment variables), so a `sitecustomize.py`,
     `conftest.py` or module shadowing the standard library left by the agent is never imported;
@@ -40,6 +41,7 @@ from harnessrl.rewards.base import FULL_ERRNOS
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.sandbox.fsread import (
     UnsafePathError,
+    escaped,
     copy_tree_beneath,
     make_private_dir,
     open_dir_beneath,
@@ -99,8 +101,8 @@ def new_verify_dir(sandbox: Sandbox, files: dict[str, str], copy_workspace: bool
     """Create a fresh `<sandbox root>/verify-<hex>/` holding `files` (name -> text, single
     path components) and, with `copy_workspace`, a link-free copy of the workdir; returns its
     host path (pass it as `cwd` to `sandbox.exec`). The directory and everything in it belong
-    to the owner of the sandbox root (the user the backend runs commands as: uid 1000 under
-    podman), mode 0700 / 0600. Blocking (it walks the agent's tree): call it through
+    to the owner of the sandbox root (the user the backend runs commands as: the sandbox's own
+    uid), mode 0700 / 0600. Blocking (it walks the agent's tree): call it through
     `stage_verify_dir` on an event loop.
 
     Raises:
@@ -112,6 +114,7 @@ def new_verify_dir(sandbox: Sandbox, files: dict[str, str], copy_workspace: bool
     root = sandbox_root(sandbox)
     try:
         owner = owner_of_root(root)
+        _restore_owner_access(root)
         path, dir_fd = make_private_dir(root, "verify-", owner)
     except OSError as e:
         raise _staging_error(f"cannot create the verify directory under {root}", e) from e
@@ -134,6 +137,19 @@ async def stage_verify_dir(sandbox: Sandbox, files: dict[str, str], copy_workspa
     return await asyncio.to_thread(new_verify_dir, sandbox, files, copy_workspace, limits)
 
 
+def _restore_owner_access(root: Path) -> None:
+    """Give the sandbox root's owner back read, write and search on it (`u+rwx`): an agent may
+    have made its own directory unenterable (`chmod 0`), which would stop the verifier's
+    commands, run as that owner, from reaching the verify directory below it."""
+    fd = open_root(root)
+    try:
+        mode = os.fstat(fd).st_mode & 0o7777
+        if mode & 0o700 != 0o700:
+            os.fchmod(fd, mode | 0o700)
+    finally:
+        os.close(fd)
+
+
 def _staging_error(what: str, e: OSError) -> SandboxError:
     if e.errno in FULL_ERRNOS:
         return SandboxLimitError(f"{what}: the sandbox's filesystem is full ({e.strerror})")
@@ -145,7 +161,7 @@ def _copy_workspace(sandbox: Sandbox, root: Path, dst_fd: int, owner: tuple[int,
     try:
         src_fd = open_dir_beneath(root_fd, relative_to_root(root, sandbox.workdir), shown=str(root))
     except (FileNotFoundError, UnsafePathError) as e:
-        log.warning("workspace not copied for verification: %s", e)
+        log.warning("workspace not copied for verification: %s", escaped(e))
         return
     finally:
         os.close(root_fd)
@@ -159,5 +175,5 @@ def _copy_workspace(sandbox: Sandbox, root: Path, dst_fd: int, owner: tuple[int,
                                 f"({report.entries} entries looked at, {report.files} files, {report.bytes} bytes "
                                 "copied)")
     if report.skipped:
-        shown = ", ".join(f"{k} ({v})" for k, v in list(report.skipped.items())[:5])
+        shown = escaped(", ".join(f"{k} ({v})" for k, v in list(report.skipped.items())[:5]))
         log.info("verify copy of %s skipped %d entries: %s", sandbox.workdir, len(report.skipped), shown)

@@ -35,6 +35,10 @@ Without bubblewrap the local sandbox isolates nothing (sandbox/local.py): the su
 as host root without capabilities, so it cannot read the judge, but it can reach other host
 processes, as the agent itself could during its run.
 
+The judge's wall limit is the task's `timeout_s` cut to what is left of the rollout's verify
+budget (`rewards/base.verify_budget`), so a submission that sleeps ends in a judge timed out
+after `READY` (0.0), before the runner's own timeout would leave the rollout unscored.
+
 Outcomes: `PASS` → 1.0; `FAIL`, a judge killed or timed out after `READY` (an infinite loop in
 the agent's code: part `timed_out`) → 0.0; no `READY` (python missing, no ctypes, the task's
 test code does not run, a sandbox failure) → `Reward(value=None, error=...)`; a workspace past
@@ -48,7 +52,7 @@ import os
 from pathlib import Path
 
 from harnessrl.errors import SandboxError, SandboxLimitError
-from harnessrl.rewards.base import Reward
+from harnessrl.rewards.base import Reward, remaining_budget_s
 from harnessrl.rewards.submission import CopyLimits, code_from_answer, read_submission, stage_verify_dir
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.sandbox.fsread import open_root
@@ -298,6 +302,8 @@ def main():
 main()
 '''
 
+MIN_JUDGE_S = 1.0
+"""Least wall seconds the judge is given, whatever is left of the verify budget."""
 READY = "READY"
 PASS = "PASS"
 REPORT_MAX_BYTES = 1 << 16
@@ -335,6 +341,8 @@ class UnitTestVerifier:
             return Reward(value=0.0, parts={"passed": 0.0, "format_ok": 0.0, "timed_out": 0.0})
         tests = task.hidden_tests
         timeout_s = float(tests.get("timeout_s", self.default_timeout_s))
+        left = remaining_budget_s()  # the rollout's verify budget: a judge cut by it scores 0
+        timeout_s = timeout_s if left is None else max(MIN_JUDGE_S, min(timeout_s, left))
         prompt = tests.get("prompt", task.workspace.get(self.solution_file, ""))
         job = json.dumps({"test": tests["test"], "entry_point": tests["entry_point"], "prompt": prompt})
         files = {"run.py": RUNNER, "child.py": CHILD, "solution.py": source, "job.json": job, "report": ""}

@@ -19,6 +19,11 @@ overtaken and dropped as stale). "completion" hands out whatever finished first;
 lets be overtaken can exceed the bound, and the trainer, which measures staleness per turn,
 drops its rows.
 
+Verification order: no rollout of a group is verified while an agent of the group is live,
+and no agent of it starts while one is verified (`GroupGate`, the runner's `VerifyGate`): a
+hidden test moves host-wide figures (`/proc/sys/fs/file-nr`, `/proc/loadavg`) that a sibling
+in its agent phase on the same task could read.
+
 Invariants: groups are dispatched for the ids in `replay_group_ids` first, then consecutively
 from `first_group_id` (the data position for resume); `undelivered_group_ids()` is what a resumed
 run must replay (dispatched or queued but not yet handed to the consumer); all G rollouts of a
@@ -43,6 +48,68 @@ from harnessrl.tasks.base import Task, TaskSource
 from harnessrl.types import Group, Rollout
 
 log = logging.getLogger(__name__)
+
+
+class GroupGate:
+    """The `VerifyGate` of one group (rollout/runner.py): no rollout of the group verifies while
+    an agent of the group is live, and no agent starts while one verifies. A verification waits
+    for the live agents to end; an agent start waits for running verifications to end. Neither
+    waits for a sibling that has not started (its sandbox may wait for capacity a waiting
+    rollout holds, a Ray node's slot), so no wait is circular: each waits only on work that is
+    running and bounded by its timeout."""
+
+    def __init__(self) -> None:
+        self.agents = 0
+        """Agents of the group live now."""
+        self.verifying = 0
+        """Rollouts of the group verifying now."""
+        self._changed = asyncio.Event()
+
+    def ticket(self) -> _GateTicket:
+        """One rollout's place in the gate."""
+        return _GateTicket(self)
+
+    def changed(self) -> None:
+        old, self._changed = self._changed, asyncio.Event()
+        old.set()
+
+    async def wait_until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._changed.wait()
+
+
+class _GateTicket:
+    """One rollout's `VerifyGate`: idle -> agent -> ended -> verifying, any state -> left."""
+
+    def __init__(self, gate: GroupGate) -> None:
+        self._gate = gate
+        self._state = "idle"
+
+    async def agent_starts(self) -> None:
+        gate = self._gate
+        await gate.wait_until(lambda: gate.verifying == 0)
+        gate.agents += 1
+        self._state = "agent"
+
+    async def agents_ended(self) -> None:
+        gate = self._gate
+        self._end_agent()
+        await gate.wait_until(lambda: gate.agents == 0)
+        gate.verifying += 1
+        self._state = "verifying"
+
+    def _end_agent(self) -> None:
+        if self._state == "agent":
+            self._gate.agents -= 1
+            self._gate.changed()
+        self._state = "ended"
+
+    def leave(self) -> None:
+        if self._state == "verifying":
+            self._gate.verifying -= 1
+            self._gate.changed()
+        self._end_agent()
+        self._state = "left"
 
 
 class ReplacementTickets:
@@ -283,8 +350,10 @@ class Orchestrator(ReplacementTickets):
         try:
             task = self._tasks_source.get(group_id)
             verifier = self._verifier_for(task)
-            jobs = [asyncio.ensure_future(self._run_one(task, group_id, verifier))
-                    for _ in range(self._group_sizes.get(group_id, self._group_size))]
+            size = self._group_sizes.get(group_id, self._group_size)
+            gate = GroupGate()
+            jobs = [asyncio.ensure_future(self._run_one(task, group_id, verifier, gate.ticket()))
+                    for _ in range(size)]
             rollouts = await asyncio.gather(*jobs)
         except BaseException as exc:
             # cancel the group's other rollouts and wait until each released its resources
@@ -303,7 +372,7 @@ class Orchestrator(ReplacementTickets):
             return
         self._deliver(group)
 
-    async def _run_one(self, task: Task, group_id: int, verifier: Verifier) -> Rollout:
+    async def _run_one(self, task: Task, group_id: int, verifier: Verifier, gate: _GateTicket) -> Rollout:
         async with self._rollout_slots:
             self.rollouts_started += 1
             if self._running == 0 and self._idle_since is not None:
@@ -312,7 +381,8 @@ class Orchestrator(ReplacementTickets):
             self._running += 1
             try:
                 rollout = await run_rollout(
-                    task, group_id, self._harness, self._backend, self._sessions, verifier, self._limits
+                    task, group_id, self._harness, self._backend, self._sessions, verifier, self._limits,
+                    gate=gate,
                 )
             finally:
                 self._running -= 1

@@ -49,7 +49,7 @@ from harnessrl.harness.base import Harness, HarnessResult
 from harnessrl.harness.install import installed_agent_dirs
 from harnessrl.harness.options import canonical_kind
 from harnessrl.harness.select import make_harness
-from harnessrl.rewards.base import Reward, Verifier
+from harnessrl.rewards.base import Reward, Verifier, remaining_budget_s, verify_budget
 from harnessrl.rollout.ray_nodes import SYNC_CALL_TIMEOUT_S, RayNode, RayNodes
 from harnessrl.sandbox.base import READ_MAX_BYTES, Base, ExecResult, SandboxProcess
 from harnessrl.sandbox.select import make_backend
@@ -200,8 +200,15 @@ class NodeWorker:
         finally:
             self._agents.pop(sandbox_id, None)
 
-    async def verify(self, sandbox_id: str, verifier: Verifier, task: Task, final_answer: str | None) -> Reward:
-        return await self._while_alive(verifier.score(task, self._sandbox(sandbox_id), final_answer))
+    async def verify(self, sandbox_id: str, verifier: Verifier, task: Task, final_answer: str | None,
+                     budget_s: float | None = None) -> Reward:
+        """`verifier.score` here; `budget_s`: what is left of the driver's verify budget
+        (`rewards/base.verify_budget`), set again on this node (monotonic clocks differ)."""
+        score = verifier.score(task, self._sandbox(sandbox_id), final_answer)
+        if budget_s is None:
+            return await self._while_alive(score)
+        with verify_budget(budget_s):
+            return await self._while_alive(score)
 
     async def close(self, sandbox_id: str) -> None:
         """Stop the sandbox's agent (if its harness still runs) and close the sandbox; idempotent."""
@@ -300,7 +307,7 @@ class RaySandbox:
 
     async def verify(self, verifier: Verifier, task: Task, final_answer: str | None) -> Reward:
         self._check_alive()
-        ref = self._node.worker.verify.remote(self.sandbox_id, verifier, task, final_answer)
+        ref = self._node.worker.verify.remote(self.sandbox_id, verifier, task, final_answer, remaining_budget_s())
         return await self._nodes.call(self._node, ref, 0.0)  # the runner bounds it by verify_timeout_s
 
     async def close(self) -> None:

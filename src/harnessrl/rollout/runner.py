@@ -10,7 +10,9 @@ Invariants (DESIGN.md §3.3, §3.5):
   * every resource taken is released in `finally`: processes, the sandbox directory, the proxy
     key; teardown is shielded from cancellation;
   * the agent's processes are dead and its key revoked before the verifier runs; hidden tests
-    enter the sandbox only inside the verifier;
+    enter the sandbox only inside the verifier; with a `VerifyGate` (the orchestrator gives each
+    group one), never while an agent of the group is live, so no sibling on the same task can
+    read a host-wide figure the hidden tests move;
   * no opting out of a reward (DESIGN.md §3.5): a sandbox the agent took past a bound
     (`disk_bytes`, inodes: `rewards/base.over_limit`) is not verified and scores the verifier's
     failure value (0.0); a verifier stopped by such a bound (`SandboxLimitError`, a
@@ -44,7 +46,15 @@ from typing import Protocol
 
 from harnessrl.errors import ConfigError, HarnessInstallError, SandboxLostError
 from harnessrl.harness.base import Harness, HarnessResult
-from harnessrl.rewards.base import Reward, Verifier, failure_value, limit_cause, over_limit
+from harnessrl.rewards.base import (
+    Reward,
+    Verifier,
+    failure_value,
+    limit_cause,
+    over_limit,
+    verify_budget,
+    verify_budget_s,
+)
 from harnessrl.rollout.cause import explain_agent_error
 from harnessrl.sandbox.base import Sandbox, SandboxBackend
 from harnessrl.tasks.base import Task
@@ -70,6 +80,25 @@ class SessionHost(Protocol):
         ...
 
 
+class VerifyGate(Protocol):
+    """Keeps a group's verifications and its agents apart in time (`orchestrator.GroupGate`):
+    hidden tests run while no sibling agent on the same task is live to read a host-wide
+    figure they move (`/proc/sys/fs/file-nr`, `/proc/loadavg`)."""
+
+    async def agent_starts(self) -> None:
+        """Returns once no rollout of the group is verifying; this rollout's agent is then live."""
+        ...
+
+    async def agents_ended(self) -> None:
+        """This rollout's agent has ended; returns once no agent of the group is live (this
+        rollout is then verifying)."""
+        ...
+
+    def leave(self) -> None:
+        """This rollout is done with the gate, in whatever state (idempotent)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutLimits:
     agent_timeout_s: float = 300.0
@@ -90,8 +119,11 @@ async def run_rollout(
     verifier: Verifier,
     limits: RolloutLimits = RolloutLimits(),
     rollout_id: str | None = None,
+    gate: VerifyGate | None = None,
 ) -> Rollout:
-    """Run `harness` on `task` in a fresh sandbox and score it.
+    """Run `harness` on `task` in a fresh sandbox and score it. With `gate`, the agent starts
+    when no sibling verifies and verification when no sibling agent is live (`VerifyGate`);
+    the second wait is `timings_s["verify_wait_s"]`.
 
     Returns a `Rollout` whatever the agent, sandbox or verifier did. Raises only
     `asyncio.CancelledError`, `HarnessInstallError` and `ConfigError` (after releasing every
@@ -120,7 +152,10 @@ async def run_rollout(
         session_id, key = sessions.open_session(rollout_id, group=f"group-{group_id}")
         endpoint = sandbox.agent_endpoint(sessions.endpoint(key))  # as the agent addresses it
 
-        # 3) the agent runs its own loop until it exits or times out
+        # 3) the agent runs its own loop until it exits or times out (never beside a
+        # sibling's verification)
+        if gate is not None:
+            await gate.agent_starts()
         t_agent = time.monotonic()
         try:
             result = await harness.run(task, sandbox, endpoint, limits.agent_timeout_s)
@@ -152,6 +187,10 @@ async def run_rollout(
         # 6) verify (also after a timeout or an agent error: the workspace is still scored).
         # A sandbox the agent took past one of its bounds scores as the agent's failure, and
         # so does a verifier that refused because of one: never an unscored rollout
+        if gate is not None:  # no hidden test runs while a sibling's agent is live
+            t_wait = time.monotonic()
+            await gate.agents_ended()
+            timings["verify_wait_s"] = time.monotonic() - t_wait
         if status != "infra_error":
             t_verify = time.monotonic()
             limit = over_limit(sandbox)
@@ -174,6 +213,8 @@ async def run_rollout(
         return _finish(task, group_id, harness, rollout_id, status, error, trace, result, reward, timings, t0,
                        node_id=getattr(sandbox, "node_id", None))
     finally:
+        if gate is not None:
+            gate.leave()  # a rollout that ended early never holds its siblings back
         # 7) release everything, even under cancellation: a cancel arriving meanwhile waits
         # for the release to finish before it propagates
         release = asyncio.ensure_future(_release(sessions, session_id, sandbox))
@@ -203,7 +244,10 @@ async def _verify(
 ) -> Reward:
     answer = result.final_answer if result is not None else None
     try:
-        reward = await asyncio.wait_for(verifier.score(task, sandbox, answer), timeout_s)
+        # the verifier's own deadline falls inside this timeout (rewards/base.verify_budget):
+        # the built-in verifiers end on time, scoring what they could not run as failed
+        with verify_budget(verify_budget_s(timeout_s)):
+            reward = await asyncio.wait_for(verifier.score(task, sandbox, answer), timeout_s)
     except SandboxLostError:
         raise
     except asyncio.TimeoutError:

@@ -40,6 +40,10 @@ The mount namespace a command sees:
   * invisible: everything else of the host filesystem, including other sandboxes (the
     sandbox root is covered by a tmpfs before this sandbox's directory is bound back).
 
+Host-wide figures: `/proc/loadavg`, `/proc/stat`, `/proc/sys/fs/file-nr` and
+`/proc/sys/fs/inode-nr` are constant files (`MASKED_PROC`), so no sandbox reads what the
+others do through them (other host-wide files of `/proc`, such as `meminfo`, are not masked).
+
 Not isolated here: CPU, memory, process count and disk use (bounded by the local sandbox:
 pids and memory cgroups and a disk watchdog, see `sandbox/local.py`), and the host kernel
 itself (a kernel exploit crosses any namespace). `/proc/self/mountinfo` still names the
@@ -187,6 +191,35 @@ def forwarder_python(system_paths: Sequence[str]) -> tuple[str, list[Path]]:
     return str(base / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"), [base]
 
 
+MASKED_PROC = ("/proc/loadavg", "/proc/stat", "/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr")
+"""Host-wide figures of `/proc` a sandbox sees as constants (`masked_proc_texts`): each moves
+with what any process of the host does (a sibling's verifier opening files, running tests),
+so a live agent could read another rollout's hidden test inputs through them."""
+
+
+@functools.cache
+def masked_proc_texts() -> dict[str, bytes]:
+    """The constant text bound over each of `MASKED_PROC`: no load, no open files or inodes,
+    zero CPU times for each of this host's CPUs and its boot time (fixed while it runs), so
+    tools that parse them (`os.cpus()`, `ps`, `uptime`) still work."""
+    cpus = os.cpu_count() or 1
+    btime = 0
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            btime = next((int(line.split()[1]) for line in f if line.startswith("btime ")), 0)
+    except (OSError, ValueError):
+        pass
+    zeros = " ".join(["0"] * 10)
+    stat = f"cpu  {zeros}\n" + "".join(f"cpu{i} {zeros}\n" for i in range(cpus))
+    stat += f"intr 0\nctxt 0\nbtime {btime}\nprocesses 0\nprocs_running 1\nprocs_blocked 0\nsoftirq 0\n"
+    try:
+        file_max = Path("/proc/sys/fs/file-max").read_text().split()[0]
+    except (OSError, IndexError):
+        file_max = "0"
+    return {"/proc/loadavg": b"0.00 0.00 0.00 1/1 1\n", "/proc/stat": stat.encode(),
+            "/proc/sys/fs/file-nr": f"0\t0\t{file_max}\n".encode(), "/proc/sys/fs/inode-nr": b"0\t0\n"}
+
+
 DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
 """The device nodes of `bwrap --dev` (name -> major, minor). A root-started sandbox gets its
 own nodes of them (`make_devices`), so `utime` on one changes nothing of the host's or another
@@ -255,6 +288,7 @@ def bwrap_argv(
     sources: Mapping[str, Path] | None = None,
     points: Mapping[Path, str] | None = None,
     socket_fd: int | None = None,
+    proc_fds: Mapping[str, int] | None = None,
 ) -> list[str]:
     """The full argv running `argv` inside bubblewrap for the sandbox at `sandbox_dir`.
 
@@ -274,7 +308,8 @@ def bwrap_argv(
     entry of `ro_binds` is mounted inside (`inner_tree_points`); one not in it is mounted at
     its own path. `socket_fd`: a descriptor the command inherits holding an `O_PATH` handle
     of the proxy socket (`TreeLayers.socket_handle`); the forwarder then connects through it
-    and the socket is not bound at `INNER_SOCKET`.
+    and the socket is not bound at `INNER_SOCKET`. `proc_fds`: for each of `MASKED_PROC`, a
+    descriptor holding the constant text bound over it (`masked_proc_texts`).
 
     The environment is not touched (bwrap passes its own environment to the command), so the
     caller builds it. Mount order matters: later mounts cover earlier ones, so the tmpfs over
@@ -293,6 +328,8 @@ def bwrap_argv(
     args += _system_args(system_paths, sources)
     size = str(tmp_bytes)
     args += ["--proc", "/proc", "--dev", "/dev"]
+    for path, fd in (proc_fds or {}).items():
+        args += ["--perms", "0444", "--ro-bind-data", str(fd), path]
     if devices is not None:
         for name in DEVICES:
             args += ["--dev-bind", str(devices / name), f"/dev/{name}"]

@@ -17,8 +17,15 @@ Memory: where a memory controller is writable (`memory_available()`: cgroup v1's
 accounting, `memory.memsw.limit_in_bytes`; v2 `memory.max` and `memory.swap.max = 0`): past it
 the kernel OOM-kills inside the sandbox. Every command joins both groups before it execs.
 
-What it does not do: limit CPU, or create a hierarchy where none is writable (then
-`available()` / `memory_available()` is None and the sandbox says what is not bounded).
+CPU: where a cpu controller is writable (`cpu_available()`: cgroup v1's `/sys/fs/cgroup/cpu`,
+or v2's `cpu.max`), the sandbox also gets `<cpu root>/harnessrl/<sandbox id>` with a quota of
+`cpus` CPUs (v1 `cpu.cfs_quota_us` over `cpu.cfs_period_us`; v2 `cpu.max`), as podman's
+`--cpus` gives a container: however many busy processes a sandbox starts, in whatever
+sessions, together they get at most that much CPU time per period, and a sibling sandbox keeps
+its share.
+
+What it does not do: create a hierarchy where none is writable (then `available()`,
+`memory_available()` or `cpu_available()` is None and the sandbox says what is not bounded).
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ PARENT = "harnessrl"
 _CANDIDATES = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
 _MEMORY_V1 = (Path("/sys/fs/cgroup/memory"),)
 _MEMORY_V2 = (Path("/sys/fs/cgroup"),)
+_CPU_V1 = (Path("/sys/fs/cgroup/cpu"),)
+CPU_PERIOD_US = 100_000
+"""Period of a sandbox's CPU quota, microseconds (the kernel's and podman's default)."""
 
 
 @functools.cache
@@ -51,6 +61,13 @@ def memory_available() -> Path | None:
     """The directory sandbox memory groups are created in (v1 `memory.limit_in_bytes` or v2
     `memory.max`), or None when no memory cgroup is writable. Probed once per process."""
     return _probe(_MEMORY_V1, "memory.limit_in_bytes") or _probe(_MEMORY_V2, "memory.max")
+
+
+@functools.cache
+def cpu_available() -> Path | None:
+    """The directory sandbox cpu groups are created in (v1 `cpu.cfs_quota_us` or v2
+    `cpu.max`), or None when no cpu cgroup is writable. Probed once per process."""
+    return _probe(_CPU_V1, "cpu.cfs_quota_us") or _probe(_MEMORY_V2, "cpu.max")
 
 
 def _probe(candidates: tuple[Path, ...], control: str) -> Path | None:
@@ -77,28 +94,35 @@ def _probe(candidates: tuple[Path, ...], control: str) -> Path | None:
 class PidsGroup:
     """The pids cgroup of one sandbox. Create with `PidsGroup.create`."""
 
-    def __init__(self, path: Path | None, memory: Path | None = None) -> None:
+    def __init__(self, path: Path | None, memory: Path | None = None, cpu: Path | None = None) -> None:
         self.path = path
-        """The pids group (None: only memory is bounded)."""
+        """The pids group (None: only memory or CPU is bounded)."""
         self.memory = memory
         """The memory group when it is a directory of its own (v1, or memory without pids)."""
-        dirs = [d for d in (path, memory) if d is not None]
+        self.cpu = cpu
+        """The cpu group when it is a directory of its own (v1, or CPU without pids)."""
+        dirs = [d for d in (path, memory, cpu) if d is not None]
         self._procs = str(dirs[0] / "cgroup.procs")
         self._joins = [str(d / "cgroup.procs") for d in dirs]
 
     @classmethod
     def create(cls, parent: Path | None, name: str, max_tasks: int | None,
-               memory_parent: Path | None = None, memory_bytes: int | None = None) -> PidsGroup:
+               memory_parent: Path | None = None, memory_bytes: int | None = None,
+               cpu_parent: Path | None = None, cpus: float | None = None) -> PidsGroup:
         """Make `parent/name` and set its `pids.max` (None = unlimited); with `memory_parent`
         and `memory_bytes`, also bound its memory (and swap) to `memory_bytes` bytes, in the
-        same directory when both controllers share it (v2), else in `memory_parent/name`.
+        same directory when both controllers share it (v2), else in `memory_parent/name`; with
+        `cpu_parent` and `cpus`, its CPU time to `cpus` CPUs the same way.
 
         Raises OSError when a group cannot be created or limited.
         """
         path = parent / name if parent is not None else None
         bounded = memory_parent is not None and memory_bytes is not None
         memory = memory_parent / name if bounded and memory_parent != parent else None
-        group = cls(path, memory)
+        cpu_bounded = cpu_parent is not None and cpus is not None
+        shared = [d for d in (parent, memory_parent if bounded else None) if d is not None]
+        cpu = cpu_parent / name if cpu_parent is not None and cpus is not None and cpu_parent not in shared else None
+        group = cls(path, memory, cpu)
         try:
             if path is not None:
                 path.mkdir()
@@ -107,6 +131,11 @@ class PidsGroup:
                 memory.mkdir()
             if bounded:
                 _limit_memory(memory or path, memory_bytes)
+            if cpu is not None:
+                cpu.mkdir()
+            if cpu_bounded:
+                assert cpu_parent is not None and cpus is not None
+                _limit_cpu(cpu or cpu_parent / name, cpus)
         except OSError:
             group.remove()
             raise
@@ -150,7 +179,7 @@ class PidsGroup:
         A group still busy (EBUSY: its last members are exiting; the memory group may lag the
         pids group) is retried every 10 ms for `timeout_s` seconds."""
         deadline = time.monotonic() + timeout_s
-        for directory in (self.path, self.memory):
+        for directory in (self.path, self.memory, self.cpu):
             while directory is not None:
                 try:
                     directory.rmdir()
@@ -176,3 +205,14 @@ def _limit_memory(directory: Path | None, memory_bytes: int | None) -> None:
         swap = directory / "memory.swap.max"
         if swap.exists():
             swap.write_text("0")
+
+
+def _limit_cpu(directory: Path, cpus: float) -> None:
+    """Give `directory` a quota of `cpus` CPUs per `CPU_PERIOD_US` (v1 or v2 files, whichever
+    exist), at least 1 ms per period (the kernel's floor)."""
+    quota = max(1000, round(cpus * CPU_PERIOD_US))
+    if (directory / "cpu.cfs_quota_us").exists():
+        (directory / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (directory / "cpu.cfs_quota_us").write_text(str(quota))
+    else:
+        (directory / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")

@@ -46,11 +46,16 @@ class SandboxConfig(BaseModel):
     of virtual address space. Their children inherit it."""
     file_size_bytes: int | None = Field(default=1 << 30, ge=1)
     """RLIMIT_FSIZE per process, bytes (a write past it fails with EFBIG / SIGXFSZ)."""
-    max_processes: int | None = Field(default=1024, ge=8)
+    max_processes: int | None = Field(default=256, ge=8)
     """Most tasks (processes and threads) alive in one sandbox at once: `pids.max` of its pids
     cgroup (`sandbox/cgroup.py`); a fork beyond it fails with EAGAIN. Where no pids cgroup
     can be created it falls back to RLIMIT_NPROC, which the kernel ignores for root (the
     run's isolation report says so). None = unbounded."""
+    max_open_files: int = Field(default=256, ge=16)
+    """RLIMIT_NOFILE of every sandboxed process (soft = hard: it cannot raise it), descriptors.
+    With `max_processes` it bounds one sandbox's share of the host's file table; a run checks
+    that `max_processes * max_open_files * concurrent rollouts` stays within half of
+    `fs.file-max` (`sandbox/filetable.py`) and prints the figure in its isolation report."""
     tmp_bytes: int = Field(default=256 << 20, ge=1 << 20)
     """Size of each of the private `/tmp` and `/dev/shm` tmpfs under bubblewrap, bytes (they
     live in memory)."""
@@ -69,6 +74,11 @@ class SandboxConfig(BaseModel):
     kernel OOM-kills inside the sandbox. Where none is, RLIMIT_AS of spawned agents whose
     `spawn_address_space_bytes` is None (Node/Bun agents reserve more virtual memory than
     they use: raise it for them there). None = unbounded."""
+    cpus: float | None = Field(default=1.0, gt=0.0)
+    """CPU quota of the whole sandbox, in CPUs: its cpu cgroup's `cpu.max` (v2) or
+    `cpu.cfs_quota_us` (v1) over a 100 ms period (`sandbox/cgroup.py`), as podman's `--cpus`;
+    busy processes in any number of sessions share it, so a sibling sandbox keeps its own.
+    Where no cpu cgroup is writable the isolation report names the gap. None = unlimited."""
     output_cap_bytes: int = Field(default=1 << 20, ge=1)
     """Captured bytes kept of each of stdout and stderr of `exec`; the rest is counted, dropped."""
     kill_grace_s: float = Field(default=0.5, ge=0.0)
@@ -107,7 +117,7 @@ class PodmanSandboxConfig(BaseModel):
     image: str = "localhost/harnessrl-sandbox:bookworm-1"
     """OCI image every command runs in; it must hold `python3` (the proxy forwarder runs with
     it) and whatever the task's agent needs, and directories a bound agent tree lies under
-    must be traversable by uid 1000 (`scripts/podman-image` makes the image's empty `/root`
+    must be traversable by any uid (each sandbox runs as its own; `scripts/podman-image` makes the image's empty `/root`
     0755 for trees under root's `$HARNESSRL_CACHE`). Never pulled: build it locally
     (`docs/containers.md`)."""
     podman: str = "podman"
@@ -128,9 +138,12 @@ class PodmanSandboxConfig(BaseModel):
     """CPU quota of each container, in CPUs (`--cpus`). None = unlimited."""
     cpu_s: int | None = Field(default=600, ge=1)
     """RLIMIT_CPU per process, CPU seconds; None = unlimited."""
-    max_processes: int = Field(default=1024, ge=8)
+    max_processes: int = Field(default=256, ge=8)
     """`pids.max` of each container: tasks (processes and threads) alive at once; a fork
     beyond it fails with EAGAIN."""
+    max_open_files: int = Field(default=256, ge=16)
+    """RLIMIT_NOFILE of every process of a container (`--ulimit nofile=N:N`), descriptors; the
+    same start check as `local`'s (`sandbox/filetable.py`)."""
     file_size_bytes: int | None = Field(default=1 << 30, ge=1)
     """RLIMIT_FSIZE per process, bytes."""
     tmp_bytes: int = Field(default=256 << 20, ge=1 << 20)

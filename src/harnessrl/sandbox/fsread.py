@@ -54,6 +54,14 @@ class _HasDirs(Protocol):
     def home(self) -> Path: ...
 
 
+def escaped(text: object) -> str:
+    """`str(text)` with every character that is not printable written as a Python escape
+    (`\\x1b`, `\\n`): a file name an agent chose reaches a log line, and through it a terminal,
+    without acting on it (an OSC 52 clipboard write, a screen clear) or forging a line."""
+    shown = str(text)
+    return shown if shown.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)
+
+
 def sandbox_root(sandbox: _HasDirs) -> Path:
     """The directory holding a sandbox's `workdir` and `home` (their common parent)."""
     return Path(os.path.commonpath([sandbox.workdir, sandbox.home]))
@@ -173,7 +181,7 @@ def read_text_or_none(
     except FileNotFoundError:
         return None
     except (UnsafePathError, IsADirectoryError) as e:
-        log.warning("sandbox file not read: %s", e)
+        log.warning("sandbox file not read: %s", escaped(e))
         return None
 
 

@@ -31,6 +31,7 @@ from harnessrl.sandbox.base import BASES, READ_MAX_BYTES, Base, ExecResult
 from harnessrl.sandbox.bwrap import map_tree_path
 from harnessrl.sandbox.fsread import (
     UnsafePathError,
+    escaped,
     open_dir_beneath,
     open_file_beneath,
     open_root,
@@ -589,7 +590,7 @@ class HostDirSandbox:
                 errors = await asyncio.to_thread(remove_tree, self._root)
                 if errors:
                     log.warning("sandbox %s: %d entries not removed: %s", self.sandbox_id, len(errors),
-                                "; ".join(errors[:3]))
+                                escaped("; ".join(errors[:3])))
             finally:
                 await self._remove_rest()
 

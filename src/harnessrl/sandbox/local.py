@@ -75,6 +75,7 @@ from typing import Literal
 
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox import cgroup, layers, seccomp, spawn, sweep
+from harnessrl.sandbox.filetable import check_file_table
 from harnessrl.sandbox import owner as owners
 from harnessrl.sandbox.base import Base
 from harnessrl.sandbox.bwrap import (
@@ -86,6 +87,7 @@ from harnessrl.sandbox.bwrap import (
     forwarder_python,
     inner_tree_points,
     make_devices,
+    masked_proc_texts,
     setpriv_path,
 )
 from harnessrl.sandbox.config import SandboxConfig
@@ -256,6 +258,7 @@ class LocalSandbox(HostDirSandbox):
             cwd=cwd, ro_binds=ro, system_paths=self.config.system_paths,
             tmp_bytes=self.config.tmp_bytes, proxy=self._proxy, owner=self.owner,
             seccomp_fd=fds.get("seccomp"), forwarder_fd=fds.get("forwarder"), socket_fd=fds.get("socket"),
+            proc_fds={k: v for k, v in fds.items() if k.startswith("/proc/")},
             devices=(self._layers.devices_dir if self._layers is not None
                      else devices_dir(self._root) if self.owner is not None else None), sources=sources,
             points=self._tree_points,
@@ -271,6 +274,11 @@ class LocalSandbox(HostDirSandbox):
             fds["seccomp"] = seccomp.program_fd()
         except seccomp.UnsupportedArch:
             pass
+        for path, text in masked_proc_texts().items():  # constants over host-wide figures
+            fd = os.memfd_create("harnessrl-proc", os.MFD_CLOEXEC)
+            os.write(fd, text)
+            os.lseek(fd, 0, os.SEEK_SET)
+            fds[path] = fd
         if self._proxy is not None:
             fd = os.memfd_create("harnessrl-forward", os.MFD_CLOEXEC)
             os.write(fd, FORWARDER_SCRIPT.read_bytes())
@@ -295,8 +303,9 @@ class LocalSandbox(HostDirSandbox):
             resource.RLIMIT_CPU: cfg.cpu_s,
             resource.RLIMIT_AS: address_space_bytes,
             resource.RLIMIT_FSIZE: cfg.file_size_bytes,
+            resource.RLIMIT_NOFILE: cfg.max_open_files,  # not the trainer's (sandbox/filetable.py)
             # the pids cgroup bounds the sandbox as a whole; RLIMIT_NPROC is only a fallback
-            resource.RLIMIT_NPROC: cfg.max_processes if self._group is None else None,
+            resource.RLIMIT_NPROC: cfg.max_processes if self._group is None or self._group.path is None else None,
         }
         return {k: v for k, v in limits.items() if v is not None}
 
@@ -512,6 +521,7 @@ class LocalSandboxBackend:
             self.proxy = ProxyRoute(proxy_port, Path(proxy_socket), python)
         self.cgroup_root = cgroup.available() if self.config.max_processes is not None else None
         self.memory_root = cgroup.memory_available() if self.config.memory_bytes is not None else None
+        self.cpu_root = cgroup.cpu_available() if self.config.cpus is not None else None
         self.owned = self.bwrap is not None and owners.owned_sandboxes() and setpriv_path() is not None
         """Each sandbox runs as an unprivileged host uid of its own (`sandbox/owner.py`): this
         process is root and bubblewrap is used."""
@@ -552,16 +562,22 @@ class LocalSandboxBackend:
                                 f"{', '.join(map(str, kept))}")
         if self.config.memory_bytes is not None and self.memory_root is None:
             gaps.append("memory (no writable memory cgroup: RLIMIT_AS of spawned agents only)")
+        if self.config.cpus is not None and self.cpu_root is None:
+            gaps.append("CPU (no writable cpu cgroup: busy processes of one sandbox slow its siblings)")
         if self.config.max_processes is not None and self.cgroup_root is None:
             gaps.append("process count (no writable pids cgroup"
                         + (": RLIMIT_NPROC is ignored for root)" if os.geteuid() == 0 else ")"))
         return gaps
 
-    def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
+    def check_isolation(self, mode: Literal["required", "best_effort"], concurrency: int = 1) -> list[str]:
         """Apply the isolation policy: returns the gaps (see `unisolated`) after logging them as
         a warning. Raises SandboxError naming them when `mode` is "required" and bubblewrap
-        is not used (a missing pids cgroup alone only warns: many containers have none)."""
+        is not used (a missing pids cgroup alone only warns: many containers have none), and
+        in either mode when `concurrency` sandboxes could hold more than the host's file table
+        allows (`sandbox/filetable.py`); logs that figure."""
         gaps = self.unisolated()
+        check_file_table(self.config.max_processes if self.cgroup_root is not None else None,
+                         self.config.max_open_files, concurrency)
         if self.bwrap is None and mode == "required":
             raise SandboxError("sandbox.isolation = 'required' but bubblewrap is not used, so sandboxes "
                                "would not isolate: " + "; ".join(gaps) + ". Install bubblewrap "
@@ -602,10 +618,11 @@ class LocalSandboxBackend:
                 else:
                     make_devices(devices_dir(root))
                 (devices_dir(root) / "trees").mkdir(mode=0o700)  # staging of its overlays
-            if self.cgroup_root is not None or self.memory_root is not None:
+            if self.cgroup_root is not None or self.memory_root is not None or self.cpu_root is not None:
                 try:
                     group = PidsGroup.create(self.cgroup_root, sandbox_id, self.config.max_processes,
-                                             self.memory_root, self.config.memory_bytes)
+                                             self.memory_root, self.config.memory_bytes,
+                                             self.cpu_root, self.config.cpus)
                 except OSError as exc:
                     raise SandboxError(f"sandbox {sandbox_id}: cannot create its cgroups: {exc}") from exc
             sandbox = LocalSandbox(sandbox_id, root, self.config, self.bwrap, self.ro_binds,

@@ -5,7 +5,8 @@ Responsibility: implement the `Sandbox` seam with rootful podman (`sandbox.kind 
 to run on which machine, and what did not run, is in `docs/containers.md`.
 
 Layout: the sandbox directory `<root_dir>/<sandbox_id>/{work,home,tmp}` lives on the host,
-owned by `SANDBOX_UID`, exactly as a local sandbox's; every container binds it read-write at
+owned by a host uid of its own (`sandbox/owner.py`), exactly as a root-started local
+sandbox's, under a sandbox root that is root's and 0700; every container binds it read-write at
 the same absolute path (so `agent_path` is the host path and paths an agent prints mean the
 same to the verifier). Nothing else of the host is visible: the image's root filesystem,
 read-only; the paths of `ro_binds` (agent install trees), read-only at
@@ -22,7 +23,7 @@ so no mount names the socket's host path.
 Every command (`exec` or `spawn`) is one container (`podman run --rm`), like every command of
 a local sandbox is one bubblewrap namespace; files persist in the sandbox directory, the
 image's filesystem does not change. Each container runs:
-  * as uid/gid `SANDBOX_UID` (not root) with no capability (`--cap-drop all`, bounding set
+  * as the sandbox's own uid/gid (not root, no other sandbox's) with no capability (`--cap-drop all`, bounding set
     empty), `no-new-privileges`, podman's default seccomp profile, its own PID, mount, IPC,
     UTS and network namespaces;
   * with `--network none` (only `lo`) and, with a proxy, under the forwarder that listens on
@@ -41,9 +42,9 @@ sandbox are the members of its containers' cgroups (`list_processes`, host pids)
 watchdog (`disk_bytes`) SIGKILLs those members from the host at once, without waiting for a
 `podman` process to start, then removes the containers.
 
-The proxy's agent socket (mode 0600, owned by root, in a 0700 directory) is made
-group-`SANDBOX_UID` and mode 0660 when a backend is given a proxy, so that the unprivileged
-container user can connect; its 0700 directory still keeps every host user but root out.
+The proxy's agent socket (mode 0600, owned by root, in a 0700 directory) is made mode 0666
+when a backend is given a proxy, so that each sandbox's unprivileged uid can connect through
+its handle; its 0700 directory still keeps every host user but root out.
 
 Host requirements (checked by `podman_problem`): root, podman with the runc runtime, the
 overlay storage driver and the cgroupfs cgroup manager, and the image in `storage_dir`.
@@ -59,6 +60,7 @@ on cgroup v1 (hybrid layout) only; the v2 paths (`pids_hierarchy`) are unexercis
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -73,10 +75,19 @@ from typing import Literal
 
 from harnessrl.errors import SandboxError
 from harnessrl.sandbox.base import Base
-from harnessrl.sandbox.bwrap import FORWARDER_SCRIPT, INNER_FORWARDER, SANDBOX_UID, inner_tree_points
+from harnessrl.sandbox.filetable import check_file_table
+from harnessrl.sandbox.bwrap import (
+    FORWARDER_SCRIPT,
+    INNER_FORWARDER,
+    SANDBOX_UID,
+    inner_tree_points,
+    masked_proc_texts,
+)
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.fsread import UnsafePathError
 from harnessrl.sandbox import layers, spawn
+from harnessrl.sandbox import owner as owners
+from harnessrl.sandbox.seccomp import SOCKET_FAMILIES, SOCKETPAIR_FAMILIES
 from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint, remove_tree
 from harnessrl.sandbox.spawn import Child
 from harnessrl.sandbox.local import _UNSAFE
@@ -159,8 +170,13 @@ class PodmanSandbox(HostDirSandbox):
 
     _disk_action = "killing its containers' processes"
 
-    def __init__(self, sandbox_id: str, root: Path, state: Path, backend: PodmanSandboxBackend) -> None:
+    def __init__(self, sandbox_id: str, root: Path, state: Path, backend: PodmanSandboxBackend,
+                 owner: int = SANDBOX_UID) -> None:
         super().__init__(sandbox_id, root, backend.config)
+        self.owner = owner
+        """Host uid (= gid) of this sandbox's containers and files (`sandbox/owner.py`): one of its
+        own, so per-user kernel budgets (inotify instances, RLIMIT_NPROC) and setuid files stay
+        apart between sandboxes."""
         self.config: PodmanSandboxConfig = backend.config
         self._state = state
         """Host-private directory (container id files), outside everything a container binds."""
@@ -197,7 +213,7 @@ class PodmanSandbox(HostDirSandbox):
 
     def _run_argv(self, name: str, argv: Sequence[str], cwd: Path, env: dict[str, str]) -> list[str]:
         cfg = self.config
-        uid = str(SANDBOX_UID)
+        uid = str(self.owner)
         args = [*podman_argv(cfg), "run", "--rm", "--name", name, "--pull", "never",
                 "--cidfile", str(self._state / f"{name}.cid"),
                 "--label", f"{SANDBOX_LABEL}={self.sandbox_id}", "--label", f"{OWNER_LABEL}={self._backend.owner}",
@@ -205,7 +221,7 @@ class PodmanSandbox(HostDirSandbox):
                 "--network", "none", "--user", f"{uid}:{uid}", "--cap-drop", "all",
                 "--security-opt", "no-new-privileges", "--read-only", "--read-only-tmpfs=false",
                 "--tmpfs", f"/tmp:rw,size={cfg.tmp_bytes},mode=1777", "--shm-size", str(cfg.tmp_bytes),
-                "--pids-limit", str(cfg.max_processes), *ulimit_args(), "--workdir", str(cwd),
+                "--pids-limit", str(cfg.max_processes), *ulimit_args(cfg.max_open_files), "--workdir", str(cwd),
                 "-v", f"{self._root}:{self._root}"]
         if cfg.memory_bytes is not None:
             args += ["--memory", str(cfg.memory_bytes), "--memory-swap", str(cfg.memory_bytes)]
@@ -218,6 +234,7 @@ class PodmanSandbox(HostDirSandbox):
         for path in self._backend.ro_binds:
             args += ["-v", f"{self._tree_sources.get(path, path)}:{self._tree_points[path]}:ro"]
         prefix: list[str] = []
+        args += self._masked_proc_args()
         proxy = self._backend.proxy
         if self._backend.seccomp_profile is not None:
             args += ["--security-opt", f"seccomp={self._backend.seccomp_profile}"]
@@ -245,6 +262,23 @@ class PodmanSandbox(HostDirSandbox):
                 args += ["-e", f"{key}={value}"]
         return [*args, cfg.image, *prefix, *argv]
 
+
+    def _masked_proc_args(self) -> list[str]:
+        """Host-wide figures of `/proc` as constants (`bwrap.MASKED_PROC`): `/proc/loadavg` and
+        `/proc/stat` bound from this sandbox's own copies of `bwrap.masked_proc_texts`; the
+        files under `/proc/sys`, where runc refuses a bind, masked (read empty)."""
+        args: list[str] = []
+        masked: list[str] = []
+        for path, text in masked_proc_texts().items():
+            if path.startswith("/proc/sys/"):
+                masked.append(path)
+                continue
+            copy = self._state / f"proc-{Path(path).name}"
+            if not copy.exists():
+                copy.write_bytes(text)
+                copy.chmod(0o444)
+            args += ["-v", f"{copy}:{path}:ro"]
+        return [*args, "--security-opt", "mask=" + ":".join(masked)] if masked else args
 
     async def _start(self, argv: Sequence[str], env: dict[str, str] | None, cwd: Path | None,
                      stdout: int, stderr: int) -> tuple[str, Child]:
@@ -335,11 +369,11 @@ class PodmanSandbox(HostDirSandbox):
 
     def write_file(self, rel_path: str, data: str | bytes, *, base: Base = "work", mode: int = 0o644) -> None:
         """Write `rel_path` under `base`, creating parents, no symlink followed; the file and
-        the directories created for it belong to `SANDBOX_UID` (the containers' user)."""
+        the directories created for it belong to the sandbox's owner (the containers' user)."""
         rel = self._rel(base, rel_path)
         raw = data.encode() if isinstance(data, str) else data
         try:
-            self._write_owned(rel, raw, mode, (SANDBOX_UID, SANDBOX_UID))
+            self._write_owned(rel, raw, mode, (self.owner, self.owner))
         except UnsafePathError as e:
             raise SandboxError(f"sandbox {self.sandbox_id}: {rel_path!r} not written (escapes the {base} dir "
                                f"or crosses a link): {e.strerror}") from None
@@ -375,6 +409,8 @@ class PodmanSandbox(HostDirSandbox):
                 log.warning("sandbox %s: state not removed: %s", self.sandbox_id, "; ".join(errors[:3]))
         finally:
             left = await asyncio.to_thread(remove_cgroups, self.sandbox_id)
+            if not self.root.exists():
+                owners.release(self.owner)
         if left:
             log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
 
@@ -413,19 +449,22 @@ def remove_orphan_mounts(tmp: Path | None = None) -> int:
 DEFAULT_SECCOMP = Path("/usr/share/containers/seccomp.json")
 """podman's default seccomp profile (containers-common)."""
 _CLONE_NEWUSER = 0x10000000
+_NETLINK_AUDIT = 9
 
 
 def seccomp_profile(config: PodmanSandboxConfig, default: Path = DEFAULT_SECCOMP) -> Path | None:
     """podman's default profile with `unshare`, `setns` and `clone3` no longer allowed (the
     profile's default action refuses them: EPERM; `clone3` gets ENOSYS, so glibc falls back to
     `clone`) and `clone` allowed only without `CLONE_NEWUSER`: no nested user namespace, hence
-    no capability in one. Written once to `<storage_dir>/seccomp-harnessrl.json` (same text
-    each time); None when `default` is missing."""
+    no capability in one; `socket` / `socketpair` allowed for the bubblewrap filter's families
+    only (`seccomp.SOCKET_FAMILIES`), any other (AF_VSOCK) refused by the profile's default
+    action. Written once to `<storage_dir>/seccomp-harnessrl-<hash of its text>.json`; None
+    when `default` is missing."""
     try:
         profile = json.loads(default.read_text())
     except (OSError, ValueError):
         return None
-    dropped = {"clone", "clone3", "unshare", "setns"}
+    dropped = {"clone", "clone3", "unshare", "setns", "socket", "socketpair"}
     rules = []
     for rule in profile.get("syscalls", []):
         names = [n for n in rule.get("names", []) if n not in dropped]
@@ -434,9 +473,19 @@ def seccomp_profile(config: PodmanSandboxConfig, default: Path = DEFAULT_SECCOMP
     rules.append({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
                   "args": [{"index": 0, "value": _CLONE_NEWUSER, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]})
     rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38})
+    # socket families: the bubblewrap filter's allow-list (seccomp.SOCKET_FAMILIES); any other
+    # family (AF_VSOCK, AF_PACKET, ...) gets the profile's default action (ENOSYS), and so does
+    # an audit netlink socket (protocol 9), as in the default profile
+    no_audit = [{"index": 2, "value": _NETLINK_AUDIT, "valueTwo": 0, "op": "SCMP_CMP_NE"}]
+    for name, families in (("socket", SOCKET_FAMILIES), ("socketpair", SOCKETPAIR_FAMILIES)):
+        rules += [{"names": [name], "action": "SCMP_ACT_ALLOW",
+                   "args": [{"index": 0, "value": family, "valueTwo": 0, "op": "SCMP_CMP_EQ"},
+                            *(no_audit if family == SOCKET_FAMILIES["AF_NETLINK"] else [])]}
+                  for family in families.values()]
     profile["syscalls"] = rules
     text = json.dumps(profile, indent=1, sort_keys=True)
-    path = config.storage_dir / "seccomp-harnessrl.json"
+    # named by its text: runs of other harnessrl versions sharing the store keep their own
+    path = config.storage_dir / f"seccomp-harnessrl-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
     try:
         if not path.exists() or path.read_text() != text:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -480,9 +529,9 @@ class PodmanSandboxBackend:
         """podman's default seccomp profile with new user namespaces refused (or None when
         the default profile is not found: then `unisolated` names the gap)."""
         if self.proxy is not None and proxy_socket is not None:
-            # the unprivileged container user connects through the bound socket file itself
-            os.chown(proxy_socket, -1, SANDBOX_UID)
-            os.chmod(proxy_socket, 0o660)
+            # every sandbox's uid connects through its handle of the socket file itself; the
+            # socket's own 0700 directory keeps every other host user out
+            os.chmod(proxy_socket, 0o666)
 
     def unisolated(self) -> list[str]:
         """Gaps of isolation: none when podman runs (see `check_isolation`) with its default
@@ -502,13 +551,16 @@ class PodmanSandboxBackend:
                             f"inotify on their files cross between sandboxes): {', '.join(map(str, kept))}")
         return gaps
 
-    def check_isolation(self, mode: Literal["required", "best_effort"]) -> list[str]:
+    def check_isolation(self, mode: Literal["required", "best_effort"], concurrency: int = 1) -> list[str]:
         """Raises SandboxError naming the problem when podman sandboxes cannot run here, in
-        either mode (there is no unisolated fallback); otherwise removes the containers of
-        dead runs (`remove_orphans`) and returns []. A run calls it once, at start."""
+        either mode (there is no unisolated fallback), or when `concurrency` containers could
+        take more than the host's file table allows (`sandbox/filetable.py`); otherwise removes
+        the containers of dead runs (`remove_orphans`) and returns []. A run calls it once, at
+        start."""
         problem = podman_problem(self.config)
         if problem is not None:
             raise SandboxError(f"sandbox.kind = 'podman' cannot run here: {problem}")
+        check_file_table(self.config.max_processes, self.config.max_open_files, concurrency)
         for gap in self.unisolated():
             log.warning("podman sandboxes do not isolate: %s", gap)
         removed = remove_orphans(self.config)
@@ -526,13 +578,18 @@ class PodmanSandboxBackend:
         root = self.config.root_dir.resolve() / sandbox_id
         state = Path(tempfile.mkdtemp(prefix=f"{STATE_PREFIX}{os.getpid()}-{sandbox_id}-"))
         sandbox: PodmanSandbox | None = None
+        uid = owners.allocate()
         try:
             root.mkdir(parents=True, mode=0o700)
-            os.chown(root, SANDBOX_UID, SANDBOX_UID)
+            if os.stat(root.parent).st_uid == 0:
+                # root's and 0700: no host user reaches a sandbox (nor a setuid file planted in
+                # one), whatever an agent does to its own directory's mode
+                os.chmod(root.parent, 0o700)
+            os.chown(root, uid, uid)
             for sub in ("work", "home", "tmp"):
                 (root / sub).mkdir(mode=0o700)
-                os.chown(root / sub, SANDBOX_UID, SANDBOX_UID)
-            sandbox = PodmanSandbox(sandbox_id, root, state, self)
+                os.chown(root / sub, uid, uid)
+            sandbox = PodmanSandbox(sandbox_id, root, state, self, uid)
             if self.layers_problem is None:
                 await asyncio.to_thread(sandbox._mount_trees)
             if self.proxy is not None:
@@ -547,5 +604,6 @@ class PodmanSandboxBackend:
             remove_tree(root)
             layers.unmount_below(state)
             remove_tree(state)
+            owners.release(uid)
             raise
         return sandbox

@@ -70,11 +70,12 @@ def podman_problem(config: PodmanSandboxConfig) -> str | None:
     return None
 
 
-def ulimit_args() -> list[str]:
+def ulimit_args(nofile: int | None = None) -> list[str]:
     """podman's default RLIMIT_NOFILE / RLIMIT_NPROC exceed the hard limits of many hosts (the
     runtime then fails with EPERM): give the host's own hard limits instead, RLIMIT_NPROC at
-    most `kernel.pid_max` (runc fails above it)."""
-    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 16)
+    most `kernel.pid_max` (runc fails above it). `nofile`: the sandbox's RLIMIT_NOFILE
+    (`max_open_files`), at most the host's hard limit."""
+    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], nofile or (1 << 16))
     try:
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     except (OSError, ValueError):

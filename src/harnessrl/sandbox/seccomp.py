@@ -20,6 +20,10 @@ What it refuses (EPERM unless noted), on x86_64 and aarch64:
     overlays of its own, `sandbox/layers.py`, and this is the second layer): `flock` and `fcntl` F_SETLK / F_SETLKW /
     F_OFD_SETLK / F_OFD_SETLKW succeed without taking a lock (return 0). Processes of one
     sandbox therefore get no mutual exclusion from them either.
+  * socket families other than `SOCKET_FAMILIES` (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: what
+    agents, their tools and the resolver use) for `socket`, and other than AF_UNIX for
+    `socketpair`: EAFNOSUPPORT, so no `AF_VSOCK` (a way to the host or a hypervisor), packet,
+    Bluetooth, CAN, ... socket opens;
   * on x86_64, every x32 syscall (numbers with bit 30 set); any other architecture (i386
     through `int 0x80`) kills the process.
 
@@ -53,6 +57,9 @@ _OFF_NR, _OFF_ARCH = 0, 4
 _OFF_ARG = (16, 24, 32, 40, 48, 56)  # low 32 bits of args[i] (little endian)
 
 CLONE_NEWUSER = 0x10000000
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+"""The address families `socket()` may open in a sandbox (`include/linux/socket.h`)."""
+SOCKETPAIR_FAMILIES = {"AF_UNIX": 1}
 _LOCK_CMDS = (6, 7, 37, 38)  # F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW
 
 _X86_64 = {
@@ -84,6 +91,9 @@ _AARCH64 = {
     "enosys": {"clone3": 435}, "clone": 220, "flock": 32, "fcntl": 25,
 }
 _TABLES = {"x86_64": _X86_64, "amd64": _X86_64, "aarch64": _AARCH64, "arm64": _AARCH64}
+_SOCKET_CALLS: dict[str, tuple[int, int]] = {"x86_64": (41, 53), "amd64": (41, 53), "aarch64": (198, 199),
+                                             "arm64": (198, 199)}
+"""Numbers of `socket` and `socketpair` per architecture (the same sources as the tables)."""
 
 
 class UnsupportedArch(RuntimeError):
@@ -99,10 +109,20 @@ def _deny(nr: int, ret: int) -> bytes:
     return _ins(_JEQ_K, nr, 0, 1) + _ins(_RET_K, ret)
 
 
+def _families(nr: int, allowed: list[int]) -> list[bytes]:
+    """`if nr == NR: allow when args[0] is one of allowed, else EAFNOSUPPORT`; leaves the loaded
+    word (the syscall number) untouched when nr is another syscall."""
+    n = len(allowed)
+    out = [_ins(_JEQ_K, nr, 0, n + 3), _ins(_LD_W_ABS, _OFF_ARG[0])]
+    out += [_ins(_JEQ_K, family, n - i, 0) for i, family in enumerate(allowed)]
+    return [*out, _ins(_RET_K, _RET_ERRNO | errno.EAFNOSUPPORT), _ins(_RET_K, _RET_ALLOW)]
+
+
 def program(machine: str | None = None) -> bytes:
     """The filter as `struct sock_filter[]` bytes for `machine` (default: this one's
     `platform.machine()`). Raises UnsupportedArch for an architecture without a table."""
-    table = _TABLES.get((machine or platform.machine()).lower())
+    arch = (machine or platform.machine()).lower()
+    table = _TABLES.get(arch)
     if table is None:
         raise UnsupportedArch(f"no seccomp syscall table for {machine or platform.machine()!r}")
     eperm = _RET_ERRNO | errno.EPERM
@@ -117,6 +137,10 @@ def program(machine: str | None = None) -> bytes:
     out += [_ins(_JEQ_K, table["clone"], 0, 3), _ins(_LD_W_ABS, _OFF_ARG[0]),
             _ins(_JSET_K, CLONE_NEWUSER, 0, 1), _ins(_RET_K, eperm)]
     out.append(_ins(_LD_W_ABS, _OFF_NR))
+    # socket families: an allow-list (the number stays loaded for the blocks after)
+    socket_nr, socketpair_nr = _SOCKET_CALLS[arch]
+    out += _families(socket_nr, list(SOCKET_FAMILIES.values()))
+    out += _families(socketpair_nr, list(SOCKETPAIR_FAMILIES.values()))
     # fcntl: the lock-setting commands succeed without locking (args[1] is the command)
     checks = [_ins(_JEQ_K, cmd, len(_LOCK_CMDS) - 1 - i, 0) for i, cmd in enumerate(_LOCK_CMDS)]
     out += [_ins(_JEQ_K, table["fcntl"], 0, 2 + len(checks)), _ins(_LD_W_ABS, _OFF_ARG[1]), *checks[:-1]]
