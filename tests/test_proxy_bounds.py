@@ -393,3 +393,91 @@ async def test_a_session_holds_a_bounded_number_of_calls_at_once(tokenizer):
     assert "max_concurrent_calls_per_session=3" in next(r.text for r in replies if r.status_code == 429)
     assert codes[6] == 200
     assert len(trace.turns) == 3 and trace.refused_calls == 3
+
+
+class _Transport:
+    """The two extras `ConnectionLimits.admit` reads of an accepted connection."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def get_extra_info(self, name: str) -> object:
+        return {"socket": self.sock, "sockname": self.sock.getsockname()}[name]
+
+
+def _accept_from(tmp_path: Path, code: str) -> list[socket.socket]:
+    """Connections to a fresh Unix socket made by a child Python running `code` (with `path`
+    bound), accepted only after that child has exited."""
+    path = str(tmp_path / "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    child = subprocess.run([sys.executable, "-c", f"import os, socket, sys, time\npath = {path!r}\n" + code],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    listener.setblocking(False)
+    accepted = []
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            accepted.append(listener.accept()[0])
+    listener.close()
+    return accepted
+
+
+# Children that connect and exit while their parent keeps the sockets: every connection's
+# credentials name a process that is gone by the time the proxy accepts it.
+_CONNECT_AND_EXIT = textwrap.dedent("""
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(6)]
+    for s in socks:
+        pid = os.fork()
+        if pid == 0:
+            s.connect(path)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    fds = [s.detach() for s in socks]
+    sys.stdout.write(str(len(fds)))
+""")
+
+
+def test_connections_of_exited_children_get_no_second_share(tmp_path: Path) -> None:
+    """Children that connect to the socket and exit, their parent keeping the sockets, cannot be
+    attributed to a peer once gone: they are refused, never counted under a fallback key
+    (before: under `uid:<uid>`, a second bucket of `max_per_peer`, 128 held against 64)."""
+    from harnessrl.proxy.httpguard import ConnectionLimits, unix_peer
+
+    accepted = _accept_from(tmp_path, _CONNECT_AND_EXIT)
+    assert len(accepted) == 6
+    limits = ConnectionLimits(max_total=100, max_per_peer=4)
+    try:
+        assert [unix_peer(s) for s in accepted] == [None] * 6
+        assert [limits.admit(_Transport(s)) for s in accepted] == [(False, None)] * 6
+        assert limits.snapshot() == {"total": 0, "peers": 0, "refused": 6}
+    finally:
+        for s in accepted:
+            s.close()
+
+
+def test_a_live_peer_is_counted_by_its_pid_namespace_up_to_its_share(tmp_path: Path) -> None:
+    """A live process of this uid is counted under its PID namespace, and past `max_per_peer`
+    its further connections are refused."""
+    from harnessrl.proxy.httpguard import ConnectionLimits, unix_peer
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "s"))
+    listener.listen(8)
+    clients, accepted = [], []
+    try:
+        for _ in range(6):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(str(tmp_path / "s"))
+            clients.append(c)
+            accepted.append(listener.accept()[0])
+        peer = unix_peer(accepted[0])
+        assert peer is not None and peer.startswith("pidns:")
+        limits = ConnectionLimits(max_total=100, max_per_peer=4)
+        assert [limits.admit(_Transport(s))[0] for s in accepted] == [True] * 4 + [False] * 2
+        assert limits.snapshot() == {"total": 4, "peers": 1, "refused": 2}
+    finally:
+        for s in clients + accepted:
+            s.close()
+        listener.close()

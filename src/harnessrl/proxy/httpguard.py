@@ -22,10 +22,15 @@ connection gets 431 and is closed.
 
 Connections are bounded in number too (`ConnectionLimits`): the agents' listeners hold at most
 `max_total` connections in all and `max_per_peer` per peer, where a peer is the PID namespace
-of the process that connected to the Unix socket (`SO_PEERCRED`'s pid, then
-`/proc/<pid>/ns/pid`): each sandboxed command runs in a PID namespace of its own, its forwarder
-and every process it starts included, so one flooding agent uses up its own share only. Its
-uid stands in when the namespace cannot be read (the process already exited). TCP connections
+of the process that connected to the Unix socket. A connecting uid other than the proxy's own is
+a sandbox's owner (each sandbox has a host uid of its own when harnessrl runs as root), and the
+uid is the peer: read from `SO_PEERCRED` itself, it holds for every process of the sandbox,
+exited ones included. Otherwise the peer is the connecting pid's PID namespace
+(`/proc/<pid>/ns/pid`): each sandboxed command runs in a PID namespace of its own, its forwarder
+and every process it starts included, so one flooding agent uses up its own share only. A
+connection whose namespace cannot be read (the connecting process exited before it was
+accepted, while another process holds the socket) cannot be attributed and is refused: counted
+under a fallback key, children that connect and exit would give an agent a second share. TCP connections
 count in all only (agents reach TCP only without a sandbox, or through a Ray node's relay,
 which carries many rollouts). A connection past a bound is closed at once, before a byte is
 read; the admin listener is not counted.
@@ -105,17 +110,21 @@ class _HeadTooLarge(Exception):
 _PEERCRED = struct.Struct("3i")
 
 
-def unix_peer(sock: Any) -> str:
-    """Who connected to a Unix socket: `pidns:<namespace>` of the connecting process, else
-    `uid:<uid>` (its PID namespace could not be read), else `unix:unknown`."""
+def unix_peer(sock: Any) -> str | None:
+    """Who connected to a Unix socket (module docstring): `uid:<uid>` for a uid other than this
+    process's effective uid (a sandbox's own owner), else `pidns:<namespace>` of the connecting
+    process, else None: the peer cannot be attributed (no credentials, or the connecting
+    process exited before the connection was accepted)."""
     try:
         pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
     except (OSError, AttributeError, struct.error):
-        return "unix:unknown"
+        return None
+    if uid != os.geteuid():
+        return f"uid:{uid}"
     try:
         return "pidns:" + os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
-        return f"uid:{uid}"
+        return None
 
 
 class ConnectionLimits:
@@ -147,12 +156,15 @@ class ConnectionLimits:
         if self.exempt(transport.get_extra_info("sockname")):
             return True, ""
         sock = transport.get_extra_info("socket")
-        peer = unix_peer(sock) if sock is not None and sock.family == socket.AF_UNIX else None
-        if self.total >= self.max_total or (peer is not None and self.peers.get(peer, 0) >= self.max_per_peer):
+        unix = sock is not None and sock.family == socket.AF_UNIX
+        peer = unix_peer(sock) if unix else None
+        if (self.total >= self.max_total or (unix and peer is None)
+                or (peer is not None and self.peers.get(peer, 0) >= self.max_per_peer)):
             self.refused += 1
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+                who = peer or ("an unattributable peer" if unix else "tcp")
                 log.warning("closed a new connection from %s: %d open in all (max_connections=%d), %d from "
-                            "this peer (max_connections_per_peer=%d); %d refused so far", peer or "tcp",
+                            "this peer (max_connections_per_peer=%d); %d refused so far", who,
                             self.total, self.max_total, self.peers.get(peer, 0) if peer else 0, self.max_per_peer,
                             self.refused)
             return False, None
