@@ -231,6 +231,34 @@ async def test_only_the_proxy_is_reachable(kit: Kit, proxy: ProxyServer, sandbox
         await sb.close()
 
 
+async def test_no_proxy_route_once_the_agent_phase_is_over(kit: Kit, proxy: ProxyServer, sandbox_root: Path) -> None:
+    """After `kill_processes` (the runner's step before verification) the sandbox's commands,
+    the submission's run by the verifier among them, reach no proxy: not even with a key whose
+    session is still open (before: the verifier's commands kept the agent's route)."""
+    sb = await kit.backend(sandbox_root, proxy).create("route", {})
+    session_id, key = proxy.open_session("route")
+    endpoint = sb.agent_endpoint(proxy.endpoint(key))
+    probe = f"""
+        import json, socket
+        try:
+            socket.create_connection(("127.0.0.1", {proxy.port}), timeout=3).close()
+            reached = "connected"
+        except OSError as e:
+            reached = type(e).__name__
+        print(json.dumps({{"proxy_port": reached}}))
+    """
+    try:
+        assert (await _py(sb, probe))["proxy_port"] == "connected"  # the agent phase: the forwarder
+        assert (await _py(sb, _chat_call(endpoint.base_url, key) + "print(json.dumps({'status': status}))"))[
+            "status"] == 200
+        await sb.kill_processes()
+        assert (await _py(sb, probe))["proxy_port"] == "ConnectionRefusedError"  # nothing listens there now
+        trace = proxy.close_session(session_id)
+        assert [t.status for t in trace.turns] == ["ok"]  # the one call of the agent phase
+    finally:
+        await sb.close()
+
+
 async def test_fork_bomb_is_bounded(kit: Kit, sandbox_root: Path) -> None:
     if not kit.cgroup_bounded:
         pytest.skip("no writable pids cgroup on this machine")

@@ -212,6 +212,9 @@ class LocalSandbox(HostDirSandbox):
         self._bwrap = bwrap
         self._ro_binds = tuple(ro_binds)
         self._proxy = proxy
+        self._routed = proxy is not None
+        """Commands get the proxy route; false from `kill_processes` on (the agent phase is
+        over: the verifier's commands, the submission's run among them, reach no proxy)."""
         self._group = group
         self._pgids: set[int] = set()
         self._spawned: list[Child] = []
@@ -219,6 +222,11 @@ class LocalSandbox(HostDirSandbox):
         """Private overlays of every shared read-only tree, mounted per command."""
         if bwrap is not None:
             self._tree_points = inner_tree_points(self._ro_binds)
+
+    @property
+    def _route(self) -> ProxyRoute | None:
+        """The proxy route the next command gets (None once the agent phase is over)."""
+        return self._proxy if self._routed else None
 
     def _shared_trees(self) -> list[Path]:
         return shared_trees(self.config, self._ro_binds, self._proxy is not None)
@@ -248,7 +256,7 @@ class LocalSandbox(HostDirSandbox):
         ro = list(self._ro_binds)
         if self.config.bind_python:
             ro += [Path(p) for p in {sys.prefix, sys.base_prefix}]
-        if self._proxy is not None:
+        if self._route is not None:
             ro += self._proxy_binds
         ro = list(dict.fromkeys(ro))
         sources = {} if self._layers is None else {
@@ -256,7 +264,7 @@ class LocalSandbox(HostDirSandbox):
         return bwrap_argv(
             self._bwrap, argv, sandbox_dir=self._root, sandbox_root=self._root.parent,
             cwd=cwd, ro_binds=ro, system_paths=self.config.system_paths,
-            tmp_bytes=self.config.tmp_bytes, proxy=self._proxy, owner=self.owner,
+            tmp_bytes=self.config.tmp_bytes, proxy=self._route, owner=self.owner,
             seccomp_fd=fds.get("seccomp"), forwarder_fd=fds.get("forwarder"), socket_fd=fds.get("socket"),
             proc_fds={k: v for k, v in fds.items() if k.startswith("/proc/")},
             devices=(self._layers.devices_dir if self._layers is not None
@@ -279,7 +287,7 @@ class LocalSandbox(HostDirSandbox):
             os.write(fd, text)
             os.lseek(fd, 0, os.SEEK_SET)
             fds[path] = fd
-        if self._proxy is not None:
+        if self._route is not None:
             fd = os.memfd_create("harnessrl-forward", os.MFD_CLOEXEC)
             os.write(fd, FORWARDER_SCRIPT.read_bytes())
             os.lseek(fd, 0, os.SEEK_SET)
@@ -292,7 +300,7 @@ class LocalSandbox(HostDirSandbox):
     @property
     def _proxy_binds(self) -> list[Path]:
         """Paths the forwarder's interpreter needs bound (none for a system python3)."""
-        assert self._proxy is not None, "only called with a proxy route"
+        assert self._route is not None, "only called with a proxy route"
         return forwarder_python(self.config.system_paths)[1]
 
     def _limits(self, address_space_bytes: int | None) -> dict[int, int]:
@@ -322,8 +330,8 @@ class LocalSandbox(HostDirSandbox):
                 self._argv(argv, run_dir, fds), cwd=run_dir if self.owner is None else self._root,
                 env=self._env(env), stdout=stdout, stderr=stderr, start_new_session=True,
                 preexec_fn=_child_setup(self._limits(address_space_bytes), self._group, self._layers,
-                                        None if self._proxy is None or "socket" not in fds
-                                        else (self._proxy.socket_path, fds["socket"])),
+                                        None if self._route is None or "socket" not in fds
+                                        else (self._route.socket_path, fds["socket"])),
                 pass_fds=tuple(fds.values()),
             )
         except FileNotFoundError:
@@ -428,8 +436,10 @@ class LocalSandbox(HostDirSandbox):
         Returns how many live processes were found. Raises SandboxError when some survive
         SIGKILL. Called before verification, so hidden tests never meet a live agent process;
         once none is left, setuid / setgid bits of every file of the sandbox are cleared
-        (`strip_setid`), before anything of the host reads or runs them.
+        (`strip_setid`), before anything of the host reads or runs them. Every command after
+        it runs without the proxy route.
         """
+        self._routed = False
         if not self._pgids:
             return 0
         found, survivors = await asyncio.to_thread(

@@ -183,6 +183,9 @@ class PodmanSandbox(HostDirSandbox):
         self._backend = backend
         self._clients: dict[str, Child] = {}
         """Container name -> its `podman run` client, for every command started."""
+        self._routed = True
+        """Containers get the proxy route; false from `kill_processes` on (the agent phase is
+        over: the verifier's containers, the submission's run among them, reach no proxy)."""
         self._socket: int | None = None
         """This process's descriptor of the proxy socket (`layers.detached_handle`), handed to
         every container as its descriptor 3 (`PRESERVED_FD`)."""
@@ -235,7 +238,7 @@ class PodmanSandbox(HostDirSandbox):
             args += ["-v", f"{self._tree_sources.get(path, path)}:{self._tree_points[path]}:ro"]
         prefix: list[str] = []
         args += self._masked_proc_args()
-        proxy = self._backend.proxy
+        proxy = self._backend.proxy if self._routed else None  # none once the agent phase is over
         if self._backend.seccomp_profile is not None:
             args += ["--security-opt", f"seccomp={self._backend.seccomp_profile}"]
         if proxy is not None:
@@ -286,12 +289,13 @@ class PodmanSandbox(HostDirSandbox):
         run_dir = self._run_dir(cwd)
         name = f"hrl-{self.sandbox_id}-{len(self._clients)}"
         command = self._run_argv(name, argv, run_dir, self._env(env))
-        if self._socket is not None:  # `--preserve-fds 1` hands podman's descriptor 3 to the container
-            command = [sys.executable, "-I", "-S", "-c", _AS_FD3, str(self._socket), *command]
+        socket_fd = self._socket if self._routed else None
+        if socket_fd is not None:  # `--preserve-fds 1` hands podman's descriptor 3 to the container
+            command = [sys.executable, "-I", "-S", "-c", _AS_FD3, str(socket_fd), *command]
         try:
             proc = await spawn.start(
                 command, stdout=stdout, stderr=stderr, start_new_session=True,
-                pass_fds=() if self._socket is None else (self._socket,),
+                pass_fds=() if socket_fd is None else (socket_fd,),
                 cwd=self._state)  # conmon inherits it and writes an `oom` file there on an OOM kill
         except OSError as e:
             raise SandboxError(f"sandbox {self.sandbox_id} cannot start podman for {argv[0]!r}: {e}") from e
@@ -380,7 +384,9 @@ class PodmanSandbox(HostDirSandbox):
 
     async def kill_processes(self) -> int:
         """Stop every container of the sandbox, keep the directory; returns how many processes
-        were alive. Raises SandboxError when some survive SIGKILL."""
+        were alive. Raises SandboxError when some survive SIGKILL. Every container after it
+        runs without the proxy route (`--network none`, no forwarder)."""
+        self._routed = False
         if not self._clients:
             return 0
         found, survivors = await self._stop(list(self._clients), self.config.kill_grace_s)
