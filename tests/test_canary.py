@@ -238,10 +238,10 @@ def test_a_run_stopped_while_a_step_waits_for_its_verdict_still_records_that_ste
         _time.sleep(2.0)
         return scored(self, ids, replica)
 
-    def step(self, rows, step=None, before_update=None):  # type: ignore[no-untyped-def]
+    def step(self, rows, step=None, before_update=None, policy_version=None):  # type: ignore[no-untyped-def]
         if step == 2:
             second.set()
-        return trainer_step(self, rows, step, before_update)
+        return trainer_step(self, rows, step, before_update, policy_version)
 
     monkeypatch.setattr(EmbeddedEngine, "prompt_logprobs", slow)
     monkeypatch.setattr(TrainerGroup, "step", step)

@@ -70,6 +70,8 @@ def test_the_config_layer_does_not_import_torch() -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     # a knob of another variant is not accepted silently
     (["train.loss.kind=cispo", "train.loss.tis_cap=3.0"], "unknown key 'train.loss.tis_cap' (with train.loss.kind = 'cispo')"),
+    (["train.loss.clip_center=behaviour", "train.loss.mask_high=4"],
+     "train.loss.mask_high has no effect with clip_center = 'behaviour'"),
     (["train.loss.gspo_epsilon_low=0.1"], "unknown key 'train.loss.gspo_epsilon_low' (with train.loss.kind = 'ppo_clip')"),
     (["train.loss.kind=ppo"], "train.loss.kind = 'ppo' is unknown; expected one of 'ppo_clip', 'gspo', 'cispo'"),
     (["tasks.kind=stdio", "tasks.path=t.jsonl", "tasks.difficulty=2"], "unknown key 'tasks.difficulty' (with tasks.kind = 'stdio')"),
@@ -99,7 +101,9 @@ def test_the_saved_config_holds_the_resolved_options_of_each_kind(tmp_path: Path
     assert isinstance(cfg.train.loss, GspoLoss) and cfg.train.loss.epsilon_low == 3e-4
     assert isinstance(cfg.tasks, StdioTasks)
     text = dump_config(cfg)
-    assert 'loss = { kl_coef = 0.0, kind = "gspo", epsilon_low = 0.0003, epsilon_high = 0.0004, tis_cap = 2.0 }' in text
+    assert ('loss = { kl_coef = 0.0, clip_center = "proximal", behaviour_weight = "truncate", '
+            'behaviour_weight_level = "token", tis_cap = 2.0, tis_floor = 0.0, mask_low = 0.5, mask_high = 5.0, '
+            'kind = "gspo", epsilon_low = 0.0003, epsilon_high = 0.0004 }') in text
     assert 'kind = "embedded"' in text and 'kind = "local"' in text and 'path = "t.jsonl"' in text
     path = tmp_path / "config.toml"
     path.write_text(text)

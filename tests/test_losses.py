@@ -46,7 +46,8 @@ def _inputs(
     return inputs, lp
 
 
-PPO_CFG = PpoClipLoss(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0)
+PPO_CFG = PpoClipLoss(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0, clip_center="behaviour")
+"""The behaviour-centred loss: the ratio against the sampler, `tis_cap` as the dual clip."""
 
 
 def test_ppo_clip_hand_computed_value_gradient_and_fractions() -> None:
@@ -71,7 +72,7 @@ def test_ppo_clip_hand_computed_value_gradient_and_fractions() -> None:
 def test_ppo_without_tis_cap_keeps_the_unclipped_negative_branch() -> None:
     # token 4 alone: r = 3, A = -1, cap 100: loss = -min(-3, -1.28) = 3; grad -r A = 3
     inputs, lp = _inputs([-3.0], [3.0], [-1.0])
-    out = ppo_clip_loss(inputs, PpoClipLoss(tis_cap=100.0))
+    out = ppo_clip_loss(inputs, PpoClipLoss(tis_cap=100.0, clip_center="behaviour"))
     assert out.loss.item() == pytest.approx(3.0, abs=1e-5)
     out.loss.backward()
     assert lp.grad.item() == pytest.approx(3.0, abs=1e-5)
@@ -111,7 +112,7 @@ def test_gspo_sequence_ratio_value_and_gradient() -> None:
     # seq 1: log r = 3 x ln 0.9 -> s1 = 0.9, A = -1, not clipped (eps_low .2)
     # loss = (2 * -1.414214 + 3 * 0.9) / 5 = -0.025686
     # token form: d loss / d lp_t = -s_i A_i / 5 -> seq0: -0.282843, seq1: +0.18
-    cfg = GspoLoss(epsilon_low=0.2, epsilon_high=0.5)
+    cfg = GspoLoss(epsilon_low=0.2, epsilon_high=0.5, clip_center="behaviour")
     inputs, lp = _inputs(
         [-1.0, -2.0, -1.0, -1.5, -0.5], [2.0, 1.0, 0.9, 0.9, 0.9], [1.0, 1.0, -1.0, -1.0, -1.0],
         seq_ids=[7, 7, 3, 3, 3],
@@ -127,7 +128,7 @@ def test_gspo_sequence_ratio_value_and_gradient() -> None:
 def test_gspo_clips_the_whole_sequence() -> None:
     # default eps 3e-4 / 4e-4: seq ratio sqrt(2) with A > 0 is clipped: loss -(1.0004), no grad
     inputs, lp = _inputs([-1.0, -2.0], [2.0, 1.0], [1.0, 1.0])
-    out = gspo_loss(inputs, GspoLoss())
+    out = gspo_loss(inputs, GspoLoss(clip_center="behaviour"))
     assert out.loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-6)
     out.loss.backward()
     assert lp.grad.abs().sum().item() == 0.0
@@ -168,9 +169,10 @@ def test_mismatch_kl_metric() -> None:
 
 def test_loss_fn_for_binds_config_and_rejects_unknown_names() -> None:
     inputs, _ = _inputs([-1.0], [1.5], [1.0])
-    fn = loss_fn_for(PpoClipLoss(epsilon_high=0.1))
+    fn = loss_fn_for(PpoClipLoss(epsilon_high=0.1, clip_center="behaviour"))
     assert fn(inputs).loss.item() == pytest.approx(-1.1, abs=1e-6)  # clipped at 1 + 0.1
-    assert loss_fn_for("gspo")(inputs).loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-6)
+    # the default (proximal): the weight 1.5 is under the cap 2, so loss = -1.5 * A
+    assert loss_fn_for("gspo")(inputs).loss.item() == pytest.approx(-1.5, abs=1e-6)
     with pytest.raises(ConfigError, match="'grpo'"):
         loss_fn_for("grpo")
 
@@ -179,3 +181,156 @@ def test_kl_coef_without_reference_logprobs_is_an_error() -> None:
     inputs, _ = _inputs([-1.0], [1.0], [1.0])
     with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logprobs_T"):
         ppo_clip_loss(inputs, PpoClipLoss(kl_coef=0.1))
+
+
+# --- the decoupled objective (clip_center = "proximal"): PPO clip on pi_theta / pi_prox, the
+# sampler's gap w = pi_prox / mu as a detached, bounded weight (AReaL arXiv 2505.24298 eq. 5)
+
+def test_decoupled_ppo_hand_computed_token_outside_the_old_clip_keeps_its_gradient() -> None:
+    # same tokens as the behaviour-centred test: w = [1.5, 0.5, 1.1, 3.0], A = [1, -1, 2, -1]
+    # pi_prox = sg(pi_theta): rho = 1 (no clip), w truncated at 2 -> [1.5, 0.5, 1.1, 2.0]
+    # loss = -sum(w A) / 4 = -(1.5 - 0.5 + 2.2 - 2.0) / 4 = -0.3; d/dlp = -w A / 4
+    # token 1 (w 1.5, A > 0) was clipped high by the behaviour-centred clip (gradient 0): now -0.375
+    inputs, lp = _inputs([-1.0, -2.0, -0.5, -3.0], [1.5, 0.5, 1.1, 3.0], [1.0, -1.0, 2.0, -1.0])
+    out = ppo_clip_loss(inputs, PpoClipLoss())
+    assert out.loss.item() == pytest.approx(-0.3, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([-0.375, 0.125, -0.55, 0.5]), atol=1e-6, rtol=0)
+    m = out.metrics
+    assert m["clip_high_frac"] == 0.0 and m["clip_low_frac"] == 0.0
+    assert m["is_truncated_frac"] == 0.25 and m["is_masked_frac"] == 0.0
+    assert m["ratio_mean"] == 1.0 and m["ratio_max"] == 1.0  # the clipped ratio is rho
+    assert m["mismatch_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in [1.5, 0.5, 1.1, 3.0]) / 4, abs=1e-6)
+    torch.testing.assert_close(out.weight_T, torch.tensor([1.5, 0.5, 1.1, 2.0]), atol=1e-6, rtol=0)
+    assert out.bounded_T.tolist() == [False, False, False, True]
+    assert not out.clipped_T.any()
+
+
+def test_decoupled_truncation_floor() -> None:
+    # w = [0.25, 4.0], floor 0.5, cap 2 -> [0.5, 2.0]; A = 1: loss = -(0.5 + 2) / 2 = -1.25
+    inputs, lp = _inputs([-1.0, -1.0], [0.25, 4.0], [1.0, 1.0])
+    out = ppo_clip_loss(inputs, PpoClipLoss(tis_floor=0.5))
+    assert out.loss.item() == pytest.approx(-1.25, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([-0.25, -1.0]), atol=1e-6, rtol=0)
+    assert out.metrics["is_truncated_frac"] == 1.0
+
+
+def test_decoupled_mask_drops_tokens_outside_the_bounds() -> None:
+    # IcePop mask [0.6, 2.5]: w = [1.5, 0.5, 1.1, 3.0] -> tokens 2 (0.5) and 4 (3.0) dropped
+    # loss = -(1.5 * 1 + 1.1 * 2) / 4 = -0.925 (dropped tokens stay in the normaliser)
+    inputs, lp = _inputs([-1.0, -2.0, -0.5, -3.0], [1.5, 0.5, 1.1, 3.0], [1.0, -1.0, 2.0, -1.0])
+    out = ppo_clip_loss(inputs, PpoClipLoss(behaviour_weight="mask", mask_low=0.6, mask_high=2.5))
+    assert out.loss.item() == pytest.approx(-0.925, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([-0.375, 0.0, -0.55, 0.0]), atol=1e-6, rtol=0)
+    assert out.metrics["is_masked_frac"] == 0.5 and out.metrics["is_truncated_frac"] == 0.0
+    # the defaults are IcePop's [0.5, 5]: 3.0 is kept, so only a weight past 5 is dropped
+    inputs, _ = _inputs([-1.0, -1.0], [3.0, 6.0], [1.0, 1.0])
+    assert ppo_clip_loss(inputs, PpoClipLoss(behaviour_weight="mask")).loss.item() == pytest.approx(-1.5, abs=1e-6)
+
+
+def test_decoupled_sequence_level_weight_is_the_geometric_mean_bounded_once() -> None:
+    # row 7: w = [2, 8] -> geometric mean 4 -> truncated to 2; row 3: w = [0.5, 2] -> 1
+    # A = 1: loss = -(2 + 2 + 1 + 1) / 4 = -1.5; d/dlp = -[2, 2, 1, 1] / 4
+    inputs, lp = _inputs([-1.0, -2.0, -1.0, -1.5], [2.0, 8.0, 0.5, 2.0], [1.0] * 4, seq_ids=[7, 7, 3, 3])
+    out = ppo_clip_loss(inputs, PpoClipLoss(behaviour_weight_level="sequence"))
+    assert out.loss.item() == pytest.approx(-1.5, abs=1e-5)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([-0.5, -0.5, -0.25, -0.25]), atol=1e-6, rtol=0)
+    assert out.metrics["is_truncated_frac"] == 0.5
+    # sequence-level mask: row 7's mean 4 is inside [0.5, 5] though its token 8 is not
+    inputs, _ = _inputs([-1.0, -2.0], [2.0, 8.0], [1.0, 1.0])
+    cfg = PpoClipLoss(behaviour_weight="mask", behaviour_weight_level="sequence")
+    assert ppo_clip_loss(inputs, cfg).loss.item() == pytest.approx(-4.0, abs=1e-5)
+
+
+def test_decoupled_ppo_clip_binds_against_supplied_proximal_logprobs() -> None:
+    # several optimizer steps per batch would supply pi_prox of an earlier state:
+    # rho = [1.5, 1.1], w = [1, 1], A = 1: token 1 clipped at 1.28 (no grad), token 2 grad -1.1 / 2
+    lp = torch.tensor([-1.0, -1.0], requires_grad=True)
+    prox = torch.tensor([-1.0 - math.log(1.5), -1.0 - math.log(1.1)])
+    inputs = LossInputs(trainer_logprobs_T=lp, sampler_logprobs_T=prox.clone(), advantages_T=torch.ones(2),
+                        mask_T=torch.ones(2, dtype=torch.bool), seq_ids_T=torch.zeros(2, dtype=torch.long),
+                        num_tokens_global=2, proximal_logprobs_T=prox)
+    out = ppo_clip_loss(inputs, PpoClipLoss())
+    assert out.loss.item() == pytest.approx(-(1.28 + 1.1) / 2, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([0.0, -0.55]), atol=1e-6, rtol=0)
+    assert out.metrics["clip_high_frac"] == 0.5 and out.clipped_T.tolist() == [True, False]
+
+
+def _random_inputs(seed: int, n: int = 64, gap: float = 0.0) -> tuple[LossInputs, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lp = (-3.0 * torch.rand(n, generator=g)).requires_grad_(True)
+    sampler = lp.detach() + gap * torch.randn(n, generator=g)
+    inputs = LossInputs(
+        trainer_logprobs_T=lp, sampler_logprobs_T=sampler, advantages_T=torch.randn(n, generator=g),
+        mask_T=torch.rand(n, generator=g) > 0.2, seq_ids_T=torch.arange(n) // 8, num_tokens_global=n)
+    return inputs, lp
+
+
+@pytest.mark.parametrize("kind", ["ppo_clip", "gspo"])
+def test_no_lag_and_no_precision_gap_gives_the_behaviour_centred_loss_exactly(kind: str) -> None:
+    """mu = pi_prox (no lag, no gap): w = 1 and rho = r, so values and gradients are the old loss's."""
+    cls = PpoClipLoss if kind == "ppo_clip" else GspoLoss
+    results = []
+    for center in ("proximal", "behaviour"):
+        inputs, lp = _random_inputs(3, gap=0.0)
+        out = loss_fn_for(cls(clip_center=center))(inputs)
+        out.loss.backward()
+        results.append((out.loss.detach(), lp.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    assert results[0][1].abs().sum() > 0
+
+
+def _old_ppo_clip(inputs: LossInputs, eps_low: float, eps_high: float, cap: float) -> torch.Tensor:
+    """The loss before the decoupled objective, written out: ratio against the sampler, dual clip."""
+    mask = inputs.mask_T
+    log_r = inputs.trainer_logprobs_T - inputs.sampler_logprobs_T
+    r = torch.exp(torch.where(mask, log_r, torch.zeros_like(log_r)))
+    adv = torch.where(mask, inputs.advantages_T, torch.zeros_like(r))
+    surrogate = torch.minimum(r * adv, torch.clamp(r, 1.0 - eps_low, 1.0 + eps_high) * adv)
+    loss_t = -torch.where(adv < 0, torch.maximum(surrogate, cap * adv), surrogate)
+    return torch.where(mask, loss_t, torch.zeros_like(loss_t)).sum() / inputs.num_tokens_global
+
+
+def test_clip_center_behaviour_is_the_old_loss_bit_for_bit() -> None:
+    inputs, lp = _random_inputs(5, gap=0.5)  # ratios spread over the clip and the cap
+    out = ppo_clip_loss(inputs, PPO_CFG)
+    out.loss.backward()
+    lp2 = lp.detach().clone().requires_grad_(True)
+    old = _old_ppo_clip(LossInputs(lp2, inputs.sampler_logprobs_T, inputs.advantages_T, inputs.mask_T,
+                                   inputs.seq_ids_T, inputs.num_tokens_global), 0.2, 0.28, 2.0)
+    old.backward()
+    assert torch.equal(out.loss.detach(), old.detach())
+    assert torch.equal(lp.grad, lp2.grad)
+    assert 0 < out.metrics["clip_high_frac"] and 0 < out.metrics["is_truncated_frac"]
+    # and the default (proximal) differs on the same inputs
+    inputs3, _ = _random_inputs(5, gap=0.5)
+    assert ppo_clip_loss(inputs3, PpoClipLoss()).loss.item() != pytest.approx(out.loss.item(), abs=1e-4)
+
+
+def test_decoupled_non_finite_weight_is_masked_and_counted() -> None:
+    # sampler -inf: log w = inf -> masked like a non-finite ratio, never a NaN gradient
+    lp = torch.tensor([-1.0, -1.0], requires_grad=True)
+    inputs = LossInputs(lp, torch.tensor([-1.0, float("-inf")]), torch.ones(2), torch.ones(2, dtype=torch.bool),
+                        torch.zeros(2, dtype=torch.long), 2)
+    out = ppo_clip_loss(inputs, PpoClipLoss())
+    out.loss.backward()
+    assert out.metrics["nonfinite_count"] == 1 and lp.grad.tolist() == [-0.5, 0.0]
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [
+    ({"clip_center": "behaviour", "mask_low": 0.4}, "mask_low"),
+    ({"clip_center": "behaviour", "behaviour_weight": "mask"}, "behaviour_weight"),
+    ({"behaviour_weight": "mask", "tis_cap": 3.0}, "tis_cap"),
+    ({"mask_high": 4.0}, "mask_high"),
+])
+def test_a_key_the_mode_does_not_use_is_refused(kwargs: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=f"train.loss.{key} has no effect"):
+        PpoClipLoss(**kwargs)
+    assert PpoClipLoss(clip_center="behaviour", tis_cap=3.0).tis_cap == 3.0  # the dual clip's
+    # an idle key at its default is accepted (a saved config holds every key)
+    assert PpoClipLoss(clip_center="behaviour", mask_low=0.5).clip_center == "behaviour"

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from harnessrl.loss.diagnostics import ESS_WARN, KL_WARN, WEIGHT_MEAN_WARN
 from harnessrl.types import Rollout
 
 
@@ -40,6 +41,41 @@ def step_line(step: int, steps: int, m: dict[str, Any]) -> str:
         return head + f"no update: {m.get('skip_reason') or 'no row to train'}; " + times
     return head + (f"loss {f('loss', '.4f')} gnorm {f('grad_norm', '.3f')} |r-1| {f('ratio_abs_dev', '.2e')} "
                    f"tok {int(m.get('tokens_trained', 0))} stale {f('staleness_mean', '.2f')} ") + times
+
+
+def _crossed(m: Mapping[str, Any], prefix: str) -> list[str]:
+    """The thresholds the metrics under `prefix` cross, in words."""
+    if not m.get(f"{prefix}tokens"):
+        return []
+    found = []
+    kl, ess, mean = m[f"{prefix}mismatch_kl"], m[f"{prefix}is_weight_ess"], m[f"{prefix}is_weight_mean"]
+    if kl > KL_WARN:
+        found.append(f"mismatch KL {kl:.3f} > {KL_WARN}")
+    if ess < ESS_WARN:
+        found.append(f"ESS {ess:.2f} < {ESS_WARN}")
+    if not WEIGHT_MEAN_WARN[0] <= mean <= WEIGHT_MEAN_WARN[1]:
+        found.append(f"mean weight {mean:.2f} outside [{WEIGHT_MEAN_WARN[0]}, {WEIGHT_MEAN_WARN[1]}]")
+    return found
+
+
+def offpolicy_warnings(m: Mapping[str, Any]) -> list[str]:
+    """One line per likely cause whose tokens cross a threshold: the precision gap (staleness 0
+    tokens: engine and trainer disagree at the same weights) and the policy lag (staleness >= 1
+    tokens); the totals when no staleness is known. Empty when nothing crosses."""
+    lines = []
+    gap = _crossed(m, "offpolicy/s0/")
+    if gap:
+        lines.append("off-policy: precision gap at staleness 0 (" + ", ".join(gap) + "): the engine and the "
+                     "trainer disagree at the same weights (engine dtype, top_p / top_k renormalisation)")
+    lag = _crossed(m, "offpolicy/lag/")
+    if lag:
+        lines.append("off-policy: policy lag at staleness >= 1 (" + ", ".join(lag) + "): rollouts from older "
+                     "weights (lower train.max_staleness)")
+    if not lines and "offpolicy/s0/tokens" not in m and "offpolicy/lag/tokens" not in m:
+        total = _crossed(m, "offpolicy/")
+        if total:
+            lines.append("off-policy: sampler/trainer mismatch (" + ", ".join(total) + ")")
+    return lines
 
 
 def skip_reason(m: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ from harnessrl.engine.weight_sync import SyncReport
 from harnessrl.train.console import (
     bound_line,
     final_table,
+    offpolicy_warnings,
     print_conversation,
     rows_line,
     skip_reason,
@@ -188,7 +189,7 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
                 metrics["groups_drawn_extra"] = float(extra)
             if step == run.resume.step + 1 and run.resume.checkpoint is None:
                 metrics.update(await step0_check(run, batch))
-            metrics.update(await trainer_step(run, batch, step, verdict))
+            metrics.update(await trainer_step(run, batch, step, verdict, version))
             nonfinite_skips += int(metrics.get("skipped_nonfinite", 0))
             metrics["skipped_nonfinite_steps"] = float(nonfinite_skips)
             clock.trained = time.monotonic()
@@ -302,17 +303,18 @@ async def step0_check(run: TrainingRun, batch: StepRows) -> dict[str, float]:
 
 
 async def trainer_step(run: TrainingRun, batch: StepRows, step: int,
-                       verdict: Future[tuple[float, float]] | None = None) -> StepMetrics:
+                       verdict: Future[tuple[float, float]] | None = None, version: int | None = None) -> StepMetrics:
     """One optimizer step over the rows on the trainer thread (rollouts continue meanwhile),
     its update applied once `verdict` (the last publish's canary) passed; a step with no row is
-    skipped, and says why.
+    skipped, and says why. `version`: the weights' version the trainer holds (the staleness
+    split of the `offpolicy/*` metrics).
 
     Raises:
         CanaryError: `verdict` failed (no update applied)."""
     metrics: StepMetrics = {}
     if batch.rows:
         result = await run.on_trainer(run.trainer.step, batch.rows, step,
-                                      verdict.result if verdict is not None else None)
+                                      verdict.result if verdict is not None else None, version)
         metrics.update(result.metrics)
     else:
         metrics["skipped"] = 1.0
@@ -384,6 +386,8 @@ def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], 
     for sink in run.sinks:
         sink.log(step, metrics)
     log.info(step_line(step, run.cfg.train.steps, metrics))
+    for line in offpolicy_warnings(metrics):
+        log.warning("step %d: %s", step, line)
     for r in [r for g in groups for r in g.rollouts][: run.cfg.log.log_completions]:
         print_conversation(run.console, r)
 

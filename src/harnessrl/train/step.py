@@ -11,12 +11,18 @@ and each rank's loss is scaled by the world size against DDP's / FSDP2's gradien
 the update equals one process's on the same rows (`tests/test_distributed.py`). Ranks with fewer
 micro-batches run zero-contribution passes so every rank joins the same collectives.
 
+One forward per micro-batch and one optimizer update per batch: the loss's proximal policy
+(`clip_center = "proximal"`) is the weights at the step's start, i.e. the trainer's own
+logprobs detached, so the decoupled objective costs no extra forward pass
+(`tests/test_offpolicy_diagnostics.py` counts them).
+
 Guard: a non-finite gradient norm (NaN or inf, from a NaN loss or an overflow) skips the
 optimizer update instead of writing NaN into every weight (`skipped_nonfinite`).
 
 Metrics it returns: loss, grad_norm (before clipping), `param_delta_l2` (the L2 norm of what
 the update changed, from the optimizer's own update: `update_l2`), the loss's ratio and clip statistics
-(token-weighted over micro-batches), and `ratio_abs_dev`: mean |exp(trainer − sampler) − 1| over
+(token-weighted over micro-batches), the `offpolicy/*` diagnostics by staleness
+(`loss/diagnostics.py`), and `ratio_abs_dev`: mean |exp(trainer − sampler) − 1| over
 trained tokens at the weights *before* the update (at step 0 trainer and sampler hold the same
 weights, so this is the sampler/trainer parity check, DESIGN.md §3.2).
 """
@@ -35,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harnessrl.train.distributed import (SINGLE, Ranks, all_reduce, gather_objects, local_tensor,
                                          split_by_tokens, zero_contribution)
+from harnessrl.loss.diagnostics import OffPolicyStats, staleness_of
 from harnessrl.loss.losses import LossFn
 from harnessrl.train.packing import (PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows,
                                      segment_attention)
@@ -64,6 +71,7 @@ def optimizer_step(
     measure_update: bool = True,
     autocast: str = "off",
     before_update: Callable[[], object] | None = None,
+    policy_version: int | None = None,
 ) -> StepResult:
     """Train on `rows` (advantages already stamped) with one optimizer update.
 
@@ -83,6 +91,8 @@ def optimizer_step(
     `model` (`distributed.wrap_model`); each trains its share (`split_by_tokens`), the loss
     normaliser is the global trained-token count, and the update equals one process's on the
     same rows. The metrics are the whole step's, the same on every rank.
+    `policy_version`: the version of the weights the trainer holds; a token's staleness is it
+    minus the token's turn version (the `offpolicy/*` metrics' split; None: totals only).
 
     `before_update()` runs after the gradients are computed and clipped, right before an
     update is applied (not when none is: no trainable token, a non-finite norm); what it
@@ -96,7 +106,7 @@ def optimizer_step(
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     acc = accumulate_gradients(model, rows, loss_fn, temperature=temperature, token_budget=token_budget,
-                               reference=reference, ranks=ranks, autocast=autocast)
+                               reference=reference, ranks=ranks, autocast=autocast, policy_version=policy_version)
     if acc is None:
         return StepResult({"skipped": 1.0, "tokens_trained": 0.0})
     # 4) clip and update; a NaN or inf gradient norm skips the update (weights and optimizer
@@ -158,11 +168,13 @@ def accumulate_gradients(
     reference: Callable[[PackedBatch], torch.Tensor] | None = None,
     ranks: Ranks = SINGLE,
     autocast: str = "off",
+    policy_version: int | None = None,
 ) -> Accumulated | None:
     """Pack this rank's share of `rows`, run forward and backward on each micro-batch with the
     loss normalised by the whole step's trained tokens, leaving the step's gradient in `.grad`
     (summed over ranks when distributed). None, with no gradient touched, when the step has no
-    trained token. Does not zero gradients first. `autocast`: as in `optimizer_step`."""
+    trained token. Does not zero gradients first. `autocast`, `policy_version`: as in
+    `optimizer_step`."""
     # 1) this rank's rows, packed padding-free into micro-batches under the token budget
     mine = split_by_tokens([len(r.input_ids) for r in rows], ranks.world_size)[ranks.rank]
     batches = pack_rows([rows[i] for i in mine], token_budget)
@@ -179,6 +191,7 @@ def accumulate_gradients(
     maxs: dict[str, float] = {}
     abs_dev_sum = 0.0
     loss_total = 0.0
+    offpolicy = OffPolicyStats()
     with segment_attention(model):  # it sees through a DDP wrapper to the model's config
         for k in range(num_micro):
             sync = k == num_micro - 1 or not isinstance(model, DistributedDataParallel)
@@ -199,22 +212,39 @@ def accumulate_gradients(
                 out = loss_fn(loss_inputs(batch, trainer_lp_T, num_trained, ref_lp_T))
                 (out.loss * scale if ranks.distributed else out.loss).backward()
             loss_total += float(out.loss.detach())
-            weight = batch.num_trained_tokens / num_trained
-            for key, value in out.metrics.items():
-                if key.endswith("_min"):
-                    mins[key] = min(mins.get(key, value), value)
-                elif key.endswith("_max"):
-                    maxs[key] = max(maxs.get(key, value), value)
-                elif key.endswith("_count") or key.startswith("num_"):
-                    sums[key] = sums.get(key, 0.0) + value
-                else:
-                    sums[key] = sums.get(key, 0.0) + weight * value
+            offpolicy.add(trainer_lp_T, batch.sampler_logprobs_T, batch.mask_T,
+                          staleness_of(batch.policy_versions_T, policy_version), out.clipped_T, out.bounded_T)
+            _add_metrics(sums, mins, maxs, out.metrics, batch.num_trained_tokens / num_trained)
     sums.update(loss=loss_total, ratio_abs_dev=abs_dev_sum / num_trained,
                 tokens_trained=float(local_trained), tokens_packed=float(sum(b.num_tokens for b in batches)),
                 micro_batches=float(len(batches)))
     if ranks.distributed:
         sums, mins, maxs = _merge_over_ranks(sums, mins, maxs, ranks)
-    return Accumulated(num_trained, {**sums, **mins, **maxs})
+        offpolicy = _merge_offpolicy(offpolicy, ranks)
+    return Accumulated(num_trained, {**sums, **mins, **maxs, **offpolicy.metrics()})
+
+
+def _add_metrics(sums: dict[str, float], mins: dict[str, float], maxs: dict[str, float],
+                 metrics: dict[str, float], weight: float) -> None:
+    """One micro-batch's loss metrics into the step's: `_min` / `_max` keys by min / max,
+    `_count` and `num_` keys summed, the rest token-weighted (`weight`: its share of tokens)."""
+    for key, value in metrics.items():
+        if key.endswith("_min"):
+            mins[key] = min(mins.get(key, value), value)
+        elif key.endswith("_max"):
+            maxs[key] = max(maxs.get(key, value), value)
+        elif key.endswith("_count") or key.startswith("num_"):
+            sums[key] = sums.get(key, 0.0) + value
+        else:
+            sums[key] = sums.get(key, 0.0) + weight * value
+
+
+def _merge_offpolicy(mine: OffPolicyStats, ranks: Ranks) -> OffPolicyStats:
+    """Every rank's off-policy sums, added (a collective)."""
+    total = OffPolicyStats()
+    for part in gather_objects(mine, ranks):
+        total.merge(part)
+    return total
 
 
 def _merge_over_ranks(sums: dict[str, float], mins: dict[str, float], maxs: dict[str, float],

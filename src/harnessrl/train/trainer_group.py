@@ -72,15 +72,16 @@ class TrainerGroup:
         return self._load(str(model_dir))
 
     def step(self, rows: Sequence[Row], step: int | None = None,
-             before_update: Callable[[], object] | None = None) -> StepResult:
+             before_update: Callable[[], object] | None = None, policy_version: int | None = None) -> StepResult:
         """One optimizer step on `rows` across every rank (`step.optimizer_step`), at the
         learning rate of training step `step` (1-based; `train.lr_schedule`, `schedule.py`).
         `step=None` keeps the optimizer's current learning rate. `before_update` runs on rank 0
         after the gradients, before the weights change (`optimizer_step`'s; the loop passes the
         wait for the last publish's canary verdict there); an error from it ends the step with
-        the weights untouched."""
-        self._send("step", list(rows), step)
-        return self._step(list(rows), step, before_update)
+        the weights untouched. `policy_version`: the version of the weights the trainer holds,
+        for the diagnostics by staleness (`optimizer_step`'s)."""
+        self._send("step", list(rows), step, None, policy_version)
+        return self._step(list(rows), step, before_update, policy_version)
 
     def update_norm(self) -> float | None:
         """`param_delta_l2` of the last `step` (`step.update_l2`), measured after it so that the
@@ -182,7 +183,7 @@ class TrainerGroup:
         return self.policy
 
     def _step(self, rows: list[Row], step: int | None = None,
-              before_update: Callable[[], object] | None = None) -> StepResult:
+              before_update: Callable[[], object] | None = None, policy_version: int | None = None) -> StepResult:
         policy, t = self._policy(), self.cfg.train
         if step is not None:
             lr = t.learning_rate * lr_factor(t.lr_schedule, step - 1, t.steps, t.warmup_steps)
@@ -191,7 +192,8 @@ class TrainerGroup:
         result = optimizer_step(policy.trained, policy.optimizer, rows, self._loss_fn,
                                 temperature=self.cfg.sampling.temperature, token_budget=t.token_budget,
                                 max_grad_norm=t.max_grad_norm, reference=self._reference, ranks=self.ranks,
-                                measure_update=False, autocast=t.autocast, before_update=before_update)
+                                measure_update=False, autocast=t.autocast, before_update=before_update,
+                                policy_version=policy_version)
         self._updated = result.updated
         result.metrics["lr"] = float(policy.optimizer.param_groups[0]["lr"])
         return result
