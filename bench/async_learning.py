@@ -257,7 +257,7 @@ async def sampled_pass(model_dir: Path, bench: argparse.Namespace) -> float:
 
 
 def probe(history: list[dict], rollouts_file: Path, groups_per_step: int) -> list[dict]:
-    """Per updating step: staleness mean / max, |r - 1| (`ratio_abs_dev`), clip fractions, the
+    """Per step: staleness mean / max, |r - 1| (`ratio_abs_dev`), clip fractions, `OFFPOLICY`, the
     step's group ids in the order they arrived, and the groups whose rollouts' turns span more
     than one policy version, with their reward mean (`rollouts.jsonl` holds each step's groups
     in turn, `groups_per_step` plus `groups_drawn_extra` a step)."""
@@ -282,8 +282,14 @@ def probe(history: list[dict], rollouts_file: Path, groups_per_step: int) -> lis
                      "groups": [g[0] for g in mine], "versions": [sorted(g[1]) for g in mine],
                      "spanning": len(spanning),
                      "spanning_reward_mean": [sum(g[2]) / len(g[2]) for g in spanning],
-                     "skipped": bool(m.get("skipped"))})
+                     "skipped": bool(m.get("skipped")),
+                     **{k: m.get(f"offpolicy/{k}", math.nan) for k in OFFPOLICY}})
     return rows
+
+
+OFFPOLICY = ("lag/mismatch_kl", "lag/is_weight_mean", "lag/is_weight_ess", "clip_frac", "bounded_frac")
+"""The loss's `offpolicy/*` step diagnostics the probe keeps (`loss/diagnostics.py`; NaN where
+the code or the step has none: `lag/*` needs tokens at staleness >= 1)."""
 
 
 # --- the tables ---
@@ -328,11 +334,13 @@ def print_probe(seed: int, results: dict[str, dict]) -> None:
         if not r.get("probe") or ARMS[arm] is None or ARMS[arm].max_staleness == 0:  # type: ignore[union-attr]
             continue
         print(f"\nprobe, seed {seed}, {arm} ({r['loss']}): step, staleness mean/max, |r-1|, clip low/high, "
-              f"groups (versions), spanning groups' mean reward")
+              f"offpolicy lag KL / lag w mean / lag ESS / clip / bounded, groups (versions), spanning groups' "
+              f"mean reward")
         for p in r["probe"]:
             groups = " ".join(f"{g}{v}" for g, v in zip(p["groups"], p["versions"]))
             print(f"  {p['step']:>3} {p['staleness_mean']:4.2f}/{p['staleness_max']:<3.0f} {p['ratio_abs_dev']:8.2e} "
-                  f"{p['clip_low_frac']:.4f}/{p['clip_high_frac']:.4f}  {groups}  "
+                  f"{p['clip_low_frac']:.4f}/{p['clip_high_frac']:.4f}  "
+                  + " / ".join(f"{p.get(k, math.nan):.3g}" for k in OFFPOLICY) + f"  {groups}  "
                   f"{' '.join(f'{x:.2f}' for x in p['spanning_reward_mean']) or '-'}"
                   + ("  (skipped)" if p["skipped"] else ""))
 

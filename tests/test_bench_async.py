@@ -159,7 +159,11 @@ def test_one_seed_is_the_seed_side_by_side_runs(tmp_path: Path, tiny_model_dir: 
 
 def test_report_reads_an_out_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for arm, r in {"sync": _result(0.85, 100.0, [[2, 40.0, 0.7], [4, 100.0, 0.85]]),
-                   "async-1": _result(0.86, 80.0, [[2, 35.0, 0.86], [4, 80.0, 0.86]])}.items():
+                   "async-1": {**_result(0.86, 80.0, [[2, 35.0, 0.86], [4, 80.0, 0.86]]), "probe": [
+                       {"step": 2, "staleness_mean": 0.5, "staleness_max": 1.0, "ratio_abs_dev": 0.03,
+                        "clip_low_frac": 0.001, "clip_high_frac": 0.002, "groups": [3, 2], "versions": [[1], [0, 1]],
+                        "spanning": 1, "spanning_reward_mean": [0.25], "skipped": False,
+                        "lag/mismatch_kl": 0.04}]}}.items():
         (tmp_path / "seed-1" / arm).mkdir(parents=True)
         (tmp_path / "seed-1" / arm / "arm.json").write_text(json.dumps(r))
     runs = al.report(tmp_path)
@@ -167,3 +171,4 @@ def test_report_reads_an_out_directory(tmp_path: Path, capsys: pytest.CaptureFix
     assert runs[1]["async-1"]["goals"] == {"a": True, "b": True, "c": None, "d": True}
     text = capsys.readouterr().out
     assert "seed 1: sync's final sampled pass 85.0% in 100 s" in text and "0.35" in text
+    assert "0.50/1   3.00e-02 0.0010/0.0020  0.04 / nan / nan / nan / nan  3[1] 2[0, 1]  0.25" in text
