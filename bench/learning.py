@@ -75,8 +75,12 @@ the proxy, the engine and the verifier): `--eval-prompts` tasks of the held-out 
 greedy (`pass`) and `--eval-samples` times at temperature 1.0 (`sampled`, the finer measure once
 greedy saturates). The goal is harnessrl's greedy held-out pass >= TRL's in <= 60% of TRL's
 training time. Each arm prints how many steps had a group with unequal rewards. `--seeds` runs
-each seed in a process of its own. `--rescore DIR ...` trains nothing and scores the final
-models of earlier runs with this evaluation.
+each seed in a process of its own (`--seeds S` alone runs seed S), and each arm trains and is
+scored in a process of its own (`arm_in_child`; when the arms shared one, its heap peaked at
+9.5-15 GB and the kernel's OOM killer once ended a run): the table's `RSS GB` is that process's
+peak (for TRL the larger of its process and the scoring one). `--rescore DIR ...` trains
+nothing and scores the final models of earlier runs with this evaluation. Time to accuracy,
+async against sync at several staleness bounds, is `bench/async_learning.py`.
 
 SmolLM2-135M-Instruct itself writes no `<tool_call>` for these prompts (0 of 64 samples at
 temperature 1.0, none greedy; with a worked example in the system message, in the user message
