@@ -257,7 +257,7 @@ async def sampled_pass(model_dir: Path, bench: argparse.Namespace) -> float:
 
 
 def probe(history: list[dict], rollouts_file: Path, groups_per_step: int) -> list[dict]:
-    """Per step: staleness mean / max, |r - 1| (`ratio_abs_dev`), clip fractions, `OFFPOLICY`, the
+    """Per step: the verifier's mean reward, staleness mean / max, |r - 1| (`ratio_abs_dev`), clip fractions, `OFFPOLICY`, the
     step's group ids in the order they arrived, and the groups whose rollouts' turns span more
     than one policy version, with their reward mean (`rollouts.jsonl` holds each step's groups
     in turn, `groups_per_step` plus `groups_drawn_extra` a step)."""
@@ -276,7 +276,8 @@ def probe(history: list[dict], rollouts_file: Path, groups_per_step: int) -> lis
         n = groups_per_step + int(m.get("groups_drawn_extra", 0))
         mine, at = groups[at:at + n], at + n
         spanning = [g for g in mine if len(g[1]) > 1]
-        rows.append({"step": m["step"], "staleness_mean": m.get("staleness_mean", math.nan),
+        rows.append({"step": m["step"], "reward_mean": m.get("reward/verifier_mean", math.nan),
+                     "staleness_mean": m.get("staleness_mean", math.nan),
                      "staleness_max": m.get("staleness_max", math.nan), "ratio_abs_dev": m.get("ratio_abs_dev", math.nan),
                      "clip_low_frac": m.get("clip_low_frac", math.nan), "clip_high_frac": m.get("clip_high_frac", math.nan),
                      "groups": [g[0] for g in mine], "versions": [sorted(g[1]) for g in mine],
@@ -333,12 +334,13 @@ def print_probe(seed: int, results: dict[str, dict]) -> None:
     for arm, r in results.items():
         if not r.get("probe") or ARMS[arm] is None or ARMS[arm].max_staleness == 0:  # type: ignore[union-attr]
             continue
-        print(f"\nprobe, seed {seed}, {arm} ({r['loss']}): step, staleness mean/max, |r-1|, clip low/high, "
+        print(f"\nprobe, seed {seed}, {arm} ({r['loss']}): step, reward mean, staleness mean/max, |r-1|, clip low/high, "
               f"offpolicy lag KL / lag w mean / lag ESS / clip / bounded, groups (versions), spanning groups' "
               f"mean reward")
         for p in r["probe"]:
             groups = " ".join(f"{g}{v}" for g, v in zip(p["groups"], p["versions"]))
-            print(f"  {p['step']:>3} {p['staleness_mean']:4.2f}/{p['staleness_max']:<3.0f} {p['ratio_abs_dev']:8.2e} "
+            print(f"  {p['step']:>3} {p.get('reward_mean', math.nan):4.2f} "
+                  f"{p['staleness_mean']:4.2f}/{p['staleness_max']:<3.0f} {p['ratio_abs_dev']:8.2e} "
                   f"{p['clip_low_frac']:.4f}/{p['clip_high_frac']:.4f}  "
                   + " / ".join(f"{p.get(k, math.nan):.3g}" for k in OFFPOLICY) + f"  {groups}  "
                   f"{' '.join(f'{x:.2f}' for x in p['spanning_reward_mean']) or '-'}"

@@ -171,4 +171,4 @@ def test_report_reads_an_out_directory(tmp_path: Path, capsys: pytest.CaptureFix
     assert runs[1]["async-1"]["goals"] == {"a": True, "b": True, "c": None, "d": True}
     text = capsys.readouterr().out
     assert "seed 1: sync's final sampled pass 85.0% in 100 s" in text and "0.35" in text
-    assert "0.50/1   3.00e-02 0.0010/0.0020  0.04 / nan / nan / nan / nan  3[1] 2[0, 1]  0.25" in text
+    assert "    2  nan 0.50/1   3.00e-02 0.0010/0.0020  0.04 / nan / nan / nan / nan  3[1] 2[0, 1]  0.25" in text
