@@ -153,10 +153,11 @@ def max_clip(history: list[dict]) -> float:
 
 def goals(arm: str, r: dict, sync: dict | None, trl: dict | None) -> dict[str, bool | None]:
     """Goal lines (a)-(d) of `arm`'s result `r` against `sync`'s and `trl`'s (None: not
-    measured); a goal that cannot be judged (no sync or TRL result) is None."""
+    measured); a goal that cannot be judged (no sync or TRL result), and every goal of sync and
+    TRL themselves, is None."""
     spec = ARMS[arm]
     out: dict[str, bool | None] = {"a": None, "b": None, "c": None, "d": None}
-    if spec is None:
+    if spec is None or arm == "sync":
         return out
     sampled = r["held_out"]["sampled_pass"]
     if sync is not None:
@@ -356,11 +357,12 @@ def summary(runs: dict[int, dict[str, dict]]) -> None:
         rs = [r[arm] for r in runs.values() if arm in r]
         ratios = [r["ratio_to_sync"] for r in rs if r.get("ratio_to_sync") is not None]
         met = {k: sum(bool(r.get("goals", {}).get(k)) for r in rs) for k in "abcd"}
+        judged = {k: sum(r.get("goals", {}).get(k) is not None for r in rs) for k in "abcd"}
         print(f"{arm:18} {len(rs):5} {_pct(sum(r['held_out']['pass'] for r in rs) / len(rs)):>7} "
               f"{_pct(sum(r['held_out']['sampled_pass'] for r in rs) / len(rs)):>7} "
               f"{sum(r['train_s'] for r in rs) / len(rs):7.0f} "
               f"{(f'{sum(ratios) / len(ratios):.2f}' if ratios else '-'):>6}  "
-              + " ".join(f"{met[k]}/{len(rs)}" for k in "abcd"))
+              + " ".join(f"{met[k]}/{judged[k]}" if judged[k] else "-" for k in "abcd"))
 
 
 def report(out: Path) -> dict[int, dict[str, dict]]:

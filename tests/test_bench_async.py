@@ -60,6 +60,7 @@ def test_time_to_sync_and_the_goals() -> None:
     assert al.goals("async-4", results["async-4"], sync, trl) == {"a": True, "b": False, "c": True, "d": True}
     assert al.goals("async-1", results["async-1"], None, None) == {"a": None, "b": None, "c": None, "d": True}
     assert al.goals("trl", trl, sync, trl) == {"a": None, "b": None, "c": None, "d": None}
+    assert al.goals("sync", sync, sync, trl) == {"a": None, "b": None, "c": None, "d": None}
     # 60% and 40% are inclusive
     edge = _result(0.82, 100.0, [[6, 60.0, 0.85]])
     al.add_time_to_sync({"sync": sync, "x": edge})
@@ -171,4 +172,6 @@ def test_report_reads_an_out_directory(tmp_path: Path, capsys: pytest.CaptureFix
     assert runs[1]["async-1"]["goals"] == {"a": True, "b": True, "c": None, "d": True}
     text = capsys.readouterr().out
     assert "seed 1: sync's final sampled pass 85.0% in 100 s" in text and "0.35" in text
+    assert "sync                   1  100.0%   85.0%     100   1.00  - - - -" in text
+    assert "async-1                1  100.0%   86.0%      80   0.35  1/1 1/1 - 1/1" in text
     assert "    2  nan 0.50/1   3.00e-02 0.0010/0.0020  0.04 / nan / nan / nan / nan  3[1] 2[0, 1]  0.25" in text
