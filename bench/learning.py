@@ -13,7 +13,8 @@ prompts x completions per step, reply cap and step budget:
     first run), TRL's defaults otherwise.
 Both final models are scored by one held-out evaluation (`held_out`): 64 prompts of seed
 987654, greedy, replies <= 24 tokens, on harnessrl's engine; lenient and strict pass, mean
-completion length and the fraction of replies cut at the cap. Printed: both training wall
+completion length and the fraction of replies cut at the cap, and the lenient pass of
+`--eval-samples` replies a prompt at temperature 1.0 (`sampled`). Printed: both training wall
 times and their ratio (goal: harnessrl >= 90% held-out in <= 60% of TRL's time), and each
 arm's ratio-clip fraction over its steps.
 
@@ -74,8 +75,12 @@ the proxy, the engine and the verifier): `--eval-prompts` tasks of the held-out 
 greedy (`pass`) and `--eval-samples` times at temperature 1.0 (`sampled`, the finer measure once
 greedy saturates). The goal is harnessrl's greedy held-out pass >= TRL's in <= 60% of TRL's
 training time. Each arm prints how many steps had a group with unequal rewards. `--seeds` runs
-each seed in a process of its own. `--rescore DIR ...` trains nothing and scores the final
-models of earlier runs with this evaluation.
+each seed in a process of its own (`--seeds S` alone runs seed S), and each arm trains and is
+scored in a process of its own (`arm_in_child`; when the arms shared one, its heap peaked at
+9.5-15 GB and the kernel's OOM killer once ended a run): the table's `RSS GB` is that process's
+peak (for TRL the larger of its process and the scoring one). `--rescore DIR ...` trains
+nothing and scores the final models of earlier runs with this evaluation. Time to accuracy,
+async against sync at several staleness bounds, is `bench/async_learning.py`.
 
 SmolLM2-135M-Instruct itself writes no `<tool_call>` for these prompts (0 of 64 samples at
 temperature 1.0, none greedy; with a worked example in the system message, in the user message
@@ -113,9 +118,12 @@ sys.path.insert(0, str(BENCH))
 import larger_task as lt  # noqa: E402
 
 
-async def held_out(model_dir: Path, n_prompts: int, threads: int, max_tokens: int = 24) -> dict[str, float]:
-    """Greedy held-out scores of the model in `model_dir` on `n_prompts` prompts of the held-out
-    seed: lenient / strict pass, mean completion tokens, fraction cut at `max_tokens`."""
+async def held_out(model_dir: Path, n_prompts: int, threads: int, max_tokens: int = 24,
+                   samples: int = 0) -> dict[str, float]:
+    """Held-out scores of the model in `model_dir` on `n_prompts` prompts of the held-out seed:
+    greedy lenient / strict pass, mean completion tokens, fraction cut at `max_tokens`, and
+    `sampled_pass`, the lenient pass over `samples` replies a prompt at temperature 1.0 (request
+    seeds 0..n_prompts * samples - 1, the same for every model; NaN with `samples` 0)."""
     from harnessrl.chat.layer import ChatLayer, normalize_messages
     from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer
@@ -128,11 +136,18 @@ async def held_out(model_dir: Path, n_prompts: int, threads: int, max_tokens: in
         prompts = [chat.render(normalize_messages([{"role": "user", "content": lt.prompt(a, b)}])) for a, b in pairs]
         completions = await asyncio.gather(*(engine.generate(p, Sampling(temperature=0.0, max_tokens=max_tokens))
                                              for p in prompts))
+        sampled = await asyncio.gather(*(
+            engine.generate(p, Sampling(temperature=1.0, max_tokens=max_tokens, seed=i * samples + j))
+            for i, p in enumerate(prompts) for j in range(samples)))
     finally:
         engine.close()
     texts = [chat.parse(list(c.completion_ids), False).content or "" for c in completions]
     lengths = [len(c.completion_ids) for c in completions]
+    sampled_texts = [chat.parse(list(c.completion_ids), False).content or "" for c in sampled]
+    sampled_pairs = [p for p in pairs for _ in range(samples)]
     return {"pass": sum(lt.lenient(t, max(p)) for t, p in zip(texts, pairs)) / n_prompts,
+            "sampled_pass": (sum(lt.lenient(t, max(p)) for t, p in zip(sampled_texts, sampled_pairs)) / len(sampled)
+                             if sampled else float("nan")),
             "strict_pass": sum(lt.strict(t, max(p)) for t, p in zip(texts, pairs)) / n_prompts,
             "mean_completion_tokens": sum(lengths) / n_prompts,
             "cap_frac": sum(n >= max_tokens for n in lengths) / n_prompts}
@@ -373,13 +388,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "its trainer runs train.autocast) and with 'both' in TRL's (bf16=True: torch.autocast "
                    "over its float32 model, generation included); the held-out evaluation stays float32")
     p.add_argument("--eval-prompts", type=int, default=64)
-    p.add_argument("--eval-samples", type=int, default=4, help="--task lookup: rollouts a held-out task "
-                   "sampled at temperature 1.0 for the `sampled` column, besides the greedy one (0: none)")
+    p.add_argument("--eval-samples", type=int, default=4, help="rollouts (--task lookup) or replies (larger) a "
+                   "held-out task sampled at temperature 1.0 for the `sampled` column, besides the greedy one (0: none)")
     p.add_argument("--rescore", type=Path, nargs="+", default=None, metavar="DIR",
                    help="--task lookup: train nothing; score the final models of earlier side-by-side "
                    "runs (each DIR an OUT or OUT/seed-S of one, with harnessrl/checkpoints and trl/model) "
                    "with this evaluation and print their table with the training times they recorded")
     p.add_argument("--base-scores", type=Path, default=None, help=argparse.SUPPRESS)  # --seeds' children
+    p.add_argument("--arm-only", default=None, choices=["harnessrl", "trl"], help=argparse.SUPPRESS)  # an arm's process
     p.add_argument("--harness", default="white_box", help="white_box (the side-by-side), or an agent "
                    "(mini-swe-agent, ...) for a curve through it")
     p.add_argument("--eval-every", type=int, default=5, help="with --harness AGENT")
@@ -428,6 +444,9 @@ def main() -> None:
         model_dir = tw.warm_start(model_dir, cfg, threads=2)
         args.model = str(model_dir)  # both arms start from it
         print(f"both arms start from the tool warm start {model_dir}", flush=True)
+    if args.arm_only:
+        one_arm(args, args.arm_only, model_dir, out)
+        return
     if args.rescore:
         rescore(args, model_dir, out)
         return
@@ -436,6 +455,7 @@ def main() -> None:
     else:
         base = asyncio.run(evaluate(model_dir, args))
     seeds = args.seeds or [args.seed]
+    args.seed = seeds[0]  # `--seeds S` alone runs seed S
     if len(seeds) > 1:
         # one process a seed: a process's heap only grows over the arms it trains and scores
         # (12 GB after a seed and a half, killed by the kernel once), so each seed starts bare
@@ -462,18 +482,20 @@ def seed_in_child(seed: int, out: Path, base_scores: Path) -> dict:
     return json.loads((out / "learning.json").read_text())["seeds"][str(seed)]
 
 
-def child_argv(argv: list[str], seed: int, out: Path, base_scores: Path) -> list[str]:
-    """`argv` without its `--seeds`, `--seed`, `--out` and `--base-scores` (either spelling), then
-    `--seed SEED --out OUT --base-scores FILE`."""
+def child_argv(argv: list[str], seed: int, out: Path, base_scores: Path | None) -> list[str]:
+    """`argv` without its `--seeds`, `--seed`, `--out`, `--base-scores` and `--arm-only` (either
+    spelling), then `--seed SEED --out OUT` and, given one, `--base-scores FILE`."""
+    dropped = ("--seeds", "--out", "--seed", "--base-scores", "--arm-only")
     kept, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg in ("--seeds", "--out", "--seed", "--base-scores"):
+        elif arg in dropped:
             skip = True
-        elif not arg.startswith(("--seeds=", "--out=", "--seed=", "--base-scores=")):
+        elif not arg.startswith(tuple(f"{d}=" for d in dropped)):
             kept.append(arg)
-    return [*kept, "--seed", str(seed), "--out", str(out), "--base-scores", str(base_scores)]
+    return [*kept, "--seed", str(seed), "--out", str(out),
+            *(["--base-scores", str(base_scores)] if base_scores is not None else [])]
 
 
 def recorded_args(d: Path, args: argparse.Namespace) -> argparse.Namespace:
@@ -526,7 +548,7 @@ def evaluate(model_dir: Path, args: argparse.Namespace) -> Any:
     """The held-out evaluation of `--task` (a coroutine), two engine threads."""
     if args.task == "lookup":
         return held_out_lookup(model_dir, args, threads=2)
-    return held_out(model_dir, args.eval_prompts, threads=2, max_tokens=args.max_tokens)
+    return held_out(model_dir, args.eval_prompts, threads=2, max_tokens=args.max_tokens, samples=args.eval_samples)
 
 
 def goal_met(args_task: str, passes: dict[str, float], ratio: float) -> bool:
@@ -537,42 +559,29 @@ def goal_met(args_task: str, passes: dict[str, float], ratio: float) -> bool:
 
 
 def side_by_side(args: argparse.Namespace, model_dir: Path, base: dict[str, float], out: Path) -> dict:
-    """Both arms (or one, `--arms`) at `args.seed`; prints their table and returns
-    {"held_out": {arm: scores}, "train_s": {arm: s}, "clip": {arm: frac}, "load_avg": {arm: load}}."""
+    """Both arms (or one, `--arms`) at `args.seed`, each in a process of its own (`arm_in_child`:
+    an arm's heap, 9.5-15 GB at its peak when the arms shared a process, is returned when it
+    exits); prints their table and returns {"held_out": {arm: scores}, "train_s": {arm: s},
+    "clip": {arm: frac}, "load_avg": {arm: load}, "peak_rss_gb": {arm: GB}, ...}."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {"base": base}
     times: dict[str, float] = {}
     clip: dict[str, float] = {}
     load: dict[str, float] = {}  # 1-minute load average, mean of each arm's start and end values
+    rss: dict[str, float] = {}
     trl_failure = ""
     signal: dict[str, int] = {}  # steps whose groups had unequal rewards (a gradient)
-    if args.arms in ("both", "harnessrl"):
-        load["harnessrl"] = os.getloadavg()[0]
-        arm = lookup_harnessrl_arm if args.task == "lookup" else harnessrl_arm
-        checkpoint, times["harnessrl"], history = arm(args, out / "harnessrl")
-        load["harnessrl"] = (load["harnessrl"] + os.getloadavg()[0]) / 2
-        results["harnessrl"] = asyncio.run(evaluate(checkpoint, args))
-        fracs = [m.get("clip_high_frac", 0.0) + m.get("clip_low_frac", 0.0) for m in history if "loss" in m]
-        clip["harnessrl"] = sum(fracs) / max(len(fracs), 1)
-        steps = [m for m in history if m.get("step", 0) > 0]
-        signal["harnessrl"] = sum(1 for m in steps if not m.get("skipped"))
-        print(f"harnessrl arm: {sum(1 for m in steps if not m.get('skipped'))} of {len(steps)} steps updated; "
-              f"{sum(m.get('groups_drawn_extra', 0.0) for m in steps):.0f} groups drawn beyond "
-              f"{args.prompts_per_step} a step", flush=True)
-    if args.arms in ("both", "trl"):
-        load["trl"] = os.getloadavg()[0]
+    for arm in [a for a in ("harnessrl", "trl") if args.arms in ("both", a)]:
+        load0 = os.getloadavg()[0]
         try:
-            model, times["trl"], log = trl_arm(args, model_dir, out / "trl")
+            done = arm_in_child(arm, args.seed, out / arm)
         except TrlArmFailed as exc:
             trl_failure = str(exc)
-        else:
-            load["trl"] = (load["trl"] + os.getloadavg()[0]) / 2
-            results["trl"] = asyncio.run(evaluate(model, args))
-            fracs = [float(m.get("clip_ratio/region_mean", 0.0)) for m in log]
-            clip["trl"] = sum(fracs) / max(len(fracs), 1)
-            signal["trl"] = sum(1 for m in log if float(m.get("frac_reward_zero_std", 0.0)) < 1.0)
-            print(f"trl arm: {signal['trl']} of {len(log)} steps had a group with unequal rewards", flush=True)
-    print_table(args, results, times, clip, load)
+            continue
+        load[arm] = (load0 + os.getloadavg()[0]) / 2
+        results[arm], times[arm], clip[arm] = done["held_out"], done["train_s"], done["clip"]
+        signal[arm], rss[arm] = done["signal_steps"], done["peak_rss_gb"]
+    print_table(args, results, times, clip, load, rss)
     if trl_failure:
         print(f"TRL arm: no result ({trl_failure})")
     goal = None
@@ -586,15 +595,75 @@ def side_by_side(args: argparse.Namespace, model_dir: Path, base: dict[str, floa
               + (" only vacuously: no reward in either arm, so neither trained (harnessrl skips a step "
                  "without signal, TRL runs it with a zero loss)" if vacuous else ""))
     run = {"held_out": results, "train_s": times, "clip": clip, "load_avg": load, "goal": goal, "signal_steps": signal,
-           "trl_failure": trl_failure or None}
+           "peak_rss_gb": rss, "trl_failure": trl_failure or None}
     (out / "learning.json").write_text(json.dumps(run, indent=1))
     return run
 
 
+def one_arm(args: argparse.Namespace, arm: str, model_dir: Path, out: Path) -> dict:
+    """`--arm-only ARM`: train `arm` at `args.seed` in this process and score its final model;
+    writes and returns OUT/arm.json: held_out, train_s, clip (mean ratio-clip fraction over its
+    steps), signal_steps, peak_rss_gb (`peak_rss_gb`) and the step metrics (`history`).
+
+    Raises:
+        TrlArmFailed: the TRL process failed."""
+    out.mkdir(parents=True, exist_ok=True)
+    if arm == "harnessrl":
+        train = lookup_harnessrl_arm if args.task == "lookup" else harnessrl_arm
+        checkpoint, seconds, history = train(args, out)
+        scores = asyncio.run(evaluate(checkpoint, args))
+        fracs = [m.get("clip_high_frac", 0.0) + m.get("clip_low_frac", 0.0) for m in history if "loss" in m]
+        steps = [m for m in history if m.get("step", 0) > 0]
+        signal = sum(1 for m in steps if not m.get("skipped"))
+        print(f"harnessrl arm: {signal} of {len(steps)} steps updated; "
+              f"{sum(m.get('groups_drawn_extra', 0.0) for m in steps):.0f} groups drawn beyond "
+              f"{args.prompts_per_step} a step", flush=True)
+    else:
+        model, seconds, history = trl_arm(args, model_dir, out)
+        scores = asyncio.run(evaluate(model, args))
+        fracs = [float(m.get("clip_ratio/region_mean", 0.0)) for m in history]
+        signal = sum(1 for m in history if float(m.get("frac_reward_zero_std", 0.0)) < 1.0)
+        print(f"trl arm: {signal} of {len(history)} steps had a group with unequal rewards", flush=True)
+    done = {"held_out": scores, "train_s": seconds, "clip": sum(fracs) / max(len(fracs), 1),
+            "signal_steps": signal, "peak_rss_gb": peak_rss_gb(), "history": jsonable(history)}
+    (out / "arm.json").write_text(json.dumps(done, indent=1))
+    return done
+
+
+def peak_rss_gb() -> float:
+    """The peak resident memory (GB) of this process or of the largest process it waited for
+    (the TRL arm's), whichever is higher (`getrusage`'s `ru_maxrss`, KB on Linux)."""
+    import resource
+
+    return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1e6
+
+
+def jsonable(history: list[dict]) -> list[dict]:
+    """Step metrics with only their numbers and strings (JSON-writable)."""
+    return [{k: v for k, v in m.items() if isinstance(v, (int, float, str))} for m in history]
+
+
+def arm_in_child(arm: str, seed: int, out: Path, script: Path | None = None,
+                 extra: tuple[str, ...] = ()) -> dict:
+    """`arm` at `seed` in a process of its own: `script` (this one by default) with this command
+    line, `--seed`, `--out OUT` and `--arm-only ARM` (plus `extra`); its OUT/arm.json.
+
+    Raises:
+        TrlArmFailed: the TRL arm's process failed.
+        RuntimeError: the harnessrl arm's process failed (its output is above)."""
+    argv = child_argv(sys.argv[1:], seed, out, None)
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), *argv, "--arm-only", arm, *extra]
+    if subprocess.run(cmd).returncode != 0:
+        if arm == "trl":
+            raise TrlArmFailed(f"the TRL arm's process failed: {' '.join(cmd)}")
+        raise RuntimeError(f"the {arm} arm at seed {seed} failed: {' '.join(cmd)}")
+    return json.loads((out / "arm.json").read_text())
+
+
 def print_table(args: argparse.Namespace, results: dict[str, dict], times: dict[str, float],
-                clip: dict[str, float], load: dict[str, float]) -> None:
+                clip: dict[str, float], load: dict[str, float], rss: dict[str, float] | None = None) -> None:
     """One seed's table: each arm's (and the base's) held-out scores, training seconds, mean
-    ratio-clip fraction and load average."""
+    ratio-clip fraction, load average and its process's peak RSS (GB)."""
     if args.task == "lookup":
         print(f"\n{args.lookup_kind} task (difficulty {args.difficulty}), tool loop (bash, <= {args.max_turns} "
               f"replies), seed {args.seed}, {args.steps} steps, lr {args.lr} ({args.lr_schedule}), bfloat16: "
@@ -609,16 +678,18 @@ def print_table(args: argparse.Namespace, results: dict[str, dict], times: dict[
               f"bfloat16: {args.bf16}, "
               f"{args.prompts_per_step} prompts x "
               f"{args.completions} completions per step, replies <= {args.max_tokens} tokens, reward {args.reward}; "
-              f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy")
-        cols = [("pass", "pass"), ("strict", "strict_pass")]
+              f"held-out: {args.eval_prompts} prompts (seed {lt.HELD_OUT_SEED}), greedy (pass, strict) and "
+              f"{args.eval_samples} samples a prompt at temperature 1.0 (sampled)")
+        cols = [("pass", "pass"), ("strict", "strict_pass"), ("sampled", "sampled_pass")]
     print(f"{'arm':10} " + " ".join(f"{name:>8}" for name, _ in cols)
-          + f" {'len':>6} {'at cap':>7} {'train s':>8} {'clip':>7} {'load':>5}")
+          + f" {'len':>6} {'at cap':>7} {'train s':>8} {'clip':>7} {'load':>5} {'RSS GB':>6}")
     for arm, r in results.items():
         t = f"{times[arm]:.0f}" if arm in times else "-"
         c = f"{clip[arm]:.4f}" if arm in clip else "-"
         ld = f"{load[arm]:.1f}" if arm in load else "-"
+        gb = f"{rss[arm]:.1f}" if rss and arm in rss else "-"
         print(f"{arm:10} " + " ".join(f"{r.get(key, float('nan')):8.1%}" for _, key in cols)
-              + f" {r['mean_completion_tokens']:6.1f} {r['cap_frac']:7.1%} {t:>8} {c:>7} {ld:>5}")
+              + f" {r['mean_completion_tokens']:6.1f} {r['cap_frac']:7.1%} {t:>8} {c:>7} {ld:>5} {gb:>6}")
 
 
 def summary(runs: dict, task: str = "larger") -> None:
