@@ -936,7 +936,7 @@ async def test_a_descriptor_flood_from_a_sandbox_spares_the_trainer_and_its_sibl
 
 async def test_descriptor_hog_is_bounded_by_the_sandbox_rlimit(kit: Kit, sandbox_root: Path) -> None:
     """An agent holding eventfds in 8 processes (each in its own session) until refused: each
-    stops at `max_open_files` (default 256; the trainer's own RLIMIT_NOFILE was inherited,
+    stops at `max_open_files` (default 512; the trainer's own RLIMIT_NOFILE was inherited,
     20,000 here, before), cannot raise it, and the sandbox as a whole holds at most
     `max_processes * max_open_files`."""
     sb = await kit.backend(sandbox_root).create("fdhog", {})

@@ -46,13 +46,14 @@ class SandboxConfig(BaseModel):
     of virtual address space. Their children inherit it."""
     file_size_bytes: int | None = Field(default=1 << 30, ge=1)
     """RLIMIT_FSIZE per process, bytes (a write past it fails with EFBIG / SIGXFSZ)."""
-    max_processes: int | None = Field(default=256, ge=8)
+    max_processes: int | None = Field(default=128, ge=8)
     """Most tasks (processes and threads) alive in one sandbox at once: `pids.max` of its pids
     cgroup (`sandbox/cgroup.py`); a fork beyond it fails with EAGAIN. Where no pids cgroup
     can be created it falls back to RLIMIT_NPROC, which the kernel ignores for root (the
     run's isolation report says so). None = unbounded."""
-    max_open_files: int = Field(default=256, ge=16)
+    max_open_files: int = Field(default=512, ge=16)
     """RLIMIT_NOFILE of every sandboxed process (soft = hard: it cannot raise it), descriptors.
+    512: a Node agent loading its modules (Pi) held about 300 at once; 256 failed with EMFILE.
     With `max_processes` it bounds one sandbox's share of the host's file table; a run checks
     that `max_processes * max_open_files * concurrent rollouts` stays within half of
     `fs.file-max` (`sandbox/filetable.py`) and prints the figure in its isolation report."""
@@ -138,10 +139,10 @@ class PodmanSandboxConfig(BaseModel):
     """CPU quota of each container, in CPUs (`--cpus`). None = unlimited."""
     cpu_s: int | None = Field(default=600, ge=1)
     """RLIMIT_CPU per process, CPU seconds; None = unlimited."""
-    max_processes: int = Field(default=256, ge=8)
+    max_processes: int = Field(default=128, ge=8)
     """`pids.max` of each container: tasks (processes and threads) alive at once; a fork
     beyond it fails with EAGAIN."""
-    max_open_files: int = Field(default=256, ge=16)
+    max_open_files: int = Field(default=512, ge=16)
     """RLIMIT_NOFILE of every process of a container (`--ulimit nofile=N:N`), descriptors; the
     same start check as `local`'s (`sandbox/filetable.py`)."""
     file_size_bytes: int | None = Field(default=1 << 30, ge=1)
