@@ -60,7 +60,6 @@ from pydantic import BaseModel
 
 from harnessrl.engine.base import Engine
 from harnessrl.chat.layer import ChatLayer, ParsedAssistant
-from harnessrl.chat.messages import IGNORED_MESSAGE_KEYS
 from harnessrl.errors import ContextLengthError, EngineError, RequestError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.sessions import Session
@@ -190,7 +189,7 @@ async def prepare_chat(deps: CaptureDeps, session: Session, body: dict[str, Any]
     try:
         request = parse_chat_request(body, limits_of(deps.config))
         # neither the fields the proxy ignores nor message keys the template never renders are kept
-        body = recorded_body(body, message_keys=_unrecorded_keys(deps.chat.unrendered_message_keys))
+        body = recorded_body(body, unrendered=deps.chat.unrendered_message_keys)
         if budget and turn_index >= budget:
             return PreparedChat(session, request, body, kept, [], Sampling(max_tokens=1), turn_index, started_at,
                                 started_perf_s, None, origin, final_stop=f"max_model_calls={budget} reached")
@@ -439,12 +438,6 @@ def _logprobs(chat: ChatLayer, completion: Completion) -> dict[str, Any]:
         {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
         for s, lp in zip(strings, completion.completion_logprobs, strict=True)
     ]}
-
-
-@functools.lru_cache(maxsize=8)
-def _unrecorded_keys(unrendered: frozenset[str]) -> frozenset[str]:
-    """The message keys a turn does not record: ignored ones and those the template never renders."""
-    return IGNORED_MESSAGE_KEYS | unrendered
 
 
 def recorded_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> dict[str, str]:

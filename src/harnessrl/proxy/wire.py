@@ -290,20 +290,33 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIM
     )
 
 
+UNRENDERED_KEPT_CHARS = 256
+"""An unrendered message key whose value is a string of at most this many characters (an id,
+a name) is kept on the record; a longer or non-string value is dropped."""
+
+
 def recorded_body(body: dict[str, Any], ignored: frozenset[str] = IGNORED_FIELDS,
-                  message_keys: frozenset[str] = IGNORED_MESSAGE_KEYS) -> dict[str, Any]:
+                  message_keys: frozenset[str] = IGNORED_MESSAGE_KEYS,
+                  unrendered: frozenset[str] = frozenset()) -> dict[str, Any]:
     """What a turn records of a request body: `body` without its top-level fields in `ignored`
-    and, for a chat body, without the message keys in `message_keys`: those that change nothing
-    the model sees (`messages.IGNORED_MESSAGE_KEYS`, and the capture adds the keys the chat
-    template never renders, `ChatLayer.unrendered_message_keys`), so a large field the model
-    never saw is not kept in the trace (memory, `rollouts.jsonl`). `body` itself is unchanged;
-    returned as is when nothing is dropped."""
+    and, for a chat body, without the message keys in `message_keys` (those that change nothing
+    the model sees, `messages.IGNORED_MESSAGE_KEYS`) nor the values of the keys in `unrendered`
+    (those the chat template never renders, `ChatLayer.unrendered_message_keys`) longer than
+    `UNRENDERED_KEPT_CHARS`: a `tool_call_id` or `name` stays, megabytes of unrendered
+    `reasoning_content` do not reach the trace (memory, `rollouts.jsonl`). `body` itself is
+    unchanged; returned as is when nothing is dropped."""
     if not ignored.isdisjoint(body):
         body = {k: v for k, v in body.items() if k not in ignored}
     messages = body.get("messages") if ignored is IGNORED_FIELDS else None
-    if type(messages) is list and any(type(m) is dict and not message_keys.isdisjoint(m) for m in messages):
-        kept = [{k: v for k, v in m.items() if k not in message_keys} if type(m) is dict else m
-                for m in messages]
+    if type(messages) is not list:
+        return body
+
+    def dropped(key: str, value: object) -> bool:
+        return key in message_keys or (key in unrendered and not (
+            type(value) is str and len(value) <= UNRENDERED_KEPT_CHARS))
+
+    if any(type(m) is dict and any(dropped(k, v) for k, v in m.items()) for m in messages):
+        kept = [{k: v for k, v in m.items() if not dropped(k, v)} if type(m) is dict else m for m in messages]
         body = {**body, "messages": kept}
     return body
 
