@@ -290,12 +290,13 @@ async def test_a_request_in_flight_across_an_update_keeps_its_older_version(fake
     (turn,) = trace.turns
     assert status == 200 and turn.policy_version == 4 and handler.calls[-1]["model"] == "base"
     assert "straddled_update: sent under policy_version=4" in turn.notes
-    assert handler.calls[-1]["cache_salt"] == "v4"
+    # the policy version, then the session's prefix-cache scope (its group, else the session)
+    assert handler.calls[-1]["cache_salt"].startswith("v4-s")
     handler.delay_s = 0.0
     _, _, trace = await one_call(engine, tokenizer)
     engine.close()
     assert trace.turns[0].policy_version == 5 and not trace.turns[0].notes
-    assert handler.calls[-1]["model"] == "adapter-5" and handler.calls[-1]["cache_salt"] == "v5-adapter-5"
+    assert handler.calls[-1]["model"] == "adapter-5" and handler.calls[-1]["cache_salt"].startswith("v5-adapter-5-s")
 
 
 async def test_rollouts_stick_to_one_replica_and_spread_across_replicas(fake_servers, tokenizer) -> None:
