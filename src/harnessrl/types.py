@@ -245,6 +245,29 @@ def _old_reply(body: Any) -> dict[str, Any] | None:
             "reasoning": "\n".join(thoughts) if thoughts else None}
 
 
+class CallInFlight(BaseModel):
+    """A call the engine was still serving when its session closed (a timed-out or killed
+    agent): what tells a slow engine (a long prompt still prefilling, a reply still decoding)
+    from a hung agent (no call in flight)."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
+
+    turn_index: int
+    prompt_tokens: int
+    age_s: float
+    """Seconds from the call's arrival at the proxy to the session's close."""
+    prefilled_tokens: int | None = None
+    """Prompt tokens the engine had prefilled (prefix-cache hits included); None: the engine
+    does not report it (`engine.base.CallProgress`)."""
+    decoded_tokens: int | None = None
+    """Completion tokens sampled so far; None: not reported."""
+    wait_s: float | None = None
+    """Seconds from arrival until the prompt was prefilled (queueing and prefill), or `age_s`
+    when it never was; None: not reported."""
+    decode_s: float | None = None
+    """Seconds spent decoding since then; None: not reported or not begun."""
+
+
 class Trace(BaseModel):
     """All turns of one proxy session (one rollout)."""
 
@@ -260,6 +283,9 @@ class Trace(BaseModel):
     refused_calls: int = 0
     """Calls refused without a turn: past `max_turns_per_session` (429), past
     `max_session_body_bytes` (413) or past `max_concurrent_calls_per_session` (429)."""
+    in_flight: list[CallInFlight] = Field(default_factory=list, exclude_if=lambda v: not v)
+    """The calls the engine was still serving when the session closed, in turn order (written
+    only when there were some)."""
 
 
 class Rollout(BaseModel):

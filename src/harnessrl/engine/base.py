@@ -11,10 +11,42 @@ was sent), and `straddled` says the version changed while it was in flight.
 
 from __future__ import annotations
 
+import contextvars
+import time
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from harnessrl.engine.stats import EngineStats
 from harnessrl.types import Completion, Sampling
+
+
+@dataclass(slots=True)
+class CallProgress:
+    """How far an engine got with one call: what a timeout reports of the calls it cut
+    (`types.CallInFlight`) and what the console shows of a long prefill.
+
+    The caller (the proxy) creates it and makes it current (`CALL_PROGRESS`) around
+    `Engine.generate`; an engine that tracks progress sets `prefilled_tokens` and
+    `decoded_tokens` to 0 when it takes the call and advances them from its own thread (read
+    elsewhere without a lock: a snapshot may lag by one chunk or one decode step). An engine
+    that does not (a vLLM server) leaves them None: only the prompt size and the time are known.
+    """
+
+    prompt_tokens: int
+    started_s: float = field(default_factory=time.perf_counter)
+    """`time.perf_counter()` when the call arrived."""
+    prefilled_tokens: int | None = None
+    """Prompt tokens whose KV is computed (prefix-cache hits included); None: not reported."""
+    decoded_tokens: int | None = None
+    """Completion tokens sampled so far; None: not reported."""
+    prefilled_s: float | None = None
+    """`time.perf_counter()` when the whole prompt was prefilled (decoding began); None: not yet
+    or not reported."""
+
+
+CALL_PROGRESS: contextvars.ContextVar[CallProgress | None] = contextvars.ContextVar("CALL_PROGRESS", default=None)
+"""The `CallProgress` of the call the current task is making (`Engine.generate` reads it when
+the call is taken; None: nobody asks)."""
 
 
 @runtime_checkable
@@ -51,7 +83,8 @@ class Engine(Protocol):
         turn after turn); the embedded engine also admits sessions round robin by it.
         `cache_scope` (the proxy passes the rollout's group) confines prefix-cache reuse: a
         request reuses only KV that requests of the same scope computed, so a session cannot
-        time another group's prompts through the cache.
+        time another group's prompts through the cache. An engine that tracks its calls'
+        progress advances the current `CALL_PROGRESS` (when set) as it prefills and decodes.
 
         Raises:
             ContextLengthError: the prompt leaves no room for a completion.

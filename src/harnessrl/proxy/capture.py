@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel
 
-from harnessrl.engine.base import Engine
+from harnessrl.engine.base import CALL_PROGRESS, CallProgress, Engine
 from harnessrl.chat.layer import ChatLayer, ParsedAssistant
 from harnessrl.errors import ContextLengthError, EngineError, RequestError
 from harnessrl.proxy.config import ProxyConfig
@@ -231,6 +231,9 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
     if p.final_stop is not None:
         return _final_stop(deps, p.session, p.turn_index, p.body, p.request, p.headers, p.started_at,
                            p.started_perf_s, p.origin, p.final_stop)
+    progress = CallProgress(len(p.prompt_ids), p.started_perf_s)
+    p.session.engine_calls[p.turn_index] = progress  # what a close meanwhile reports (`Trace.in_flight`)
+    current = CALL_PROGRESS.set(progress)
     try:
         completion = await deps.engine.generate(p.prompt_ids, p.sampling, affinity=p.session.session_id,
                                                 cache_scope=p.session.cache_scope)
@@ -250,6 +253,9 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
         log.exception("engine failed on session %s turn %d", p.session.session_id, p.turn_index)
         msg = f"engine failed: {type(exc).__name__}: {exc}"
         return _failed(p, 500, error_body(msg, type_="server_error", code="engine_error"), msg)
+    finally:
+        CALL_PROGRESS.reset(current)
+        p.session.engine_calls.pop(p.turn_index, None)
     try:
         parsed = deps.chat.parse(completion.completion_ids, bool(p.request.tools),
                                  call_id_seed=f"{p.session.session_id}:{p.turn_index}", stop=p.sampling.stop)

@@ -22,6 +22,8 @@ Invariants:
     `max_session_body_bytes` of request bodies; later calls are answered 429 / 413 and counted
     in `Trace.refused_calls` (with error bodies truncated, a live session's memory is then
     bounded too).
+  * `close` records the calls the engine was still serving (`Session.engine_calls`) on the
+    trace (`Trace.in_flight`): a timed-out rollout says whether its agent waited on the engine.
   * The store is used from one event loop; it holds no locks.
 
 What this module deliberately does not do: talk HTTP or call engines.
@@ -38,8 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harnessrl.chat.layer import BridgePoint
+from harnessrl.engine.base import CallProgress
 from harnessrl.errors import ConfigError, RequestError
-from harnessrl.types import Trace, Turn
+from harnessrl.types import CallInFlight, Trace, Turn
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,13 @@ class Session:
     _next_index: int = field(default=0, repr=False)
     bridge_points: list[BridgePoint] = field(default_factory=list, repr=False)
     """Recent finished turns a later request may bridge on (`capture.py`, `chat.plan_prompt`)."""
+    engine_calls: dict[int, CallProgress] = field(default_factory=dict, repr=False)
+    """Turn index -> progress of the calls waiting on the engine now (`capture.generate_chat`)."""
+
+    def calls_in_flight(self, now_s: float | None = None) -> list[CallInFlight]:
+        """The engine calls in flight at `now_s` (`time.perf_counter()`; default now), in turn order."""
+        now = time.perf_counter() if now_s is None else now_s
+        return [in_flight(i, c, now) for i, c in sorted(self.engine_calls.items())]
 
     def reserve_turn_index(self) -> int:
         """The next 0-based turn index, in order of arrival.
@@ -246,6 +256,7 @@ class SessionStore:
         del self._by_key[session.key]
         trace = session.trace
         trace.closed_at = time.time()
+        trace.in_flight = session.calls_in_flight()
         closed = _Closed(session.key, trace.rejected_calls)
         line = trace_json(trace)  # also makes the returned trace serialisable (rollouts.jsonl)
         if self.trace_path is not None:
@@ -292,6 +303,19 @@ class SessionStore:
         """Close every live session (shutdown)."""
         return [self.close(s.session_id) for s in list(self._by_key.values())]
 
+    def longest_prefill(self) -> CallProgress | None:
+        """The engine call of a live session with the most prompt tokens still to prefill, for
+        the console's progress line; None when no call is prefilling (or the engine does not
+        report it)."""
+        best: CallProgress | None = None
+        for session in self._by_key.values():
+            for call in session.engine_calls.values():
+                if call.prefilled_tokens is None or call.prefilled_s is not None:
+                    continue
+                if best is None or _left(call) > _left(best):
+                    best = call
+        return best
+
     @property
     def live_sessions(self) -> int:
         return len(self._by_key)
@@ -300,6 +324,23 @@ class SessionStore:
     def closed_sessions(self) -> int:
         """Closed sessions still remembered (bounded by `max_revoked_keys`)."""
         return len(self._closed)
+
+
+def in_flight(turn_index: int, call: CallProgress, now_s: float) -> CallInFlight:
+    """What `call` had got from the engine by `now_s` (`time.perf_counter()`)."""
+    age = max(0.0, now_s - call.started_s)
+    wait = decode = None
+    if call.prefilled_tokens is not None:
+        wait = age if call.prefilled_s is None else max(0.0, call.prefilled_s - call.started_s)
+        decode = None if call.prefilled_s is None else max(0.0, now_s - call.prefilled_s)
+    return CallInFlight(turn_index=turn_index, prompt_tokens=call.prompt_tokens, age_s=round(age, 3),
+                        prefilled_tokens=call.prefilled_tokens, decoded_tokens=call.decoded_tokens,
+                        wait_s=None if wait is None else round(wait, 3),
+                        decode_s=None if decode is None else round(decode, 3))
+
+
+def _left(call: CallProgress) -> int:
+    return call.prompt_tokens - (call.prefilled_tokens or 0)
 
 
 def trace_json(trace: Trace) -> str:

@@ -55,7 +55,7 @@ from harnessrl.rewards.base import (
     verify_budget,
     verify_budget_s,
 )
-from harnessrl.rollout.cause import explain_agent_error
+from harnessrl.rollout.cause import explain_agent_error, timeout_cause
 from harnessrl.sandbox.base import Sandbox, SandboxBackend
 from harnessrl.tasks.base import Task
 from harnessrl.types import Endpoint, Rollout, RolloutStatus, Trace
@@ -179,7 +179,8 @@ async def run_rollout(
         session_id = None
         if result is not None and status != "infra_error":
             if result.timed_out:
-                status, error = "timeout", f"agent exceeded {limits.agent_timeout_s:.0f} s"
+                # which calls the engine still served, and the agent's last words: slow engine or hung agent
+                status, error = "timeout", timeout_cause(limits.agent_timeout_s, trace, result.log_tail)
             elif result.error is not None:
                 # the agent's own message rarely names the cause when it is the proxy's answer
                 status, error = "agent_error", explain_agent_error(result.error, trace)

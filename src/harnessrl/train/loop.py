@@ -290,15 +290,18 @@ async def record_when_verified(run: TrainingRun, step: int, version: int, groups
 
 async def pull_groups(run: TrainingRun, step: int) -> list[Group]:
     """Wait for the step's `groups_per_step` completed groups (shaped as they completed): a
-    live status line on a terminal, a progress record every `PROGRESS_EVERY_S` seconds
+    live status line on a terminal (with how far the longest prompt in prefill got, when the engine
+    reports it), a progress record every `PROGRESS_EVERY_S` seconds
     otherwise (and in `run.log`)."""
     orch, n, steps = run.orchestrator, run.cfg.train.groups_per_step, run.cfg.train.steps
     groups: list[Group] = []
     last_record = time.monotonic()
 
     def progress() -> str:
+        prefill = run.runtime.proxy.store.longest_prefill()  # a long prompt shows how far it got
         return (f"step {step}/{steps}: {len(groups)}/{n} groups ready; rollouts {orch.rollouts_finished} "
-                f"finished, {orch.rollouts_running} running")
+                f"finished, {orch.rollouts_running} running" + ("" if prefill is None else
+                f"; prefilling {prefill.prefilled_tokens or 0:,}/{prefill.prompt_tokens:,} prompt tokens"))
 
     def on_wait() -> None:
         nonlocal last_record

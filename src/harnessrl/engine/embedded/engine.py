@@ -81,6 +81,7 @@ from pathlib import Path
 
 import torch
 
+from harnessrl.engine.base import CALL_PROGRESS
 from harnessrl.engine.canary import sequence_logprobs
 from harnessrl.engine.embedded.batch import KVBatch
 from harnessrl.engine.embedded.decode_step import DecodeStep
@@ -278,6 +279,9 @@ class EmbeddedEngine:
 
         request = self._make_request(prompt_ids, sampling, deliver)
         request.affinity, request.cache_scope = affinity, cache_scope
+        if (progress := CALL_PROGRESS.get()) is not None:  # the caller follows this call's progress
+            progress.prefilled_tokens, progress.decoded_tokens = 0, 0
+            request.progress = progress
         fut.add_done_callback(lambda f: request.cancelled.set() if f.cancelled() else None)
         self._submit(request)
         return await fut

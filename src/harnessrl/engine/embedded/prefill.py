@@ -233,6 +233,7 @@ class PrefillScheduler:
             p.req.deliver(EngineError(f"prefill failed for this request: {exc!r}"))
             return n
         p.done += n
+        p.req.note_prefilled(p.done)
         self._counters["prefill_tokens"] += n
         self._counters["prefill_chunks"] += 1
         if p.done == len(p.req.prompt_ids):
@@ -299,6 +300,7 @@ class PrefillScheduler:
             cache.update(k, v, layer)
         self._counters["prefix_hits"] += 1
         self._counters["prefix_hit_tokens"] += hit.length
+        req.note_prefilled(hit.length)
         return _InProgress(req, cache, hit.length)
 
     def _prefill_together(self, group: list[_InProgress], version: int, done: list[Prefilled]) -> int:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from harnessrl.engine.base import CallProgress
 from harnessrl.engine.embedded.sampler import RowSampling, sample_next
 from harnessrl.engine.embedded.stop import StopWatcher
 from harnessrl.errors import EngineError
@@ -51,6 +53,14 @@ class Request:
     """The weight version at admission (what `Completion.policy_version` reports)."""
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    progress: CallProgress | None = None
+    """The caller's progress record (`engine.base.CALL_PROGRESS` at `generate`): prompt tokens
+    prefilled (`note_prefilled`) and ids sampled (`record`) are written to it."""
+
+    def note_prefilled(self, tokens: int) -> None:
+        """`tokens` of the prompt now have their KV (a chunk of a long prompt is done)."""
+        if self.progress is not None:
+            self.progress.prefilled_tokens = tokens
 
     def record(self, tok: int, lp: float, eos_token_ids: Collection[int]) -> bool:
         """Record one sampled id; deliver the completion and return True when it is finished:
@@ -58,6 +68,10 @@ class Request:
         else `length` once `max_new_tokens` ids are sampled."""
         self.completion_ids.append(tok)
         self.logprobs.append(lp)
+        if (progress := self.progress) is not None:
+            if progress.prefilled_s is None:  # the first id follows the prompt's last chunk
+                progress.prefilled_s, progress.prefilled_tokens = time.perf_counter(), len(self.prompt_ids)
+            progress.decoded_tokens = len(self.completion_ids)
         reason: Literal["stop", "length"] | None = None
         hit_stop = self.stop.push(tok) if self.stop is not None else False
         if tok in eos_token_ids or hit_stop:  # the model stopped, even on its last allowed id
