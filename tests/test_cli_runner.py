@@ -22,7 +22,7 @@ from harnessrl.harness.cli_agent import CliAgentHarness
 from harnessrl.harness.codex import CodexHarness
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
 from harnessrl.harness.mini_swe_agent import MiniSweAgentHarness
-from harnessrl.harness.opencode import OpencodeHarness
+from harnessrl.harness.opencode import OpencodeConfig, OpencodeHarness
 from harnessrl.harness.pi import PiHarness
 from harnessrl.rollout.runner import RolloutLimits, run_rollout
 from harnessrl.sandbox.base import Sandbox, SandboxProcess
@@ -105,6 +105,25 @@ def test_opencode_answer_error_and_timeout_from_its_log() -> None:
     result = asyncio.run(OpencodeHarness().run(TASK, hung, ENDPOINT, 0.05))
     assert (result.exit_code, result.timed_out, result.error) == (None, True, None)
     assert result.log_tail == "started\n" and hung.processes[0].kills == 1
+
+
+def test_opencode_tools_and_system_prompt_reach_its_config() -> None:
+    config = OpencodeConfig(tools=["bash", "read"], system_prompt="Be brief.")
+    ran = FakeSandbox(agent=_writes_log("{}\n"))
+    asyncio.run(OpencodeHarness(config).run(TASK, ran, ENDPOINT, 10.0))
+    written = json.loads(ran.text("home", ".harnessrl/opencode/opencode.json"))
+    assert written["agent"] == {"harnessrl": {"mode": "primary", "prompt": "Be brief.",
+                                              "description": "the run's own short system prompt"}}
+    assert written["permission"] == {"bash": "allow", "read": "allow", "webfetch": "deny", "edit": "deny",
+                                     "glob": "deny", "grep": "deny", "skill": "deny", "task": "deny",
+                                     "todowrite": "deny", "write": "deny"}
+    argv = ran.spawned[0][0]
+    assert argv[argv.index("--agent") + 1] == "harnessrl"
+    # the defaults write neither: opencode's own build agent and all of its tools
+    plain = OpencodeHarness().provider_config(ENDPOINT)
+    assert "agent" not in plain and plain["permission"] == {"bash": "allow", "edit": "allow", "webfetch": "deny"}
+    with pytest.raises(ValueError, match=r"unknown opencode tool\(s\) \['shell'\]; its tools are \['bash'"):
+        OpencodeConfig(tools=["bash", "shell"])
 
 
 def test_claude_code_reported_failure_with_exit_zero_is_an_error() -> None:

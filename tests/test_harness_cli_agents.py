@@ -233,6 +233,31 @@ async def test_mini_swe_agent_rollout_is_recorded(proxy: object, sandbox_root: P
 
 
 @pytest.mark.agents
+async def test_opencode_sends_only_the_chosen_tools_and_its_short_prompt(proxy: object, sandbox_root: Path) -> None:
+    """`tools` and `system_prompt` cut opencode's first prompt (7,496 tokens by default with the
+    SmolLM2 tokenizer: 9 tools, a 9.6k-character system prompt) to what the task needs."""
+    _require_agent("opencode")
+    sandbox = await _backend(sandbox_root, proxy).create("opencode", {"fig.txt": "42\n"})
+    session_id, endpoint = _open(proxy, "opencode", sandbox)
+    prompt = "You answer with tools. Use bash to run commands."
+    harness = OpencodeHarness(OpencodeConfig(context_tokens=8192, output_tokens=8, tools=["bash", "read"],
+                                             system_prompt=prompt))
+    try:
+        await harness.run(Task("t/6", "test", "What is the number in fig.txt?"), sandbox, endpoint, 90.0)
+        trace = proxy.close_session(session_id)  # type: ignore[attr-defined]
+    finally:
+        await sandbox.close()
+    main = [t for t in trace.turns if t.request.get("tools")]
+    assert main, [t.request["messages"][0] for t in trace.turns]
+    first = main[0]
+    assert sorted(t["function"]["name"] for t in first.request["tools"]) == ["bash", "read"]
+    system = first.request["messages"][0]
+    assert system["role"] == "system" and system["content"].startswith(prompt + "\n")
+    assert len(system["content"]) < 1000  # opencode's environment block follows the prompt
+    assert 1000 < len(first.prompt_ids) < 2600, len(first.prompt_ids)  # 2,270 measured
+
+
+@pytest.mark.agents
 async def test_opencode_rollout_is_recorded(proxy: object, sandbox_root: Path) -> None:
     _require_agent("opencode")
     sandbox = await _backend(sandbox_root, proxy).create("opencode", {"hello.py": "print('hi')\n"})

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harnessrl.harness.base import HarnessRequirements
 from harnessrl.harness.cli_agent import AgentFile, AgentOutcome, AgentPaths, AgentSpec, CliAgentHarness
@@ -56,6 +56,11 @@ _OPENCODE_ENV = {
 
 Permission = Literal["allow", "ask", "deny"]
 
+TOOLS = ("bash", "edit", "glob", "grep", "read", "skill", "task", "todowrite", "write")
+"""The tools opencode (1.18) sends a tool-calling model by default (`webfetch` is denied)."""
+AGENT_NAME = "harnessrl"
+"""The primary agent declared when `system_prompt` is set (run with `--agent harnessrl`)."""
+
 
 class OpencodeConfig(BaseModel):
     """Options of the opencode harness."""
@@ -64,8 +69,9 @@ class OpencodeConfig(BaseModel):
 
     context_tokens: int = Field(default=16384, ge=256)
     """Context window declared to opencode (`limit.context`); it compacts when the reported
-    prompt usage plus `output_tokens` nears this. opencode's own first prompt is about 7.4k
-    tokens with the SmolLM2 tokenizer (9.5 KB system prompt + 9 tool schemas), so
+    prompt usage plus `output_tokens` nears this. opencode's own first prompt is 7,496
+    tokens with the SmolLM2 tokenizer (9.6k-character system prompt + 9 tool schemas; 1,712 with
+    `tools = ["bash"]` and a one-line `system_prompt`), so
     `context_tokens - output_tokens` must stay well above that or it compacts after every step
     without end (measured: 8192 with 1024 loops at once; 8192 with 512 loops as soon as a reply
     is near 512 tokens, 20 compactions in 90 s; 16384 with 512 does not)."""
@@ -77,15 +83,41 @@ class OpencodeConfig(BaseModel):
         default_factory=lambda: dict[str, Permission]({"bash": "allow", "edit": "allow", "webfetch": "deny"})
     )
     """opencode's `permission` block; anything left at `ask` would block a headless run."""
+    tools: list[str] | None = None
+    """The tools opencode sends, from `TOOLS`; the others are denied in `permission` (opencode
+    then leaves them out of the request). None: all of them (~4k of the first prompt's tokens
+    with the SmolLM2 tokenizer)."""
+    system_prompt: str | None = None
+    """A system prompt replacing opencode's own (9.6k characters): declared as the `prompt` of
+    a primary agent `harnessrl`, which the run uses (`--agent harnessrl`). opencode still adds
+    its environment block (working directory, platform, date). None: opencode's `build` agent."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `opencode run` options (e.g. `["--agent", "build"]`)."""
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, tools: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(tools or ()) - set(TOOLS))
+        if unknown:
+            raise ValueError(f"unknown opencode tool(s) {unknown}; its tools are {list(TOOLS)}")
+        return tools
+
+    def permissions(self) -> dict[str, Permission]:
+        """`permission` with every tool outside `tools` denied (`tools` set)."""
+        if self.tools is None:
+            return dict(self.permission)
+        allowed: Permission = "allow"
+        denied: Permission = "deny"
+        return {**self.permission, **{t: allowed if t in self.tools else denied for t in TOOLS}}
+
     def requirements(self) -> HarnessRequirements:
         """opencode is told its window is `context_tokens` and asks for `output_tokens` replies."""
         return HarnessRequirements(
             protocol="chat.completions", min_context_tokens=self.context_tokens,
             min_reply_tokens=self.output_tokens,
             why="opencode is told its context window is harness.options.context_tokens and asks for "
-                "harness.options.output_tokens per reply (its first prompt is ~7.4k tokens)")
+                "harness.options.output_tokens per reply (its first prompt is 7,496 tokens, ~1.7k with "
+                "harness.options.tools = [\"bash\"] and a short system_prompt)")
 
 
 class OpencodeHarness(CliAgentHarness):
@@ -106,6 +138,7 @@ class OpencodeHarness(CliAgentHarness):
             *command, "run",
             "-m", f"{PROVIDER_ID}/{endpoint.model}",
             "--format", "json",
+            *(["--agent", AGENT_NAME] if self.config.system_prompt is not None else []),
             *self.config.extra_args,
         ]  # fmt: skip
         files = (AgentFile(f"{paths.state_rel}/opencode.json", json.dumps(self.provider_config(endpoint), indent=2)),
@@ -116,6 +149,9 @@ class OpencodeHarness(CliAgentHarness):
     def provider_config(self, endpoint: Endpoint) -> dict[str, Any]:
         """The `opencode.json` content for `endpoint` (see the module docstring)."""
         model_ref = f"{PROVIDER_ID}/{endpoint.model}"
+        agent = ({} if self.config.system_prompt is None else
+                 {"agent": {AGENT_NAME: {"mode": "primary", "prompt": self.config.system_prompt,
+                                         "description": "the run's own short system prompt"}}})
         return {
             "$schema": "https://opencode.ai/config.json",
             "provider": {
@@ -136,7 +172,8 @@ class OpencodeHarness(CliAgentHarness):
             "small_model": model_ref,
             "autoupdate": False,
             "share": "disabled",
-            "permission": dict(self.config.permission),
+            "permission": self.config.permissions(),
+            **agent,
         }
 
 
