@@ -47,11 +47,9 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -193,59 +191,18 @@ def cache_root() -> Path:
 
 
 def train(cfg: Config, model_dir: Path, out: Path, threads: int = 1) -> dict[str, Any]:
-    """Fine-tune the model in `model_dir` on `examples(cfg)` (AdamW, constant lr, loss the mean
-    over the batch's reply tokens, `cfg.autocast`) and save it, with the base model's tokenizer files, to `out`."""
+    """Fine-tune the model in `model_dir` on `examples(cfg)` with harnessrl's warm start
+    (`harnessrl.train.sft.fine_tune`: AdamW, constant lr, loss the mean over the batch's reply
+    tokens, `cfg.autocast`) and save it, with the base model's tokenizer files, to `out`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from harnessrl.train.step import autocast_context
+    from harnessrl.train.sft import SftSettings, fine_tune
 
     torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
-    data = examples(cfg, model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    rng = random.Random(f"warmstart-order:{cfg.seed}")
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    losses, t0 = [], time.monotonic()
-    for _ in range(cfg.epochs):
-        order = list(range(len(data)))
-        rng.shuffle(order)
-        for b in range(0, len(order), cfg.batch_size):
-            batch = [data[i] for i in order[b:b + cfg.batch_size]]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in batch])
-            attn = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in batch])
-            labels = torch.tensor([[t if m else -100 for t, m in zip(i, mk)] + [-100] * (width - len(i))
-                                   for i, mk in batch])
-            with autocast_context(model, cfg.autocast):
-                hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
-                # next-token loss on the replies' ids only: the head runs on those positions alone
-                target = labels[:, 1:]
-                picked = target != -100
-                logits = model.lm_head(hidden[:, :-1][picked]).float()
-                loss = torch.nn.functional.cross_entropy(logits, target[picked])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            if len(losses) % 4 == 0:
-                print(f"tool warm start: step {len(losses)}, loss {losses[-1]:.3f}, "
-                      f"{time.monotonic() - t0:.0f} s", flush=True)
-    seconds = time.monotonic() - t0
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    for f in model_dir.iterdir():  # the base model's own tokenizer and template
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "generation_config")):
-            shutil.copy(f, tmp / f.name)
-    meta = {"config": dataclasses.asdict(cfg), "base": str(model_dir), "examples": len(data),
-            "train_s": seconds, "first_loss": losses[0], "last_loss": losses[-1], "steps": len(losses)}
-    (tmp / "warmstart.json").write_text(json.dumps(meta, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return meta
+    settings = SftSettings(lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
+                           autocast=cfg.autocast)
+    return fine_tune(model_dir, examples(cfg, model_dir), out, settings,
+                     meta={"config": dataclasses.asdict(cfg)}, meta_file="warmstart.json")
 
 
 def warm_start(model_dir: Path, cfg: Config | None = None, threads: int = 1) -> Path:

@@ -355,6 +355,40 @@ def export(
                + (f"; {done.skipped_lines} unreadable lines skipped" if done.skipped_lines else ""))
 
 
+@app.command()
+def sft(
+    traces: Annotated[list[Path], typer.Option("--traces", help="rollouts.jsonl files or run directories holding one (repeatable), e.g. demonstrations recorded with engine.kind = \"scripted\".")],
+    out: Annotated[Path, typer.Option(help="Directory the fine-tuned model is written to (use it as engine.model).")],
+    model: Annotated[str, typer.Option(help="The model to fine-tune (what engine.model accepts).")] = "smollm2-135m",
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-4,
+    epochs: Annotated[int, typer.Option(help="Passes over the examples.")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Examples per optimizer step.")] = 8,
+    min_reward: Annotated[float, typer.Option(help="Only rollouts with at least this reward are demonstrations.")] = 1.0,
+    threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
+) -> None:
+    """Fine-tune a model on recorded rollouts (a warm start before RL): their rows as RL builds them,
+    the loss on the replies' tokens only."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.config import check_out_dir
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.errors import HarnessRLError
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.log import setup_logging
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.train.sft import SftSettings, run_sft
+
+    setup_logging()
+    try:
+        check_out_dir(out)
+        settings = SftSettings(lr=lr, epochs=epochs, batch_size=batch_size)
+        record = run_sft(traces, out, model, settings, min_reward, threads)
+    except HarnessRLError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"sft: {record['examples']} examples from {record['rollouts']} rollouts, {record['steps']} steps in "
+               f"{record['train_s']:.0f} s; mean NLL of their reply tokens {record['nll_before']:.3f} -> "
+               f"{record['nll_after']:.3f}; model written to {out}")
+
+
 @session_app.command("open")
 def session_open(
     url: Annotated[str, typer.Option(help="The proxy's admin URL (printed by `harnessrl serve`).")] = "http://127.0.0.1:8001",

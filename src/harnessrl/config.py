@@ -476,6 +476,9 @@ def check_training_config(cfg: RunConfig) -> None:
             f"top_k = 0 (the trainer computes logprobs under the full distribution at "
             f"sampling.temperature, not the truncated one the engine samples from); lower "
             f"sampling.temperature instead")
+    if cfg.engine.kind == "scripted":
+        raise ConfigError("engine.kind = 'scripted' answers with a scripted policy and has no weights to train: "
+                          "record demonstrations with `harnessrl rollout`, fine-tune on them with `harnessrl sft`")
 
 
 def check_out_dir(path: Path, option: str = "--out") -> None:

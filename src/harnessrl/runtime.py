@@ -21,10 +21,12 @@ from harnessrl.chat.layer import ChatLayer
 from harnessrl.config import EngineConfig, RunConfig
 from harnessrl.engine.base import Engine
 from harnessrl.engine.model_store import load_tokenizer, resolve_model
+from harnessrl.engine.scripted import ScriptedEngine
 from harnessrl.engine.vllm.client import make_vllm_engine, start_vllm_engine
 from harnessrl.harness.base import Harness
 from harnessrl.harness.install import installed_agent_dirs
 from harnessrl.harness.select import make_harness
+from harnessrl.hooks import load_hook
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.rewards.base import Verifier
@@ -77,6 +79,9 @@ def make_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | N
             )
         case "vllm":
             return make_vllm_engine(cfg, model_dir, run_dir)
+        case "scripted":  # demonstrations: the model's tokenizer, a Python policy
+            return ScriptedEngine(load_tokenizer(model_dir), load_hook(cfg.policy, "engine.policy"),
+                                  cfg.max_context_tokens)
 
 
 async def start_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: Path | None = None) -> Engine:

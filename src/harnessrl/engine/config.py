@@ -123,5 +123,23 @@ class VllmEngineConfig(BaseModel):
         return tuple(u.rstrip("/") for u in given)
 
 
-EngineConfig = Annotated[EmbeddedEngineConfig | VllmEngineConfig, Field(discriminator="kind")]
+class ScriptedEngineConfig(BaseModel):
+    """A scripted policy instead of a model (`engine/scripted.py`): records demonstrations
+    through a real agent and the real proxy, for `harnessrl sft`. Only `harnessrl rollout`
+    runs it (nothing to train)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["scripted"] = "scripted"
+    model: str = "smollm2-135m"
+    """The model whose tokenizer and chat template the demonstrations are written in (its
+    weights are not loaded)."""
+    policy: str = "harnessrl.recipes.demos:lookup_bash"
+    """`module:function` (or `file.py:function`) taking the prompt's text and returning the
+    reply's text (`engine.scripted.ScriptedPolicy`)."""
+    max_context_tokens: int = Field(default=16384, ge=64)
+    """Largest prompt + reply length served."""
+
+
+EngineConfig = Annotated[EmbeddedEngineConfig | VllmEngineConfig | ScriptedEngineConfig, Field(discriminator="kind")]
 """`[engine]`: the engine named by `kind` (default `embedded`) with its own keys."""
