@@ -140,6 +140,11 @@ class ScriptedEngineConfig(BaseModel):
     max_context_tokens: int = Field(default=16384, ge=64)
     """Largest prompt + reply length served."""
 
+    @property
+    def dtype(self) -> Literal["float32"]:
+        """No weights are loaded; what checks that ask for the engine's dtype are told."""
+        return "float32"
+
 
 EngineConfig = Annotated[EmbeddedEngineConfig | VllmEngineConfig | ScriptedEngineConfig, Field(discriminator="kind")]
 """`[engine]`: the engine named by `kind` (default `embedded`) with its own keys."""

@@ -25,7 +25,7 @@ from harnessrl.engine.weight_sync import (
 from harnessrl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from harnessrl.engine.config import EmbeddedEngineConfig, VllmEngineConfig
+    from harnessrl.engine.config import EngineConfig, VllmEngineConfig
     from harnessrl.engine.vllm.client import VllmEngine
 
 
@@ -48,7 +48,7 @@ class SyncSettings:
     training loop does."""
 
 
-def make_weight_sync(engine_config: EmbeddedEngineConfig | VllmEngineConfig, engine: object,
+def make_weight_sync(engine_config: EngineConfig, engine: object,
                      settings: SyncSettings = SyncSettings(), *, run_dir: Path | None = None,
                      model_dir: Path | None = None) -> WeightSync:
     """The sync of `engine_config.kind` for `engine`.
@@ -61,7 +61,7 @@ def make_weight_sync(engine_config: EmbeddedEngineConfig | VllmEngineConfig, eng
     trainer and each replica score a fixed sequence; a deviation above the bound stops the run).
 
     Raises:
-        ConfigError: no sync is known for that engine kind; the canary is on and the engine
+        ConfigError: no sync is known for that engine kind (`scripted`); the canary is on and the engine
             cannot score a sequence; `engine.weight_sync = "lora"` with `lora_rank = 0` or
             above `engine.max_lora_rank`; `nccl` without CUDA.
         ValueError: `vllm` without `run_dir` or `model_dir`.

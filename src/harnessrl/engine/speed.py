@@ -26,7 +26,6 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
 
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.chat.messages import normalize_messages
@@ -105,7 +104,7 @@ def recorded_speed(model_dir: Path) -> EngineSpeed | None:
         return None
 
 
-def engine_hint(engine_kind: Literal["embedded", "vllm"], model_dir: Path, vllm_installed: bool) -> str | None:
+def engine_hint(engine_kind: str, model_dir: Path, vllm_installed: bool) -> str | None:
     """The line to print at the start of a run on `engine_kind`, or None when there is nothing to say.
 
     On the embedded engine with vLLM installed: the recorded figure of `model_dir` when vLLM was
