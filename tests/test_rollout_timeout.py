@@ -133,3 +133,24 @@ def test_the_message_names_each_call_and_an_engine_without_progress() -> None:
                             wait_s=1.0, decode_s=4.0)
     assert describe_call(decoding) == "turn 0: 10 prompt tokens, 10 prefilled, 77 decoded, 1.0 s to prefill, 4.0 s decoding"
     assert timeout_cause(5, None, "").endswith("the agent itself was busy or hung; the agent wrote no output")
+
+
+def test_the_store_reports_the_longest_prefill_and_records_calls_at_close() -> None:
+    from harnessrl.proxy.sessions import SessionStore
+
+    store = SessionStore()
+    a, b = store.open("a"), store.open("b")
+    assert store.longest_prefill() is None
+    a.engine_calls[0] = CallProgress(prompt_tokens=7501, started_s=100.0, prefilled_tokens=3072, decoded_tokens=0)
+    b.engine_calls[0] = CallProgress(prompt_tokens=2000, started_s=100.0, prefilled_tokens=0, decoded_tokens=0)
+    b.engine_calls[1] = CallProgress(prompt_tokens=9000, started_s=100.0)  # an engine that reports nothing
+    longest = store.longest_prefill()
+    assert longest is a.engine_calls[0]  # 4,429 tokens left against 2,000
+    a.engine_calls[0].prefilled_s = 101.0  # decoding now: no longer a prefill
+    assert store.longest_prefill() is b.engine_calls[0]
+    trace = store.close(a.session_id)
+    [call] = trace.in_flight
+    assert (call.turn_index, call.prompt_tokens, call.prefilled_tokens, call.wait_s) == (0, 7501, 3072, 1.0)
+    assert call.decode_s is not None and call.decode_s == pytest.approx(call.age_s - 1.0, abs=0.01)
+    assert store.close(b.session_id).in_flight[1].prefilled_tokens is None
+    assert "in_flight" not in Trace(session_id="s").model_dump_json()  # written only when there were calls
