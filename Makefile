@@ -44,7 +44,7 @@ define system_packages
 	$${sudo}apt-get update -qq && DEBIAN_FRONTEND=noninteractive $${sudo}$$cmd -qq >/dev/null
 endef
 
-.PHONY: setup system train train-ci train-agent train-agent-ci test agents browser podman vllm bench clean
+.PHONY: setup system train train-ci train-agent train-agent-ci train-opencode test agents browser podman vllm bench clean
 
 setup: system $(VENV)/.installed
 
@@ -78,6 +78,18 @@ train-agent:
 
 train-agent-ci:
 	$(MAKE) train-agent AGENT_STEPS=1 EVAL= AGENT_OUT=runs/ci-agent
+
+# opencode on the lookup tasks from a warm start recorded through opencode itself
+# (docs/harnesses.md, "A warm start through the harness"): 16 demonstrations by the scripted
+# lookup policy (tasks apart from training and held-out), `harnessrl sft` on them, then RL
+train-opencode: setup
+	$(VENV)/bin/harnessrl harness install opencode
+	test -f runs/opencode-demos/rollouts.jsonl || $(VENV)/bin/harnessrl rollout --config examples/opencode_lookup.toml \
+		--out runs/opencode-demos --limit 16 --set rollout.group_size=1 --set engine.kind=scripted --set tasks.seed_offset=2000000
+	test -f runs/opencode-warm/sft.json || $(VENV)/bin/harnessrl sft --traces runs/opencode-demos --out runs/opencode-warm \
+		--epochs 2 --batch-size 4 --threads 2
+	$(VENV)/bin/harnessrl train --config examples/opencode_lookup.toml --set engine.model=runs/opencode-warm \
+		--steps $(STEPS) --out runs/opencode $(EVAL)
 
 # Headless Chromium (Debian package) for tests/e2e/test_view_browser.py.
 browser:
