@@ -84,10 +84,11 @@ def free_port() -> int:
 
 
 def server_command(cfg: VllmEngineConfig, python: Path, model_dir: Path, port: int, *, gpu: bool,
-                   served_model: str) -> list[str]:
-    """The argv of one server (module docstring)."""
+                   served_model: str, host: str = "127.0.0.1") -> list[str]:
+    """The argv of one server (module docstring), bound to `host:port` (a launched server binds
+    loopback; one started on another host binds that host's own address, `docs/scale-out.md`)."""
     argv = [str(python), "-m", SERVER_MODULE, "--model", str(model_dir), "--served-model-name", served_model,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
+            "--host", host, "--port", str(port), "--dtype", cfg.dtype,
             "--max-model-len", str(cfg.max_context_tokens), "--logprobs-mode", "processed_logprobs",
             "--disable-uvicorn-access-log"]
     if cfg.enforce_eager or not gpu:

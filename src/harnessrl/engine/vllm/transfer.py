@@ -137,7 +137,8 @@ def open_gloo_group(address: str, port: int, rank: int, world_size: int, timeout
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((address, 9))
             own = str(s.getsockname()[0])
-    opts = dist.ProcessGroupGloo._Options()
+    # torch's stubs lack the options that carry devices (`Options` there is `Backend.Options`)
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=own)]
     return dist.ProcessGroupGloo(dist.PrefixStore("harnessrl-weights", store), rank, world_size, opts)
@@ -152,7 +153,7 @@ def broadcast_chunks(group: dist.ProcessGroupGloo, weights: dict[str, torch.Tens
     sizes = [t.numel() * t.element_size() for t in tensors]
     for part in chunks(sizes, chunk_bytes):
         buf = torch.cat([tensors[i].detach().contiguous().reshape(-1).view(torch.uint8) for i in part])
-        group.broadcast(buf, 0).wait()
+        group.broadcast(buf, 0).wait()  # type: ignore[attr-defined]  # on every Backend; stubs: ProcessGroup only
 
 
 @dataclass

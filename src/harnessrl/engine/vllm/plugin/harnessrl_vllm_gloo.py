@@ -30,7 +30,9 @@ the packed copies stale).
 
 from __future__ import annotations
 
+import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
+logger = logging.getLogger("vllm.harnessrl_gloo")
 BACKEND = "gloo"
 TIMEOUT = timedelta(minutes=10)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,15 +154,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         dtypes = [DTYPES[d] for d in update_info.dtype_names]
         sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
                  for s, d in zip(update_info.shapes, dtypes)]
+        wire = load = 0.0
         for part in chunks(sizes, self.chunk_bytes):
+            t0 = time.perf_counter()
             buf = torch.empty(sum(sizes[i] for i in part), dtype=torch.uint8)
             self.group.broadcast(buf, 0).wait()
+            t1 = time.perf_counter()
             loaded, at = [], 0
             for i in part:
                 t = buf[at:at + sizes[i]].view(dtypes[i]).view(update_info.shapes[i])
                 loaded.append((update_info.names[i], t))
                 at += sizes[i]
             self.model.load_weights(loaded)
+            wire, load = wire + t1 - t0, load + time.perf_counter() - t1
+        logger.info("gloo weight transfer: %d tensors, %.0f MB received in %.2f s, loaded in %.2f s",
+                    len(sizes), sum(sizes) / 1e6, wire, load)
 
     def shutdown(self) -> None:
         self.group = None
