@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,3 +162,24 @@ def test_bad_arguments_are_named(hosts: list[str], prefix: str, subnet: str, mat
 def test_an_unknown_host_is_named() -> None:
     with pytest.raises(ClusterError, match="no host 'x' in the cluster .hosts: a, b"):
         SimCluster(["a", "b"]).host("x")
+
+
+def test_cluster_up_holds_the_hosts_until_sigterm_then_removes_them() -> None:
+    check_can_make_namespaces()
+    import signal
+
+    harnessrl = str(Path(sys.executable).with_name("harnessrl"))
+    proc = subprocess.Popen([harnessrl, "cluster", "up", "--hosts", "a,b", "--prefix", PREFIX, "--subnet", SUBNET],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].split("\t")[:2] == ["a", SUBNET.replace("0/24", "1")], lines
+        assert lines[1].split("\t")[2].strip() == f"ip netns exec {PREFIX}-b COMMAND"
+        assert {f"{PREFIX}-a", f"{PREFIX}-b"} <= set(namespaces())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [n for n in namespaces() if n.startswith(f"{PREFIX}-")] == [] and links(PREFIX) == []

@@ -20,7 +20,8 @@ The wire protocol (the trainer side is `harnessrl.engine.vllm.gloo_sync.GlooSend
     in that order, are cut into chunks of at most `chunk_bytes` (a tensor larger than that is
     a chunk of its own), each chunk's bytes packed back to back and broadcast from rank 0 as
     one uint8 tensor; the worker cuts each chunk into its tensors and calls the model's own
-    `load_weights` on them (the loader a checkpoint load uses: fused projections, tied heads).
+    `load_weights` on them (the loader a checkpoint load uses: fused projections, tied heads),
+    receiving the next chunk meanwhile.
 
 `start_weight_update` / `finish_weight_update` run vLLM's layerwise reload, as its NCCL engine
 and its `reload_weights` (the directory sync's route) do: each layer is re-processed once all its
@@ -98,7 +99,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
-    chunk_bytes: int = 256 << 20
+    chunk_bytes: int = 64 << 20
 
 
 @dataclass
@@ -123,7 +124,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, config, vllm_config, device, model) -> None:  # noqa: ANN001 - vLLM's signature
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroupGloo | None = None
-        self.chunk_bytes = 256 << 20
+        self.chunk_bytes = 64 << 20
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         pc = self.parallel_config
@@ -154,11 +155,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         dtypes = [DTYPES[d] for d in update_info.dtype_names]
         sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
                  for s, d in zip(update_info.shapes, dtypes)]
-        wire = load = 0.0
-        for part in chunks(sizes, self.chunk_bytes):
-            t0 = time.perf_counter()
+        group = self.group
+        parts = chunks(sizes, self.chunk_bytes)
+
+        def post(part: list[int]) -> tuple[torch.Tensor, dist.Work]:
             buf = torch.empty(sum(sizes[i] for i in part), dtype=torch.uint8)
-            self.group.broadcast(buf, 0).wait()
+            return buf, group.broadcast(buf, 0)
+
+        wire = load = 0.0
+        pending = post(parts[0]) if parts else None
+        for k, part in enumerate(parts):
+            t0 = time.perf_counter()
+            assert pending is not None
+            buf, work = pending
+            work.wait()
+            # the next chunk arrives (on gloo's threads) while this one is loaded
+            pending = post(parts[k + 1]) if k + 1 < len(parts) else None
             t1 = time.perf_counter()
             loaded, at = [], 0
             for i in part:
@@ -167,7 +179,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 at += sizes[i]
             self.model.load_weights(loaded)
             wire, load = wire + t1 - t0, load + time.perf_counter() - t1
-        logger.info("gloo weight transfer: %d tensors, %.0f MB received in %.2f s, loaded in %.2f s",
+        logger.info("gloo weight transfer: %d tensors, %.0f MB; waited %.2f s for chunks, loaded in %.2f s",
                     len(sizes), sum(sizes) / 1e6, wire, load)
 
     def shutdown(self) -> None:
