@@ -35,7 +35,6 @@ stays down fails that publish with the same error).
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import threading
 import time
@@ -57,7 +56,6 @@ if TYPE_CHECKING:
 
     from harnessrl.engine.weight_sync import WeightSource
 
-log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20
 """Bytes of one gloo broadcast (several tensors packed); a larger tensor goes alone. Small
