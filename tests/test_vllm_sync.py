@@ -21,8 +21,8 @@ import torch
 from test_vllm_engine import require_vllm
 
 from harnessrl.config import RunConfig
-from harnessrl.engine.vllm.sync import (DirectoryWeightSync, LoraWeightSync, NcclWeightSync,
-                                        untied_copy, write_weights)
+from harnessrl.engine.vllm.sync import DirectoryWeightSync, LoraWeightSync, untied_copy, write_weights
+from harnessrl.engine.vllm.transfer import NcclTransport
 from harnessrl.engine.select import make_weight_sync
 from harnessrl.train.setup import sync_settings
 from harnessrl.errors import ConfigError, EngineError
@@ -282,7 +282,7 @@ def test_make_weight_sync_picks_the_configured_sync(tmp_path: Path) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
 def test_nccl_sync_is_refused_without_cuda(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="needs CUDA"):
-        NcclWeightSync(_FakeEngine(()))
+        NcclTransport()
     cfg = RunConfig.model_validate({"engine": {"kind": "vllm", "weight_sync": "nccl", "url": "http://127.0.0.1:9"}})
     with pytest.raises(ConfigError, match="engine.weight_sync = 'nccl' needs CUDA"):
         make_weight_sync(cfg.engine, _FakeEngine(()), sync_settings(cfg), run_dir=tmp_path, model_dir=tmp_path)

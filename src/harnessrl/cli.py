@@ -496,5 +496,40 @@ def engine_compare(
                f"core{'s' if n > 1 else ''}: {speed.ratio:.2f}x, {faster} is faster for {embedded.model} "
                f"({speed.dtype}, {concurrent} concurrent, <= {max_tokens} tokens each); recorded in {path}")
 
+
+cluster_app = typer.Typer(help="A simulated cluster on this machine: hosts as network namespaces on a private bridge (root).",
+                          no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
+ClusterPrefixOpt = Annotated[str, typer.Option(help="Names of the bridge and namespaces start with PREFIX- (8 characters at most).")]
+
+
+@cluster_app.command("up")
+def cluster_up(hosts: Annotated[str, typer.Option(help="Host names, comma-separated, e.g. trainer,vllm,node1,node2.")],
+               prefix: ClusterPrefixOpt = "hrl",
+               subnet: Annotated[str, typer.Option(help="IPv4 /24 of the bridge; host i gets .i+1.")] = "10.77.0.0/24") -> None:
+    """Make the hosts (network namespace `PREFIX-HOST` each, its address on a bridge that leads nowhere else), print them, hold them until SIGTERM or Ctrl-C, then remove everything. Run a command on a host with `ip netns exec PREFIX-HOST COMMAND`."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.cluster import ClusterError, SimCluster, hold
+
+    try:
+        cluster = SimCluster([h.strip() for h in hosts.split(",") if h.strip()], prefix=prefix, subnet=subnet)
+        raise typer.Exit(hold(cluster, typer.echo))
+    except (ClusterError, ValueError) as exc:
+        raise _fail(exc) from None
+
+
+@cluster_app.command("down")
+def cluster_down(prefix: ClusterPrefixOpt = "hrl") -> None:
+    """Remove what a simulated cluster of PREFIX left (its processes, namespaces, links)."""
+    # lazy: the command's modules load when it runs (`harnessrl --help` stays fast)
+    from harnessrl.cluster import ClusterError, check_can_make_namespaces, sweep
+
+    try:
+        check_can_make_namespaces()
+    except ClusterError as exc:
+        raise _fail(exc) from None
+    typer.echo("\n".join(sweep(prefix)) or f"nothing of cluster {prefix!r} left")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -71,8 +71,15 @@ class VllmEngineConfig(BaseModel):
     max_context_tokens: int = Field(default=4096, ge=64)
     """Largest prompt + completion length (`--max-model-len` of launched servers; an attached
     server's own limit must be at least this)."""
-    weight_sync: Literal["directory", "lora", "nccl"] = "directory"
-    """How new weights reach the servers (`engine/vllm/sync.py`)."""
+    weight_sync: Literal["directory", "lora", "gloo", "nccl"] = "directory"
+    """How new weights reach the servers: `directory` (safetensors in a shared directory),
+    `lora` (adapters; `engine/vllm/sync.py`), `gloo` (in memory over TCP, CPU servers, one
+    server) or `nccl` (in memory, GPU machines, one server; `engine/vllm/transfer.py`)."""
+    sync_address: str = "127.0.0.1"
+    """`gloo`/`nccl`: the trainer's address as the server dials it for the weight-transfer
+    rendezvous (the trainer host's own address when they are on different hosts)."""
+    sync_port: int = Field(default=29555, ge=1, le=65535)
+    """`gloo`/`nccl`: the TCP port of that rendezvous on `sync_address`."""
     sync_dir: str | None = None
     """Shared directory of the `directory` sync; None: `<run dir>/weights`."""
     max_lora_rank: int = Field(default=16, ge=1)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 from harnessrl.engine.canary import with_canary
 from harnessrl.engine.vllm import sync as vllm_sync
+from harnessrl.engine.vllm import transfer
 from harnessrl.engine.weight_sync import (
     InProcessWeights,
     InProcessWeightSync,
@@ -56,7 +57,8 @@ def make_weight_sync(engine_config: EngineConfig, engine: object,
     `embedded`: `InProcessWeightSync`. `vllm` (needs `run_dir` and `model_dir`, the trainer's
     model directory): the sync named by `engine.weight_sync` (`engine/vllm/sync.py`):
     `directory` writes into `engine.sync_dir` (default `<run_dir>/weights`), `lora` keeps
-    `settings.keep_versions` adapters loaded, `nccl` needs CUDA. With `settings.canary` the
+    `settings.keep_versions` adapters loaded, `gloo` and `nccl` move the weights in memory to one
+    server (`engine/vllm/transfer.py`; `nccl` needs CUDA). With `settings.canary` the
     sync is wrapped in the weight-sync canary (`engine/canary.py`: after every publish the
     trainer and each replica score a fixed sequence; a deviation above the bound stops the run).
 
@@ -116,6 +118,8 @@ def _vllm_sync(engine: VllmEngine, eng: VllmEngineConfig, settings: SyncSettings
             return vllm_sync.DirectoryWeightSync(engine, sync_dir, model_dir=served)
         case "lora":
             return vllm_sync.LoraWeightSync(engine, sync_dir, keep=settings.keep_versions)
+        case "gloo":
+            return transfer.WeightTransferSync(engine, transfer.GlooTransport(eng.sync_address, eng.sync_port))
         case "nccl":
-            return vllm_sync.NcclWeightSync(engine)
-    raise ConfigError(f"engine.weight_sync={eng.weight_sync!r} is not one of directory, lora, nccl")
+            return transfer.WeightTransferSync(engine, transfer.NcclTransport(eng.sync_address, eng.sync_port))
+    raise ConfigError(f"engine.weight_sync={eng.weight_sync!r} is not one of directory, lora, gloo, nccl")

@@ -10,7 +10,8 @@ brings its own implementation (made by `engine/select.make_weight_sync`):
   which blocks until the copy is done, so the live parameters may change right after).
 * vLLM servers (`engine/vllm/sync.py`, picked by `engine.weight_sync`): safetensors in a shared
   directory the servers reload (`directory`), LoRA adapters loaded per version (`lora`), or
-  NCCL broadcast through vLLM's weight-transfer API on GPU machines (`nccl`).
+  full weights in memory through vLLM's weight-transfer API, over gloo on CPUs (`gloo`) or NCCL
+  on GPU machines (`nccl`; `engine/vllm/transfer.py`).
 
 What `publish` promises: when it returns, every request the engine admits from then on is
 sampled from the published weights and reports `policy_version == version` on its

@@ -542,7 +542,7 @@ def _log_dir(run_dir: Path | None) -> Path:
 
 
 def _served_dir(cfg: VllmEngineConfig, model_dir: Path) -> Path:
-    if cfg.weight_sync == "directory":  # tied embeddings untied, or reloads miss the LM head (vllm_sync)
+    if cfg.weight_sync in ("directory", "gloo"):  # tied embeddings untied, or reloads miss the LM head (vllm_sync)
 
         return serving_dir(model_dir)
     return model_dir

@@ -12,7 +12,8 @@ servers on loopback ports, one `VllmServer` per replica, and make sure none outl
   loopback). On CPU also `--enforce-eager`, `VLLM_CPU_OMP_THREADS_BIND`, `VLLM_CPU_KVCACHE_SPACE`;
   on GPU `--gpu-memory-utilization` and one GPU per replica (`CUDA_VISIBLE_DEVICES`).
   With `weight_sync = "lora"`: `--enable-lora --max-lora-rank R` and
-  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`.
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; with `"gloo"`: `--weight-transfer-config
+  '{"backend": "gloo"}'` and harnessrl's plugin (`PLUGIN_DIR`) on the PYTHONPATH.
 
 Invariants:
   * A server runs in its own process group (session) with `PR_SET_PDEATHSIG` = SIGTERM, so
@@ -35,6 +36,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -58,6 +60,9 @@ log = logging.getLogger(__name__)
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 PORT_ATTEMPTS = 3
 """Starts of one server on a fresh port when the port it was given was taken meanwhile."""
+PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
+"""harnessrl's vLLM plugin (`plugin/harnessrl_vllm_gloo.py` and its entry-point metadata): on the
+PYTHONPATH of a server synced by `engine.weight_sync = "gloo"`."""
 STOP_GRACE_S = 10.0
 """Seconds between SIGTERM and SIGKILL of a server's process group."""
 _PR_SET_PDEATHSIG = 1
@@ -79,10 +84,11 @@ def free_port() -> int:
 
 
 def server_command(cfg: VllmEngineConfig, python: Path, model_dir: Path, port: int, *, gpu: bool,
-                   served_model: str) -> list[str]:
-    """The argv of one server (module docstring)."""
+                   served_model: str, host: str = "127.0.0.1") -> list[str]:
+    """The argv of one server (module docstring), bound to `host:port` (a launched server binds
+    loopback; one started on another host binds that host's own address, `docs/scale-out.md`)."""
     argv = [str(python), "-m", SERVER_MODULE, "--model", str(model_dir), "--served-model-name", served_model,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
+            "--host", host, "--port", str(port), "--dtype", cfg.dtype,
             "--max-model-len", str(cfg.max_context_tokens), "--logprobs-mode", "processed_logprobs",
             "--disable-uvicorn-access-log"]
     if cfg.enforce_eager or not gpu:
@@ -92,6 +98,8 @@ def server_command(cfg: VllmEngineConfig, python: Path, model_dir: Path, port: i
     if cfg.weight_sync == "lora":
         argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
                  "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.max_loras)]
+    if cfg.weight_sync == "gloo":
+        argv += ["--weight-transfer-config", json.dumps({"backend": "gloo"})]
     return argv + list(cfg.extra_args)
 
 
@@ -103,6 +111,8 @@ def server_env(cfg: VllmEngineConfig, replica: int, *, gpu: bool, base: dict[str
                 "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     if cfg.weight_sync == "lora":
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if cfg.weight_sync == "gloo":  # the plugin that registers the `gloo` weight-transfer engine
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
     if gpu:
         env.setdefault("CUDA_VISIBLE_DEVICES", str(replica))
     else:

