@@ -45,7 +45,7 @@ from harnessrl.engine.base import Engine
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import ConfigError
 from harnessrl.proxy import anthropic, google, responses
-from harnessrl.proxy.app import AsgiEndpoint, ProtocolHandler, ProxyDeps, make_admin_app, make_app
+from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app, serve_post
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.httpguard import ConnectionLimits, guarded_httptools
@@ -128,7 +128,6 @@ class ProxyServer:
                                   max_concurrent_calls=self.config.max_concurrent_calls_per_session)
         self.deps = ProxyDeps(CaptureDeps(engine, chat, self.config), self.store)
         self.app = make_app(self.deps, protocols=native_protocols())
-        self._post_endpoints: dict[str, AsgiEndpoint] = self.app.state.post_endpoints
         self.admin_token = admin_token or secrets.token_urlsafe(32)
         """Bearer token of the admin listener (generated per server unless given)."""
         self.admin_app = make_admin_app(self.deps, self.admin_token, lambda: self.base_url.removesuffix("/v1"))
@@ -163,10 +162,7 @@ class ProxyServer:
         server = scope.get("server")
         if server is not None and tuple(server) == self._admin_name:
             await self.admin_app(scope, receive, send)
-        elif scope["type"] == "http" and scope["method"] == "POST" and (
-                endpoint := self._post_endpoints.get(scope["path"])) is not None:
-            await endpoint(scope, receive, send)  # the agents' calls: the hot path (`app.serve_post`)
-        else:
+        elif not await serve_post(self.app, scope, receive, send):  # the agents' calls: the hot path
             await self.app(scope, receive, send)
 
     @property
