@@ -69,7 +69,7 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     uvloop is installed, else on the default loop; with the young-generation GC threshold
     raised to `SERVING_GC_THRESHOLD0`, since every call allocates thousands of objects
     (parsed bodies, messages) and each recorded turn stays alive in its trace, so the default
-    threshold runs a collection several times per call (measured: +15-20% calls/s). A
+    threshold runs a collection several times per call. A
     `ProxyServer` started inside it freezes the process's startup heap (`freeze_startup_heap`).
     """
     global _serving
@@ -90,9 +90,8 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive now into the GC's permanent generation
     (`gc.freeze`), so later full collections no longer traverse the startup heap (imported
-    modules, tokenizer, config: ~0.3 M objects in a proxy process; one full collection of it
-    took ~0.3 s of serving time, measured, and the first one comes within the first ~10k
-    calls). Objects allocated later are collected as before. Returns the frozen count."""
+    modules, tokenizer, config: a full collection of it stalls serving). Objects allocated later
+    are collected as before. Returns the frozen count."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
