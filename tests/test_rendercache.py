@@ -4,12 +4,10 @@ input misses, the bounds hold."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from harnessrl.chat.layer import ChatLayer, normalize_messages, normalize_tools
-from harnessrl.chat.parse import fast_decode
 from harnessrl.chat.rendercache import LruCache, render_key
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {
@@ -88,21 +86,3 @@ def test_lru_bounds_by_size_and_entries() -> None:
     assert LruCache(0, len).max_size == 0
     with pytest.raises(ValueError, match="max_size=-1"):
         LruCache(-1, len)
-
-
-def test_fast_decode_equals_the_tokenizers_decode(tokenizer) -> None:  # noqa: ANN001
-    decode = fast_decode(tokenizer)
-    assert decode is not None and decode.__name__ == "fast"  # the SmolLM2 tokenizer takes the direct path
-    rng = random.Random(0)
-    specials = list(tokenizer.all_special_ids)
-    for n in (0, 1, 5, 64, 300):
-        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tokenizer)) for _ in range(n)]
-        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def test_a_tokenizer_that_cleans_up_spaces_keeps_its_decode(tokenizer) -> None:  # noqa: ANN001
-    tokenizer.clean_up_tokenization_spaces, before = True, tokenizer.clean_up_tokenization_spaces
-    try:
-        assert fast_decode(tokenizer).__name__ == "slow"
-    finally:
-        tokenizer.clean_up_tokenization_spaces = before

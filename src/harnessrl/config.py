@@ -216,25 +216,11 @@ class TrainConfig(BaseModel):
     the first row past it and every later one are dropped and counted, as for
     `max_rows_per_rollout`. The default is 8 rows of the default 4096-token context."""
     token_budget: int = Field(default=4096, ge=64)
-    """Most tokens per packed micro-batch. Packed rows attend per row segment (no dense
-    block-diagonal mask; `train/packing.py`), so cost no longer grows with the square of the
-    pack length: on a SmolLM2-135M-shaped model, 6 rows of 1.0-1.2k tokens trained at 36
-    tokens/s and 1.75 GiB peak step memory at 4096 against 34 tokens/s and 1.37 GiB at 2048
-    (the dense mask: 25 and 1.92 GiB at 4096), `bench/packing.py --budgets`. 4096 also equals
-    the default context, so no row of a default run is oversized. Rows sharing a context prefix
-    (a group's task prompt, a fork's history) are packed once per micro-batch (`pack_rows`
-    branches), so a larger budget also shares more: 16 rows of 1-2k tokens in groups of 4
-    sharing 768 ids forward 26,989 tokens whole and 17,774 shared at 8192 (25,453 at 2048);
-    tokens/s 1.06x on a 128x4 random Llama (mostly attention and vocabulary). With the fused token
-    logprobs (`train/token_logprobs.py`) the trainer now runs 1.83x / 1.89x / 2.56x the tokens/s
-    of the layout before (whole rows, dense mask, autograd logprobs) at 2048 / 4096 / 8192 on
-    that shape (8 rows of 256-768 tokens, groups of 4 sharing 256 ids, one run at load 4-5).
-    On the 135M shape (576 x 30 layers, the same 8 rows: 4,082 tokens whole, 2,639 shared) it
-    runs 2.10x / 3.38x / 3.55x the tokens/s of before (135 / 146 / 136 against 64 / 43 / 38),
-    at 1,687 / 1,060 / 1,078 MiB of step memory against 4,131 / 1,070 / 1,225 (`bench/packing.py
-    --hidden 576 --layers 30 --budgets 2048,4096,8192 --before --rows 8 --min-len 256 --max-len
-    768 --group-size 4 --prefix-len 256 --repeats 1`, load 1.0): 4096 is faster and smaller than
-    2048, and 8192 (one pack either way for these rows) no better, so 4096 stays the default."""
+    """Most tokens per packed micro-batch. Packed rows attend per row segment
+    (`train/packing.py`), so cost grows with the rows' lengths, not the square of the pack's,
+    and a larger budget shares more context prefixes per pack; 4096 (the default context)
+    trained faster than 2048 and no slower than 8192 on the default model's shape
+    (docs/benchmarks.md, training step)."""
     train_auxiliary: bool = False
     """Also train auxiliary calls (titles, summaries); off by default."""
     num_threads: int = Field(default=1, ge=1)

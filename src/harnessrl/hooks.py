@@ -134,10 +134,6 @@ def has_tool_call(turn: Turn) -> bool:
     return bool(tool_call_names(turn))
 
 
-HOOK_NAMES = ("agent_turn_fn", "train_turn_fn", "rollout_reward_fn")
-"""The hooks a run config may name (`[hooks]`)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Hooks:
     """The user hooks of a run, imported (`[hooks]`; module docstring); None where unset."""

@@ -31,11 +31,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FinishReason = Literal["stop", "length", "tool_calls"]
-"""Why generation ended: `stop` (the last id is an EOS id or completes a stop string, even
-when it was the last id the cap allowed), `length` (the max_tokens cap or the context limit
-was hit otherwise), `tool_calls` (stop and the reply parsed to tool calls; only in protocol
-responses, never from an engine)."""
 
 TurnStatus = Literal["ok", "error", "unfaithful"]
 """`ok`: trainable; `error`: upstream/engine failed, the agent got an error; `unfaithful`:

@@ -61,13 +61,13 @@ import json
 import re
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
 from harnessrl.chat.bridging import BridgedRendering, BridgePoint, PromptPlan, json_or_str, same_replay
 from harnessrl.chat.messages import Message, Role, ToolCall, normalize_messages, normalize_tools
-from harnessrl.chat.parse import ParsedAssistant, default_eos, fast_decode, parse_text
+from harnessrl.chat.parse import ParsedAssistant, default_eos, parse_text
 from harnessrl.chat.rendercache import LruCache, render_key
 from harnessrl.chat.tokencache import SegmentEncoder
 from harnessrl.errors import RequestError
@@ -193,7 +193,6 @@ class ChatLayer(BridgedRendering):
         """The generation prompt ends inside an open `<think>` block (Qwen3-style thinking
         templates): a completion is reasoning until its `</think>`."""
         self._init_bridging(tokenizer)
-        self._decode = fast_decode(tokenizer)
         # the probes above rendered uncached (one of them compares two render paths)
         self.renders = LruCache(render_cache_chars, len)
         self.encoded = LruCache(prompt_cache_ids, len, max_entries=1024 if prompt_cache_ids else 0)
@@ -499,7 +498,7 @@ class ChatLayer(BridgedRendering):
         ids = list(completion_ids)
         if ids and ids[-1] in self.eos_token_ids:
             ids.pop()
-        text = self._decode(ids)
+        text = cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
         matched = None
         cuts = [(i, n, s) for n, s in enumerate(stop) if s and (i := text.find(s)) >= 0]
         if cuts:

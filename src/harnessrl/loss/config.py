@@ -120,5 +120,3 @@ class CispoLoss(_LossBase):
 
 LossConfig = Annotated[PpoClipLoss | GspoLoss | CispoLoss, Field(discriminator="kind")]
 """`train.loss`: the variant named by `kind` with its own knobs."""
-
-LOSS_KINDS = ("ppo_clip", "gspo", "cispo")

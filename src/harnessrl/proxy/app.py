@@ -16,10 +16,8 @@ Routes:
     addresses, and the deps; `read_session_json` (the body, charged to the session) and
     `json_response` are the shared helpers).
   * The hot path: a server hands agents' POSTs to an exact path (no `/r/<key>` prefix) to
-    `serve_post`, which skips Starlette's middleware and router; there `POST
-    /v1/chat/completions` is a plain ASGI endpoint (`chat_completions_asgi`: no Starlette
-    request, response or wrapper objects per call; its docstring says what that saves),
-    answering the same bytes and recording the same turns as its route.
+    `serve_post`, which runs the route's endpoint without Starlette's middleware and router
+    (the same endpoint, so the same bytes and turns).
 
 Invariants: an unknown or revoked key gets 401 with an OpenAI-style body, and a revoked
 key's call is counted on its trace; bodies above `max_body_bytes` get 413; malformed bodies
@@ -44,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.datastructures import QueryParams
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -94,7 +91,7 @@ def make_app(deps: ProxyDeps, protocols: Mapping[str, ProtocolHandler] | None = 
         routes.append(Route(path, endpoint, methods=[method]))
         routes.append(Route(f"/r/{{key}}{path}", endpoint, methods=[method]))
         if method == "POST" and "{" not in path:
-            post_endpoints[path] = chat_completions_asgi(deps) if handler is chat_completions else _asgi(endpoint)
+            post_endpoints[path] = _asgi(endpoint)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.post_endpoints = post_endpoints
     """Exact POST paths -> their ASGI endpoint, for a server's hot path (`serve_post`)."""
@@ -144,26 +141,9 @@ def make_admin_app(deps: ProxyDeps, token: str, agent_root: Callable[[], str],
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
-class JsonResponse(Response):
-    """An `application/json` response of encoded bytes: the status, body and headers (same
-    names, values and order) that `Response(content=body, status_code=..., media_type=
-    "application/json")` has, set directly (the hot path answers one per call)."""
-
-    media_type = "application/json"
-
-    def __init__(self, body: bytes, status_code: int = 200) -> None:
-        self.status_code = status_code
-        self.body = body
-        self.background = None
-        self.raw_headers = _json_headers(body, status_code)
-
-
-_JSON_TYPE = (b"content-type", b"application/json")
-
-
 def json_response(status_code: int, body: object) -> Response:
-    """`body` encoded as JSON (`wire.dumps`) in a `JsonResponse`."""
-    return JsonResponse(dumps(body), status_code)
+    """`body` encoded as JSON (`wire.dumps`) in an `application/json` response."""
+    return Response(dumps(body), status_code, media_type="application/json")
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:
@@ -172,19 +152,13 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
     Raises:
         RequestError: 413 when the body exceeds `max_body_bytes`, 400 when the client went away.
     """
-    # the ASGI messages themselves (what `request.stream()` reads)
-    return await _read_body(request.scope, request.receive, max_body_bytes)
-
-
-async def _read_body(scope: Scope, receive: Receive, max_body_bytes: int) -> bytes:
-    """`read_body` of an ASGI request."""
-    declared = scope_headers(scope).get("content-length")
+    declared = request_headers(request).get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise _too_large(int(declared), max_body_bytes)
     chunks: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
+        message = await request.receive()  # the ASGI messages themselves (what `request.stream()` reads)
         kind = message["type"]
         if kind == "http.request":
             chunk = message.get("body", b"")
@@ -225,11 +199,7 @@ def request_headers(request: Request) -> dict[str, str]:
     """The request's headers as a dict with lower-case names (ASGI sends them lower-case; a
     repeated header gives its first value, as `request.headers.get` does), built once per
     request."""
-    return scope_headers(request.scope)
-
-
-def scope_headers(scope: Scope) -> dict[str, str]:
-    """`request_headers` of an ASGI scope."""
+    scope = request.scope
     headers = scope.get("harnessrl.headers")
     if headers is None:
         headers = scope["harnessrl.headers"] = {k.decode("latin-1"): v.decode("latin-1")
@@ -243,17 +213,12 @@ def session_key(request: Request) -> str | None:
     key = request.path_params.get("key")
     if key:
         return key
-    return _unkeyed_session_key(request.scope)
-
-
-def _unkeyed_session_key(scope: Scope) -> str | None:
-    """`session_key` of a request whose path names no key."""
-    headers = scope_headers(scope)
+    headers = request_headers(request)
     auth = headers.get("authorization")
     if auth is not None and auth[:7].lower() == "bearer ":
         return auth[7:].strip()
     return (headers.get("x-api-key") or headers.get("x-goog-api-key")
-            or QueryParams(scope["query_string"]).get("key"))
+            or request.query_params.get("key"))
 
 
 async def chat_completions(request: Request, session: Session, deps: ProxyDeps) -> Response:
@@ -273,72 +238,7 @@ def _sse_response(deps: ProxyDeps, prepared: PreparedChat) -> StreamingResponse:
                              headers={"cache-control": "no-cache"})
 
 
-def chat_completions_asgi(deps: ProxyDeps) -> AsgiEndpoint:
-    """`POST /v1/chat/completions` as a plain ASGI callable, for `serve_post`: the same key
-    lookup, call counting, body bounds, answers and record as the route's `_keyed(deps,
-    chat_completions)` followed by its response, with no Starlette `Request`, `Response` or
-    wrapper objects per call (a unary answer is the two ASGI messages `JsonResponse` sends).
-    Why the layer is bypassed here: on the small call (`bench/proxy_upstream.py`'s body, through
-    uvicorn's protocol in-process, both endpoints alternated in one process, min of 15 batches of
-    1,000 calls) this endpoint took 2-4 us less CPU a call than the route (0.110 vs 0.113 ms and
-    0.124 vs 0.129 ms for the whole call with an instant engine, at load 5); the route stays for
-    `/r/<key>/...` and every other path. `tests/test_proxy_hot_path.py` holds both to the same
-    bytes and turns."""
-    store, capture = deps.store, deps.capture
-    config = capture.config
-
-    async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
-        key = _unkeyed_session_key(scope)
-        session = store.lookup(key) if key else None
-        if session is None:
-            await _send_json(send, 401, dumps(_UNKNOWN_KEY))
-            return
-        try:
-            session.begin_call()
-        except RequestError as exc:
-            await _send_json(send, exc.status_code, dumps(error_body(exc.message, param=exc.param, code=exc.code)))
-            return
-        try:
-            stream: PreparedChat | None = None
-            try:
-                raw = await _read_body(scope, receive, config.max_body_bytes)
-                session.charge_body(len(raw))
-                prepared = await prepare_chat(capture, session, loads(raw, config.max_json_depth), scope_headers(scope))
-                if isinstance(prepared, ChatOutcome):
-                    status, payload = prepared.status_code, dumps(prepared.body)
-                elif prepared.request.stream:
-                    stream, status, payload = prepared, 200, b""
-                else:
-                    outcome = await generate_chat(capture, prepared)
-                    status, payload = outcome.status_code, dumps(outcome.body)
-            except RequestError as exc:
-                status, payload = exc.status_code, dumps(error_body(exc.message, param=exc.param, code=exc.code))
-            except Exception as exc:  # noqa: BLE001 - a proxy bug answers JSON and is logged, never a bare 500
-                log.exception("proxy failed on %s for session %s", scope["path"], session.session_id)
-                status, payload = 500, dumps(error_body(f"internal proxy error: {type(exc).__name__}",
-                                                        type_="server_error", code="internal_error"))
-            if stream is not None:
-                await _sse_response(deps, stream)(scope, receive, send)
-            else:
-                await _send_json(send, status, payload)
-        finally:
-            session.end_call()
-    return endpoint
-
-
 _UNKNOWN_KEY = error_body("unknown or revoked API key", param=None, code="invalid_api_key")
-
-
-async def _send_json(send: Send, status_code: int, body: bytes) -> None:
-    """What `JsonResponse(body, status_code)` sends."""
-    await send({"type": "http.response.start", "status": status_code, "headers": _json_headers(body, status_code)})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _json_headers(body: bytes, status_code: int) -> list[tuple[bytes, bytes]]:
-    if status_code < 200 or status_code in (204, 304):
-        return [_JSON_TYPE]
-    return [(b"content-length", b"%d" % len(body)), _JSON_TYPE]
 
 
 async def _stream(deps: ProxyDeps, prepared: PreparedChat) -> AsyncIterator[bytes]:

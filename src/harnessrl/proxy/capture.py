@@ -49,14 +49,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
-from pydantic import BaseModel
 
 from harnessrl.engine.base import CALL_PROGRESS, CallProgress, Engine
 from harnessrl.chat.layer import ChatLayer, ParsedAssistant
@@ -68,7 +67,6 @@ from harnessrl.types import (Completion, Reply, ReplyToolCall, Sampling, Turn, c
                              effective_temperature)
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
 
 RECORDED_HEADERS = ("x-session-id", "x-session-affinity", "x-stainless-retry-count", "session-id",
                     "x-codex-turn-metadata", "user-agent")
@@ -269,8 +267,8 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
     notes = [] if p.bridged_from is None else [f"bridged_from={p.bridged_from}"]
     if completion.straddled:
         notes.append(f"straddled_update: sent under policy_version={completion.policy_version}")
-    turn = construct(
-        Turn, turn_index=p.turn_index, protocol="chat.completions" if origin is None else origin.protocol,
+    turn = Turn.model_construct(
+        turn_index=p.turn_index, protocol="chat.completions" if origin is None else origin.protocol,
         request=p.body, reply=reply_of(parsed),
         raw_request=None if origin is None else origin.body, raw_response=protocol_body,
         prompt_ids=list(completion.prompt_ids), completion_ids=list(completion.completion_ids),
@@ -367,74 +365,16 @@ def build_response(deps: CaptureDeps, request: ChatRequest, completion: Completi
 
 
 def completion_id() -> str:
-    """`chatcmpl-` + 24 random hex digits: what `secrets.token_hex(12)` gives, the bytes taken
-    from a buffer that one `os.urandom` call fills for `_ID_BATCH` replies (a system call per
-    reply cost ~1 us)."""
-    global _id_bytes, _id_at
-    at = _id_at
-    if at >= len(_id_bytes):
-        _id_bytes, at = os.urandom(12 * _ID_BATCH), 0
-    _id_at = at + 12
-    return "chatcmpl-" + _id_bytes[at:at + 12].hex()
-
-
-_ID_BATCH = 1024
-_id_bytes = b""
-_id_at = 0
-
-
-def _new_id_bytes_after_fork() -> None:
-    """A forked child draws its own bytes (it must not repeat its parent's ids)."""
-    global _id_bytes, _id_at
-    _id_bytes, _id_at = b"", 0
-
-
-os.register_at_fork(after_in_child=_new_id_bytes_after_fork)
+    """`chatcmpl-` + 24 random hex digits."""
+    return "chatcmpl-" + secrets.token_hex(12)
 
 
 def reply_of(parsed: ParsedAssistant) -> Reply:
     """The neutral `Turn.reply` of a parse (the same values the chat.completion body carries)."""
-    return construct(
-        Reply, content=parsed.content, reasoning=parsed.reasoning,
-        tool_calls=[construct(ReplyToolCall, id=c.id, name=c.name, arguments=c.arguments)
+    return Reply.model_construct(
+        content=parsed.content, reasoning=parsed.reasoning,
+        tool_calls=[ReplyToolCall.model_construct(id=c.id, name=c.name, arguments=c.arguments)
                     for c in parsed.tool_calls])
-
-
-def construct(cls: type[M], **values: Any) -> M:
-    """`cls.model_construct(**values)` (trusted values, no validation) for a recorder that names
-    every field of `cls`, without `model_construct`'s per-field default lookup (a third of the
-    recorder's cost per call); a model with extras, private attributes or a post-init hook, or
-    values that do not name exactly its fields, goes through `model_construct`.
-
-    The instances built here share one `model_fields_set` per class: the set of all its field
-    names, which is what `model_construct` would give each of them; pydantic only ever adds a
-    field's name to it (already in it) or copies it (`model_copy`), so sharing it saves a set
-    per recorded turn (~1.2 KB for a `Turn`, kept as long as its trace)."""
-    plain = _PLAIN_FIELDS.get(cls)
-    if plain is None:
-        plain = _PLAIN_FIELDS[cls] = _plain_fields(cls)
-    fields, fields_set = plain
-    if values.keys() != fields:
-        return cls.model_construct(**values)
-    model = cls.__new__(cls)
-    object.__setattr__(model, "__dict__", values)
-    object.__setattr__(model, "__pydantic_fields_set__", fields_set)
-    object.__setattr__(model, "__pydantic_extra__", None)
-    object.__setattr__(model, "__pydantic_private__", None)
-    return model
-
-
-_PLAIN_FIELDS: dict[type[BaseModel], tuple[frozenset[str], set[str]]] = {}
-"""Per model class: its field names when `construct` may fill its `__dict__` directly, else an
-empty set (no call names no fields, so every call goes through `model_construct`), and the
-`model_fields_set` its instances share."""
-
-
-def _plain_fields(cls: type[BaseModel]) -> tuple[frozenset[str], set[str]]:
-    if (cls.__pydantic_post_init__ or cls.__private_attributes__ or cls.__pydantic_root_model__
-            or cls.model_config.get("extra") == "allow"):
-        return frozenset(), set()
-    return frozenset(cls.model_fields), set(cls.model_fields)
 
 
 def _logprobs(chat: ChatLayer, completion: Completion) -> dict[str, Any]:
@@ -526,8 +466,8 @@ def _error_turn(session: Session, turn_index: int, body: dict[str, Any], headers
                 prompt_ids: list[int] | None = None, sampling: Sampling | None = None) -> Turn:
     if origin is not None:
         headers = {**headers, **origin.headers}
-    turn = construct(
-        Turn, turn_index=turn_index, protocol="chat.completions" if origin is None else origin.protocol,
+    turn = Turn.model_construct(
+        turn_index=turn_index, protocol="chat.completions" if origin is None else origin.protocol,
         request=summarize_body(body), reply=None,
         raw_request=None if origin is None else summarize_body(origin.body), raw_response=None,
         prompt_ids=list(prompt_ids or ()), completion_ids=[], completion_logprobs=[], sampling=sampling,

@@ -10,8 +10,7 @@ that sets one deadline when a connection opens and again when a new request star
 and clears it once that request's body is complete. When it passes, the connection is
 closed: with `408 Request Timeout` when no request is being answered, silently when a
 handler is already reading the body (it sees a client disconnect). One timer per connection
-checks it (moved on when it finds a later deadline), and uvicorn's keep-alive deadline the
-same way: no timer is started and cancelled per request.
+checks it (moved on when it finds a later deadline).
 
 Invariant: generation time is never limited here; the deadline covers only reading a request.
 
@@ -34,13 +33,6 @@ under a fallback key, children that connect and exit would give an agent a secon
 count in all only (agents reach TCP only without a sandbox, or through a Ray node's relay,
 which carries many rollouts). A connection past a bound is closed at once, before a byte is
 read; the admin listener is not counted.
-
-The same protocol writes a response's head together with its first body part: uvicorn writes
-the status line and headers, then the body, as two socket writes (two TCP segments, two
-wake-ups of the client); here the head of a response with a `content-length` is held
-(`_HeadHeld`) until the next write of that response, its completion or the connection's close,
-so a unary response is one write (a streamed response's head still goes out at once, and
-pipelined requests' answers as uvicorn writes them). The bytes on the wire are unchanged.
 """
 
 from __future__ import annotations
@@ -53,54 +45,9 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
-
-
-class _HeadHeld:
-    """A connection's transport as its response cycles see it: the first write of a response
-    that declared a `content-length` (its head: uvicorn writes it right after marking the
-    response started) is held and prefixed to the next write; `flush` (the response completed
-    without writing a body: HEAD) and `close` write a held head."""
-
-    __slots__ = ("transport", "protocol", "cycle", "held")
-
-    def __init__(self, transport: asyncio.Transport, protocol: HttpToolsProtocol) -> None:
-        self.transport = transport
-        self.protocol = protocol
-        self.cycle: RequestResponseCycle | None = None
-        """The cycle whose head was held last (its later writes are never a head)."""
-        self.held: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        held = self.held
-        if held is not None:
-            self.held = None
-            self.transport.write(held + data)
-            return
-        cycle = self.protocol.cycle  # the writer, but for pipelined requests (their writes go straight out)
-        if cycle is not self.cycle and cycle is not None and cycle.response_started and cycle.chunked_encoding is False:
-            self.cycle = cycle
-            self.held = data
-            return
-        self.transport.write(data)
-
-    def flush(self) -> None:
-        """Write a held head now (dropped when the connection is already closing)."""
-        held, self.held = self.held, None
-        if held is not None and not self.transport.is_closing():
-            self.transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self.transport.close()
-
-    def is_closing(self) -> bool:
-        return self.transport.is_closing()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.transport, name)
 
 
 class _HeadTooLarge(Exception):
@@ -199,7 +146,7 @@ def _timeout_body(read_timeout_s: float) -> bytes:
 def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = None,
                       max_header_bytes: int = 64 * 1024) -> type[asyncio.Protocol]:
     """The httptools protocol with a per-request read deadline of `read_timeout_s` seconds,
-    writing each response's head with its first body part, each new connection counted by
+    each new connection counted by
     `limits` (closed at once past a bound), and a request whose header section grows past
     `max_header_bytes` answered 431 and closed (module docstring).
 
@@ -222,12 +169,6 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
         _read_timer: asyncio.TimerHandle | None = None
         """Fires at or before `_read_by` (armed once, moved on when it finds a later deadline:
         no timer is started and cancelled per request)."""
-        _idle_since: float | None = None
-        """Loop time the connection went idle (its last response complete, no byte since)."""
-        _idle_timer: asyncio.TimerHandle | None = None
-        """uvicorn's keep-alive deadline (`timeout_keep_alive` after `_idle_since`), kept the
-        same way as `_read_timer` instead of a timer per response."""
-        _head_held: _HeadHeld | None = None
         _head_bytes: int = 0
         """Bytes of the request line's URL and the headers read so far (names, values, 4 per
         header for its separators)."""
@@ -242,7 +183,6 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
         _peer: str | None = None
 
         def data_received(self, data: bytes) -> None:
-            self._idle_since = None
             super().data_received(data)
             if self._head_open and not self._head_too_big:
                 # the chunk ended inside a header section, which the parser buffers until each
@@ -254,19 +194,11 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
 
         def on_url(self, url: bytes) -> None:
             self._count_head(len(url))
-            self.url += url  # uvicorn's (0.30-0.54), inlined: a parser callback per request
+            super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
-            # counted, then uvicorn's (0.30-0.54), inlined: one Python call per header, not three
-            size = self._head_bytes + len(name) + len(value) + 4
-            self._head_bytes = size
-            if size > max_header_bytes:
-                self._head_too_big = True
-                raise _HeadTooLarge  # the parser stops; uvicorn answers through `send_400_response`
-            name = name.lower()
-            if name == b"expect" and value.lower() == b"100-continue":
-                self.expect_100_continue = True
-            self.headers.append((name, value))
+            self._count_head(len(name) + len(value) + 4)
+            super().on_header(name, value)
 
         def _count_head(self, size: int) -> None:
             self._head_bytes += size
@@ -284,33 +216,6 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
                 self.transport.write(big_head + big_body)
                 self.transport.close()
 
-        def on_response_complete(self) -> None:
-            # uvicorn's (0.30-0.54), with the keep-alive deadline kept by `_idle_timer`
-            if self._head_held is not None:
-                self._head_held.flush()  # a response that wrote no body (HEAD) still sends its head
-            self.server_state.total_requests += 1
-            if self.transport.is_closing():
-                return
-            self._unset_keepalive_if_required()
-            self.flow.resume_reading()
-            if self.pipeline:
-                cycle, app = self.pipeline.pop()
-                self._start_asgi_task(cycle, app)
-                return
-            self._idle_since = self.loop.time()
-            if self._idle_timer is None:
-                self._idle_timer = self.loop.call_at(self._idle_since + self.timeout_keep_alive, self._idle_check)
-
-        def _idle_check(self) -> None:
-            self._idle_timer = None
-            since = self._idle_since
-            if since is None:  # busy again; the next response arms the timer again
-                return
-            if self.loop.time() < since + self.timeout_keep_alive:  # idle since a later response
-                self._idle_timer = self.loop.call_at(since + self.timeout_keep_alive, self._idle_check)
-                return
-            self.timeout_keep_alive_handler()
-
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if limits is not None:
@@ -319,16 +224,12 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
                     transport.close()  # nothing read or written: the peer sees EOF
                     return
                 self._counted = True
-            self._head_held = _HeadHeld(transport, self)
             self._read_by = self.loop.time() + read_timeout_s
             self._read_timer = self.loop.call_at(self._read_by, self._read_check)
 
         def on_headers_complete(self) -> None:
             self._head_open, self._head_chunks = False, 0
             super().on_headers_complete()
-            cycle = self.cycle  # the new request's (its task has not run yet)
-            if cycle is not None and cycle.transport is self.transport and self._head_held is not None:
-                cycle.transport = self._head_held  # type: ignore[assignment]
 
         def on_message_begin(self) -> None:
             self._head_bytes, self._head_open = 0, True
@@ -346,11 +247,10 @@ def guarded_httptools(read_timeout_s: float, limits: ConnectionLimits | None = N
             if self._counted and limits is not None:
                 self._counted = False
                 limits.release(self._peer)
-            self._read_by = self._idle_since = None
-            for timer in (self._read_timer, self._idle_timer):
-                if timer is not None:
-                    timer.cancel()
-            self._read_timer = self._idle_timer = None
+            self._read_by = None
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
             super().connection_lost(exc)
 
         def _read_check(self) -> None:

@@ -45,7 +45,7 @@ from harnessrl.engine.base import Engine
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import ConfigError
 from harnessrl.proxy import anthropic, google, responses
-from harnessrl.proxy.app import AsgiEndpoint, ProtocolHandler, ProxyDeps, make_admin_app, make_app
+from harnessrl.proxy.app import ProtocolHandler, ProxyDeps, make_admin_app, make_app, serve_post
 from harnessrl.proxy.capture import CaptureDeps
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.httpguard import ConnectionLimits, guarded_httptools
@@ -69,7 +69,7 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     uvloop is installed, else on the default loop; with the young-generation GC threshold
     raised to `SERVING_GC_THRESHOLD0`, since every call allocates thousands of objects
     (parsed bodies, messages) and each recorded turn stays alive in its trace, so the default
-    threshold runs a collection several times per call (measured: +15-20% calls/s). A
+    threshold runs a collection several times per call. A
     `ProxyServer` started inside it freezes the process's startup heap (`freeze_startup_heap`).
     """
     global _serving
@@ -90,9 +90,8 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive now into the GC's permanent generation
     (`gc.freeze`), so later full collections no longer traverse the startup heap (imported
-    modules, tokenizer, config: ~0.3 M objects in a proxy process; one full collection of it
-    took ~0.3 s of serving time, measured, and the first one comes within the first ~10k
-    calls). Objects allocated later are collected as before. Returns the frozen count."""
+    modules, tokenizer, config: a full collection of it stalls serving). Objects allocated later
+    are collected as before. Returns the frozen count."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
@@ -128,7 +127,6 @@ class ProxyServer:
                                   max_concurrent_calls=self.config.max_concurrent_calls_per_session)
         self.deps = ProxyDeps(CaptureDeps(engine, chat, self.config), self.store)
         self.app = make_app(self.deps, protocols=native_protocols())
-        self._post_endpoints: dict[str, AsgiEndpoint] = self.app.state.post_endpoints
         self.admin_token = admin_token or secrets.token_urlsafe(32)
         """Bearer token of the admin listener (generated per server unless given)."""
         self.admin_app = make_admin_app(self.deps, self.admin_token, lambda: self.base_url.removesuffix("/v1"))
@@ -163,10 +161,7 @@ class ProxyServer:
         server = scope.get("server")
         if server is not None and tuple(server) == self._admin_name:
             await self.admin_app(scope, receive, send)
-        elif scope["type"] == "http" and scope["method"] == "POST" and (
-                endpoint := self._post_endpoints.get(scope["path"])) is not None:
-            await endpoint(scope, receive, send)  # the agents' calls: the hot path (`app.serve_post`)
-        else:
+        elif not await serve_post(self.app, scope, receive, send):  # the agents' calls: the hot path
             await self.app(scope, receive, send)
 
     @property

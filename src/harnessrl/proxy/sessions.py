@@ -369,11 +369,6 @@ def unserialisable_turn(turn: Turn, exc: Exception) -> Turn:
                 policy_version=turn.policy_version)
 
 
-def append_trace(path: Path, trace: Trace) -> int:
-    """Append one trace as a JSON line to `path` (parents created); returns its byte offset."""
-    return _append_line(path, trace_json(trace))
-
-
 def _append_line(path: Path, line: str) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("ab") as f:

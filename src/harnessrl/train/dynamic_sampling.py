@@ -22,17 +22,14 @@ Responsibility:
     step holds more such flat groups than it may draw (the bound N), their replacements stay
     in flight with no flat group to stand in for: the orchestrator counts them when it tops up
     the groups in flight after a weight sync (`Orchestrator.after_sync`), so the surplus takes the place of
-    a new ticket instead of pushing every later group one position back. (Counted with a
-    single counter spent by any pull, such a surplus stayed in flight for good, and from then
-    on one group a step arrived a version too stale and was dropped.)
+    a new ticket instead of pushing every later group one position back (and a version stale).
   * Signal is per rollout: a group is usable only when a rollout fresh enough to train carries
     a non-zero advantage (`usable`). A group with signal whose only fresh rollout has advantage
     0 (GRPO's mean reward) would train a zero-advantage row and nothing else.
   * A group too stale to train counts as one without signal: its rows would all be dropped by
     `train.max_staleness` (`train/rows.rows_for_step`). A replacement left over at the bound
     is generated early and taken by the next step, which can find it two versions old; counted
-    as usable, such a group made the step train on one group, or on none (at N = 6, lr 5e-5,
-    seed 2: step 58 of 68 dropped all 8 of its rows as stale and skipped its update).
+    as usable, such a group could leave a step with nothing to train.
 
 Invariants:
   * Every pulled group is backed by a ticket granted before it, so no pull waits on a group
