@@ -47,6 +47,7 @@ from harnessrl.harness.options import default_limits, requirements_for, validate
 from harnessrl.hooks import load_hook, load_hooks
 from harnessrl.log import check_sinks
 from harnessrl.loss.config import LossConfig, PpoClipLoss
+from harnessrl.proxy.config import ProxyBounds, SamplingConfig
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.config import SandboxConfig as LocalSandboxConfig
 from harnessrl.tasks.config import ProceduralTasks, TasksConfig
@@ -59,22 +60,6 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 SandboxConfig = Annotated[LocalSandboxConfig | PodmanSandboxConfig, Field(discriminator="kind")]
 """`[sandbox]`: the backend named by `kind` (default `local`) with its own keys."""
-
-
-class SamplingConfig(BaseModel):
-    """The run's sampling parameters, enforced by the proxy whatever the agent sends."""
-
-    model_config = _FROZEN
-
-    temperature: float = Field(default=0.4, gt=0.0)
-    """0.4 by default: SmolLM2-135M through mini-swe-agent's compact prompt wrote a well-formed
-    action in 10 of 16 replies at 0.4 and 2 of 16 at 0.7 (the trainer's logprobs use the same
-    temperature, so a lower one stays exact; top_p / top_k truncation is refused in training)."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    max_tokens: int = Field(default=192, ge=1)
-    """Cap on completion tokens per turn (an agent's larger request is lowered to it). Unset in
-    a run config: the reply length the harness asks for, at least 192."""
 
 
 class HarnessConfig(BaseModel):
@@ -162,16 +147,6 @@ class RolloutConfig(BaseModel):
     """Characters of an agent's final answer a rollout records (`rollouts.jsonl`, the trainer's
     memory); a longer one is cut and ends with `…[final answer cut: N characters in all]`. The
     verifier scores the whole answer."""
-    max_model_calls: int = Field(default=64, ge=0)
-    """Model calls one rollout may make, each counted on arrival, rejected ones too (0: no
-    limit). Past it, and when the context is
-    exhausted, the agent gets a final stop in its own protocol (a reply with no tool call,
-    finish_reason stop) that ends its loop, instead of an error it may retry until the
-    timeout; recorded as an `error` turn (`final_stop: ...` in its notes), never trained.
-    64 by default: the shipped harnesses need at most about 40 (claude-code's `max_turns` 20,
-    each with a side call; mini-swe-agent's `step_limit` and the white-box loops' `max_turns`
-    are single digits; the opencode recipe sets 64 itself), and without a bound one rollout
-    could make thousands of calls."""
 
 
 class TrainConfig(BaseModel):
@@ -329,6 +304,8 @@ class RunConfig(BaseModel):
     seed: int = 0
     engine: EngineConfig = EmbeddedEngineConfig()
     sampling: SamplingConfig = SamplingConfig()
+    proxy: ProxyBounds = ProxyBounds()
+    """`[proxy]`: the proxy's bounds on what agents send and hold (`proxy/config.ProxyBounds`)."""
     tasks: TasksConfig = ProceduralTasks()
     harness: HarnessConfig = HarnessConfig()
     sandbox: SandboxConfig = LocalSandboxConfig()
@@ -377,6 +354,9 @@ class RunConfig(BaseModel):
     def _check(self) -> RunConfig:
         req = self.harness.requirements()
         kind = self.harness.kind
+        if self.sampling.temperature <= 0.0:
+            raise ValueError(f"sampling.temperature must be above 0 (got {self.sampling.temperature}): the "
+                             f"trainer's logprobs and the recorded ones are taken at that temperature")
         if self.engine.max_context_tokens < req.min_context_tokens:
             raise ValueError(
                 f"harness {kind!r} needs engine.max_context_tokens >= {req.min_context_tokens} "

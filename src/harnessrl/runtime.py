@@ -25,7 +25,7 @@ from harnessrl.engine.vllm.client import make_vllm_engine, start_vllm_engine
 from harnessrl.harness.base import Harness
 from harnessrl.harness.install import installed_agent_dirs
 from harnessrl.harness.select import make_harness
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, proxy_config
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.rewards.base import Verifier
 from harnessrl.rewards.select import make_verifier_for
@@ -88,20 +88,11 @@ async def start_engine(cfg: EngineConfig, model_dir: Path, seed: int, run_dir: P
 
 
 def proxy_config_for(cfg: RunConfig, model_name: str) -> ProxyConfig:
-    """The proxy enforces the run's sampling; its agents listener takes a free port on loopback,
-    or on `rollout.ray.proxy_host` for rollouts on a Ray cluster (the admin listener always
-    stays on loopback)."""
-    return ProxyConfig(
-        host=cfg.rollout.ray.proxy_host if cfg.rollout.executor == "ray" else "127.0.0.1",
-        port=0,
-        model_name=model_name,
-        temperature=cfg.sampling.temperature,
-        top_p=cfg.sampling.top_p,
-        top_k=cfg.sampling.top_k,
-        enforce_sampling=True,
-        max_tokens_cap=cfg.sampling.max_tokens,
-        max_model_calls=cfg.rollout.max_model_calls,
-    )
+    """The proxy of a run: its `[proxy]` bounds and `[sampling]`, enforced (`proxy_config`); its
+    agents listener takes a free port on loopback, or on `rollout.ray.proxy_host` for rollouts on
+    a Ray cluster (the admin listener always stays on loopback)."""
+    host = cfg.rollout.ray.proxy_host if cfg.rollout.executor == "ray" else "127.0.0.1"
+    return proxy_config(cfg.proxy, cfg.sampling, host=host, port=0, model_name=model_name)
 
 
 @asynccontextmanager

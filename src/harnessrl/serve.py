@@ -28,7 +28,7 @@ from rich.console import Console
 
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.engine.model_store import load_tokenizer, resolve_model
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, proxy_config
 from harnessrl.proxy.server import ProxyServer, run_loop
 from harnessrl.runtime import start_engine
 
@@ -53,10 +53,10 @@ def serve(cfg: RunConfig, host: str = "127.0.0.1", port: int = 8000, admin_port:
 
 
 def proxy_config_for_serve(cfg: RunConfig, host: str, port: int, trace_path: Path | None = None) -> ProxyConfig:
-    """The proxy settings `serve` uses: the run's sampling, enforced, on `host:port`."""
-    return ProxyConfig(host=host, port=port, model_name=cfg.engine.model, trace_path=trace_path,
-                       temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                       enforce_sampling=True, max_tokens_cap=cfg.sampling.max_tokens)
+    """The proxy settings `serve` uses: the run's `[proxy]` bounds and sampling, enforced, on
+    `host:port` (`proxy_config`)."""
+    return proxy_config(cfg.proxy, cfg.sampling, host=host, port=port, model_name=cfg.engine.model,
+                        trace_path=trace_path)
 
 
 async def _serve(cfg: RunConfig, config: ProxyConfig, admin_port: int, open_session: bool) -> None:
@@ -72,8 +72,9 @@ async def _serve(cfg: RunConfig, config: ProxyConfig, admin_port: int, open_sess
         async with ProxyServer(engine, chat, config, admin_port=admin_port,
                                admin_token=os.environ.get("HARNESSRL_ADMIN_TOKEN") or None) as proxy:
             console.print(f"proxy serving [bold]{model}[/] at {proxy.base_url}; Ctrl-C stops", soft_wrap=True)
-            console.print(f"sampling (enforced): temperature {config.temperature}, top_p {config.top_p}, "
-                          f"top_k {config.top_k}, max_tokens {config.max_tokens_cap}; context "
+            s = config.sampling
+            console.print(f"sampling (enforced): temperature {s.temperature}, top_p {s.top_p}, "
+                          f"top_k {s.top_k}, max_tokens {s.max_tokens}; context "
                           f"{engine.max_context_tokens} tokens", soft_wrap=True)
             console.print(f"admin API at {proxy.admin_url} (POST /admin/sessions ...), token in "
                           f"'Authorization: Bearer':", soft_wrap=True)
