@@ -5,6 +5,8 @@ validated."""
 from __future__ import annotations
 
 import ast
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,69 @@ def test_one_function_maps_the_run_sampling_to_the_proxy() -> None:
     through it."""
     assert _calls("ProxyConfig", with_arguments=True) == ["proxy/config.py"]
     assert sorted(_calls("proxy_config")) == ["runtime.py", "serve.py"]
+
+
+def test_the_staleness_window_is_computed_in_one_place() -> None:
+    """`max_staleness + 1` is written once in code (`config.StalenessWindow.versions`); the
+    orchestrator's allowance, the weight sync's kept versions and the default concurrency all
+    read the window."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
+                    and any(isinstance(side, ast.Attribute) and side.attr == "max_staleness"
+                            for side in (node.left, node.right))):
+                found.append(str(path.relative_to(SRC)))
+    assert found == ["config.py"]
+    cfg = load_config(None, ["train.max_staleness=3", "train.groups_per_step=2", "rollout.group_size=5",
+                             "engine.max_batch_size=1000"])
+    assert (cfg.train.window.versions, cfg.train.window.groups_ahead, cfg.concurrent_rollouts) == (4, 8, 40)
+
+
+async def test_train_serve_and_rollout_parse_a_completion_the_same_way(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The chat layer is built by one function for every command, with the engine's end-of-
+    sequence ids: a model whose generation config ends completions on an id the tokenizer does
+    not call EOS (here "!") has it stripped under `train` and `rollout` (`start_runtime`) as under
+    `serve` (`serving`)."""
+    from harnessrl.engine.model_store import load_tokenizer
+    from harnessrl.runtime import serving, start_runtime
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = load_tokenizer(model)
+    bang = tokenizer.convert_tokens_to_ids("!")
+    gen = json.loads((model / "generation_config.json").read_text(encoding="utf-8"))
+    (model / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, bang]}), encoding="utf-8")
+    cfg = load_config(None, [f"engine.model={json.dumps(str(model))}", "engine.num_threads=1"])
+    completion = [*tokenizer.encode("hello", add_special_tokens=False), bang]
+    async with start_runtime(cfg) as rt:  # `train` (train/setup.open_run) and `rollout` open this
+        ran = rt.chat.parse(completion, False)
+    async with serving(cfg.engine, cfg.seed, proxy_config_for_serve(cfg, host="127.0.0.1", port=0)) as served:
+        served_parse = served.chat.parse(completion, False)
+    assert ran == served_parse
+    assert ran.content == "hello"
+
+
+def test_hooks_load_once_on_the_way_to_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`harnessrl train` and `rollout` load the hooks once (`config.check_run`, in
+    `preflight.check_start`) and hand them on (`runtime.Prepared`); no module on the run's path
+    loads them again."""
+    import harnessrl.config as config_module
+    from harnessrl.hooks import load_hooks
+    from harnessrl.preflight import check_start
+
+    calls: list[object] = []
+    monkeypatch.setattr(config_module, "load_hooks", lambda hooks: calls.append(hooks) or load_hooks(hooks))
+    cfg = load_config(None, ["tasks.kind=\"procedural\""])
+    prepared = check_start(cfg, isolation="best_effort", training=True)
+    assert len(calls) == 1 and prepared.tasks is not None and prepared.hooks.rollout_reward_fn is not None
+    run_path = ["runtime.py", "preflight.py", "run_rollouts.py", "serve.py", *(f"train/{p.name}" for p in
+                                                                              (SRC / "train").glob("*.py"))]
+    assert [m for m in _calls("load_hooks") if m in run_path] == []
+
+
+def test_check_training_runs_once_for_harnessrl_train() -> None:
+    """`harnessrl train` checks its config once (`preflight.check_start`); `train/setup.open_run`
+    checks it only when opened without that (a run opened from code)."""
+    assert _calls("check_training_config") == ["preflight.py", "train/setup.py"]
+    assert _calls("check_training") == ["train/setup.py"]

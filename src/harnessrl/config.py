@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -44,7 +45,7 @@ from harnessrl.engine.config import EmbeddedEngineConfig, EngineConfig
 from harnessrl.errors import ConfigError
 from harnessrl.harness.base import HarnessRequirements
 from harnessrl.harness.options import default_limits, requirements_for, validate_options
-from harnessrl.hooks import load_hook, load_hooks
+from harnessrl.hooks import Hooks, load_hook, load_hooks
 from harnessrl.log import check_sinks
 from harnessrl.loss.config import LossConfig, PpoClipLoss
 from harnessrl.proxy.config import ProxyBounds, SamplingConfig
@@ -147,6 +148,27 @@ class RolloutConfig(BaseModel):
     """Characters of an agent's final answer a rollout records (`rollouts.jsonl`, the trainer's
     memory); a longer one is cut and ends with `…[final answer cut: N characters in all]`. The
     verifier scores the whole answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessWindow:
+    """How far generation runs ahead of training (DESIGN.md §1, §6), computed in one place from
+    `train.max_staleness` and `train.groups_per_step` (`TrainConfig.window`)."""
+
+    max_staleness: int
+    groups_per_step: int
+
+    @property
+    def versions(self) -> int:
+        """Policy versions a rollout in flight may still be sampled from, `max_staleness + 1`:
+        the versions a weight sync keeps (LoRA adapters loaded on vLLM)."""
+        return self.max_staleness + 1
+
+    @property
+    def groups_ahead(self) -> int:
+        """Groups the orchestrator keeps granted ahead of training (its allowance):
+        `versions * groups_per_step`."""
+        return self.versions * self.groups_per_step
 
 
 class TrainConfig(BaseModel):
@@ -259,6 +281,11 @@ class TrainConfig(BaseModel):
     eval_samples: int | None = Field(default=None, ge=1)
     """Rollouts per held-out task, with the run's sampling (unset: `rollout.group_size`)."""
 
+    @property
+    def window(self) -> StalenessWindow:
+        """The staleness window of `max_staleness` and `groups_per_step`."""
+        return StalenessWindow(self.max_staleness, self.groups_per_step)
+
 
 class HooksConfig(BaseModel):
     model_config = _FROZEN
@@ -347,7 +374,7 @@ class RunConfig(BaseModel):
         sandbox and an agent process)."""
         if self.rollout.max_concurrent_rollouts:
             return self.rollout.max_concurrent_rollouts
-        ahead = (self.train.max_staleness + 1) * self.train.groups_per_step * self.rollout.group_size
+        ahead = self.train.window.groups_ahead * self.rollout.group_size
         return min(ahead, self.engine.max_batch_size) if isinstance(self.engine, EmbeddedEngineConfig) else ahead
 
     @model_validator(mode="after")
@@ -420,21 +447,23 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> RunConfig:  # t
         raise ConfigError(_describe_validation(exc, path, data)) from None
 
 
-def check_run(cfg: RunConfig) -> None:
+def check_run(cfg: RunConfig) -> Hooks:
     """Checks of a run config that need imports: every hook, the python task source and the
     verifier it names must import and be callable. Called by `harnessrl train` and `harnessrl
-    rollout` before anything else (no model loaded, no run directory made).
+    rollout` before anything else (no model loaded, no run directory made). Returns the hooks,
+    loaded (the run's one load of them).
 
     Raises:
         ConfigError: the first dotted path that fails, named with its config key.
     """
-    load_hooks(cfg.hooks)
+    hooks = load_hooks(cfg.hooks)
     if cfg.tasks.kind == "python" and cfg.tasks.source:
         load_hook(cfg.tasks.source, what="tasks.source")
     if cfg.tasks.kind == "openenv":
         load_hook(cfg.tasks.factory, what="tasks.factory")
     if cfg.tasks.verifier:
         load_hook(cfg.tasks.verifier, what="tasks.verifier")
+    return hooks
 
 
 def check_training_config(cfg: RunConfig) -> None:

@@ -44,6 +44,7 @@ from harnessrl.config import RunConfig
 from harnessrl.engine.weight_sync import SyncReport
 from harnessrl.jsonl import read_jsonl
 from harnessrl.log import to_run_log
+from harnessrl.runtime import Prepared
 from harnessrl.train.console import (
     bound_line,
     final_table,
@@ -75,14 +76,15 @@ PARITY_BOUND = 1e-3
 
 
 async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
-              ranks: Ranks | None = None) -> list[StepMetrics]:
+              ranks: Ranks | None = None, prepared: Prepared | None = None) -> list[StepMetrics]:
     """Open the run of `cfg` in `run_dir` and train it (`open_run`, then `train`); returns the
-    per-step metrics.
+    per-step metrics. `prepared`: `open_run`'s.
 
     Raises:
         ConfigError: from `open_run`.
     """
-    async with open_run(cfg, run_dir, resume=resume, console=console, ranks=ranks) as training_run:
+    async with open_run(cfg, run_dir, resume=resume, console=console, ranks=ranks,
+                        prepared=prepared) as training_run:
         return await train(training_run)
 
 

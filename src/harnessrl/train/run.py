@@ -1,6 +1,6 @@
 """`harnessrl train`: the process around a training run.
 
-Responsibility: check the config (`preflight.check_start`, `setup.check_training`) before the run
+Responsibility: check the config (`preflight.check_start`) before the run
 directory is made or an earlier run in it moved aside, start the trainer's processes
 (`train/distributed.py`), set up logging and `config.toml`, run the loop (`train/loop.run`) on
 uvloop when installed (the agents' listener runs inside this process) until it completes or a
@@ -37,11 +37,12 @@ from harnessrl.config import RunConfig, dump_config
 from harnessrl.log import setup_logging
 from harnessrl.preflight import check_start
 from harnessrl.proxy.server import run_loop
+from harnessrl.runtime import Prepared
 from harnessrl.signals import RunStopped, run_until_signal
 from harnessrl.train.distributed import Ranks, close_ranks, init_ranks
 from harnessrl.train.loop import run
 from harnessrl.train.policy import latest_checkpoint
-from harnessrl.train.setup import check_training, retain_freed_memory
+from harnessrl.train.setup import retain_freed_memory
 from harnessrl.train.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def set_aside_earlier_run(run_dir: Path) -> Path | None:
     return target
 
 
-def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, checked: bool = False) -> int:
+def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, prepared: Prepared | None = None) -> int:
     """Train per `cfg` in `run_dir`; returns the process exit code: 0 when every step ran, 130 /
     143 when SIGINT / SIGTERM stopped the run (`harnessrl.signals`; the step in progress then
     leaves no rollouts, metrics or checkpoint behind, earlier checkpoints stay). A rank other
@@ -82,16 +83,15 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, checked
 
     Every check that needs no model (`preflight.check_start`: dotted paths, sinks, sampling,
     the task source and its verifier, the model's name, isolation) runs before the run
-    directory is made or an earlier run in it moved aside; `checked=True` says the caller
-    (`harnessrl train`) ran them already.
+    directory is made or an earlier run in it moved aside; `prepared` is what they built when the
+    caller (`harnessrl train`) ran them already.
 
     Raises:
         ConfigError, TaskError, ModelLoadError, SandboxError: from `preflight.check_start`,
             before anything in `run_dir` is touched.
     """
-    if not checked:
-        check_start(cfg, isolation="required", training=True)
-    check_training(cfg)
+    if prepared is None:
+        prepared = check_start(cfg, isolation="required", training=True)
     ranks = init_ranks(cfg.train.device, cfg.train.strategy)
     if not ranks.is_main:
         try:
@@ -114,7 +114,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, checked
                  ranks.device, cfg.train.dtype)
     try:
         # uvloop when installed: the agents' listener runs inside this process
-        run_loop(run_until_signal(run(cfg, run_dir, resume=resume, console=console, ranks=ranks)))
+        run_loop(run_until_signal(run(cfg, run_dir, resume=resume, console=console, ranks=ranks,
+                                      prepared=prepared)))
         close_ranks(ranks)
     except RunStopped as stop:
         last = latest_checkpoint(run_dir)

@@ -43,14 +43,14 @@ from harnessrl.engine.model_store import load_tokenizer
 from harnessrl.engine.select import SyncSettings, make_weight_sync
 from harnessrl.engine.speed import engine_hint, vllm_installed
 from harnessrl.engine.weight_sync import WeightSync
-from harnessrl.hooks import Hooks, load_hooks
+from harnessrl.hooks import Hooks
 from harnessrl.jsonl import repair_torn_tail
 from harnessrl.log import MetricsSink, make_sinks
 from harnessrl.loss.advantages import AdvantageFn, advantage_fn_for
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
 from harnessrl.rollout.summary import rollout_line
-from harnessrl.runtime import Runtime, start_runtime
+from harnessrl.runtime import Prepared, Runtime, prepare, start_runtime
 from harnessrl.tasks.base import TaskSource
 from harnessrl.train.distributed import SINGLE, Ranks
 from harnessrl.train.dynamic_sampling import DynamicSampling
@@ -124,15 +124,19 @@ class TrainingRun:
 
 def check_training(cfg: RunConfig) -> None:
     """Checks of a config that only training needs: `config.check_training_config` (log sinks
-    installed, no truncated sampling).
+    installed, no truncated sampling; `preflight.check_start` runs it for `harnessrl train`),
+    then `warn_emulated_bfloat16`.
 
     Raises:
         ConfigError: as `config.check_training_config`.
-
-    Warns (log) when a bfloat16 setting runs on a CPU without native bfloat16
-    (`step.native_cpu_bfloat16`): it is emulated, a train step about ten times slower than in float32.
     """
     check_training_config(cfg)
+    warn_emulated_bfloat16(cfg)
+
+
+def warn_emulated_bfloat16(cfg: RunConfig) -> None:
+    """Warn (log) when a bfloat16 setting runs on a CPU without native bfloat16
+    (`step.native_cpu_bfloat16`): it is emulated, a train step about ten times slower than in float32."""
     cpu = cfg.train.device == "cpu"
     slow = [name for name, on in (("train.autocast", cfg.train.autocast == "bfloat16" and cpu),
                                   ("train.dtype", cfg.train.dtype == "bfloat16" and cpu),
@@ -173,7 +177,7 @@ def sync_settings(cfg: RunConfig, *, defer_canary: bool = False) -> SyncSettings
     training loop's sync defers it)."""
     t = cfg.train
     return SyncSettings(canary=t.sync_canary, trainer_dtype=t.dtype, lora_rank=t.lora_rank,
-                        keep_versions=t.max_staleness + 1, defer_canary=defer_canary)
+                        keep_versions=t.window.versions, defer_canary=defer_canary)
 
 
 def find_resume_point(run_dir: Path, resume: bool) -> ResumePoint:
@@ -195,15 +199,21 @@ def find_resume_point(run_dir: Path, resume: bool) -> ResumePoint:
 
 @asynccontextmanager
 async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
-                   ranks: Ranks | None = None) -> AsyncIterator[TrainingRun]:
+                   ranks: Ranks | None = None, prepared: Prepared | None = None) -> AsyncIterator[TrainingRun]:
     """The run of `cfg` in `run_dir`, open for the loop; closed (rollouts cancelled, runtime
-    stopped, files and sinks closed, the trainer thread released) on leaving.
+    stopped, files and sinks closed, the trainer thread released) on leaving. `prepared`: the
+    hooks, task source and verifier `preflight.check_start` built (built here when None, and
+    then the config checked first: `check_training`).
 
     Raises:
         ConfigError: truncated sampling (`check_training`), a task source too small for
             `train.eval_size` held-out tasks, a weight sync the engine cannot take.
     """
-    check_training(cfg)
+    if prepared is None:
+        check_training(cfg)
+        prepared = prepare(cfg)
+    else:
+        warn_emulated_bfloat16(cfg)
     retain_freed_memory(cfg.train.device)  # before the trainer thread's first allocation picks its arena
     point = find_resume_point(run_dir, resume)
     executor = ThreadPoolExecutor(1, thread_name_prefix="trainer", initializer=torch.set_num_threads,
@@ -218,9 +228,10 @@ async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, conso
             stack.callback(sink.close)
         repair_torn_tail(run_dir / "rollouts.jsonl")  # a torn line never fuses with the next record
         rollouts_file = stack.enter_context((run_dir / "rollouts.jsonl").open("a", encoding="utf-8"))
-        rt = await stack.enter_async_context(start_runtime(cfg, isolation="required", run_dir=run_dir))
+        rt = await stack.enter_async_context(start_runtime(cfg, isolation="required", run_dir=run_dir,
+                                                           prepared=prepared))
         run = await _build(cfg, run_dir, rt, trainer, executor, sinks, rollouts_file, point,
-                           console or Console(stderr=True))
+                           console or Console(stderr=True), prepared.hooks)
         if isinstance(run.sync, CanarySync):
             stack.callback(run.sync.close)  # after a verdict in flight, before the engine stops
         stack.push_async_callback(run.orchestrator.close)
@@ -230,7 +241,7 @@ async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, conso
 
 async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGroup, executor: ThreadPoolExecutor,
                  sinks: list[MetricsSink], rollouts_file: IO[str], point: ResumePoint,
-                 console: Console) -> TrainingRun:
+                 console: Console, hooks: Hooks) -> TrainingRun:
     """The policy loaded (the same weights the engine serves) and restored, and every other part."""
     loop = asyncio.get_running_loop()
     # KL penalty: the reference is the initial weights, frozen, kept by the trainer group
@@ -240,7 +251,6 @@ async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGro
     hint = engine_hint(cfg.engine.kind, rt.model_dir, vllm_installed())
     if hint:
         log.info(hint)
-    hooks = load_hooks(cfg.hooks)
     advantage_fn = advantage_fn_for(cfg.train.advantage)
     sync = make_weight_sync(cfg.engine, rt.engine, sync_settings(cfg, defer_canary=True), run_dir=run_dir,
                             model_dir=rt.model_dir)
@@ -297,7 +307,7 @@ def _orchestrator(cfg: RunConfig, rt: Runtime, tasks: TaskSource, limits: Rollou
         group_size=cfg.rollout.group_size, max_concurrent_rollouts=cfg.concurrent_rollouts,
         limits=limits, first_group_id=point.next_group_id, replay_group_ids=point.replay,
         on_rollout=on_rollout, on_group=sampling.on_group, order=cfg.train.group_order,
-        allowance=(cfg.train.max_staleness + 1) * cfg.train.groups_per_step)
+        allowance=cfg.train.window.groups_ahead)
     return orch
 
 
