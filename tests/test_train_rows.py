@@ -243,7 +243,7 @@ def reward(outcome):
 
 @pytest.mark.e2e
 def test_a_real_run_replaces_flat_groups_and_shapes_each_rollout_once(tmp_path: Path) -> None:
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
 
     calls = tmp_path / "calls.txt"
     hook = tmp_path / "flat_even_groups.py"

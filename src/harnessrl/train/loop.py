@@ -22,7 +22,8 @@ a completed step waiting for its verdict is written when the verdict arrives, an
 being written is finished.
 
 What it does not do: build or release the run's parts (`train/setup.py`), or own the process
-(ranks, signals, exit codes: `train/run.py`).
+(ranks, signals, exit codes: `train/run.py`). It reads its settings from `run.settings`
+(`setup.LoopSettings`), never the whole config.
 """
 
 from __future__ import annotations
@@ -40,11 +41,9 @@ from typing import Any
 
 from rich.console import Console
 
-from harnessrl.config import RunConfig
 from harnessrl.engine.weight_sync import SyncReport
 from harnessrl.jsonl import read_jsonl
 from harnessrl.log import to_run_log
-from harnessrl.runtime import Prepared
 from harnessrl.train.console import (
     bound_line,
     final_table,
@@ -57,8 +56,8 @@ from harnessrl.train.console import (
 from harnessrl.train.distributed import Ranks
 from harnessrl.train.evaluation import evaluate_held_out
 from harnessrl.train.plot import curve_table, write_curve_png
-from harnessrl.train.rows import RolloutBound, StepRows, rows_for_step
-from harnessrl.train.setup import TrainingRun, open_run
+from harnessrl.train.rows import StepRows, rows_for_step
+from harnessrl.train.setup import LoopSettings, TrainingRun
 from harnessrl.train.step import StepResult
 from harnessrl.train.timing import StepClock
 from harnessrl.types import Group
@@ -75,19 +74,6 @@ PARITY_BOUND = 1e-3
 """The step-0 check's bound on mean |exp(trainer - sampler logprob) - 1| (float32 on CPU)."""
 
 
-async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
-              ranks: Ranks | None = None, prepared: Prepared | None = None) -> list[StepMetrics]:
-    """Open the run of `cfg` in `run_dir` and train it (`open_run`, then `train`); returns the
-    per-step metrics. `prepared`: `open_run`'s.
-
-    Raises:
-        ConfigError: from `open_run`.
-    """
-    async with open_run(cfg, run_dir, resume=resume, console=console, ranks=ranks,
-                        prepared=prepared) as training_run:
-        return await train(training_run)
-
-
 async def train(run: TrainingRun) -> list[StepMetrics]:
     """The training loop over an open run; returns the per-step metrics it logged (with
     `train.eval_every`, a first entry with `step` 0 holds the held-out evaluation before any
@@ -99,7 +85,7 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
     update is applied to tokens sampled from the weights it rejected, and before step k is
     written. A step followed by a held-out evaluation or a checkpoint, and the last, waits for
     its verdict itself."""
-    cfg, orch = run.cfg, run.orchestrator
+    s, orch = run.settings, run.orchestrator
     version = run.resume.version
     history: list[StepMetrics] = []
     orch.start()
@@ -109,19 +95,18 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
         history.append(before)
         for sink in run.sinks:
             sink.log(0, before)
-    nonfinite_skips, checkpoints = 0, CheckpointClock(cfg)  # updates skipped for a NaN/inf gradient norm
+    nonfinite_skips, checkpoints = 0, CheckpointClock(s)  # updates skipped for a NaN/inf gradient norm
     verdicts = Verdicts(run)
     try:
-        for step in range(run.resume.step + 1, cfg.train.steps + 1):
+        for step in range(run.resume.step + 1, s.steps + 1):
             clock = StepClock.begin(orch, run.runtime.engine)
             groups = await pull_groups(run, step)
-            extra = await run.sampling.draw(groups, cfg.train.groups_per_step, version)
+            extra = await run.sampling.draw(groups, s.groups_per_step, version)
             clock.mark_pulled()
             batch = rows_for_step(groups, hooks=run.hooks, advantage_fn=run.advantage_fn, version=version,
-                                  max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary,
-                                  bound=RolloutBound(cfg.train.max_rows_per_rollout, cfg.train.max_tokens_per_rollout))
+                                  max_staleness=s.max_staleness, train_auxiliary=s.train_auxiliary, bound=s.bound)
             metrics: StepMetrics = {"step": step, **batch.metrics}
-            if cfg.train.dynamic_sampling_max_groups:
+            if s.dynamic_sampling:
                 metrics["groups_drawn_extra"] = float(extra)
             if step == run.resume.step + 1 and run.resume.checkpoint is None:
                 metrics.update(await step0_check(run, batch))
@@ -134,9 +119,9 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
                 version += 1
                 metrics.update(verdicts.published(await publish(run, version)))
             clock.sync_done()
-            orch.after_sync(more=step < cfg.train.steps)  # the groups of later steps may start now
+            orch.after_sync(more=step < s.steps)  # the groups of later steps may start now
             due = checkpoints.due(step)
-            if step == cfg.train.steps or eval_due(cfg, step) or due:
+            if step == s.steps or s.eval_due(step) or due:
                 metrics.update(await verdicts.settle())  # before the evaluation reads the engine
             metrics.update(await after_update(run, step, version, result.applied, clock))
             clock.end()
@@ -220,11 +205,6 @@ class Verdicts:
             log.error("the last completed step was not recorded: %s", exc)
 
 
-def eval_due(cfg: RunConfig, step: int) -> bool:
-    """Whether a held-out evaluation follows step `step`."""
-    return bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
-
-
 @dataclass
 class CheckpointClock:
     """When `checkpoints/step-k` is written after step k: every `train.checkpoint_every` steps
@@ -233,18 +213,18 @@ class CheckpointClock:
     rolling ones once a newer checkpoint is complete, so they cost one checkpoint's disk). The
     clock is the training loop's, on rank 0: every rank saves when it says so."""
 
-    cfg: RunConfig
+    settings: LoopSettings
     last: float = field(default_factory=lambda: time.monotonic())
     """`time.monotonic()` of the last checkpoint written (or of the start)."""
 
     def kept(self, step: int) -> bool:
         """Whether step `step` ends with a kept checkpoint (`checkpoint_every`, the last step)."""
-        every = self.cfg.train.checkpoint_every
-        return step == self.cfg.train.steps or bool(every and step % every == 0)
+        every = self.settings.checkpoint_every
+        return step == self.settings.steps or bool(every and step % every == 0)
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint, kept or rolling, follows step `step`."""
-        every_s = self.cfg.train.checkpoint_every_s
+        every_s = self.settings.checkpoint_every_s
         return self.kept(step) or bool(every_s and time.monotonic() - self.last >= every_s)
 
 
@@ -277,7 +257,7 @@ async def pull_groups(run: TrainingRun, step: int) -> list[Group]:
     """Wait for the step's `groups_per_step` completed groups (shaped as they completed): a
     live status line on a terminal, a progress record every `PROGRESS_EVERY_S` seconds
     otherwise (and in `run.log`)."""
-    orch, n, steps = run.orchestrator, run.cfg.train.groups_per_step, run.cfg.train.steps
+    orch, n, steps = run.orchestrator, run.settings.groups_per_step, run.settings.steps
     groups: list[Group] = []
     last_record = time.monotonic()
 
@@ -339,12 +319,12 @@ async def after_update(run: TrainingRun, step: int, version: int, updated: bool,
     """What is measured once the engine has the step's weights: how far the update moved them
     (the first update and every `log.update_norm_every`-th after it), and the held-out
     evaluation when due."""
-    cfg, metrics = run.cfg, {}
-    norm_every = cfg.log.update_norm_every
+    s, metrics = run.settings, {}
+    norm_every = s.update_norm_every
     if updated and norm_every and (version - 1) % norm_every == 0:
         metrics["param_delta_l2"] = await run.on_trainer(run.trainer.update_norm)
         metrics["time/update_norm_s"] = time.monotonic() - clock.synced
-    if run.eval_tasks is not None and eval_due(cfg, step):
+    if run.eval_tasks is not None and s.eval_due(step):
         metrics.update(await held_out(run, step))  # the policy after this step
     return metrics
 
@@ -352,10 +332,9 @@ async def after_update(run: TrainingRun, step: int, version: int, updated: bool,
 async def held_out(run: TrainingRun, after_step: int) -> dict[str, float]:
     """The held-out evaluation of the policy the engine serves now (`eval/*`)."""
     assert run.eval_tasks is not None
-    cfg = run.cfg
     return await evaluate_held_out(
-        run.runtime, run.eval_tasks, samples=cfg.train.eval_samples or cfg.rollout.group_size,
-        max_concurrent=cfg.concurrent_rollouts, limits=run.limits,
+        run.runtime, run.eval_tasks, samples=run.settings.eval_samples,
+        max_concurrent=run.settings.eval_concurrency, limits=run.limits,
         out_dir=run.run_dir / "eval" / f"step-{after_step}")
 
 
@@ -371,10 +350,10 @@ def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], 
     run.rollouts_file.flush()
     for sink in run.sinks:
         sink.log(step, metrics)
-    log.info(step_line(step, run.cfg.train.steps, metrics))
+    log.info(step_line(step, run.settings.steps, metrics))
     for line in offpolicy_warnings(metrics):
         log.warning("step %d: %s", step, line)
-    for r in [r for g in groups for r in g.rollouts][: run.cfg.log.log_completions]:
+    for r in [r for g in groups for r in g.rollouts][: run.settings.log_completions]:
         print_conversation(run.console, r)
 
 
@@ -423,13 +402,12 @@ def finish(run: TrainingRun, history: list[StepMetrics]) -> None:
     text table) every step of `metrics.jsonl`, so a resumed run draws the steps before it too."""
     out = Console(record=True)
     out.print(final_table(history))
-    out.print(bound_line(history, max_staleness=run.cfg.train.max_staleness), markup=False, highlight=False)
+    out.print(bound_line(history, max_staleness=run.settings.max_staleness), markup=False, highlight=False)
     if credit := rows_line(history):
         out.print(credit, markup=False, highlight=False)
-    cfg = run.cfg
     whole = read_jsonl(run.run_dir / "metrics.jsonl").rows or history
-    curve = write_curve_png(whole, run.run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
-                            title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
+    curve = write_curve_png(whole, run.run_dir / "curve.png", tasks_per_step=run.settings.groups_per_step,
+                            title=run.settings.title)
     out.print(curve_table(whole), markup=False, highlight=False)
     if curve is not None:
         out.print(f"curve: {curve}", markup=False, highlight=False)

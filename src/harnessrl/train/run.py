@@ -2,7 +2,7 @@
 
 Responsibility: check the config (`preflight.check_start`) before the run
 directory is made or an earlier run in it moved aside, start the trainer's processes
-(`train/distributed.py`), set up logging and `config.toml`, run the loop (`train/loop.run`) on
+(`train/distributed.py`), set up logging and `config.toml`, open the run and train it (`run`: `setup.open_run`, then `loop.train`) on
 uvloop when installed (the agents' listener runs inside this process) until it completes or a
 signal stops it, and turn that into the exit code.
 
@@ -40,9 +40,9 @@ from harnessrl.proxy.server import run_loop
 from harnessrl.runtime import Prepared
 from harnessrl.signals import RunStopped, run_until_signal
 from harnessrl.train.distributed import Ranks, close_ranks, init_ranks
-from harnessrl.train.loop import run
+from harnessrl.train.loop import StepMetrics, train
 from harnessrl.train.policy import latest_checkpoint
-from harnessrl.train.setup import retain_freed_memory
+from harnessrl.train.setup import open_run, retain_freed_memory
 from harnessrl.train.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,19 @@ def set_aside_earlier_run(run_dir: Path) -> Path | None:
     for path in found:
         path.rename(target / path.name)
     return target
+
+
+async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
+              ranks: Ranks | None = None, prepared: Prepared | None = None) -> list[StepMetrics]:
+    """Open the run of `cfg` in `run_dir` and train it (`open_run`, then `train`); returns the
+    per-step metrics. `prepared`: `open_run`'s.
+
+    Raises:
+        ConfigError: from `open_run`.
+    """
+    async with open_run(cfg, run_dir, resume=resume, console=console, ranks=ranks,
+                        prepared=prepared) as training_run:
+        return await train(training_run)
 
 
 def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, prepared: Prepared | None = None) -> int:

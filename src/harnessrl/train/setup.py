@@ -57,6 +57,7 @@ from harnessrl.train.dynamic_sampling import DynamicSampling
 from harnessrl.train.evaluation import held_out_split
 from harnessrl.train.policy import latest_checkpoint
 from harnessrl.train.resume import drop_lines_after_checkpoint
+from harnessrl.train.rows import RolloutBound
 from harnessrl.train.step import native_cpu_bfloat16
 from harnessrl.train.template_doctor import quick_line
 from harnessrl.train.trainer_group import TrainerGroup
@@ -86,11 +87,57 @@ class ResumePoint:
     """The checkpoint directory resumed from; None for a new run."""
 
 
+@dataclass(frozen=True, slots=True)
+class LoopSettings:
+    """The loop's slice of the run config (`loop_settings`): what `train/loop.py` reads, so that
+    the loop never takes the whole config."""
+
+    steps: int
+    """`train.steps`: the last step (1-based)."""
+    groups_per_step: int
+    max_staleness: int
+    train_auxiliary: bool
+    bound: RolloutBound
+    """`train.max_rows_per_rollout` and `train.max_tokens_per_rollout`."""
+    dynamic_sampling: bool
+    """`train.dynamic_sampling_max_groups > 0`: a step reports `groups_drawn_extra`."""
+    eval_every: int
+    eval_samples: int
+    """Rollouts per held-out task: `train.eval_samples`, else `rollout.group_size`."""
+    eval_concurrency: int
+    """Held-out rollouts in flight at once (`RunConfig.concurrent_rollouts`)."""
+    checkpoint_every: int
+    checkpoint_every_s: float
+    update_norm_every: int
+    """`log.update_norm_every`."""
+    log_completions: int
+    """`log.log_completions`."""
+    title: str
+    """The curve's title: harness, tasks and model."""
+
+    def eval_due(self, step: int) -> bool:
+        """Whether a held-out evaluation follows step `step` (every `eval_every`, and the last)."""
+        return bool(self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
+
+
+def loop_settings(cfg: RunConfig) -> LoopSettings:
+    """The loop's slice of `cfg`."""
+    t = cfg.train
+    return LoopSettings(
+        steps=t.steps, groups_per_step=t.groups_per_step, max_staleness=t.max_staleness,
+        train_auxiliary=t.train_auxiliary, bound=RolloutBound(t.max_rows_per_rollout, t.max_tokens_per_rollout),
+        dynamic_sampling=bool(t.dynamic_sampling_max_groups), eval_every=t.eval_every,
+        eval_samples=t.eval_samples or cfg.rollout.group_size, eval_concurrency=cfg.concurrent_rollouts,
+        checkpoint_every=t.checkpoint_every, checkpoint_every_s=t.checkpoint_every_s,
+        update_norm_every=cfg.log.update_norm_every, log_completions=cfg.log.log_completions,
+        title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
+
+
 @dataclass(frozen=True)
 class TrainingRun:
     """An open training run: the parts of the loop, each built once (`open_run`)."""
 
-    cfg: RunConfig
+    settings: LoopSettings
     run_dir: Path
     console: Console
     runtime: Runtime
@@ -265,7 +312,7 @@ async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGro
         train_tasks, eval_tasks = held_out_split(cfg.tasks, rt.tasks, cfg.train.eval_size)
     orch = _orchestrator(cfg, rt, train_tasks, limits, point, sampling)
     sampling.bind(orch)
-    return TrainingRun(cfg=cfg, run_dir=run_dir, console=console, runtime=rt, trainer=trainer, executor=executor,
+    return TrainingRun(settings=loop_settings(cfg), run_dir=run_dir, console=console, runtime=rt, trainer=trainer, executor=executor,
                        tokenizer=tokenizer, sync=sync, orchestrator=orch, sampling=sampling, hooks=hooks,
                        advantage_fn=advantage_fn, sinks=sinks, rollouts_file=rollouts_file, limits=limits,
                        eval_tasks=eval_tasks, resume=point)
