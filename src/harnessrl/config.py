@@ -287,6 +287,40 @@ class TrainConfig(BaseModel):
         return StalenessWindow(self.max_staleness, self.groups_per_step)
 
 
+@dataclass(frozen=True, slots=True)
+class TrainerSettings:
+    """The trainer's slice of the run config (`trainer_settings`): what
+    `train/trainer_group.TrainerGroup` reads, on every rank."""
+
+    loss: LossConfig
+    learning_rate: float
+    lr_schedule: Literal["constant", "linear", "cosine"]
+    warmup_steps: int
+    steps: int
+    """`train.steps`: the length of the learning-rate schedule."""
+    weight_decay: float
+    max_grad_norm: float
+    token_budget: int
+    dtype: Literal["float32", "bfloat16"]
+    autocast: Literal["off", "bfloat16"]
+    lora_rank: int
+    sync_canary: bool
+    engine_dtype: Literal["float32", "bfloat16", "float16"]
+    """`engine.dtype`: the canary's probe is compared at the coarser of it and `dtype`."""
+    temperature: float
+    """`sampling.temperature`: the trainer's logprobs are taken at it."""
+
+
+def trainer_settings(cfg: RunConfig) -> TrainerSettings:
+    """The trainer's slice of `cfg`."""
+    t = cfg.train
+    return TrainerSettings(
+        loss=t.loss, learning_rate=t.learning_rate, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+        steps=t.steps, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, token_budget=t.token_budget,
+        dtype=t.dtype, autocast=t.autocast, lora_rank=t.lora_rank, sync_canary=t.sync_canary,
+        engine_dtype=cfg.engine.dtype, temperature=cfg.sampling.temperature)
+
+
 class HooksConfig(BaseModel):
     model_config = _FROZEN
 

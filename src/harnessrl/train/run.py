@@ -33,7 +33,7 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from harnessrl.config import RunConfig, dump_config
+from harnessrl.config import RunConfig, dump_config, trainer_settings
 from harnessrl.log import setup_logging
 from harnessrl.preflight import check_start
 from harnessrl.proxy.server import run_loop
@@ -165,7 +165,7 @@ def _follow(cfg: RunConfig, ranks: Ranks) -> int:
     torch.set_num_threads(cfg.train.num_threads)
     retain_freed_memory(cfg.train.device)  # as rank 0's `open_run`: a step reuses the last step's pages
     try:
-        TrainerGroup(cfg, ranks).follow()
+        TrainerGroup(trainer_settings(cfg), ranks).follow()
     except RuntimeError as exc:  # gloo / NCCL: rank 0's connection closed (or this rank failed)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.error("trainer rank %d stopped before rank 0 released it (rank 0 gone?): %s", ranks.rank, first)

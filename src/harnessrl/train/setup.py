@@ -37,7 +37,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 import torch
 from rich.console import Console
 
-from harnessrl.config import RunConfig, check_training_config
+from harnessrl.config import RunConfig, check_training_config, trainer_settings
 from harnessrl.engine.canary import CanarySync
 from harnessrl.engine.model_store import load_tokenizer
 from harnessrl.engine.select import SyncSettings, make_weight_sync
@@ -265,7 +265,7 @@ async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, conso
     point = find_resume_point(run_dir, resume)
     executor = ThreadPoolExecutor(1, thread_name_prefix="trainer", initializer=torch.set_num_threads,
                                   initargs=(cfg.train.num_threads,))
-    trainer = TrainerGroup(cfg, ranks or SINGLE)
+    trainer = TrainerGroup(trainer_settings(cfg), ranks or SINGLE)
     completed = False
     async with AsyncExitStack() as stack:
         stack.callback(lambda: _release_trainer(trainer, executor, completed))
