@@ -62,7 +62,7 @@ from harnessrl.train.console import late_groups  # noqa: E402
 
 
 def run_once(overrides: list[str], max_staleness: int, steps: int) -> tuple[float, list[dict]]:
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
 
     cfg = load_config(None, [*overrides, f"train.max_staleness={max_staleness}", f"train.steps={steps}"])
     run_dir = Path(tempfile.mkdtemp(prefix=f"harnessrl-async-s{max_staleness}-"))

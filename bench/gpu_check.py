@@ -381,7 +381,7 @@ def engine_check(model_dir: Path, device: str, dtype: str, max_tokens: int, conc
 def trainer_check(model_dir: Path, device: str, n_rows: int) -> dict:
     import torch
 
-    from harnessrl.config import load_config
+    from harnessrl.config import load_config, trainer_settings
     from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.train.distributed import init_ranks
     from harnessrl.train.trainer_group import TrainerGroup
@@ -406,7 +406,7 @@ def trainer_check(model_dir: Path, device: str, n_rows: int) -> dict:
         rows.append(Row(tuple(p + ids), tuple([0] * len(p) + [1] * len(ids)),
                         tuple([0.0] * len(p) + list(c.completion_logprobs)), tuple([-1] * len(p) + [0] * len(ids)),
                         f"r{i}", i // 2, 1.0 if i % 2 else -1.0))
-    group = TrainerGroup(cfg, init_ranks(device, "ddp", environ={}))  # one process, on `device`
+    group = TrainerGroup(trainer_settings(cfg), init_ranks(device, "ddp", environ={}))  # one process, on `device`
     group.load(model_dir)
     parity = group.parity(rows)
     times = []

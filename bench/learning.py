@@ -7,7 +7,7 @@ larger number (`--reward format_aware`: 1 for exactly the number, 0.5 for the nu
 
 Arms, run one after the other on the same model (SmolLM2-135M-Instruct), learning rate,
 prompts x completions per step, reply cap and step budget:
-  * harnessrl: `harnessrl.train.loop.run` with the white-box single-turn harness (engine on
+  * harnessrl: `harnessrl.train.run.run` with the white-box single-turn harness (engine on
     one thread, trainer on another, `train.max_staleness` = 1);
   * TRL: `bench/trl_arm.py` in its own venv (trl 1.16.0, made by `trl_arm.py --setup` on the
     first run), TRL's defaults otherwise.
@@ -158,7 +158,7 @@ def train_harnessrl(args: argparse.Namespace, run_dir: Path, task: list[str]) ->
     learning rate, staleness, threads, precision) plus `task`'s overrides (harness, tasks,
     verifier); returns (final checkpoint, training wall seconds, step metrics)."""
     from harnessrl.config import load_config
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
     from harnessrl.train.policy import latest_checkpoint
 
     concurrent = args.completions * args.prompts_per_step * (args.max_staleness + 1)
@@ -313,7 +313,7 @@ def agent_curve(args: argparse.Namespace, run_dir: Path) -> None:
     is the run's own); the run's other defaults are the main job's (temperature 0.4, for
     mini-swe-agent its compact prompt and one step)."""
     from harnessrl.config import load_config
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
 
     cfg = load_config(None, [
         f"engine.model={json.dumps(args.model)}", f"harness.kind={json.dumps(args.harness)}",

@@ -100,14 +100,15 @@ def _server_main(kind: str, queue: Any) -> None:
 async def _serve(kind: str, queue: Any) -> None:
     from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
 
     engine = InstantEngine()
     if kind == "proxy":
         chat = ChatLayer(load_tokenizer(resolve_model(TINY_MODEL)))
         # one session takes every call of the run: no per-session turn cap (wrk sends tens of thousands)
-        config = ProxyConfig(port=0, max_tokens_cap=64, max_turns_per_session=10**9, max_session_body_bytes=1 << 60)
+        config = ProxyConfig(port=0, max_turns_per_session=10**9, max_session_body_bytes=1 << 60,
+                             sampling=SamplingConfig(max_tokens=64))
         async with ProxyServer(engine, chat, config) as proxy:
             _, key = proxy.open_session("bench")
             queue.put((proxy.port, key))

@@ -104,14 +104,15 @@ async def one_session(proxy: Any, index: int, turns: int) -> None:
 async def run(mode: str, sessions: int, turns: int, concurrency: int, warmup: int) -> dict[str, float]:
     from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
 
     tmp = Path(tempfile.mkdtemp(prefix="proxy-memory-"))
     if mode == "evict":
-        config = ProxyConfig(port=0, trace_path=tmp / "traces.jsonl", max_tokens_cap=16)
+        config = ProxyConfig(port=0, trace_path=tmp / "traces.jsonl", sampling=SamplingConfig(max_tokens=16))
     else:
-        config = ProxyConfig(port=0, trace_path=None, max_tokens_cap=16, max_closed_traces=sessions + warmup)
+        config = ProxyConfig(port=0, trace_path=None, max_closed_traces=sessions + warmup,
+                             sampling=SamplingConfig(max_tokens=16))
     chat = ChatLayer(load_tokenizer(resolve_model(TINY_MODEL)), eos_token_ids=(2,))
     async with ProxyServer(InstantEngine(), chat, config) as proxy:
         counter = iter(range(sessions + warmup))
@@ -189,7 +190,7 @@ async def hostile_phase(proxy: Any, kind: str, calls: int, big: bool) -> dict[st
 async def run_hostile(calls: int) -> list[dict[str, Any]]:
     from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.model_store import TINY_MODEL, load_tokenizer, resolve_model
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
 
     tmp = Path(tempfile.mkdtemp(prefix="proxy-memory-"))
@@ -201,7 +202,7 @@ async def run_hostile(calls: int) -> list[dict[str, Any]]:
         # the first two phases without the session budget (what they measure is not that bound)
         knob = {} if budget is None or "max_session_body_bytes" not in ProxyConfig.model_fields \
             else {"max_session_body_bytes": budget}  # (a proxy without the bound runs these phases as they are)
-        config = ProxyConfig(port=0, trace_path=tmp / "traces.jsonl", max_tokens_cap=16, **knob)
+        config = ProxyConfig(port=0, trace_path=tmp / "traces.jsonl", **knob, sampling=SamplingConfig(max_tokens=16))
         async with ProxyServer(engine, chat, config) as proxy:
             await hostile_phase(proxy, "ignored", 3, False)  # warm-up: caches, allocator pools
             for kind, n in phases:

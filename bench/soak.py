@@ -184,7 +184,7 @@ async def soak(args: argparse.Namespace) -> int:
     from harnessrl.engine.model_store import load_tokenizer, resolve_model
     from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
     from harnessrl.jsonl import read_jsonl
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
     from harnessrl.rollout.runner import RolloutLimits, run_rollout
     from harnessrl.sandbox.layers import mount_points
@@ -208,7 +208,7 @@ async def soak(args: argparse.Namespace) -> int:
     verifier = CrashingVerifier()
     by_fault: dict[str, Counter[str]] = {f: Counter() for f in FAULTS}
     cancelled = 0
-    async with ProxyServer(engine, ChatLayer(tokenizer), ProxyConfig(model_name="soak", port=0, max_tokens_cap=8)) as proxy:
+    async with ProxyServer(engine, ChatLayer(tokenizer), ProxyConfig(model_name="soak", port=0, sampling=SamplingConfig(max_tokens=8))) as proxy:
         backend = LocalSandboxBackend(SandboxConfig(root_dir=root, use_bwrap=use_bwrap, kill_grace_s=0.3),
                                       proxy_port=proxy.port, proxy_socket=proxy.agent_socket_path)
         print(f"soak: {args.rollouts} rollouts, concurrency {args.concurrency}, bubblewrap "

@@ -20,7 +20,7 @@ import pytest
 from fakes import FakeEngine
 from harnessrl.chat.layer import ChatLayer, normalize_messages, normalize_tools, same_replay
 from harnessrl.proxy.capture import CaptureDeps, complete_chat
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.train.samples import build_rows, common_prefix_len
 from harnessrl.types import Rollout
@@ -62,7 +62,7 @@ async def converse(tokenizer, completions: list[list[int]], follow_ups: list[lis
     `follow_ups[k]` (tool results get the reply's call ids). Returns (turns, chat)."""
     chat = ChatLayer(tokenizer)
     engine = FakeEngine(completion_ids=lambda k: completions[k])
-    deps = CaptureDeps(engine, chat, ProxyConfig(max_tokens_cap=max_tokens))  # type: ignore[arg-type]
+    deps = CaptureDeps(engine, chat, ProxyConfig(sampling=SamplingConfig(max_tokens=max_tokens)))  # type: ignore[arg-type]
     session = SessionStore().open("r0")
     messages: list[dict] = [SYSTEM, TASK]
     for k in range(len(completions)):

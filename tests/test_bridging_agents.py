@@ -56,7 +56,7 @@ def scripted_engine(tokenizer, action: str, final: str) -> FakeEngine:
 @pytest.fixture
 async def served(tokenizer) -> AsyncIterator[object]:
     from harnessrl.chat.layer import ChatLayer
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
 
     class Served:
@@ -64,7 +64,7 @@ async def served(tokenizer) -> AsyncIterator[object]:
             if read_install_record(agent) is None:
                 pytest.skip(f"{agent} is not installed (harnessrl harness install {agent})")
             engine = scripted_engine(tokenizer, action, final)
-            config = ProxyConfig(port=0, model_name="tiny", max_tokens_cap=256)
+            config = ProxyConfig(port=0, model_name="tiny", sampling=SamplingConfig(max_tokens=256))
             async with ProxyServer(engine, ChatLayer(tokenizer), config) as server:
                 backend = LocalSandboxBackend(SandboxConfig(root_dir=root), ro_binds=installed_agent_dirs(),
                                               proxy_port=server.port, proxy_socket=server.agent_socket_path)

@@ -17,7 +17,7 @@ import pytest
 from fakes import CAPTURES_DIR, FakeEngine
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.proxy.capture import CaptureDeps, complete_chat
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.sessions import SessionStore
 from harnessrl.train.samples import build_rows, common_prefix_len
 from harnessrl.types import Rollout, Trace
@@ -50,7 +50,7 @@ async def test_captured_replay_is_bridged_and_clean(tokenizer, capture):
     chat = ChatLayer(tokenizer)
     engine = FakeEngine(completion_ids=lambda k: sampled_reply(tokenizer, reply) if k == 0
                         else tokenizer.encode("Done.", add_special_tokens=False) + [2])
-    deps = CaptureDeps(engine, chat, ProxyConfig(max_tokens_cap=400))  # type: ignore[arg-type]
+    deps = CaptureDeps(engine, chat, ProxyConfig(sampling=SamplingConfig(max_tokens=400)))  # type: ignore[arg-type]
     session = SessionStore().open("r")
     first = await complete_chat(deps, session, {**body, "messages": body["messages"][:last]}, {})
     assert first.status_code == 200, first.body

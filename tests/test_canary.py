@@ -174,7 +174,7 @@ def test_a_run_whose_sync_leaves_a_tensor_behind_stops_at_step_1(tmp_path: Path,
     """A real 2-step run on the embedded engine whose in-process sync skips a tensor: the first
     publish's verdict raises the canary's error, the run stops, no step's metrics are written."""
     from harnessrl.engine import weight_sync as ws
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
 
     monkeypatch.setattr(ws.InProcessWeightSync, "start_publish",
                         _leaving_out("layers.0.mlp.down_proj.weight").start_publish)
@@ -201,7 +201,7 @@ def test_a_run_records_each_step_with_its_deferred_verdict(tmp_path: Path, monke
     import time as _time
 
     from harnessrl.engine.embedded.engine import EmbeddedEngine
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
 
     scored = EmbeddedEngine.prompt_logprobs
 
@@ -228,7 +228,7 @@ def test_a_run_stopped_while_a_step_waits_for_its_verdict_still_records_that_ste
     import time as _time
 
     from harnessrl.engine.embedded.engine import EmbeddedEngine
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
     from harnessrl.train.trainer_group import TrainerGroup
 
     scored, trainer_step = EmbeddedEngine.prompt_logprobs, TrainerGroup.step

@@ -15,7 +15,7 @@ from fakes import FakeEngine
 from harnessrl.chat.layer import ChatLayer, normalize_messages, normalize_tools
 from harnessrl.errors import RequestError
 from harnessrl.proxy.capture import CaptureDeps, complete_chat
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.proxy.sessions import SessionStore
 
@@ -67,7 +67,7 @@ def test_reasoning_split_when_the_prompt_opened_it(qwen3, tokenizer):
 
 async def test_reply_cut_inside_reasoning_is_no_answer_and_its_tool_call_is_not_executed(qwen3, tokenizer):
     body = await serve(qwen3, ids(tokenizer, "I could just run " + CALL + " and then see") + [2],
-                       {"messages": [{"role": "user", "content": "clean up"}], "tools": [BASH]}, max_tokens_cap=30)
+                       {"messages": [{"role": "user", "content": "clean up"}], "tools": [BASH]}, sampling=SamplingConfig(max_tokens=30))
     msg = body["choices"][0]["message"]
     assert body["choices"][0]["finish_reason"] == "length"
     assert msg["content"] == "" and "tool_calls" not in msg

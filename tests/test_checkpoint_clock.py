@@ -11,14 +11,15 @@ import pytest
 from harnessrl.config import load_config
 from harnessrl.train import loop
 from harnessrl.train.loop import CheckpointClock, drop_rolling
+from harnessrl.train.setup import loop_settings
 
 
 def test_a_default_run_checkpoints_every_five_minutes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, `checkpoint_every = 0` wrote only the last step's: a stop before it lost the run."""
     now = [1000.0]
     monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
-    clock = CheckpointClock(load_config(None, ["train.steps=50"]))
-    assert clock.cfg.train.checkpoint_every_s == 300.0
+    clock = CheckpointClock(loop_settings(load_config(None, ["train.steps=50"])))
+    assert clock.settings.checkpoint_every_s == 300.0
     assert not clock.due(1)
     now[0] += 299.0
     assert not clock.due(7)
@@ -26,8 +27,8 @@ def test_a_default_run_checkpoints_every_five_minutes(monkeypatch: pytest.Monkey
     assert clock.due(8) and not clock.kept(8)  # rolling
     clock.last = now[0]
     assert not clock.due(9) and clock.due(50) and clock.kept(50)  # the last step's is kept
-    every = CheckpointClock(load_config(None, ["train.steps=50", "train.checkpoint_every=10",
-                                               "train.checkpoint_every_s=0"]))
+    every = CheckpointClock(loop_settings(load_config(None, ["train.steps=50", "train.checkpoint_every=10",
+                                                             "train.checkpoint_every_s=0"])))
     now[0] += 10_000.0
     assert [s for s in range(1, 51) if every.due(s)] == [10, 20, 30, 40, 50]
 

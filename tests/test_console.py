@@ -143,7 +143,7 @@ def test_machine_busy_seconds_counts_another_process_on_the_cores(tmp_path: Path
     import sys
     import time
 
-    from harnessrl.train.loop import machine_busy_seconds
+    from harnessrl.train.timing import machine_busy_seconds
 
     before, own = machine_busy_seconds(), time.process_time()
     if before is None:

@@ -291,14 +291,14 @@ def _group_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from harnessrl.config import load_config
+    from harnessrl.config import load_config, trainer_settings
     from harnessrl.engine.model_store import load_tokenizer
     from harnessrl.train.distributed import close_ranks, init_ranks, inner_module
     from harnessrl.train.trainer_group import TrainerGroup
 
     cfg = load_config(None, ["train.lora_rank=4", f"train.learning_rate={LR}", f"train.token_budget={BUDGET}"])
     ranks = init_ranks("cpu", "ddp")
-    group = TrainerGroup(cfg, ranks)
+    group = TrainerGroup(trainer_settings(cfg), ranks)
     try:
         if ranks.is_main:
             group.load(Path(model_dir))

@@ -16,7 +16,7 @@ from harnessrl.runtime import make_task_source
 from harnessrl.tasks.base import Task
 from harnessrl.train.evaluation import eval_metrics, held_out_split
 from harnessrl.train.plot import SERIES, SIZE_PX, curve_figure, curve_points, curve_table, write_curve_png
-from harnessrl.train.loop import run as train
+from harnessrl.train.run import run as train
 from harnessrl.train.setup import check_training
 from harnessrl.types import Group, Rollout, Trace
 

@@ -94,7 +94,8 @@ def test_the_readmes_training_command(stubs: dict[str, Recorder], tmp_path: Path
                "--set train.eval_every=8 --set train.eval_size=16 --set train.eval_samples=1")
     _invoke([str(out) if a == "runs/default" else a for a in shlex.split(written)] + ISOLATION)
     (cfg, run_dir), kwargs = stubs["train"].calls[0]
-    assert run_dir == out and kwargs == {"resume": False, "checked": True}
+    assert run_dir == out and set(kwargs) == {"resume", "prepared"} and kwargs["resume"] is False
+    assert kwargs["prepared"].tasks is not None  # what the checks built, handed on (built once)
     assert (cfg.train.steps, cfg.train.groups_per_step, cfg.train.learning_rate, cfg.train.eval_every) == (8, 2, 2e-5, 8)
     assert not (tmp_path / "runs").exists(), "nothing is made before the run starts"
 

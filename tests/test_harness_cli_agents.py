@@ -57,10 +57,10 @@ def engine(tiny_model_dir: Path) -> Iterator[object]:
 @pytest.fixture
 async def proxy(engine: object) -> AsyncIterator[object]:
     from harnessrl.chat.layer import ChatLayer
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
 
-    config = ProxyConfig(port=0, model_name=MODEL_NAME, max_tokens_cap=32)
+    config = ProxyConfig(port=0, model_name=MODEL_NAME, sampling=SamplingConfig(max_tokens=32))
     async with ProxyServer(engine, ChatLayer(engine.tokenizer), config) as server:  # type: ignore[attr-defined]
         yield server
 

@@ -38,13 +38,13 @@ def test_constant_and_bad_values() -> None:
 
 
 def test_trainer_step_uses_the_scheduled_rate(tiny_model_dir: Path) -> None:
-    from harnessrl.config import load_config
+    from harnessrl.config import load_config, trainer_settings
     from harnessrl.train.trainer_group import TrainerGroup
     from harnessrl.types import Row
 
     cfg = load_config(None, ["train.learning_rate=1e-3", "train.lr_schedule=\"linear\"", "train.steps=4",
                              "train.token_budget=96"])
-    group = TrainerGroup(cfg)
+    group = TrainerGroup(trainer_settings(cfg))
     group.load(tiny_model_dir)
     ids = tuple(100 + 7 * t for t in range(24))
     row = Row(ids, tuple([0] * 16 + [1] * 8), tuple([0.0] * 16 + [-3.0] * 8), tuple([-1] * 16 + [0] * 8),

@@ -14,6 +14,7 @@ import pytest
 from rich.console import Console
 
 from fakes import FakeEngine, in_process
+from harnessrl.proxy.config import SamplingConfig
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.recipes import shaping
 from harnessrl.train.console import print_conversation
@@ -104,7 +105,7 @@ async def _conversation(tokenizer, protocol: str, stream: bool) -> Trace:
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     replies = [tokenizer.encode(t, add_special_tokens=False) + [im_end] for t in (FIRST, SECOND)]
     http, store = in_process(FakeEngine(completion_ids=lambda i: replies[i], eos_token_ids=(im_end,)),
-                             ChatLayer(tokenizer, eos_token_ids=(im_end,)), max_tokens_cap=64)
+                             ChatLayer(tokenizer, eos_token_ids=(im_end,)), sampling=SamplingConfig(max_tokens=64))
     session = store.open(f"{protocol}-{stream}")
     path = {"chat.completions": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
     headers = {"authorization": f"Bearer {session.key}"}

@@ -29,7 +29,7 @@ from harnessrl.config import load_config  # noqa: E402
 from harnessrl.rollout.runner import RolloutLimits, run_rollout  # noqa: E402
 from harnessrl.runtime import start_runtime  # noqa: E402
 from harnessrl.sandbox.local import leftover_sandboxes  # noqa: E402
-from harnessrl.train.loop import run as train  # noqa: E402
+from harnessrl.train.run import run as train  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 GUESS = "openenv_envs:GuessFactory"

@@ -14,7 +14,7 @@ from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import EngineError
 from harnessrl.proxy.app import ADMIN_MAX_BODY_BYTES, ProxyDeps, make_admin_app, make_app
 from harnessrl.proxy.capture import CaptureDeps
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.sessions import SessionStore, read_traces
 
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {
@@ -56,7 +56,8 @@ def tool_call_ids(tokenizer, command: str = "ls") -> list[int]:
 
 @pytest.fixture
 def tool_proxy(tokenizer) -> Proxy:
-    return Proxy(tokenizer, FakeEngine(completion_ids=tool_call_ids(tokenizer)), temperature=0.7, max_tokens_cap=100)
+    return Proxy(tokenizer, FakeEngine(completion_ids=tool_call_ids(tokenizer)),
+                 sampling=SamplingConfig(temperature=0.7, max_tokens=100))
 
 
 async def test_sdk_unary_tool_call_and_recorded_turn(tool_proxy: Proxy):
@@ -152,7 +153,7 @@ async def test_logprobs_when_asked(tokenizer):
 
 async def test_length_beats_tool_calls(tokenizer):
     ids = tool_call_ids(tokenizer)
-    proxy = Proxy(tokenizer, FakeEngine(completion_ids=ids), max_tokens_cap=len(ids) - 1)
+    proxy = Proxy(tokenizer, FakeEngine(completion_ids=ids), sampling=SamplingConfig(max_tokens=len(ids) - 1))
     s = await proxy.open()
     body = (await proxy.chat(s["key"], {"messages": USER, "tools": [BASH]})).json()
     assert body["choices"][0]["finish_reason"] == "length"
@@ -210,7 +211,7 @@ async def test_malformed_json_and_oversized_body(tokenizer):
 
 
 async def test_context_too_long_is_400_naming_the_limit(tokenizer):
-    proxy = Proxy(tokenizer, FakeEngine(max_context_tokens=64))
+    proxy = Proxy(tokenizer, FakeEngine(max_context_tokens=64), max_model_calls=0)  # no budget: no final stop
     s = await proxy.open()
     r = await proxy.chat(s["key"], {"messages": [{"role": "user", "content": "word " * 100}]})
     assert r.status_code == 400

@@ -14,7 +14,7 @@ from fakes import FakeEngine, broken_engine, in_process
 from harnessrl.chat.layer import ChatLayer, normalize_messages
 from harnessrl.errors import RequestError
 from harnessrl.proxy.anthropic import to_chat_body
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.types import check_turn_faithful
 
@@ -25,7 +25,7 @@ MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "Weather in Pa
 
 
 async def test_sdk_unary_and_stream_agree_on_tiny_model(engine, chat):
-    config = ProxyConfig(port=0, temperature=0.0, max_tokens_cap=64)
+    config = ProxyConfig(port=0, sampling=SamplingConfig(temperature=0.0, max_tokens=64))
     async with ProxyServer(engine, chat, config) as proxy:
         session_id, key = proxy.open_session("msg")
         root = proxy.base_url.removesuffix("/v1")
@@ -143,7 +143,7 @@ async def test_errors_use_anthropic_form_and_are_recorded(tokenizer):
 
 
 async def test_count_tokens_matches_the_recorded_prompt(engine, chat):
-    http, store = in_process(engine, chat, max_tokens_cap=2)
+    http, store = in_process(engine, chat, sampling=SamplingConfig(max_tokens=2))
     session = store.open("count")
     auth = {"x-api-key": session.key}
     body = {"model": "m", "max_tokens": 2, "system": "sys", "tools": [TOOL], "messages": MESSAGES}

@@ -79,7 +79,7 @@ async def test_anthropic_budget_and_exhausted_context(chat: ChatLayer) -> None:
     assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn"
     assert s2.trace.turns[0].status == "error" and s2.trace.turns[0].notes[-1].startswith("final_stop: context exhausted")
     # without a budget the old answer stays: a 400 naming the context
-    http3, store3 = in_process(small, chat)
+    http3, store3 = in_process(small, chat, max_model_calls=0)
     s3 = store3.open("ctx400")
     r = await http3.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "word " * 50}]},
                          headers={"authorization": f"Bearer {s3.key}"})

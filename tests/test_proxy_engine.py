@@ -15,7 +15,7 @@ import torch
 from fakes import CAPTURES_DIR, in_process
 
 from harnessrl.engine.model_store import load_causal_lm
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.server import ProxyServer
 
 CHAT_CAPTURES = sorted(CAPTURES_DIR.glob("*/chat-completions-*.json"))
@@ -24,7 +24,7 @@ USER = [{"role": "user", "content": "Write a haiku about tests."}]
 
 
 async def test_real_socket_sdk_unary_equals_stream_with_same_seed(engine, chat):
-    config = ProxyConfig(port=0, enforce_sampling=False, max_tokens_cap=12, temperature=1.0)
+    config = ProxyConfig(port=0, enforce_sampling=False, sampling=SamplingConfig(max_tokens=12, temperature=1.0))
     async with ProxyServer(engine, chat, config) as proxy:
         assert proxy.base_url.startswith("http://127.0.0.1:") and proxy.port > 0
         session_id, key = proxy.open_session("r1")
@@ -52,7 +52,7 @@ async def test_real_socket_sdk_unary_equals_stream_with_same_seed(engine, chat):
 
 
 async def test_recorded_ids_are_faithful_and_logprobs_match_a_forward_pass(engine, chat, tiny_model_dir):
-    http, store = in_process(engine, chat, temperature=0.8, max_tokens_cap=10)
+    http, store = in_process(engine, chat, sampling=SamplingConfig(temperature=0.8, max_tokens=10))
     session = store.open("r")
     r = await http.post("/v1/chat/completions", json={"messages": USER},
                         headers={"authorization": f"Bearer {session.key}"})
@@ -79,7 +79,7 @@ def chat_messages(raw):
 
 @pytest.mark.parametrize("capture", CHAT_CAPTURES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 async def test_captured_agent_requests_get_200(engine, chat, capture: Path):
-    http, store = in_process(engine, chat, max_tokens_cap=4)
+    http, store = in_process(engine, chat, sampling=SamplingConfig(max_tokens=4))
     session = store.open("cap")
     recorded = json.loads(capture.read_text())
     headers = {k: v for k, v in recorded["headers"].items()
@@ -118,7 +118,7 @@ async def test_closing_a_session_stops_its_generation(engine, chat):
     """Attack: an agent asks for a long reply and exits; the runner closes its session. Before,
     the engine decoded the whole reply for a turn that is never recorded; now it decodes at most
     2 more ids, and the call gets 401."""
-    config = ProxyConfig(port=0, max_tokens_cap=3000, temperature=0.0)
+    config = ProxyConfig(port=0, sampling=SamplingConfig(max_tokens=3000, temperature=0.0))
     async with ProxyServer(engine, chat, config) as proxy:
         session_id, key = proxy.open_session("r-gone", group="g-gone")
         async with httpx.AsyncClient(base_url=proxy.base_url, timeout=120) as http:
@@ -139,7 +139,7 @@ async def test_a_session_of_another_group_gets_no_prefix_hit(engine, chat):
     """Attack: a session times a prompt to learn whether another session sent it (a cache hit
     comes back several times faster). A session of another group finds nothing in the prefix
     cache (the whole prompt is computed); one of the same group reuses it."""
-    http, store = in_process(engine, chat, max_tokens_cap=2)
+    http, store = in_process(engine, chat, sampling=SamplingConfig(max_tokens=2))
     messages = [{"role": "user", "content": "the secret is 10110010, " * 8}]
 
     async def call(group: str) -> int:
@@ -159,7 +159,7 @@ async def test_a_client_leaving_mid_stream_stops_its_generation(engine, chat):
     """Attack: an agent opens a stream for a long reply and drops it after the first event.
     Before, the engine decoded the whole reply for nobody; now the generation is cancelled
     (at most 2 ids after the call is recorded as cancelled) and the call is an error turn."""
-    config = ProxyConfig(port=0, max_tokens_cap=3000, temperature=0.0, stream_keepalive_s=0.05)
+    config = ProxyConfig(port=0, stream_keepalive_s=0.05, sampling=SamplingConfig(max_tokens=3000, temperature=0.0))
     async with ProxyServer(engine, chat, config) as proxy:
         session_id, key = proxy.open_session("r-drop", group="g-drop")
         session = proxy.store.get(session_id)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from fakes import FakeEngine
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import RequestError
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.proxy.sessions import read_traces
 from harnessrl.proxy.wire import loads
@@ -161,7 +161,7 @@ class LiveProxy:
         plain = "<think>hmm</think>Hello there."
         ids = [tokenizer.encode(t, add_special_tokens=False) + [2] for t in (tool, plain)]
         engine = FakeEngine(completion_ids=lambda n: ids[n % 2])
-        config = ProxyConfig(port=0, trace_path=trace_path, max_tokens_cap=64, read_timeout_s=10.0)
+        config = ProxyConfig(port=0, trace_path=trace_path, read_timeout_s=10.0, sampling=SamplingConfig(max_tokens=64))
         self.server = ProxyServer(engine, ChatLayer(tokenizer, eos_token_ids=(2,)), config)
         self.loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()

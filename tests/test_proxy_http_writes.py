@@ -144,17 +144,17 @@ def test_json_response_has_starlettes_headers(status: int) -> None:
 
 def test_sampling_is_shared_per_distinct_values() -> None:
     from harnessrl.proxy.capture import resolve_sampling
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.wire import parse_chat_request
 
-    enforced = ProxyConfig(temperature=0.7, top_p=0.9, top_k=5, max_tokens_cap=64)
+    enforced = ProxyConfig(sampling=SamplingConfig(temperature=0.7, top_p=0.9, top_k=5, max_tokens=64))
     request = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"], "seed": 3,
                                   "temperature": 0.2})
     a, b = resolve_sampling(enforced, request, 100, 1000), resolve_sampling(enforced, request, 100, 1000)
     assert a is b and (a.temperature, a.top_p, a.top_k, a.max_tokens, a.stop, a.seed) == (0.7, 0.9, 5, 64, ("x",), None)
     near_end = resolve_sampling(enforced, request, 990, 1000)  # the context left caps it: another instance
     assert near_end is not a and near_end.max_tokens == 10 and near_end.stop == ("x",)
-    agent = resolve_sampling(ProxyConfig(enforce_sampling=False), request, 100, 1000)
+    agent = resolve_sampling(ProxyConfig(enforce_sampling=False, sampling=SamplingConfig(max_tokens=1024)), request, 100, 1000)
     assert (agent.temperature, agent.seed, agent.max_tokens) == (0.2, 3, 900)
     with pytest.raises(Exception, match="frozen"):
         a.max_tokens = 1  # type: ignore[misc]  # shared instances cannot be changed by one turn
@@ -163,7 +163,7 @@ def test_sampling_is_shared_per_distinct_values() -> None:
 def test_serving_process_freezes_its_heap_once_listening(tokenizer) -> None:  # noqa: ANN001
     from fakes import FakeEngine
     from harnessrl.chat.layer import ChatLayer
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer, run_loop
 
     chat = ChatLayer(tokenizer)

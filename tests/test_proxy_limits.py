@@ -18,7 +18,7 @@ from harnessrl.engine.embedded import request as engine_request
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import ConfigError, EngineError
 from harnessrl.proxy.capture import REJECTED_BODY_CHARS
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.proxy.sessions import SessionStore, read_traces
 from harnessrl.types import Rollout, Sampling, Trace, Turn, check_turn_faithful
@@ -374,7 +374,7 @@ async def test_a_later_request_on_a_kept_alive_connection_gets_its_own_deadline(
 
 
 async def test_a_denormal_temperature_neither_hangs_nor_breaks_the_engine(engine, chat):
-    http, store = in_process(engine, chat, enforce_sampling=False, max_tokens_cap=4)
+    http, store = in_process(engine, chat, enforce_sampling=False, sampling=SamplingConfig(max_tokens=4))
     session = store.open("r")
     for temperature in (1e-45, 5e-324, 1e-4):
         body = {"messages": USER, "temperature": temperature}
@@ -426,7 +426,7 @@ async def test_eos_as_the_last_allowed_id_is_stop(engine, monkeypatch):
 
 
 async def test_a_seed_outside_64_bits_is_refused_and_cannot_break_the_engine(engine, chat):
-    http, store = in_process(engine, chat, enforce_sampling=False, max_tokens_cap=2)
+    http, store = in_process(engine, chat, enforce_sampling=False, sampling=SamplingConfig(max_tokens=2))
     session = store.open("r")
     r = await http.post("/v1/chat/completions", json={"messages": USER, "seed": 2**64}, headers=auth(session.key))
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"

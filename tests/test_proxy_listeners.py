@@ -12,7 +12,7 @@ import pytest
 from fakes import FakeEngine
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.proxy.app import ADMIN_MAX_BODY_BYTES
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.server import ProxyServer
 
 USER = [{"role": "user", "content": "hi"}]
@@ -20,7 +20,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture
 async def proxy(tokenizer) -> AsyncIterator[ProxyServer]:
-    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), ProxyConfig(port=0, max_tokens_cap=8)) as server:
+    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), ProxyConfig(port=0, sampling=SamplingConfig(max_tokens=8))) as server:
         yield server
 
 

@@ -14,7 +14,7 @@ from fakes import CAPTURES_DIR, FakeEngine, broken_engine, in_process
 
 from harnessrl.chat.layer import ChatLayer, normalize_messages
 from harnessrl.errors import RequestError
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.responses import IGNORED_FIELDS, to_chat_body
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.types import check_turn_faithful
@@ -35,7 +35,7 @@ def events_of(text: str) -> list[dict]:
 
 
 async def test_sdk_unary_and_stream_agree_on_tiny_model(engine, chat):
-    config = ProxyConfig(port=0, temperature=0.0, max_tokens_cap=10)
+    config = ProxyConfig(port=0, sampling=SamplingConfig(temperature=0.0, max_tokens=10))
     async with ProxyServer(engine, chat, config) as proxy:
         session_id, key = proxy.open_session("resp")
         client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=key, max_retries=0)
@@ -99,7 +99,7 @@ async def test_sdk_stream_helper_reassembles_completed_response(tokenizer, text)
 
 @pytest.mark.parametrize("capture", CAPTURES, ids=lambda p: p.stem)
 async def test_captured_codex_requests_stream_and_record(engine, chat, capture: Path):
-    http, store = in_process(engine, chat, max_tokens_cap=4)
+    http, store = in_process(engine, chat, sampling=SamplingConfig(max_tokens=4))
     session = store.open("codex")
     recorded = json.loads(capture.read_text())
     headers = {k: v for k, v in recorded["headers"].items()

@@ -49,10 +49,12 @@ def small_engine(tiny_model_dir: Path) -> Iterator[object]:
 @pytest.fixture
 async def proxy(small_engine: object) -> AsyncIterator[object]:
     from harnessrl.chat.layer import ChatLayer
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
 
-    config = ProxyConfig(port=0, model_name="m", max_tokens_cap=4, enforce_sampling=True)
+    # no call budget: an overlong prompt gets the 400 under test, not a final stop
+    config = ProxyConfig(port=0, model_name="m", enforce_sampling=True, max_model_calls=0,
+                         sampling=SamplingConfig(max_tokens=4))
     async with ProxyServer(small_engine, ChatLayer(small_engine.tokenizer), config) as server:  # type: ignore[attr-defined]
         yield server
 

@@ -34,7 +34,7 @@ import pytest
 
 from fakes import FakeEngine
 from harnessrl.chat.layer import ChatLayer
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.sandbox.base import Sandbox
 from harnessrl.sandbox.hostdir import disk_usage
@@ -43,7 +43,7 @@ from sandbox_kits import KITS, Kit, assert_no_podman_leftovers, kit_available
 
 @pytest.fixture
 async def proxy(tokenizer) -> AsyncIterator[ProxyServer]:
-    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), ProxyConfig(port=0, max_tokens_cap=8)) as server:
+    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), ProxyConfig(port=0, sampling=SamplingConfig(max_tokens=8))) as server:
         yield server
 
 

@@ -25,7 +25,7 @@ from fakes import FakeEngine, FakeSessions
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.errors import SandboxError
 from harnessrl.harness.command import CommandHarness, CommandHarnessConfig
-from harnessrl.proxy.config import ProxyConfig
+from harnessrl.proxy.config import ProxyConfig, SamplingConfig
 from harnessrl.proxy.server import ProxyServer
 from harnessrl.rewards.exact_match import ExactMatchVerifier
 from harnessrl.rewards.select import verifier_for
@@ -54,7 +54,7 @@ pytestmark = pytest.mark.skipif(podman_problem() is not None,
 
 @pytest.fixture
 async def proxy(tokenizer) -> AsyncIterator[ProxyServer]:
-    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), ProxyConfig(port=0, max_tokens_cap=8)) as server:
+    async with ProxyServer(FakeEngine(), ChatLayer(tokenizer), ProxyConfig(port=0, sampling=SamplingConfig(max_tokens=8))) as server:
         yield server
 
 

@@ -24,7 +24,7 @@ def test_serve_uses_the_runs_sampling() -> None:
     cfg = load_config(None, ["sampling.temperature=0.7", "sampling.top_k=5", "sampling.max_tokens=64",
                              "engine.model=tiny-random"])
     proxy = proxy_config_for_serve(cfg, host="127.0.0.1", port=0)
-    assert (proxy.temperature, proxy.top_k, proxy.max_tokens_cap, proxy.enforce_sampling) == (0.7, 5, 64, True)
+    assert (proxy.sampling.temperature, proxy.sampling.top_k, proxy.sampling.max_tokens, proxy.enforce_sampling) == (0.7, 5, 64, True)
     assert proxy.model_name == "tiny-random"
 
 

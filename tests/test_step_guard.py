@@ -21,15 +21,19 @@ from harnessrl.train.policy import (
     load_policy,
     save_checkpoint,
 )
-from harnessrl.train.step import optimizer_step
+from harnessrl.train.step import StepResult, optimizer_step
 from fakes import opposed_rows
 
 torch.set_num_threads(1)
 
 
-def _step(policy) -> dict:  # noqa: ANN001
+def _result(policy) -> StepResult:  # noqa: ANN001
     return optimizer_step(policy.model, policy.optimizer, opposed_rows(), loss_fn_for("ppo_clip"),
-                          temperature=1.0, token_budget=256, max_grad_norm=1.0).metrics
+                          temperature=1.0, token_budget=256, max_grad_norm=1.0)
+
+
+def _step(policy) -> dict:  # noqa: ANN001
+    return _result(policy).metrics
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
@@ -38,8 +42,10 @@ def test_a_non_finite_gradient_skips_the_update(tiny_model_dir: Path, poison: fl
     before = export_weights(policy, copy=True)
     param = next(p for p in policy.model.parameters() if p.requires_grad)
     handle = param.register_hook(lambda g: g * poison)
-    m = _step(policy)
+    result = _result(policy)
     handle.remove()
+    m = result.metrics
+    assert (result.applied, result.nonfinite) == (False, True)
     assert m["skipped"] == 1.0 and m["skipped_nonfinite"] == 1.0
     assert "non-finite gradient norm" in m["skip_reason"]
     assert m["tokens_trained"] == 20
@@ -48,7 +54,9 @@ def test_a_non_finite_gradient_skips_the_update(tiny_model_dir: Path, poison: fl
     assert policy.optimizer.state_dict()["state"] == {}, "optimizer state advanced on a skipped step"
     assert all(p.grad is None for p in policy.model.parameters())
     # the next, finite step trains
-    m2 = _step(policy)
+    second = _result(policy)
+    m2 = second.metrics
+    assert (second.applied, second.nonfinite) == (True, False)
     assert "skipped" not in m2 and m2["grad_norm"] > 0
     moved = export_weights(policy)
     assert any(not torch.equal(moved[k], before[k]) for k in before)

@@ -243,7 +243,7 @@ def reward(outcome):
 
 @pytest.mark.e2e
 def test_a_real_run_replaces_flat_groups_and_shapes_each_rollout_once(tmp_path: Path) -> None:
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
 
     calls = tmp_path / "calls.txt"
     hook = tmp_path / "flat_even_groups.py"
@@ -320,7 +320,7 @@ def test_one_rollout_of_thousands_of_calls_gives_a_bounded_number_of_rows() -> N
     rows, 276k tokens from one rollout, beside its sibling's single row. Now the rollout gives at
     most `train.max_rows_per_rollout` rows, the rest dropped and counted in the step's metrics."""
     cfg = load_config(None, ['hooks.rollout_reward_fn=""'])
-    assert cfg.train.max_rows_per_rollout == 8 and cfg.rollout.max_model_calls == 64
+    assert cfg.train.max_rows_per_rollout == 8 and cfg.proxy.max_model_calls == 64
     group = Group(group_id=0, task_id="t", rollouts=[_flood_rollout(3000, 0, 1.0), _rollout(1, 0, 0.0, 0)])
     rows, m, _ = _rows_for_step([group], cfg, Hooks(), grpo_advantages, version=0)
     flood = [r for r in rows if r.rollout_id == "flood-0"]

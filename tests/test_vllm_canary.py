@@ -109,7 +109,7 @@ def test_a_run_whose_sync_leaves_the_tied_head_stops_at_step_1(server: Any, mode
     from harnessrl.engine.canary import CanaryError
     from harnessrl.engine.vllm.client import VllmEngine
     from harnessrl.train.policy import load_policy
-    from harnessrl.train.loop import run as train
+    from harnessrl.train.run import run as train
 
     # the server back on the model's own weights (the test before synced perturbed ones)
     engine = VllmEngine([server.url], max_context_tokens=2048, model_dir=model_dir)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from fakes import in_process
 
+from harnessrl.proxy.config import SamplingConfig
 from harnessrl.chat.layer import ChatLayer
 from harnessrl.engine.vllm.client import VllmEngine, parse_completion, parse_token_id
 from harnessrl.errors import EngineError
@@ -157,7 +158,7 @@ def trained_tokens(trace: Trace) -> int:
 
 
 async def one_call(engine: VllmEngine, tokenizer) -> tuple[int, dict[str, Any], Trace]:
-    http, store = in_process(engine, ChatLayer(tokenizer), max_tokens_cap=8, temperature=1.0)
+    http, store = in_process(engine, ChatLayer(tokenizer), sampling=SamplingConfig(max_tokens=8, temperature=1.0))
     session = store.open("r")
     async with http:
         r = await http.post("/v1/chat/completions", json={"messages": USER},
@@ -303,7 +304,7 @@ async def test_rollouts_stick_to_one_replica_and_spread_across_replicas(fake_ser
     (h0, u0), (h1, u1) = fake_servers
     engine = VllmEngine([u0, u1])
     assert engine.replica_urls == (u0, u1)
-    http, store = in_process(engine, ChatLayer(tokenizer), max_tokens_cap=8, temperature=1.0)
+    http, store = in_process(engine, ChatLayer(tokenizer), sampling=SamplingConfig(max_tokens=8, temperature=1.0))
     sessions = [store.open(f"r{i}") for i in range(4)]
     n0, n1 = len(h0.calls), len(h1.calls)
     async with http:

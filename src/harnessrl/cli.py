@@ -78,7 +78,7 @@ def train(
         # lazy: the checks of tasks, verifier and model load after the config's own (a bad key refuses sooner)
         from harnessrl.preflight import check_start
 
-        check_start(cfg, isolation="required", training=True)
+        prepared = check_start(cfg, isolation="required", training=True)
     except HarnessRLError as exc:
         raise _fail(exc) from None
     _sweep(cfg.sandbox.root_dir)
@@ -86,7 +86,7 @@ def train(
     from harnessrl.train.run import run_training
 
     try:
-        code = run_training(cfg, run_dir, resume=resume is not None, checked=True)
+        code = run_training(cfg, run_dir, resume=resume is not None, prepared=prepared)
     except HarnessRLError as exc:
         raise _fail(exc) from None
     _exit(code)
@@ -175,7 +175,7 @@ def rollout(
         # lazy: the checks of tasks, verifier and model load after the config's own (a bad key refuses sooner)
         from harnessrl.preflight import check_start
 
-        check_start(cfg, isolation="best_effort", training=False)
+        prepared = check_start(cfg, isolation="best_effort", training=False)
     except HarnessRLError as exc:
         raise _fail(exc) from None
     _sweep(cfg.sandbox.root_dir)
@@ -183,7 +183,7 @@ def rollout(
     from harnessrl.run_rollouts import run_evaluation
 
     try:
-        code = run_evaluation(cfg, out_dir, limit=limit)
+        code = run_evaluation(cfg, out_dir, limit=limit, prepared=prepared)
     except HarnessRLError as exc:
         raise _fail(exc) from None
     _exit(code)

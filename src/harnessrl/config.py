@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -44,9 +45,10 @@ from harnessrl.engine.config import EmbeddedEngineConfig, EngineConfig
 from harnessrl.errors import ConfigError
 from harnessrl.harness.base import HarnessRequirements
 from harnessrl.harness.options import default_limits, requirements_for, validate_options
-from harnessrl.hooks import load_hook, load_hooks
+from harnessrl.hooks import Hooks, load_hook, load_hooks
 from harnessrl.log import check_sinks
 from harnessrl.loss.config import LossConfig, PpoClipLoss
+from harnessrl.proxy.config import ProxyBounds, SamplingConfig
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.config import SandboxConfig as LocalSandboxConfig
 from harnessrl.tasks.config import ProceduralTasks, TasksConfig
@@ -59,22 +61,6 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 SandboxConfig = Annotated[LocalSandboxConfig | PodmanSandboxConfig, Field(discriminator="kind")]
 """`[sandbox]`: the backend named by `kind` (default `local`) with its own keys."""
-
-
-class SamplingConfig(BaseModel):
-    """The run's sampling parameters, enforced by the proxy whatever the agent sends."""
-
-    model_config = _FROZEN
-
-    temperature: float = Field(default=0.4, gt=0.0)
-    """0.4 by default: SmolLM2-135M through mini-swe-agent's compact prompt wrote a well-formed
-    action in 10 of 16 replies at 0.4 and 2 of 16 at 0.7 (the trainer's logprobs use the same
-    temperature, so a lower one stays exact; top_p / top_k truncation is refused in training)."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    max_tokens: int = Field(default=192, ge=1)
-    """Cap on completion tokens per turn (an agent's larger request is lowered to it). Unset in
-    a run config: the reply length the harness asks for, at least 192."""
 
 
 class HarnessConfig(BaseModel):
@@ -162,16 +148,27 @@ class RolloutConfig(BaseModel):
     """Characters of an agent's final answer a rollout records (`rollouts.jsonl`, the trainer's
     memory); a longer one is cut and ends with `…[final answer cut: N characters in all]`. The
     verifier scores the whole answer."""
-    max_model_calls: int = Field(default=64, ge=0)
-    """Model calls one rollout may make, each counted on arrival, rejected ones too (0: no
-    limit). Past it, and when the context is
-    exhausted, the agent gets a final stop in its own protocol (a reply with no tool call,
-    finish_reason stop) that ends its loop, instead of an error it may retry until the
-    timeout; recorded as an `error` turn (`final_stop: ...` in its notes), never trained.
-    64 by default: the shipped harnesses need at most about 40 (claude-code's `max_turns` 20,
-    each with a side call; mini-swe-agent's `step_limit` and the white-box loops' `max_turns`
-    are single digits; the opencode recipe sets 64 itself), and without a bound one rollout
-    could make thousands of calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessWindow:
+    """How far generation runs ahead of training (DESIGN.md §1, §6), computed in one place from
+    `train.max_staleness` and `train.groups_per_step` (`TrainConfig.window`)."""
+
+    max_staleness: int
+    groups_per_step: int
+
+    @property
+    def versions(self) -> int:
+        """Policy versions a rollout in flight may still be sampled from, `max_staleness + 1`:
+        the versions a weight sync keeps (LoRA adapters loaded on vLLM)."""
+        return self.max_staleness + 1
+
+    @property
+    def groups_ahead(self) -> int:
+        """Groups the orchestrator keeps granted ahead of training (its allowance):
+        `versions * groups_per_step`."""
+        return self.versions * self.groups_per_step
 
 
 class TrainConfig(BaseModel):
@@ -270,6 +267,45 @@ class TrainConfig(BaseModel):
     eval_samples: int | None = Field(default=None, ge=1)
     """Rollouts per held-out task, with the run's sampling (unset: `rollout.group_size`)."""
 
+    @property
+    def window(self) -> StalenessWindow:
+        """The staleness window of `max_staleness` and `groups_per_step`."""
+        return StalenessWindow(self.max_staleness, self.groups_per_step)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSettings:
+    """The trainer's slice of the run config (`trainer_settings`): what
+    `train/trainer_group.TrainerGroup` reads, on every rank."""
+
+    loss: LossConfig
+    learning_rate: float
+    lr_schedule: Literal["constant", "linear", "cosine"]
+    warmup_steps: int
+    steps: int
+    """`train.steps`: the length of the learning-rate schedule."""
+    weight_decay: float
+    max_grad_norm: float
+    token_budget: int
+    dtype: Literal["float32", "bfloat16"]
+    autocast: Literal["off", "bfloat16"]
+    lora_rank: int
+    sync_canary: bool
+    engine_dtype: Literal["float32", "bfloat16", "float16"]
+    """`engine.dtype`: the canary's probe is compared at the coarser of it and `dtype`."""
+    temperature: float
+    """`sampling.temperature`: the trainer's logprobs are taken at it."""
+
+
+def trainer_settings(cfg: RunConfig) -> TrainerSettings:
+    """The trainer's slice of `cfg`."""
+    t = cfg.train
+    return TrainerSettings(
+        loss=t.loss, learning_rate=t.learning_rate, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+        steps=t.steps, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, token_budget=t.token_budget,
+        dtype=t.dtype, autocast=t.autocast, lora_rank=t.lora_rank, sync_canary=t.sync_canary,
+        engine_dtype=cfg.engine.dtype, temperature=cfg.sampling.temperature)
+
 
 class HooksConfig(BaseModel):
     model_config = _FROZEN
@@ -315,6 +351,8 @@ class RunConfig(BaseModel):
     seed: int = 0
     engine: EngineConfig = EmbeddedEngineConfig()
     sampling: SamplingConfig = SamplingConfig()
+    proxy: ProxyBounds = ProxyBounds()
+    """`[proxy]`: the proxy's bounds on what agents send and hold (`proxy/config.ProxyBounds`)."""
     tasks: TasksConfig = ProceduralTasks()
     harness: HarnessConfig = HarnessConfig()
     sandbox: SandboxConfig = LocalSandboxConfig()
@@ -356,13 +394,16 @@ class RunConfig(BaseModel):
         sandbox and an agent process)."""
         if self.rollout.max_concurrent_rollouts:
             return self.rollout.max_concurrent_rollouts
-        ahead = (self.train.max_staleness + 1) * self.train.groups_per_step * self.rollout.group_size
+        ahead = self.train.window.groups_ahead * self.rollout.group_size
         return min(ahead, self.engine.max_batch_size) if isinstance(self.engine, EmbeddedEngineConfig) else ahead
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         req = self.harness.requirements()
         kind = self.harness.kind
+        if self.sampling.temperature <= 0.0:
+            raise ValueError(f"sampling.temperature must be above 0 (got {self.sampling.temperature}): the "
+                             f"trainer's logprobs and the recorded ones are taken at that temperature")
         if self.engine.max_context_tokens < req.min_context_tokens:
             raise ValueError(
                 f"harness {kind!r} needs engine.max_context_tokens >= {req.min_context_tokens} "
@@ -426,21 +467,23 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> RunConfig:  # t
         raise ConfigError(_describe_validation(exc, path, data)) from None
 
 
-def check_run(cfg: RunConfig) -> None:
+def check_run(cfg: RunConfig) -> Hooks:
     """Checks of a run config that need imports: every hook, the python task source and the
     verifier it names must import and be callable. Called by `harnessrl train` and `harnessrl
-    rollout` before anything else (no model loaded, no run directory made).
+    rollout` before anything else (no model loaded, no run directory made). Returns the hooks,
+    loaded (the run's one load of them).
 
     Raises:
         ConfigError: the first dotted path that fails, named with its config key.
     """
-    load_hooks(cfg.hooks)
+    hooks = load_hooks(cfg.hooks)
     if cfg.tasks.kind == "python" and cfg.tasks.source:
         load_hook(cfg.tasks.source, what="tasks.source")
     if cfg.tasks.kind == "openenv":
         load_hook(cfg.tasks.factory, what="tasks.factory")
     if cfg.tasks.verifier:
         load_hook(cfg.tasks.verifier, what="tasks.verifier")
+    return hooks
 
 
 def check_training_config(cfg: RunConfig) -> None:

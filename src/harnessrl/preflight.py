@@ -18,8 +18,10 @@ key or option, and an earlier run in `--out` is never moved aside for a run that
 * under `sandbox.isolation = "required"` a local sandbox needs bubblewrap (the backend's own
   check, `LocalSandboxBackend.check_isolation`).
 
-The runtime still builds the task source and the model at start (`runtime.start_runtime`); a
-fault that only shows then (a model directory whose weights do not load) stops the run there.
+What the checks built (the hooks, the task source and its verifier: `runtime.Prepared`) is
+returned for the run to use; the runtime builds the model at start (`runtime.start_runtime`),
+and an OpenEnv task source then too; a fault that only shows then (a model directory whose
+weights do not load) stops the run there.
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ from typing import Literal
 from harnessrl.config import RunConfig, check_run, check_training_config
 from harnessrl.engine.model_store import DEFAULT_MODEL, TINY_MODEL, cache_dir, resolve_model, smollm2_gguf_path
 from harnessrl.errors import ConfigError, ModelLoadError
-from harnessrl.rewards.select import make_verifier_for
+from harnessrl.runtime import Prepared, prepare
 from harnessrl.sandbox.config import SandboxConfig
 from harnessrl.sandbox.local import LocalSandboxBackend
 from harnessrl.tasks.config import OpenEnvTasks, ProceduralTasks
-from harnessrl.tasks.select import make_task_source
 
 
-def check_start(cfg: RunConfig, *, isolation: Literal["required", "best_effort"], training: bool) -> None:
+def check_start(cfg: RunConfig, *, isolation: Literal["required", "best_effort"], training: bool) -> Prepared:
     """Every check of `cfg` that needs no model, directory or torch (module docstring).
     `isolation` is the command's default for `sandbox.isolation`; `training` adds training's
-    own checks.
+    own checks. Returns what the checks built (hooks, task source, verifier), for the run to
+    use rather than build again (`runtime.start_runtime`).
 
     Raises:
         ConfigError: a dotted path, sink, sampling setting, task source or dataset file.
@@ -48,23 +50,25 @@ def check_start(cfg: RunConfig, *, isolation: Literal["required", "best_effort"]
         ModelLoadError: `engine.model` names nothing loadable offline.
         SandboxError: isolation required and bubblewrap not usable.
     """
-    check_run(cfg)
+    hooks = check_run(cfg)
     if training:
         check_training_config(cfg)
+    prepared = Prepared(hooks, None, None)
     if isinstance(cfg.tasks, OpenEnvTasks):
         if cfg.tasks.path and not Path(cfg.tasks.path).is_file():
             raise ConfigError(f"tasks.path = {cfg.tasks.path!r}: no such file")
     else:
-        tasks = make_task_source(cfg.tasks)
-        make_verifier_for(cfg.tasks.verifier, dict(cfg.tasks.verifier_kwargs))(tasks.get(0))
+        prepared = prepare(cfg, hooks)
+        assert prepared.tasks is not None
         if training and cfg.train.eval_every and not isinstance(cfg.tasks, ProceduralTasks):
-            check_eval_size(len(tasks), cfg.train.eval_size)
+            check_eval_size(len(prepared.tasks), cfg.train.eval_size)
     check_model(cfg.engine.model)
     if isinstance(cfg.sandbox, SandboxConfig) and cfg.rollout.executor == "local":
         mode = cfg.sandbox.isolation or isolation
         backend = LocalSandboxBackend(cfg.sandbox) if mode == "required" else None
         if backend is not None and backend.bwrap is None:
             backend.check_isolation(mode)  # raises before it logs; the runtime reports the gaps
+    return prepared
 
 
 def check_eval_size(n_tasks: int, eval_size: int) -> None:

@@ -48,14 +48,14 @@ from rich.table import Table
 
 from harnessrl.config import RunConfig, check_run, dump_config
 from harnessrl.errors import ConfigError
-from harnessrl.hooks import load_hooks, shape_group
+from harnessrl.hooks import shape_group
 from harnessrl.jsonl import read_jsonl, repair_torn_tail
 from harnessrl.log import setup_logging, to_run_log
 from harnessrl.proxy.server import run_loop
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
 from harnessrl.rollout.summary import ERROR_STATUSES, rollout_line, summarize_groups
-from harnessrl.runtime import start_runtime
+from harnessrl.runtime import Prepared, start_runtime
 from harnessrl.signals import RunStopped, run_until_signal
 from harnessrl.types import Group, Rollout
 
@@ -75,15 +75,18 @@ PROGRESS_EVERY_S = 30.0
 """Off a terminal, seconds between progress records while no rollout finishes."""
 
 
-def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> int:
+def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None, prepared: Prepared | None = None) -> int:
     """Run `limit` groups (default: tasks.limit, else 4); returns the process exit code.
+    `prepared`: the hooks, task source and verifier `preflight.check_start` built (the hooks
+    are loaded here when None).
 
     Raises:
         ConfigError: a hook, task source or verifier path that does not import (`check_run`),
             before the output directory is made.
     """
-    check_run(cfg)
-    reward_fn = load_hooks(cfg.hooks).rollout_reward_fn
+    if prepared is None:
+        prepared = Prepared(check_run(cfg), None, None)
+    reward_fn = prepared.hooks.rollout_reward_fn
     check_same_config(out_dir, cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
@@ -102,7 +105,7 @@ def run_evaluation(cfg: RunConfig, out_dir: Path, limit: int | None = None) -> i
     try:
         if needed:
             # uvloop when installed: the agents' listener runs inside this process
-            run_loop(run_until_signal(_evaluate(cfg, out_dir, needed, kept, console, groups, partial)))
+            run_loop(run_until_signal(_evaluate(cfg, out_dir, needed, kept, console, groups, partial, prepared)))
     except RunStopped as exc:
         stopped = exc
     _write_incomplete(out_dir, partial)
@@ -166,7 +169,8 @@ def resume_plan(out_dir: Path, n_groups: int, group_size: int) -> tuple[dict[int
 
 
 async def _evaluate(cfg: RunConfig, out_dir: Path, needed: dict[int, int], kept: dict[int, list[Rollout]],
-                    console: Console, groups: list[Group], partial: dict[int, list[Rollout]]) -> None:
+                    console: Console, groups: list[Group], partial: dict[int, list[Rollout]],
+                    prepared: Prepared | None = None) -> None:
     """Run the rollouts `needed` (per group id), appending each completed group (with its `kept`
     rollouts) to `groups`, its new rollouts to `rollouts.jsonl`; `partial` holds the finished
     rollouts of groups not completed yet (what a stop leaves)."""
@@ -187,7 +191,7 @@ async def _evaluate(cfg: RunConfig, out_dir: Path, needed: dict[int, int], kept:
             log.info("rollouts %d/%d finished, %d running", orch.rollouts_finished, total,
                      orch.rollouts_running)
 
-    async with start_runtime(cfg, run_dir=out_dir) as rt:
+    async with start_runtime(cfg, run_dir=out_dir, prepared=prepared) as rt:
         orch = Orchestrator(
             rt.tasks, rt.harness, rt.backend, rt.proxy, rt.verifier_for,
             group_size=cfg.rollout.group_size,

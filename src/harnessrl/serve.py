@@ -26,11 +26,9 @@ from typing import TYPE_CHECKING
 import httpx
 from rich.console import Console
 
-from harnessrl.chat.layer import ChatLayer
-from harnessrl.engine.model_store import load_tokenizer, resolve_model
-from harnessrl.proxy.config import ProxyConfig
-from harnessrl.proxy.server import ProxyServer, run_loop
-from harnessrl.runtime import start_engine
+from harnessrl.proxy.config import ProxyConfig, proxy_config
+from harnessrl.proxy.server import run_loop
+from harnessrl.runtime import serving
 
 if TYPE_CHECKING:
     from harnessrl.config import RunConfig
@@ -53,39 +51,36 @@ def serve(cfg: RunConfig, host: str = "127.0.0.1", port: int = 8000, admin_port:
 
 
 def proxy_config_for_serve(cfg: RunConfig, host: str, port: int, trace_path: Path | None = None) -> ProxyConfig:
-    """The proxy settings `serve` uses: the run's sampling, enforced, on `host:port`."""
-    return ProxyConfig(host=host, port=port, model_name=cfg.engine.model, trace_path=trace_path,
-                       temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                       enforce_sampling=True, max_tokens_cap=cfg.sampling.max_tokens)
+    """The proxy settings `serve` uses: the run's `[proxy]` bounds and sampling, enforced, on
+    `host:port` (`proxy_config`)."""
+    return proxy_config(cfg.proxy, cfg.sampling, host=host, port=port, model_name=cfg.engine.model,
+                        trace_path=trace_path)
 
 
 async def _serve(cfg: RunConfig, config: ProxyConfig, admin_port: int, open_session: bool) -> None:
     model = cfg.engine.model
-    model_dir = resolve_model(model)
-    engine = await start_engine(cfg.engine, model_dir, cfg.seed)  # launched vLLM servers: awaited, Ctrl-C stops them
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        chat = ChatLayer(load_tokenizer(model_dir), eos_token_ids=engine.eos_token_ids)
-        async with ProxyServer(engine, chat, config, admin_port=admin_port,
-                               admin_token=os.environ.get("HARNESSRL_ADMIN_TOKEN") or None) as proxy:
-            console.print(f"proxy serving [bold]{model}[/] at {proxy.base_url}; Ctrl-C stops", soft_wrap=True)
-            console.print(f"sampling (enforced): temperature {config.temperature}, top_p {config.top_p}, "
-                          f"top_k {config.top_k}, max_tokens {config.max_tokens_cap}; context "
-                          f"{engine.max_context_tokens} tokens", soft_wrap=True)
-            console.print(f"admin API at {proxy.admin_url} (POST /admin/sessions ...), token in "
-                          f"'Authorization: Bearer':", soft_wrap=True)
-            console.print(f"export HARNESSRL_ADMIN_TOKEN={proxy.admin_token}", soft_wrap=True, markup=False)
-            if open_session:
-                session_id, key = proxy.open_session("manual")
-                console.print(f"session {session_id}", soft_wrap=True)
-                _print_session(proxy.base_url, key, config.model_name)
-                _print_trace_command(proxy.admin_url, session_id)
-            await stop.wait()
-    finally:
-        engine.close()
+    # the runtime's serving part (`runtime.serving`): launched vLLM servers awaited, Ctrl-C stops them
+    async with serving(cfg.engine, cfg.seed, config, admin_port=admin_port,
+                       admin_token=os.environ.get("HARNESSRL_ADMIN_TOKEN") or None) as served:
+        engine, proxy = served.engine, served.proxy
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        console.print(f"proxy serving [bold]{model}[/] at {proxy.base_url}; Ctrl-C stops", soft_wrap=True)
+        s = config.sampling
+        console.print(f"sampling (enforced): temperature {s.temperature}, top_p {s.top_p}, "
+                      f"top_k {s.top_k}, max_tokens {s.max_tokens}; context "
+                      f"{engine.max_context_tokens} tokens", soft_wrap=True)
+        console.print(f"admin API at {proxy.admin_url} (POST /admin/sessions ...), token in "
+                      f"'Authorization: Bearer':", soft_wrap=True)
+        console.print(f"export HARNESSRL_ADMIN_TOKEN={proxy.admin_token}", soft_wrap=True, markup=False)
+        if open_session:
+            session_id, key = proxy.open_session("manual")
+            console.print(f"session {session_id}", soft_wrap=True)
+            _print_session(proxy.base_url, key, config.model_name)
+            _print_trace_command(proxy.admin_url, session_id)
+        await stop.wait()
 
 
 def session_open(url: str, token: str, rollout_id: str | None = None) -> None:

@@ -76,7 +76,7 @@ async def test_fifty_faulty_rollouts_leave_nothing(tiny_model_dir: Path, sandbox
     from harnessrl.chat.layer import ChatLayer
     from harnessrl.engine.embedded.engine import EmbeddedEngine
     from harnessrl.engine.model_store import load_tokenizer
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
 
     harness = CommandHarness(CommandHarnessConfig(
@@ -86,7 +86,7 @@ async def test_fifty_faulty_rollouts_leave_nothing(tiny_model_dir: Path, sandbox
     groups = []
     try:
         async with ProxyServer(engine, ChatLayer(load_tokenizer(tiny_model_dir)),
-                               ProxyConfig(port=0, max_tokens_cap=4)) as proxy:
+                               ProxyConfig(port=0, sampling=SamplingConfig(max_tokens=4))) as proxy:
             orch = Orchestrator(FaultyTasks(), harness, LocalSandboxBackend(SandboxConfig(root_dir=sandbox_root, kill_grace_s=0.5), proxy_port=proxy.port,
                                                                     proxy_socket=proxy.agent_socket_path),
                                 proxy, lambda task: FaultyVerifier(), group_size=5,

@@ -18,7 +18,7 @@ from harnessrl.harness.install import agent_executable
 from harnessrl.sandbox.local import leftover_sandboxes
 from harnessrl.sandbox.procs import leftover_processes
 from harnessrl.train.policy import latest_checkpoint
-from harnessrl.train.loop import run as train
+from harnessrl.train.run import run as train
 
 # A reward with variance in every group (0, 1, 0, 1 ...), so the step has a gradient.
 PARITY_REWARD = "harnessrl.recipes.shaping:alternating_smoke_reward"

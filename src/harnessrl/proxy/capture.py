@@ -9,7 +9,7 @@ Invariants:
   * The recorded `prompt_ids` / `completion_ids` / `completion_logprobs` are the engine's
     `Completion` fields, never a re-render (DESIGN.md §3.1, §9).
   * Sampling is the run's (`ProxyConfig`) when `enforce_sampling`; the values used are
-    recorded in `Turn.sampling` (§3.2). `max_tokens` is capped by `max_tokens_cap` and by the
+    recorded in `Turn.sampling` (§3.2). `max_tokens` is capped by `sampling.max_tokens` and by the
     context left (`engine.max_context_tokens - len(prompt_ids)`).
   * Every call is recorded as one turn: bad input and engine failures with
     `status="error"` (keeping at most `REJECTED_BODY_CHARS` of the body); turns failing
@@ -296,7 +296,7 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
 def resolve_sampling(config: ProxyConfig, request: ChatRequest, prompt_tokens: int,
                      max_context_tokens: int) -> Sampling:
     """The sampling actually used: the run's values when `enforce_sampling`, and
-    `max_tokens = min(max_tokens_cap, agent's max_tokens, context left)`. A positive
+    `max_tokens = min(sampling.max_tokens, agent's max_tokens, context left)`. A positive
     temperature below `types.MIN_TEMPERATURE` is raised to it (and recorded so).
 
     Raises:
@@ -309,14 +309,14 @@ def resolve_sampling(config: ProxyConfig, request: ChatRequest, prompt_tokens: i
             f"the prompt has {prompt_tokens} tokens and the context limit is {max_context_tokens} tokens "
             f"(max_context_tokens), which leaves no room for a completion",
             param="messages", code="context_length_exceeded")
-    max_tokens = min(config.max_tokens_cap, left, request.max_tokens or config.max_tokens_cap)
+    run = config.sampling
+    max_tokens = min(run.max_tokens, left, request.max_tokens or run.max_tokens)
     if config.enforce_sampling:
-        return _sampling(effective_temperature(config.temperature), config.top_p, config.top_k, max_tokens,
-                         request.stop, None)
+        return _sampling(effective_temperature(run.temperature), run.top_p, run.top_k, max_tokens, request.stop, None)
     return _sampling(
-        effective_temperature(config.temperature if request.temperature is None else request.temperature),
-        config.top_p if request.top_p is None or request.top_p == 0.0 else request.top_p,
-        config.top_k if request.top_k is None else request.top_k,
+        effective_temperature(run.temperature if request.temperature is None else request.temperature),
+        run.top_p if request.top_p is None or request.top_p == 0.0 else request.top_p,
+        run.top_k if request.top_k is None else request.top_k,
         max_tokens, request.stop, request.seed,
     )
 

@@ -1,8 +1,10 @@
-"""`ProxyConfig`: the settings of the intercepting proxy (one pydantic model, extra="forbid").
+"""The settings of the intercepting proxy: the run's sampling (`SamplingConfig`, a run config's
+`[sampling]`), its bounds (`ProxyBounds`, a run config's `[proxy]`), and `ProxyConfig`, both with
+what the command sets (listener, model name, trace file), built by `proxy_config`.
 
-What this module deliberately does not do: start anything. `server.ProxyServer` and the CLI
-read it. Sampling values here are the run's: with `enforce_sampling` they override whatever
-an agent sends (DESIGN.md §3.2).
+What this module deliberately does not do: start anything. `server.ProxyServer` reads it.
+Sampling values here are the run's: with `enforce_sampling` they override whatever an agent
+sends (DESIGN.md §3.2).
 """
 
 from __future__ import annotations
@@ -12,28 +14,33 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class ProxyConfig(BaseModel):
+class SamplingConfig(BaseModel):
+    """The run's sampling parameters (`[sampling]`), enforced by the proxy whatever the agent
+    sends; the one shape of them (each turn records what was used, `types.Sampling`)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    host: str = "127.0.0.1"
-    """Interface the agents listener binds (a run on a Ray cluster binds `rollout.ray.proxy_host`);
-    the admin listener always binds 127.0.0.1."""
-    port: int = Field(default=8000, ge=0, le=65535)
-    """TCP port; 0 lets the OS pick one (read it back from `ProxyServer.base_url`)."""
-    model_name: str = "harnessrl-policy"
-    """Model id listed by `GET /v1/models` (requests may name any model; it is echoed back)."""
-    temperature: float = Field(default=1.0, ge=0.0)
-    """Run's sampling temperature (0 = greedy)."""
+    temperature: float = Field(default=0.4, ge=0.0)
+    """0.4 by default: SmolLM2-135M through mini-swe-agent's compact prompt wrote a well-formed
+    action in 10 of 16 replies at 0.4 and 2 of 16 at 0.7 (the trainer's logprobs use the same
+    temperature, so a lower one stays exact; top_p / top_k truncation is refused in training).
+    0 is greedy, for a proxy run by hand; a run config refuses it (`RunConfig`)."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Run's nucleus mass; 1.0 disables it."""
+    """Nucleus mass kept; 1.0 disables it."""
     top_k: int = Field(default=0, ge=0)
-    """Run's top-k; 0 disables it."""
-    enforce_sampling: bool = True
-    """True: temperature/top_p/top_k/seed from the agent are ignored and the run's are used.
-    False: the agent's values win where it sends them (useful for hand tests, never for RL)."""
-    max_tokens_cap: int = Field(default=1024, ge=1)
-    """Upper bound on completion ids per call; the agent's `max_tokens` /
-    `max_completion_tokens` can only lower it. The context left also caps it."""
+    """Highest-probability ids kept; 0 disables it."""
+    max_tokens: int = Field(default=192, ge=1)
+    """Cap on completion tokens per turn: the agent's `max_tokens` / `max_completion_tokens` can
+    only lower it, and the context left caps it too. Unset in a run config: the reply length
+    the harness asks for, at least 192."""
+
+
+class ProxyBounds(BaseModel):
+    """The proxy's bounds on what agents send and hold (`[proxy]` of a run config): each one
+    refuses or ends what goes past it, with the error named below."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """Request bodies above this get 413."""
     max_stop_strings: int = Field(default=16, ge=0, le=1024)
@@ -91,18 +98,48 @@ class ProxyConfig(BaseModel):
     max_turns_per_session: int = Field(default=4096, ge=1)
     """Calls one session may make; later calls get 429 (counted in `Trace.refused_calls`, not
     recorded), so a session flooding the proxy with calls cannot grow its trace without bound."""
-    max_model_calls: int = Field(default=0, ge=0)
-    """Calls one session may make, each counted on arrival, rejected ones too (0: no limit).
-    Past it, and when a
-    call's prompt leaves no room in the context, the agent gets a final stop in its own
-    protocol (empty assistant text, no tool call, finish_reason stop) rather than an error it
-    may retry; recorded as an `error` turn noted `final_stop: ...`, never trained."""
     max_revoked_keys: int = Field(default=100_000, ge=1)
     """Revoked keys remembered (a few hundred bytes each) so late calls are counted in
     `Trace.rejected_calls`; older revoked keys still get 401, uncounted (keys are never reused)."""
-    trace_path: Path | None = None
-    """JSONL file to which each session's trace is appended when it closes; None keeps
-    traces in memory only."""
     stream_keepalive_s: float = Field(default=15.0, gt=0.0)
     """While a streamed call generates, an SSE comment is sent this often (keeps clients'
     read timeouts from firing on slow CPU generation)."""
+    max_model_calls: int = Field(default=64, ge=0)
+    """Model calls one session (one rollout) may make, each counted on arrival, rejected ones
+    too (0: no limit). Past it, and when a call's prompt leaves no room in the context, the
+    agent gets a final stop in its own protocol (empty assistant text, no tool call,
+    finish_reason stop) that ends its loop, rather than an error it may retry until the
+    timeout; recorded as an `error` turn noted `final_stop: ...`, never trained. 64 by default:
+    the shipped harnesses need at most about 40 (claude-code's `max_turns` 20, each with a side
+    call; mini-swe-agent's `step_limit` and the white-box loops' `max_turns` are single digits;
+    the opencode recipe sets 64 itself), and without a bound one rollout could make thousands
+    of calls."""
+
+
+class ProxyConfig(ProxyBounds):
+    """A proxy's settings: its bounds, the sampling it enforces, and what the command sets."""
+
+    host: str = "127.0.0.1"
+    """Interface the agents listener binds (a run on a Ray cluster binds `rollout.ray.proxy_host`);
+    the admin listener always binds 127.0.0.1."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port; 0 lets the OS pick one (read it back from `ProxyServer.base_url`)."""
+    model_name: str = "harnessrl-policy"
+    """Model id listed by `GET /v1/models` (requests may name any model; it is echoed back)."""
+    sampling: SamplingConfig = SamplingConfig()
+    """The run's sampling (0 temperature: greedy)."""
+    enforce_sampling: bool = True
+    """True: temperature/top_p/top_k/seed from the agent are ignored and the run's are used.
+    False: the agent's values win where it sends them (useful for hand tests, never for RL)."""
+    trace_path: Path | None = None
+    """JSONL file to which each session's trace is appended when it closes; None keeps
+    traces in memory only."""
+
+
+def proxy_config(bounds: ProxyBounds, sampling: SamplingConfig, *, host: str, port: int, model_name: str,
+                 trace_path: Path | None = None) -> ProxyConfig:
+    """The settings of a command's proxy: a run config's `[proxy]` bounds and `[sampling]`,
+    enforced, on `host:port` (the one mapping of a run's sampling to the proxy: `harnessrl
+    train`, `rollout` and `serve` all use it)."""
+    return ProxyConfig(**dict(bounds), sampling=sampling, enforce_sampling=True, host=host, port=port,
+                       model_name=model_name, trace_path=trace_path)

@@ -22,7 +22,8 @@ a completed step waiting for its verdict is written when the verdict arrives, an
 being written is finished.
 
 What it does not do: build or release the run's parts (`train/setup.py`), or own the process
-(ranks, signals, exit codes: `train/run.py`).
+(ranks, signals, exit codes: `train/run.py`). It reads its settings from `run.settings`
+(`setup.LoopSettings`), never the whole config.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,8 +41,6 @@ from typing import Any
 
 from rich.console import Console
 
-from harnessrl.config import RunConfig
-from harnessrl.engine.stats import EngineStats
 from harnessrl.engine.weight_sync import SyncReport
 from harnessrl.jsonl import read_jsonl
 from harnessrl.log import to_run_log
@@ -57,8 +56,10 @@ from harnessrl.train.console import (
 from harnessrl.train.distributed import Ranks
 from harnessrl.train.evaluation import evaluate_held_out
 from harnessrl.train.plot import curve_table, write_curve_png
-from harnessrl.train.rows import RolloutBound, StepRows, rows_for_step
-from harnessrl.train.setup import TrainingRun, open_run
+from harnessrl.train.rows import StepRows, rows_for_step
+from harnessrl.train.setup import LoopSettings, TrainingRun
+from harnessrl.train.step import StepResult
+from harnessrl.train.timing import StepClock
 from harnessrl.types import Group
 
 log = logging.getLogger(__name__)
@@ -73,89 +74,6 @@ PARITY_BOUND = 1e-3
 """The step-0 check's bound on mean |exp(trainer - sampler logprob) - 1| (float32 on CPU)."""
 
 
-def machine_busy_seconds(stat: Path = Path("/proc/stat")) -> float | None:
-    """CPU seconds the cores this process may run on (`os.sched_getaffinity`) have spent busy
-    since boot, every process together: user, nice, system, irq, softirq and steal time of their
-    `cpuN` lines in `/proc/stat` (`proc(5)`; idle and iowait left out), in clock ticks
-    (`SC_CLK_TCK`). None where there is no such file (not Linux). In a container limited by a
-    CPU quota rather than a cpuset, the cores are shared with the host's other tenants, whose
-    time counts too."""
-    try:
-        lines = stat.read_text().splitlines()
-        cores = os.sched_getaffinity(0)
-        tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, AttributeError, ValueError):
-        return None
-    busy = 0
-    for line in lines:
-        name, _, rest = line.partition(" ")
-        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in rest.split()[:8])
-            busy += user + nice + system + irq + softirq + steal
-    return busy / tick
-
-
-@dataclass
-class StepClock:
-    """Where one step's wall time went (the `time/*` metrics) and the counters read at its start."""
-
-    start: float = field(default_factory=time.monotonic)
-    cpu: float = field(default_factory=time.thread_time)
-    """CPU seconds of this (the event loop's) thread: the proxy, the orchestrator, sandboxes."""
-    process_cpu: float = field(default_factory=time.process_time)
-    """CPU seconds of this process (every thread: trainer, engine, event loop)."""
-    machine_busy: float | None = field(default_factory=machine_busy_seconds)
-    """`machine_busy_seconds()` at the step's start."""
-    idle: float = 0.0
-    engine: EngineStats | None = None
-    pulled: float = 0.0
-    trained: float = 0.0
-    synced: float = 0.0
-    process_cpu_s: float = 0.0
-    """This process's CPU seconds from the start to `sync_done` (`time/process_cpu_s`)."""
-    other_cpu_s: float | None = None
-    """The cores' busy seconds over the same span not spent in this process (`time/other_cpu_s`);
-    None without `/proc/stat`."""
-    ended: float = 0.0
-    """When the step's work ended (`end`): the end of the engine counters' span."""
-    idle_end: float = 0.0
-    loop_cpu_end: float = 0.0
-    engine_end: EngineStats | None = None
-    groups_in_flight: int = 0
-
-    def sync_done(self) -> None:
-        """The step's weight sync ended: the end of `time/step_s` and of the CPU counters (a
-        held-out evaluation after it is not part of the step)."""
-        self.synced = time.monotonic()
-        self.process_cpu_s = time.process_time() - self.process_cpu
-        busy = machine_busy_seconds()
-        if busy is not None and self.machine_busy is not None:
-            # the agents and their commands (their own processes, in sandboxes), verifiers run
-            # as processes, and any other job
-            self.other_cpu_s = max(0.0, busy - self.machine_busy - self.process_cpu_s)
-
-    def end(self, run: TrainingRun) -> None:
-        """The step's work is done (its held-out evaluation included): the counters read now
-        close its span, however late its record is written (`record_step`)."""
-        self.ended = time.monotonic()
-        self.idle_end = run.orchestrator.idle_seconds
-        self.loop_cpu_end = time.thread_time()
-        self.engine_end = run.runtime.engine.stats()
-        self.groups_in_flight = run.orchestrator.groups_in_flight
-
-
-async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
-              ranks: Ranks | None = None) -> list[StepMetrics]:
-    """Open the run of `cfg` in `run_dir` and train it (`open_run`, then `train`); returns the
-    per-step metrics.
-
-    Raises:
-        ConfigError: from `open_run`.
-    """
-    async with open_run(cfg, run_dir, resume=resume, console=console, ranks=ranks) as training_run:
-        return await train(training_run)
-
-
 async def train(run: TrainingRun) -> list[StepMetrics]:
     """The training loop over an open run; returns the per-step metrics it logged (with
     `train.eval_every`, a first entry with `step` 0 holds the held-out evaluation before any
@@ -167,7 +85,7 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
     update is applied to tokens sampled from the weights it rejected, and before step k is
     written. A step followed by a held-out evaluation or a checkpoint, and the last, waits for
     its verdict itself."""
-    cfg, orch = run.cfg, run.orchestrator
+    s, orch = run.settings, run.orchestrator
     version = run.resume.version
     history: list[StepMetrics] = []
     orch.start()
@@ -177,67 +95,114 @@ async def train(run: TrainingRun) -> list[StepMetrics]:
         history.append(before)
         for sink in run.sinks:
             sink.log(0, before)
-    nonfinite_skips, checkpoints = 0, CheckpointClock(cfg)  # updates skipped for a NaN/inf gradient norm
-    verdict: Future[tuple[float, float]] | None = None  # the canary's on the last publish
-    recording: asyncio.Future[None] | None = None  # the last step's record, waiting for that verdict
+    nonfinite_skips, checkpoints = 0, CheckpointClock(s)  # updates skipped for a NaN/inf gradient norm
+    verdicts = Verdicts(run)
     try:
-        for step in range(run.resume.step + 1, cfg.train.steps + 1):
-            clock = StepClock(idle=orch.idle_seconds, engine=run.runtime.engine.stats())
+        for step in range(run.resume.step + 1, s.steps + 1):
+            clock = StepClock.begin(orch, run.runtime.engine)
             groups = await pull_groups(run, step)
-            extra = await run.sampling.draw(groups, cfg.train.groups_per_step, version)
-            clock.pulled = time.monotonic()
+            extra = await run.sampling.draw(groups, s.groups_per_step, version)
+            clock.mark_pulled()
             batch = rows_for_step(groups, hooks=run.hooks, advantage_fn=run.advantage_fn, version=version,
-                                  max_staleness=cfg.train.max_staleness, train_auxiliary=cfg.train.train_auxiliary,
-                                  bound=RolloutBound(cfg.train.max_rows_per_rollout, cfg.train.max_tokens_per_rollout))
+                                  max_staleness=s.max_staleness, train_auxiliary=s.train_auxiliary, bound=s.bound)
             metrics: StepMetrics = {"step": step, **batch.metrics}
-            if cfg.train.dynamic_sampling_max_groups:
+            if s.dynamic_sampling:
                 metrics["groups_drawn_extra"] = float(extra)
             if step == run.resume.step + 1 and run.resume.checkpoint is None:
                 metrics.update(await step0_check(run, batch))
-            metrics.update(await trainer_step(run, batch, step, verdict, version))
-            nonfinite_skips += int(metrics.get("skipped_nonfinite", 0))
+            result = await trainer_step(run, batch, step, verdicts.before_update(), version)
+            metrics.update(result.metrics)
+            nonfinite_skips += int(result.nonfinite)
             metrics["skipped_nonfinite_steps"] = float(nonfinite_skips)
-            clock.trained = time.monotonic()
-            updated = bool(batch.rows) and not metrics.get("skipped")
-            pending: SyncReport | None = None  # this step's publish, its canary verdict still to come
-            if updated:
+            clock.mark_trained()
+            if result.applied:
                 version += 1
-                report = await publish(run, version)
-                metrics.update(report.as_metrics())
-                if report.pending_canary is not None:
-                    verdict, pending = report.pending_canary, report
+                metrics.update(verdicts.published(await publish(run, version)))
             clock.sync_done()
-            orch.after_sync(more=step < cfg.train.steps)  # the groups of later steps may start now
+            orch.after_sync(more=step < s.steps)  # the groups of later steps may start now
             due = checkpoints.due(step)
-            if pending is not None and (step == cfg.train.steps or eval_due(cfg, step) or due):
-                metrics.update(await canary_metrics(pending))  # before the evaluation reads the engine
-                pending = None
-            metrics.update(await after_update(run, step, version, updated, clock))
-            clock.end(run)
-            if recording is not None:
-                await recording
-            recording = asyncio.ensure_future(record_when_verified(run, step, version, groups, metrics, clock,
-                                                                   pending))
+            if step == s.steps or s.eval_due(step) or due:
+                metrics.update(await verdicts.settle())  # before the evaluation reads the engine
+            metrics.update(await after_update(run, step, version, result.applied, clock))
+            clock.end()
+            await verdicts.record(step, version, groups, metrics, clock)
             history.append(metrics)
             if due:
-                await recording
+                await verdicts.written()
                 await checkpoint(run, step, version, checkpoints)
     except BaseException:
-        if recording is not None:  # a completed step is written unless its canary failed
-            try:
-                await asyncio.shield(recording)
-            except Exception as exc:  # noqa: BLE001 - the run is ending with its own error
-                log.error("the last completed step was not recorded: %s", exc)
+        await verdicts.written_on_error()
         raise
-    if recording is not None:
-        await recording
+    await verdicts.written()
     finish(run, history)
     return history
 
 
-def eval_due(cfg: RunConfig, step: int) -> bool:
-    """Whether a held-out evaluation follows step `step`."""
-    return bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+class Verdicts:
+    """The weight-sync canary's verdict on the last publish, and the record of the step waiting
+    for it: the one place the loop awaits a verdict (`train`'s docstring).
+
+    A publish's verdict (`SyncReport.pending_canary`) gates the next update (`before_update`);
+    the published step is recorded once it is in (`record`), or at once when the loop needs
+    the engine checked first (`settle`: an evaluation, a checkpoint, the last step)."""
+
+    def __init__(self, run: TrainingRun) -> None:
+        self._run = run
+        self._verdict: Future[tuple[float, float]] | None = None  # the canary's on the last publish
+        self._pending: SyncReport | None = None  # this step's publish, its verdict still to come
+        self._recording: asyncio.Future[None] | None = None  # the last step's record, waiting for it
+
+    def before_update(self) -> Callable[[], object] | None:
+        """What the next update waits on: the last publish's verdict (raises CanaryError when it
+        failed); None before any deferred verdict."""
+        return self._verdict.result if self._verdict is not None else None
+
+    def published(self, report: SyncReport) -> StepMetrics:
+        """The step's publish: its `sync/*` metrics; its verdict, when deferred, is awaited later."""
+        if report.pending_canary is not None:
+            self._verdict, self._pending = report.pending_canary, report
+        return dict(report.as_metrics())
+
+    async def settle(self) -> StepMetrics:
+        """This step's verdict, awaited now: its `sync/*` metrics with the canary's (none when
+        there is no verdict pending).
+
+        Raises:
+            CanaryError: the verdict failed.
+        """
+        pending, self._pending = self._pending, None
+        return dict(await canary_metrics(pending)) if pending is not None else {}
+
+    async def record(self, step: int, version: int, groups: list[Group], metrics: StepMetrics,
+                     clock: StepClock) -> None:
+        """Record the step (`record_step`) once its verdict is in, while the next step runs; the
+        step before is written first.
+
+        Raises:
+            CanaryError: the previous step's verdict failed.
+        """
+        await self.written()
+        pending, self._pending = self._pending, None
+        self._recording = asyncio.ensure_future(
+            record_when_verified(self._run, step, version, groups, metrics, clock, pending))
+
+    async def written(self) -> None:
+        """Wait until the last recorded step is written.
+
+        Raises:
+            CanaryError: its verdict failed (nothing of it written)."""
+        if self._recording is not None:
+            await self._recording
+
+    async def written_on_error(self) -> None:
+        """As `written`, as the run ends with its own error: a completed step is written unless
+        its canary failed (logged), and a cancellation does not cut its writing short."""
+        if self._recording is None:
+            return
+        try:
+            await asyncio.shield(self._recording)
+        except Exception as exc:  # noqa: BLE001 - the run is ending with its own error
+            log.error("the last completed step was not recorded: %s", exc)
 
 
 @dataclass
@@ -248,18 +213,18 @@ class CheckpointClock:
     rolling ones once a newer checkpoint is complete, so they cost one checkpoint's disk). The
     clock is the training loop's, on rank 0: every rank saves when it says so."""
 
-    cfg: RunConfig
+    settings: LoopSettings
     last: float = field(default_factory=lambda: time.monotonic())
     """`time.monotonic()` of the last checkpoint written (or of the start)."""
 
     def kept(self, step: int) -> bool:
         """Whether step `step` ends with a kept checkpoint (`checkpoint_every`, the last step)."""
-        every = self.cfg.train.checkpoint_every
-        return step == self.cfg.train.steps or bool(every and step % every == 0)
+        every = self.settings.checkpoint_every
+        return step == self.settings.steps or bool(every and step % every == 0)
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint, kept or rolling, follows step `step`."""
-        every_s = self.cfg.train.checkpoint_every_s
+        every_s = self.settings.checkpoint_every_s
         return self.kept(step) or bool(every_s and time.monotonic() - self.last >= every_s)
 
 
@@ -293,7 +258,7 @@ async def pull_groups(run: TrainingRun, step: int) -> list[Group]:
     live status line on a terminal (with how far the longest prompt in prefill got, when the engine
     reports it), a progress record every `PROGRESS_EVERY_S` seconds
     otherwise (and in `run.log`)."""
-    orch, n, steps = run.orchestrator, run.cfg.train.groups_per_step, run.cfg.train.steps
+    orch, n, steps = run.orchestrator, run.settings.groups_per_step, run.settings.steps
     groups: list[Group] = []
     last_record = time.monotonic()
 
@@ -328,24 +293,22 @@ async def step0_check(run: TrainingRun, batch: StepRows) -> dict[str, float]:
 
 
 async def trainer_step(run: TrainingRun, batch: StepRows, step: int,
-                       verdict: Future[tuple[float, float]] | None = None, version: int | None = None) -> StepMetrics:
+                       before_update: Callable[[], object] | None = None, version: int | None = None) -> StepResult:
     """One optimizer step over the rows on the trainer thread (rollouts continue meanwhile),
-    its update applied once `verdict` (the last publish's canary) passed; a step with no row is
-    skipped, and says why. `version`: the weights' version the trainer holds (the staleness
-    split of the `offpolicy/*` metrics).
+    its update applied once `before_update` (the wait for the last publish's canary verdict)
+    returns; a step with no row is not applied, and says why. `version`: the weights' version
+    the trainer holds (the staleness split of the `offpolicy/*` metrics).
 
     Raises:
-        CanaryError: `verdict` failed (no update applied)."""
-    metrics: StepMetrics = {}
+        CanaryError: from `before_update` (no update applied)."""
     if batch.rows:
-        result = await run.on_trainer(run.trainer.step, batch.rows, step,
-                                      verdict.result if verdict is not None else None, version)
-        metrics.update(result.metrics)
+        result: StepResult = await run.on_trainer(run.trainer.step, batch.rows, step, before_update, version)
     else:
-        metrics["skipped"] = 1.0
-    if metrics.get("skipped") and "skip_reason" not in metrics:
-        metrics["skip_reason"] = skip_reason({**batch.metrics, **metrics}) if not batch.rows else "no trainable token"
-    return metrics
+        result = StepResult({"skipped": 1.0})
+    if not result.applied and "skip_reason" not in result.metrics:
+        result.metrics["skip_reason"] = (skip_reason({**batch.metrics, **result.metrics}) if not batch.rows
+                                         else "no trainable token")
+    return result
 
 
 async def publish(run: TrainingRun, version: int) -> SyncReport:
@@ -359,12 +322,12 @@ async def after_update(run: TrainingRun, step: int, version: int, updated: bool,
     """What is measured once the engine has the step's weights: how far the update moved them
     (the first update and every `log.update_norm_every`-th after it), and the held-out
     evaluation when due."""
-    cfg, metrics = run.cfg, {}
-    norm_every = cfg.log.update_norm_every
+    s, metrics = run.settings, {}
+    norm_every = s.update_norm_every
     if updated and norm_every and (version - 1) % norm_every == 0:
         metrics["param_delta_l2"] = await run.on_trainer(run.trainer.update_norm)
         metrics["time/update_norm_s"] = time.monotonic() - clock.synced
-    if run.eval_tasks is not None and eval_due(cfg, step):
+    if run.eval_tasks is not None and s.eval_due(step):
         metrics.update(await held_out(run, step))  # the policy after this step
     return metrics
 
@@ -372,10 +335,9 @@ async def after_update(run: TrainingRun, step: int, version: int, updated: bool,
 async def held_out(run: TrainingRun, after_step: int) -> dict[str, float]:
     """The held-out evaluation of the policy the engine serves now (`eval/*`)."""
     assert run.eval_tasks is not None
-    cfg = run.cfg
     return await evaluate_held_out(
-        run.runtime, run.eval_tasks, samples=cfg.train.eval_samples or cfg.rollout.group_size,
-        max_concurrent=cfg.concurrent_rollouts, limits=run.limits,
+        run.runtime, run.eval_tasks, samples=run.settings.eval_samples,
+        max_concurrent=run.settings.eval_concurrency, limits=run.limits,
         out_dir=run.run_dir / "eval" / f"step-{after_step}")
 
 
@@ -384,36 +346,17 @@ def record_step(run: TrainingRun, step: int, version: int, groups: list[Group], 
     """The step completed: its timings and engine counters join its metrics; its rollouts
     (the verifier's reward and the training reward, both) go to `rollouts.jsonl`, its metrics
     to every sink, its line and its first conversations to the console."""
-    metrics.update({
-        "policy_version": version,
-        "time/rollout_wait_s": clock.pulled - clock.start,
-        "time/train_s": clock.trained - clock.pulled,
-        "time/sync_s": clock.synced - clock.trained,
-        "time/step_s": clock.synced - clock.start,
-        # the generation side's wait: no rollout running (nothing for the engine)
-        "time/rollouts_idle_s": clock.idle_end - clock.idle,
-        # CPU of the event loop's thread: the proxy's HTTP, render and parse, the orchestrator
-        # and sandbox management (the trainer and the engine have their own)
-        "time/loop_cpu_s": clock.loop_cpu_end - clock.cpu,
-        "time/process_cpu_s": clock.process_cpu_s,  # over the same span as `time/step_s`
-        "rollouts_in_flight_groups": clock.groups_in_flight,
-    })
-    if clock.other_cpu_s is not None:
-        metrics["time/other_cpu_s"] = clock.other_cpu_s
-    if clock.engine_end is not None:  # prefix cache and batching, this step
-        metrics.update(clock.engine_end.step_metrics(clock.engine))
-        # over the same span as the counters (from the step's start to its end)
-        metrics["engine/busy_frac"] = metrics["engine/busy_seconds"] / max(clock.ended - clock.start, 1e-9)
+    metrics.update({"policy_version": version, **clock.metrics()})
     for g in groups:
         for r in g.rollouts:
             run.rollouts_file.write(r.model_dump_json() + "\n")
     run.rollouts_file.flush()
     for sink in run.sinks:
         sink.log(step, metrics)
-    log.info(step_line(step, run.cfg.train.steps, metrics))
+    log.info(step_line(step, run.settings.steps, metrics))
     for line in offpolicy_warnings(metrics):
         log.warning("step %d: %s", step, line)
-    for r in [r for g in groups for r in g.rollouts][: run.cfg.log.log_completions]:
+    for r in [r for g in groups for r in g.rollouts][: run.settings.log_completions]:
         print_conversation(run.console, r)
 
 
@@ -462,13 +405,12 @@ def finish(run: TrainingRun, history: list[StepMetrics]) -> None:
     text table) every step of `metrics.jsonl`, so a resumed run draws the steps before it too."""
     out = Console(record=True)
     out.print(final_table(history))
-    out.print(bound_line(history, max_staleness=run.cfg.train.max_staleness), markup=False, highlight=False)
+    out.print(bound_line(history, max_staleness=run.settings.max_staleness), markup=False, highlight=False)
     if credit := rows_line(history):
         out.print(credit, markup=False, highlight=False)
-    cfg = run.cfg
     whole = read_jsonl(run.run_dir / "metrics.jsonl").rows or history
-    curve = write_curve_png(whole, run.run_dir / "curve.png", tasks_per_step=cfg.train.groups_per_step,
-                            title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
+    curve = write_curve_png(whole, run.run_dir / "curve.png", tasks_per_step=run.settings.groups_per_step,
+                            title=run.settings.title)
     out.print(curve_table(whole), markup=False, highlight=False)
     if curve is not None:
         out.print(f"curve: {curve}", markup=False, highlight=False)

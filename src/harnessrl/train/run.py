@@ -1,8 +1,8 @@
 """`harnessrl train`: the process around a training run.
 
-Responsibility: check the config (`preflight.check_start`, `setup.check_training`) before the run
+Responsibility: check the config (`preflight.check_start`) before the run
 directory is made or an earlier run in it moved aside, start the trainer's processes
-(`train/distributed.py`), set up logging and `config.toml`, run the loop (`train/loop.run`) on
+(`train/distributed.py`), set up logging and `config.toml`, open the run and train it (`run`: `setup.open_run`, then `loop.train`) on
 uvloop when installed (the agents' listener runs inside this process) until it completes or a
 signal stops it, and turn that into the exit code.
 
@@ -33,15 +33,16 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from harnessrl.config import RunConfig, dump_config
+from harnessrl.config import RunConfig, dump_config, trainer_settings
 from harnessrl.log import setup_logging
 from harnessrl.preflight import check_start
 from harnessrl.proxy.server import run_loop
+from harnessrl.runtime import Prepared
 from harnessrl.signals import RunStopped, run_until_signal
 from harnessrl.train.distributed import Ranks, close_ranks, init_ranks
-from harnessrl.train.loop import run
+from harnessrl.train.loop import StepMetrics, train
 from harnessrl.train.policy import latest_checkpoint
-from harnessrl.train.setup import check_training, retain_freed_memory
+from harnessrl.train.setup import open_run, retain_freed_memory
 from harnessrl.train.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,20 @@ def set_aside_earlier_run(run_dir: Path) -> Path | None:
     return target
 
 
-def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, checked: bool = False) -> int:
+async def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
+              ranks: Ranks | None = None, prepared: Prepared | None = None) -> list[StepMetrics]:
+    """Open the run of `cfg` in `run_dir` and train it (`open_run`, then `train`); returns the
+    per-step metrics. `prepared`: `open_run`'s.
+
+    Raises:
+        ConfigError: from `open_run`.
+    """
+    async with open_run(cfg, run_dir, resume=resume, console=console, ranks=ranks,
+                        prepared=prepared) as training_run:
+        return await train(training_run)
+
+
+def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, prepared: Prepared | None = None) -> int:
     """Train per `cfg` in `run_dir`; returns the process exit code: 0 when every step ran, 130 /
     143 when SIGINT / SIGTERM stopped the run (`harnessrl.signals`; the step in progress then
     leaves no rollouts, metrics or checkpoint behind, earlier checkpoints stay). A rank other
@@ -82,16 +96,15 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, checked
 
     Every check that needs no model (`preflight.check_start`: dotted paths, sinks, sampling,
     the task source and its verifier, the model's name, isolation) runs before the run
-    directory is made or an earlier run in it moved aside; `checked=True` says the caller
-    (`harnessrl train`) ran them already.
+    directory is made or an earlier run in it moved aside; `prepared` is what they built when the
+    caller (`harnessrl train`) ran them already.
 
     Raises:
         ConfigError, TaskError, ModelLoadError, SandboxError: from `preflight.check_start`,
             before anything in `run_dir` is touched.
     """
-    if not checked:
-        check_start(cfg, isolation="required", training=True)
-    check_training(cfg)
+    if prepared is None:
+        prepared = check_start(cfg, isolation="required", training=True)
     ranks = init_ranks(cfg.train.device, cfg.train.strategy)
     if not ranks.is_main:
         try:
@@ -114,7 +127,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, *, checked
                  ranks.device, cfg.train.dtype)
     try:
         # uvloop when installed: the agents' listener runs inside this process
-        run_loop(run_until_signal(run(cfg, run_dir, resume=resume, console=console, ranks=ranks)))
+        run_loop(run_until_signal(run(cfg, run_dir, resume=resume, console=console, ranks=ranks,
+                                      prepared=prepared)))
         close_ranks(ranks)
     except RunStopped as stop:
         last = latest_checkpoint(run_dir)
@@ -151,7 +165,7 @@ def _follow(cfg: RunConfig, ranks: Ranks) -> int:
     torch.set_num_threads(cfg.train.num_threads)
     retain_freed_memory(cfg.train.device)  # as rank 0's `open_run`: a step reuses the last step's pages
     try:
-        TrainerGroup(cfg, ranks).follow()
+        TrainerGroup(trainer_settings(cfg), ranks).follow()
     except RuntimeError as exc:  # gloo / NCCL: rank 0's connection closed (or this rank failed)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.error("trainer rank %d stopped before rank 0 released it (rank 0 gone?): %s", ranks.rank, first)

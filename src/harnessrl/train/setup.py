@@ -37,26 +37,27 @@ from typing import IO, TYPE_CHECKING, TypeVar
 import torch
 from rich.console import Console
 
-from harnessrl.config import RunConfig, check_training_config
+from harnessrl.config import RunConfig, check_training_config, trainer_settings
 from harnessrl.engine.canary import CanarySync
 from harnessrl.engine.model_store import load_tokenizer
 from harnessrl.engine.select import SyncSettings, make_weight_sync
 from harnessrl.engine.speed import engine_hint, vllm_installed
 from harnessrl.engine.weight_sync import WeightSync
-from harnessrl.hooks import Hooks, load_hooks
+from harnessrl.hooks import Hooks
 from harnessrl.jsonl import repair_torn_tail
 from harnessrl.log import MetricsSink, make_sinks
 from harnessrl.loss.advantages import AdvantageFn, advantage_fn_for
 from harnessrl.rollout.orchestrator import Orchestrator
 from harnessrl.rollout.runner import RolloutLimits
 from harnessrl.rollout.summary import rollout_line
-from harnessrl.runtime import Runtime, start_runtime
+from harnessrl.runtime import Prepared, Runtime, prepare, start_runtime
 from harnessrl.tasks.base import TaskSource
 from harnessrl.train.distributed import SINGLE, Ranks
 from harnessrl.train.dynamic_sampling import DynamicSampling
 from harnessrl.train.evaluation import held_out_split
 from harnessrl.train.policy import latest_checkpoint
 from harnessrl.train.resume import drop_lines_after_checkpoint
+from harnessrl.train.rows import RolloutBound
 from harnessrl.train.step import native_cpu_bfloat16
 from harnessrl.train.template_doctor import quick_line
 from harnessrl.train.trainer_group import TrainerGroup
@@ -86,11 +87,57 @@ class ResumePoint:
     """The checkpoint directory resumed from; None for a new run."""
 
 
+@dataclass(frozen=True, slots=True)
+class LoopSettings:
+    """The loop's slice of the run config (`loop_settings`): what `train/loop.py` reads, so that
+    the loop never takes the whole config."""
+
+    steps: int
+    """`train.steps`: the last step (1-based)."""
+    groups_per_step: int
+    max_staleness: int
+    train_auxiliary: bool
+    bound: RolloutBound
+    """`train.max_rows_per_rollout` and `train.max_tokens_per_rollout`."""
+    dynamic_sampling: bool
+    """`train.dynamic_sampling_max_groups > 0`: a step reports `groups_drawn_extra`."""
+    eval_every: int
+    eval_samples: int
+    """Rollouts per held-out task: `train.eval_samples`, else `rollout.group_size`."""
+    eval_concurrency: int
+    """Held-out rollouts in flight at once (`RunConfig.concurrent_rollouts`)."""
+    checkpoint_every: int
+    checkpoint_every_s: float
+    update_norm_every: int
+    """`log.update_norm_every`."""
+    log_completions: int
+    """`log.log_completions`."""
+    title: str
+    """The curve's title: harness, tasks and model."""
+
+    def eval_due(self, step: int) -> bool:
+        """Whether a held-out evaluation follows step `step` (every `eval_every`, and the last)."""
+        return bool(self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
+
+
+def loop_settings(cfg: RunConfig) -> LoopSettings:
+    """The loop's slice of `cfg`."""
+    t = cfg.train
+    return LoopSettings(
+        steps=t.steps, groups_per_step=t.groups_per_step, max_staleness=t.max_staleness,
+        train_auxiliary=t.train_auxiliary, bound=RolloutBound(t.max_rows_per_rollout, t.max_tokens_per_rollout),
+        dynamic_sampling=bool(t.dynamic_sampling_max_groups), eval_every=t.eval_every,
+        eval_samples=t.eval_samples or cfg.rollout.group_size, eval_concurrency=cfg.concurrent_rollouts,
+        checkpoint_every=t.checkpoint_every, checkpoint_every_s=t.checkpoint_every_s,
+        update_norm_every=cfg.log.update_norm_every, log_completions=cfg.log.log_completions,
+        title=f"harnessrl train: {cfg.harness.kind} on {cfg.tasks.kind} ({cfg.engine.model})")
+
+
 @dataclass(frozen=True)
 class TrainingRun:
     """An open training run: the parts of the loop, each built once (`open_run`)."""
 
-    cfg: RunConfig
+    settings: LoopSettings
     run_dir: Path
     console: Console
     runtime: Runtime
@@ -124,15 +171,19 @@ class TrainingRun:
 
 def check_training(cfg: RunConfig) -> None:
     """Checks of a config that only training needs: `config.check_training_config` (log sinks
-    installed, no truncated sampling).
+    installed, no truncated sampling; `preflight.check_start` runs it for `harnessrl train`),
+    then `warn_emulated_bfloat16`.
 
     Raises:
         ConfigError: as `config.check_training_config`.
-
-    Warns (log) when a bfloat16 setting runs on a CPU without native bfloat16
-    (`step.native_cpu_bfloat16`): it is emulated, a train step about ten times slower than in float32.
     """
     check_training_config(cfg)
+    warn_emulated_bfloat16(cfg)
+
+
+def warn_emulated_bfloat16(cfg: RunConfig) -> None:
+    """Warn (log) when a bfloat16 setting runs on a CPU without native bfloat16
+    (`step.native_cpu_bfloat16`): it is emulated, a train step about ten times slower than in float32."""
     cpu = cfg.train.device == "cpu"
     slow = [name for name, on in (("train.autocast", cfg.train.autocast == "bfloat16" and cpu),
                                   ("train.dtype", cfg.train.dtype == "bfloat16" and cpu),
@@ -173,7 +224,7 @@ def sync_settings(cfg: RunConfig, *, defer_canary: bool = False) -> SyncSettings
     training loop's sync defers it)."""
     t = cfg.train
     return SyncSettings(canary=t.sync_canary, trainer_dtype=t.dtype, lora_rank=t.lora_rank,
-                        keep_versions=t.max_staleness + 1, defer_canary=defer_canary)
+                        keep_versions=t.window.versions, defer_canary=defer_canary)
 
 
 def find_resume_point(run_dir: Path, resume: bool) -> ResumePoint:
@@ -195,20 +246,26 @@ def find_resume_point(run_dir: Path, resume: bool) -> ResumePoint:
 
 @asynccontextmanager
 async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, console: Console | None = None,
-                   ranks: Ranks | None = None) -> AsyncIterator[TrainingRun]:
+                   ranks: Ranks | None = None, prepared: Prepared | None = None) -> AsyncIterator[TrainingRun]:
     """The run of `cfg` in `run_dir`, open for the loop; closed (rollouts cancelled, runtime
-    stopped, files and sinks closed, the trainer thread released) on leaving.
+    stopped, files and sinks closed, the trainer thread released) on leaving. `prepared`: the
+    hooks, task source and verifier `preflight.check_start` built (built here when None, and
+    then the config checked first: `check_training`).
 
     Raises:
         ConfigError: truncated sampling (`check_training`), a task source too small for
             `train.eval_size` held-out tasks, a weight sync the engine cannot take.
     """
-    check_training(cfg)
+    if prepared is None:
+        check_training(cfg)
+        prepared = prepare(cfg)
+    else:
+        warn_emulated_bfloat16(cfg)
     retain_freed_memory(cfg.train.device)  # before the trainer thread's first allocation picks its arena
     point = find_resume_point(run_dir, resume)
     executor = ThreadPoolExecutor(1, thread_name_prefix="trainer", initializer=torch.set_num_threads,
                                   initargs=(cfg.train.num_threads,))
-    trainer = TrainerGroup(cfg, ranks or SINGLE)
+    trainer = TrainerGroup(trainer_settings(cfg), ranks or SINGLE)
     completed = False
     async with AsyncExitStack() as stack:
         stack.callback(lambda: _release_trainer(trainer, executor, completed))
@@ -218,9 +275,10 @@ async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, conso
             stack.callback(sink.close)
         repair_torn_tail(run_dir / "rollouts.jsonl")  # a torn line never fuses with the next record
         rollouts_file = stack.enter_context((run_dir / "rollouts.jsonl").open("a", encoding="utf-8"))
-        rt = await stack.enter_async_context(start_runtime(cfg, isolation="required", run_dir=run_dir))
+        rt = await stack.enter_async_context(start_runtime(cfg, isolation="required", run_dir=run_dir,
+                                                           prepared=prepared))
         run = await _build(cfg, run_dir, rt, trainer, executor, sinks, rollouts_file, point,
-                           console or Console(stderr=True))
+                           console or Console(stderr=True), prepared.hooks)
         if isinstance(run.sync, CanarySync):
             stack.callback(run.sync.close)  # after a verdict in flight, before the engine stops
         stack.push_async_callback(run.orchestrator.close)
@@ -230,7 +288,7 @@ async def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, conso
 
 async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGroup, executor: ThreadPoolExecutor,
                  sinks: list[MetricsSink], rollouts_file: IO[str], point: ResumePoint,
-                 console: Console) -> TrainingRun:
+                 console: Console, hooks: Hooks) -> TrainingRun:
     """The policy loaded (the same weights the engine serves) and restored, and every other part."""
     loop = asyncio.get_running_loop()
     # KL penalty: the reference is the initial weights, frozen, kept by the trainer group
@@ -240,7 +298,6 @@ async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGro
     hint = engine_hint(cfg.engine.kind, rt.model_dir, vllm_installed())
     if hint:
         log.info(hint)
-    hooks = load_hooks(cfg.hooks)
     advantage_fn = advantage_fn_for(cfg.train.advantage)
     sync = make_weight_sync(cfg.engine, rt.engine, sync_settings(cfg, defer_canary=True), run_dir=run_dir,
                             model_dir=rt.model_dir)
@@ -255,7 +312,7 @@ async def _build(cfg: RunConfig, run_dir: Path, rt: Runtime, trainer: TrainerGro
         train_tasks, eval_tasks = held_out_split(cfg.tasks, rt.tasks, cfg.train.eval_size)
     orch = _orchestrator(cfg, rt, train_tasks, limits, point, sampling)
     sampling.bind(orch)
-    return TrainingRun(cfg=cfg, run_dir=run_dir, console=console, runtime=rt, trainer=trainer, executor=executor,
+    return TrainingRun(settings=loop_settings(cfg), run_dir=run_dir, console=console, runtime=rt, trainer=trainer, executor=executor,
                        tokenizer=tokenizer, sync=sync, orchestrator=orch, sampling=sampling, hooks=hooks,
                        advantage_fn=advantage_fn, sinks=sinks, rollouts_file=rollouts_file, limits=limits,
                        eval_tasks=eval_tasks, resume=point)
@@ -297,7 +354,7 @@ def _orchestrator(cfg: RunConfig, rt: Runtime, tasks: TaskSource, limits: Rollou
         group_size=cfg.rollout.group_size, max_concurrent_rollouts=cfg.concurrent_rollouts,
         limits=limits, first_group_id=point.next_group_id, replay_group_ids=point.replay,
         on_rollout=on_rollout, on_group=sampling.on_group, order=cfg.train.group_order,
-        allowance=(cfg.train.max_staleness + 1) * cfg.train.groups_per_step)
+        allowance=cfg.train.window.groups_ahead)
     return orch
 
 

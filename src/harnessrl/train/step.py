@@ -50,8 +50,14 @@ from harnessrl.types import Row
 
 @dataclass
 class StepResult:
+    """What one optimizer step did: whether the update was applied, why not, and its metrics."""
+
     metrics: dict[str, float | str] = field(default_factory=dict)
     """Numbers of the step; `skip_reason` is the one text value (set when `skipped`)."""
+    applied: bool = False
+    """Whether the weights changed (False: nothing to train, or a non-finite gradient norm)."""
+    nonfinite: bool = False
+    """The update was skipped for a NaN / inf gradient norm (`skipped_nonfinite`)."""
     updated: list[torch.nn.Parameter] | None = None
     """With `measure_update=False`: the parameters the update changed, for a later
     `update_l2(optimizer, updated)` (before the next optimizer step)."""
@@ -108,7 +114,7 @@ def optimizer_step(
     acc = accumulate_gradients(model, rows, loss_fn, temperature=temperature, token_budget=token_budget,
                                reference=reference, ranks=ranks, autocast=autocast, policy_version=policy_version)
     if acc is None:
-        return StepResult({"skipped": 1.0, "tokens_trained": 0.0})
+        return StepResult({"skipped": 1.0, "tokens_trained": 0.0}, applied=False)
     # 4) clip and update; a NaN or inf gradient norm skips the update (weights and optimizer
     # state untouched), counted as `skipped_nonfinite`
     params = [p for p in model.parameters() if p.requires_grad]
@@ -136,7 +142,7 @@ def optimizer_step(
     metrics.update(grad_norm=grad_norm, train_s=time.perf_counter() - t0)
     if delta_l2 is not None:
         metrics["param_delta_l2"] = delta_l2
-    return StepResult(metrics, updated)
+    return StepResult(metrics, applied=finite, nonfinite=not finite, updated=updated)
 
 
 def update_norm(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter] | None,

@@ -12,7 +12,8 @@ export and the checkpoint of unsharded (ddp) weights run on rank 0 alone; under 
 collective. Nothing rank 0 does alone changes its weights (LoRA exports merge out of place), so
 the ranks' weights stay bit-identical.
 
-What the other ranks hold: the config (they were launched with the same command line), the
+What the other ranks hold: the trainer's settings (`config.TrainerSettings`, from the same
+command line), the
 model directory (sent by rank 0 in `load`: one path every rank can read), the policy, its
 optimizer, the loss and the KL reference. No proxy, engine, sandbox, file or console.
 
@@ -40,7 +41,7 @@ from harnessrl.train.schedule import lr_factor
 from harnessrl.train.step import optimizer_step, sampler_parity, update_norm
 
 if TYPE_CHECKING:
-    from harnessrl.config import RunConfig
+    from harnessrl.config import TrainerSettings
     from harnessrl.engine.weight_sync import SyncReport, WeightSync
     from harnessrl.train.policy import Policy
     from harnessrl.train.step import StepResult
@@ -56,11 +57,11 @@ class TrainerGroup:
     calls `stop()`. Methods are blocking and must be called from one thread per process.
     """
 
-    def __init__(self, cfg: RunConfig, ranks: Ranks = SINGLE) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: TrainerSettings, ranks: Ranks = SINGLE) -> None:
+        self.settings = settings
         self.ranks = ranks
         self.policy: Policy | None = None
-        self._loss_fn = loss_fn_for(cfg.train.loss)
+        self._loss_fn = loss_fn_for(settings.loss)
         self._reference: Any = None
         self._updated: list[Any] | None = None  # the last step's updated parameters (update_norm)
 
@@ -149,9 +150,9 @@ class TrainerGroup:
                 case "export":
                     policy = self._policy()
                     policy.export_weights()
-                    if self.ranks.sharded and self.cfg.train.sync_canary:
+                    if self.ranks.sharded and self.settings.sync_canary:
                         # the canary's trainer forward after the publish (`CanarySync`): collective
-                        half = probe_half(self.cfg.train.dtype, self.cfg.engine.dtype)
+                        half = probe_half(self.settings.dtype, self.settings.engine_dtype)
                         policy.sequence_logprobs(policy_probe(policy, half))
                 case "save":
                     self._save(None, *args)
@@ -172,25 +173,25 @@ class TrainerGroup:
         return self.policy
 
     def _load(self, model_dir: str) -> Policy:
-        t = self.cfg.train
+        t = self.settings
         self.policy = load_policy(Path(model_dir), learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                                   lora_rank=t.lora_rank, reference=t.loss.kl_coef > 0, dtype=t.dtype,
                                   ranks=self.ranks)
         # KL penalty: the reference is the initial weights, frozen (before any checkpoint is
         # restored); its logprobs are computed per micro-batch on the trainer thread
-        self._reference = (partial(reference_logprobs, self.policy, temperature=self.cfg.sampling.temperature)
+        self._reference = (partial(reference_logprobs, self.policy, temperature=t.temperature)
                            if t.loss.kl_coef > 0 else None)
         return self.policy
 
     def _step(self, rows: list[Row], step: int | None = None,
               before_update: Callable[[], object] | None = None, policy_version: int | None = None) -> StepResult:
-        policy, t = self._policy(), self.cfg.train
+        policy, t = self._policy(), self.settings
         if step is not None:
             lr = t.learning_rate * lr_factor(t.lr_schedule, step - 1, t.steps, t.warmup_steps)
             for param_group in policy.optimizer.param_groups:
                 param_group["lr"] = lr
         result = optimizer_step(policy.trained, policy.optimizer, rows, self._loss_fn,
-                                temperature=self.cfg.sampling.temperature, token_budget=t.token_budget,
+                                temperature=t.temperature, token_budget=t.token_budget,
                                 max_grad_norm=t.max_grad_norm, reference=self._reference, ranks=self.ranks,
                                 measure_update=False, autocast=t.autocast, before_update=before_update,
                                 policy_version=policy_version)
@@ -208,8 +209,9 @@ class TrainerGroup:
         policy = self._policy()
         # unsharded: the plain model (a DDP forward is not needed; rank 0 runs this alone)
         model = policy.trained if self.ranks.sharded else inner_module(policy.trained)
-        return sampler_parity(model, rows, temperature=self.cfg.sampling.temperature,
-                              token_budget=self.cfg.train.token_budget, autocast=self.cfg.train.autocast)
+        t = self.settings
+        return sampler_parity(model, rows, temperature=t.temperature, token_budget=t.token_budget,
+                              autocast=t.autocast)
 
     def _save(self, tokenizer: Any, directory: str, state: dict[str, Any]) -> None:
         save_checkpoint(self._policy(), tokenizer, Path(directory), state)
