@@ -96,12 +96,9 @@ async def test_files_exec_spawn_and_close(sandbox_root: Path) -> None:
                                env={"SECRET_X": secret}, log_file=".harnessrl/a.log")
         assert isinstance(agent, SandboxProcess)
         assert not any(secret in arg for arg in psutil.Process(agent.pid).cmdline())  # env not in argv
-        for _ in range(200):
-            if len(sb.list_processes()) >= 3:
-                break
-            await asyncio.sleep(0.05)
+        names = await _command_started(sb, 3)  # not runc's `runc init` members (up to three)
         assert await agent.wait(0.1) is None
-        assert await agent.kill_tree() >= 3
+        assert await agent.kill_tree() >= 3, names
         assert agent.returncode is not None and sb.list_processes() == []
         assert sb.read_file(".harnessrl/a.log", base="home") == f"started {secret}\n".encode()
         done = await sb.spawn(["bash", "-c", "exit 7"])
@@ -136,19 +133,54 @@ async def test_kill_members_kills_every_process_of_the_containers_from_the_host(
     try:
         # PID 1 ignores SIGTERM; a grandchild left the session: SIGKILL through the cgroup ends both
         proc = await sb.spawn(["bash", "-c", "trap '' TERM; setsid sleep 60 & sleep 60"])
-        for _ in range(200):
-            if len(sb.list_processes()) >= 3:
-                break
-            await asyncio.sleep(0.05)
+        # the command's own processes, not runc's: while the container is created its members
+        # are `runc init` (up to three), and killing those fails the creation instead
+        assert sorted(await _command_started(sb, 3)) == ["bash", "sleep", "sleep"]
         members = sb.list_processes()
-        assert len(members) == 3, members
         t0 = time.monotonic()
         assert 1 <= kill_members(sb.sandbox_id) <= 3  # the rest may die with PID 1 before their turn
         killed_s = time.monotonic() - t0
+        # dead on return, not merely gone from cgroup.procs (which an exiting process leaves first)
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in members)
         assert killed_s < 0.5, f"{killed_s:.2f} s"  # no podman process in the way (podman rm: ~1 s)
         assert await proc.wait(30) == 137  # SIGKILL, podman's 128+9
         assert kill_members(sb.sandbox_id) == 0
+    finally:
+        await sb.close()
+
+
+async def _command_started(sb: Sandbox, count: int) -> list[str]:
+    """The names of the sandbox's processes once `count` of them are the command's own (none is
+    `runc init`: while a container is created its members are runc's), within 20 s."""
+    names: list[str] = []
+    for _ in range(400):
+        names = []
+        for pid in sb.list_processes():
+            try:
+                names.append(psutil.Process(pid).name())
+            except psutil.NoSuchProcess:
+                continue
+        if len(names) >= count and not any(name.startswith("runc") for name in names):  # runc:[2:INIT]
+            return names
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the command's {count} processes did not start: {names}")
+
+
+async def test_a_container_killed_from_the_host_while_it_is_created_exits_137(sandbox_root: Path) -> None:
+    # the disk watchdog's kill reaching `runc init`: podman reports "runc create failed" (126),
+    # the sandbox reports the kill
+    sb = await _backend(sandbox_root).create("earlykill", {})
+    try:
+        proc = await sb.spawn(["sleep", "60"], log_file="agent.log")
+        for _ in range(20000):
+            if sb.list_processes():
+                break
+            await asyncio.sleep(0.001)
+        await sb._disk_stop()
+        assert await proc.wait(30) == 137
+        assert proc.returncode == 137
+        later = await sb.exec(["sh", "-c", "exit 126"], 60)  # a status of the command's own is kept
+        assert later.returncode == 126, later
     finally:
         await sb.close()
 

@@ -144,13 +144,23 @@ class PodmanProcess(HostProcess):
 
     `pid` is the host pid of the `podman run` client that waits on the container; its tree is
     the container (every process in it). Its exit status shows a signal N as 128+N (podman's
-    convention).
+    convention); one the sandbox SIGKILLed from the host is 137 (`PodmanSandbox._exit_status`).
     """
 
     def __init__(self, proc: Child, name: str, sandbox: PodmanSandbox) -> None:
         super().__init__(proc)
         self.name = name
         self._sandbox = sandbox
+
+    @property
+    def returncode(self) -> int | None:
+        code = self._proc.returncode
+        return None if code is None else self._sandbox._exit_status(self.name, code)
+
+    async def wait(self, timeout_s: float | None = None) -> int | None:
+        """Exit status, or None when still running after `timeout_s` seconds."""
+        code = await super().wait(timeout_s)
+        return None if code is None else self._sandbox._exit_status(self.name, code)
 
     async def kill_tree(self) -> int:
         """Stop the container (SIGTERM, `kill_grace_s`, SIGKILL) and reap its client; returns
@@ -193,6 +203,9 @@ class PodmanSandbox(HostDirSandbox):
         self._tree_sources: dict[Path, Path] = {}
         """Agent tree -> this sandbox's private overlay of it (`sandbox/layers.py`), bound in its
         place, so no inode of a tree is shared with another sandbox's containers."""
+        self._host_killed: set[str] = set()
+        """Containers whose processes `_disk_stop` SIGKILLed from the host while their client
+        ran (`_exit_status`)."""
 
     def _mount_trees(self) -> None:
         """Mount this sandbox's overlays of the agent trees (`layers.host_mounts`) under its
@@ -347,6 +360,17 @@ class PodmanSandbox(HostDirSandbox):
     def _pipe_grace_s(self) -> float:
         return _PIPE_GRACE_S
 
+    def _exit_status(self, handle: str, code: int) -> int:
+        """137 (128 + SIGKILL) for a container whose processes `_disk_stop` SIGKILLed while its
+        `podman run` client ran and whose client then exited 125, 126 or 127; `code` otherwise.
+        SIGKILL from the host reaches a container still being created too (its members are then
+        `runc init`), and podman reports that as an OCI runtime error ("runc create failed"),
+        exit 126, or 127 when the message says "no such file": a status that would read as a
+        command that could not start, where the sandbox killed it."""
+        if code in (125, 126, 127) and handle in self._host_killed:
+            return 128 + 9
+        return code
+
     async def _exec_timed_out(self, handle: str, proc: Child) -> None:
         """Kill the container (no grace) and reap its client."""
         await self._stop([handle], 0.0)
@@ -399,6 +423,7 @@ class PodmanSandbox(HostDirSandbox):
         """SIGKILL the containers' processes from the host at once (`kill_members`: a fast
         writer stops within milliseconds, where `podman rm` alone took about a second), then
         remove the containers and reap their clients (`kill_processes`)."""
+        self._host_killed.update(name for name, client in self._clients.items() if client.returncode is None)
         await asyncio.to_thread(kill_members, self.sandbox_id)
         await self.kill_processes()
 
