@@ -13,7 +13,9 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -40,7 +42,8 @@ from harnessrl.sandbox.podman import (
     remove_containers,
     remove_orphans,
 )
-from harnessrl.sandbox.podman_host import kill_members
+from harnessrl.sandbox.podman_host import CGROUP_PARENT, kill_members
+from harnessrl.sandbox.sweep import OWNERS, sweep
 from harnessrl.tasks.base import Task
 from harnessrl.tasks.humaneval import HumanEvalSource, load_problems
 from harnessrl.tasks.stdio import StdioSource
@@ -96,9 +99,9 @@ async def test_files_exec_spawn_and_close(sandbox_root: Path) -> None:
                                env={"SECRET_X": secret}, log_file=".harnessrl/a.log")
         assert isinstance(agent, SandboxProcess)
         assert not any(secret in arg for arg in psutil.Process(agent.pid).cmdline())  # env not in argv
-        names = await _command_started(sb, 3)  # not runc's `runc init` members (up to three)
+        await _command_started(sb, ["bash", "sleep", "sleep"])
         assert await agent.wait(0.1) is None
-        assert await agent.kill_tree() >= 3, names
+        assert await agent.kill_tree() == 3
         assert agent.returncode is not None and sb.list_processes() == []
         assert sb.read_file(".harnessrl/a.log", base="home") == f"started {secret}\n".encode()
         done = await sb.spawn(["bash", "-c", "exit 7"])
@@ -135,7 +138,7 @@ async def test_kill_members_kills_every_process_of_the_containers_from_the_host(
         proc = await sb.spawn(["bash", "-c", "trap '' TERM; setsid sleep 60 & sleep 60"])
         # the command's own processes, not runc's: while the container is created its members
         # are `runc init` (up to three), and killing those fails the creation instead
-        assert sorted(await _command_started(sb, 3)) == ["bash", "sleep", "sleep"]
+        await _command_started(sb, ["bash", "sleep", "sleep"])
         members = sb.list_processes()
         t0 = time.monotonic()
         assert 1 <= kill_members(sb.sandbox_id) <= 3  # the rest may die with PID 1 before their turn
@@ -149,21 +152,22 @@ async def test_kill_members_kills_every_process_of_the_containers_from_the_host(
         await sb.close()
 
 
-async def _command_started(sb: Sandbox, count: int) -> list[str]:
-    """The names of the sandbox's processes once `count` of them are the command's own (none is
-    `runc init`: while a container is created its members are runc's), within 20 s."""
-    names: list[str] = []
+async def _command_started(sb: Sandbox, names: list[str]) -> None:
+    """Wait (20 s at most) until the sandbox's processes are the command's own, `names` (their
+    command names): not runc's `runc init` members of a container being created, nor a fork
+    that has not exec'd yet."""
+    found: list[str] = []
     for _ in range(400):
-        names = []
+        found = []
         for pid in sb.list_processes():
             try:
-                names.append(psutil.Process(pid).name())
+                found.append(psutil.Process(pid).name())
             except psutil.NoSuchProcess:
                 continue
-        if len(names) >= count and not any(name.startswith("runc") for name in names):  # runc:[2:INIT]
-            return names
+        if sorted(found) == sorted(names):
+            return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"the command's {count} processes did not start: {names}")
+    raise AssertionError(f"the command's processes {names} did not start: {found}")
 
 
 async def test_a_container_killed_from_the_host_while_it_is_created_exits_137(sandbox_root: Path) -> None:
@@ -228,6 +232,58 @@ async def test_orphan_cleanup_touches_only_our_dead_runs_containers(sandbox_root
         assert not running(live) and running(foreign)
     finally:
         subprocess.run([*base, "rm", "-f", "-t", "0", "--ignore", foreign, dead, live], capture_output=True)
+
+
+OWNER = """\
+import asyncio, sys
+from pathlib import Path
+from harnessrl.sandbox.config import PodmanSandboxConfig
+from harnessrl.sandbox.podman import PodmanSandboxBackend
+
+async def main() -> None:
+    sb = await PodmanSandboxBackend(PodmanSandboxConfig(root_dir=Path(sys.argv[1]))).create("killed", {"a.txt": "x"})
+    await sb.spawn(["sleep", "300"])
+    while not sb.list_processes():
+        await asyncio.sleep(0.05)
+    print(sb.sandbox_id, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_runs_podman_sandbox_is_swept_with_its_containers(sandbox_root: Path) -> None:
+    base = podman_argv(PodmanSandboxConfig())
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(sandbox_root)], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert owner.stdout is not None
+        sandbox_id = owner.stdout.readline().strip()
+        assert sandbox_id.startswith("killed-"), owner.communicate(timeout=60)
+        os.kill(owner.pid, signal.SIGKILL)  # no teardown: its container, cgroups and directory stay
+        owner.wait()
+
+        def containers() -> list[str]:
+            return subprocess.run([*base, "ps", "-a", "-q", "--filter", f"label={SANDBOX_LABEL}={sandbox_id}"],
+                                  capture_output=True, text=True, check=True).stdout.split()
+
+        assert len(containers()) == 1 and (sandbox_root / sandbox_id / "work" / "a.txt").exists()
+        assert list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}/{sandbox_id}"))
+
+        swept = sweep(sandbox_root, proxy_tmp=sandbox_root)
+
+        assert swept.sandboxes == [sandbox_id] and not swept.errors, swept
+        assert swept.owners[0].startswith(f"{owner.pid}-") and swept.processes >= 1 and swept.cgroups >= 1, swept
+        assert containers() == []
+        assert not (sandbox_root / sandbox_id).exists()
+        assert not list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}/{sandbox_id}"))
+        assert not (sandbox_root / OWNERS / f"{sandbox_id}.sandbox").exists()
+        assert not sweep(sandbox_root, proxy_tmp=sandbox_root), "a second sweep finds nothing"
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
+            owner.wait()
+        sweep(sandbox_root, proxy_tmp=sandbox_root)
 
 
 # ---- a whole rollout ------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ from harnessrl.sandbox.bwrap import (
 )
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.fsread import UnsafePathError
-from harnessrl.sandbox import layers, spawn
+from harnessrl.sandbox import layers, spawn, sweep
 from harnessrl.sandbox import owner as owners
 from harnessrl.sandbox.seccomp import SOCKET_FAMILIES, SOCKETPAIR_FAMILIES
 from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint, remove_tree
@@ -442,6 +442,7 @@ class PodmanSandbox(HostDirSandbox):
             left = await asyncio.to_thread(remove_cgroups, self.sandbox_id)
             if not self.root.exists():
                 owners.release(self.owner)
+                sweep.release(self.root.parent, self.sandbox_id)
         if left:
             log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
 
@@ -611,6 +612,8 @@ class PodmanSandboxBackend:
         sandbox: PodmanSandbox | None = None
         uid = owners.allocate()
         try:
+            # a killed run's sandbox (its containers too) is swept at the next start
+            sweep.claim(root.parent, sandbox_id, podman_argv(self.config))
             root.mkdir(parents=True, mode=0o700)
             if os.stat(root.parent).st_uid == 0:
                 # root's and 0700: no host user reaches a sandbox (nor a setuid file planted in
@@ -636,5 +639,6 @@ class PodmanSandboxBackend:
             layers.unmount_below(state)
             remove_tree(state)
             owners.release(uid)
+            sweep.release(root.parent, sandbox_id)
             raise
         return sandbox
