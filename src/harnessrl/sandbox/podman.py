@@ -280,9 +280,10 @@ class PodmanSandbox(HostDirSandbox):
 
 
     def _masked_proc_args(self) -> list[str]:
-        """Host-wide figures of `/proc` as constants (`bwrap.MASKED_PROC`): `/proc/loadavg` and
-        `/proc/stat` bound from this sandbox's own copies of `bwrap.masked_proc_texts`; the
-        files under `/proc/sys`, where runc refuses a bind, masked (read empty)."""
+        """Host-wide figures of `/proc` as constants (`bwrap.MASKED_PROC`): `/proc/loadavg`,
+        `/proc/stat` and `/proc/meminfo` bound from this sandbox's own copies of
+        `bwrap.masked_proc_texts`; the files under `/proc/sys`, where runc refuses a bind,
+        masked (read empty)."""
         args: list[str] = []
         masked: list[str] = []
         for path, text in masked_proc_texts().items():
