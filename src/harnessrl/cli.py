@@ -30,13 +30,14 @@ class _OneLineErrors(TyperGroup):
     command, the option and the value given, exit status 2, like the CLI's config errors
     (`_fail`), instead of a usage box. `harnessrl` alone still prints the help."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
-             complete_var: str | None = None, standalone_mode: bool = True, **extra: object) -> object:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: object) -> object:
         if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode, **extra)  # type: ignore[arg-type]
+            return super().main(args, prog_name, complete_var, standalone_mode, windows_expand_args, **extra)
         argv = list(sys.argv[1:] if args is None else args)
         try:
-            code = super().main(argv, prog_name, complete_var, False, **extra)  # type: ignore[arg-type]
+            code = super().main(argv, prog_name, complete_var, False, windows_expand_args, **extra)
         except typer.TyperException as exc:
             if type(exc).__name__ == "NoArgsIsHelpError":  # a group named alone: its help was printed
                 sys.exit(2)

@@ -512,7 +512,7 @@ class HostDirSandbox:
     async def _exec_exited(self, handle: Any) -> None:
         """After the command exited by itself, before its pipes are read to the end."""
 
-    def _exit_status(self, handle: Any, code: int) -> int:
+    def _exit_status(self, handle: object, code: int) -> int:
         """The exit status to report for the command `handle` whose host process exited with
         `code` (the backend's correction of its runtime's status; `code` as it is here)."""
         return code

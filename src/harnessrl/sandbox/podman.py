@@ -361,7 +361,7 @@ class PodmanSandbox(HostDirSandbox):
     def _pipe_grace_s(self) -> float:
         return _PIPE_GRACE_S
 
-    def _exit_status(self, handle: str, code: int) -> int:
+    def _exit_status(self, handle: object, code: int) -> int:
         """137 (128 + SIGKILL) for a container whose processes `_disk_stop` SIGKILLed while its
         `podman run` client ran and whose client then exited 125, 126 or 127; `code` otherwise.
         SIGKILL from the host reaches a container still being created too (its members are then
