@@ -179,6 +179,14 @@ BAD: list[tuple[str, str]] = [
     ("session open --url http://127.0.0.1:{refusing} --token wrong", r"--token: the proxy at --url \S+ refused the admin token \(401\)"),
     ("harness options bogus", r"harness\.kind='bogus' is unknown"),
     ("engine install bogus", r"unknown engine 'bogus'"),
+    # command-line mistakes the parser finds: one line naming the command, the option, the value
+    ("train --stepz 3 --out runs/default", r"^harnessrl: NoSuchOption: harnessrl train: No such option: --stepz"),
+    ("train --steps abc --out runs/default", r"^harnessrl: BadParameter: harnessrl train: --steps 'abc': .*integer"),
+    ("rollout --limit=many", r"harnessrl rollout: --limit 'many': .*integer"),
+    ("serve --port x", r"harnessrl serve: --port 'x'"),
+    ("view", r"harnessrl view: Missing argument 'run_dir'"),
+    ("session open --bogus", r"harnessrl session open: No such option: --bogus"),
+    ("bogus", r"harnessrl: No such command 'bogus'"),
 ]
 
 

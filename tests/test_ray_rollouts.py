@@ -329,3 +329,25 @@ async def test_a_node_that_cannot_isolate_stops_a_required_run(cluster: Cluster,
         async with start_runtime(cfg):
             pass
     assert not ray.is_initialized(), "the failed start left Ray joined"
+
+
+async def test_each_node_checks_its_file_table_for_the_sandboxes_it_holds_at_once(cluster: Cluster,
+                                                                                  tmp_path: Path) -> None:
+    from harnessrl.errors import SandboxError
+    from harnessrl.runtime import start_runtime
+    from harnessrl.sandbox.filetable import FILE_TABLE_SHARE, file_max
+
+    limit = file_max()
+    if limit is None:
+        pytest.skip("fs.file-max is unreadable here")
+    per_sandbox = 128 * 512  # sandbox.max_processes x sandbox.max_open_files (the defaults)
+    over = int(limit * FILE_TABLE_SHARE) // per_sandbox + 1  # one sandbox fits, `over` do not
+    if over > 4096:
+        pytest.skip(f"fs.file-max {limit:,}: {over} sandboxes a node is past any config here")
+    path = _write_config(tmp_path, cluster, 0, max_concurrent_rollouts=over)
+    cfg = load_config(path, [f"rollout.ray.max_sandboxes_per_node={over}"])
+    with pytest.raises(SandboxError, match=rf"Ray node [0-9a-f]+ cannot run the run's sandboxes: .*"
+                                           rf"x {over} sandboxes = {over * per_sandbox:,}"):
+        async with start_runtime(cfg):
+            pass
+    assert not ray.is_initialized(), "the failed start left Ray joined"

@@ -1037,21 +1037,25 @@ async def test_busy_loops_in_many_sessions_share_the_sandbox_cpu_quota(kit: Kit,
 
 async def test_host_wide_proc_figures_do_not_move_with_the_host(kit: Kit, sandbox_root: Path) -> None:
     """A sibling's verifier moves `/proc/sys/fs/file-nr` (its hidden test opens files), the
-    load average and `/proc/stat`: inside a sandbox they read the same before and after the
-    host opens 3,000 files and burns CPU, so no agent reads another rollout through them."""
+    load average, `/proc/stat` and `/proc/meminfo`: inside a sandbox they read the same before
+    and after the host opens 3,000 files, touches 256 MiB and burns CPU, so no agent reads
+    another rollout through them."""
     import time
 
-    masked = ("/proc/loadavg", "/proc/stat", "/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr")
+    masked = ("/proc/loadavg", "/proc/stat", "/proc/meminfo", "/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr")
     sb = await kit.backend(sandbox_root).create("procfig", {})
     read = f"import json\nprint(json.dumps({{p: open(p).read() for p in {list(masked)!r}}}))"
     held: list[int] = []
     try:
         before = await _py(sb, read)
         held = [os.open(os.devnull, os.O_RDONLY) for _ in range(3000)]
+        ballast = bytearray(256 << 20)  # 256 MiB touched: the host's free memory moves
+        ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))
         end = time.monotonic() + 0.5
         while time.monotonic() < end:
             pass
         after = await _py(sb, read)
+        del ballast
         result = await sb.exec(["sh", "-c", "cat /proc/loadavg; nproc"], 30)
     finally:
         for fd in held:
@@ -1059,7 +1063,10 @@ async def test_host_wide_proc_figures_do_not_move_with_the_host(kit: Kit, sandbo
         await sb.close()
     assert before == after, (before, after)
     assert all(before[p].strip() in ("", "0\t0") or before[p].startswith(("0\t0\t", "0.00 0.00 0.00", "cpu  0 0"))
-               for p in masked), before
+               for p in masked if p != "/proc/meminfo"), before
+    memory = {line.split(":")[0]: line.split()[1] for line in before["/proc/meminfo"].splitlines()}
+    assert memory["MemFree"] == memory["MemAvailable"] == memory["MemTotal"] != "0", before["/proc/meminfo"]
+    assert memory["Cached"] == memory["Shmem"] == "0", before["/proc/meminfo"]
     assert result.returncode == 0 and result.stdout.startswith("0.00 0.00 0.00"), result
 
 

@@ -13,7 +13,9 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -40,7 +42,8 @@ from harnessrl.sandbox.podman import (
     remove_containers,
     remove_orphans,
 )
-from harnessrl.sandbox.podman_host import kill_members
+from harnessrl.sandbox.podman_host import CGROUP_PARENT, kill_members
+from harnessrl.sandbox.sweep import OWNERS, sweep
 from harnessrl.tasks.base import Task
 from harnessrl.tasks.humaneval import HumanEvalSource, load_problems
 from harnessrl.tasks.stdio import StdioSource
@@ -96,12 +99,9 @@ async def test_files_exec_spawn_and_close(sandbox_root: Path) -> None:
                                env={"SECRET_X": secret}, log_file=".harnessrl/a.log")
         assert isinstance(agent, SandboxProcess)
         assert not any(secret in arg for arg in psutil.Process(agent.pid).cmdline())  # env not in argv
-        for _ in range(200):
-            if len(sb.list_processes()) >= 3:
-                break
-            await asyncio.sleep(0.05)
+        await _command_started(sb, ["bash", "sleep", "sleep"])
         assert await agent.wait(0.1) is None
-        assert await agent.kill_tree() >= 3
+        assert await agent.kill_tree() == 3
         assert agent.returncode is not None and sb.list_processes() == []
         assert sb.read_file(".harnessrl/a.log", base="home") == f"started {secret}\n".encode()
         done = await sb.spawn(["bash", "-c", "exit 7"])
@@ -136,19 +136,55 @@ async def test_kill_members_kills_every_process_of_the_containers_from_the_host(
     try:
         # PID 1 ignores SIGTERM; a grandchild left the session: SIGKILL through the cgroup ends both
         proc = await sb.spawn(["bash", "-c", "trap '' TERM; setsid sleep 60 & sleep 60"])
-        for _ in range(200):
-            if len(sb.list_processes()) >= 3:
-                break
-            await asyncio.sleep(0.05)
+        # the command's own processes, not runc's: while the container is created its members
+        # are `runc init` (up to three), and killing those fails the creation instead
+        await _command_started(sb, ["bash", "sleep", "sleep"])
         members = sb.list_processes()
-        assert len(members) == 3, members
         t0 = time.monotonic()
         assert 1 <= kill_members(sb.sandbox_id) <= 3  # the rest may die with PID 1 before their turn
         killed_s = time.monotonic() - t0
+        # dead on return, not merely gone from cgroup.procs (which an exiting process leaves first)
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in members)
         assert killed_s < 0.5, f"{killed_s:.2f} s"  # no podman process in the way (podman rm: ~1 s)
         assert await proc.wait(30) == 137  # SIGKILL, podman's 128+9
         assert kill_members(sb.sandbox_id) == 0
+    finally:
+        await sb.close()
+
+
+async def _command_started(sb: Sandbox, names: list[str]) -> None:
+    """Wait (20 s at most) until the sandbox's processes are the command's own, `names` (their
+    command names): not runc's `runc init` members of a container being created, nor a fork
+    that has not exec'd yet."""
+    found: list[str] = []
+    for _ in range(400):
+        found = []
+        for pid in sb.list_processes():
+            try:
+                found.append(psutil.Process(pid).name())
+            except psutil.NoSuchProcess:
+                continue
+        if sorted(found) == sorted(names):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the command's processes {names} did not start: {found}")
+
+
+async def test_a_container_killed_from_the_host_while_it_is_created_exits_137(sandbox_root: Path) -> None:
+    # the disk watchdog's kill reaching `runc init`: podman reports "runc create failed" (126),
+    # the sandbox reports the kill
+    sb = await _backend(sandbox_root).create("earlykill", {})
+    try:
+        proc = await sb.spawn(["sleep", "60"], log_file="agent.log")
+        for _ in range(20000):
+            if sb.list_processes():
+                break
+            await asyncio.sleep(0.001)
+        await sb._disk_stop()
+        assert await proc.wait(30) == 137
+        assert proc.returncode == 137
+        later = await sb.exec(["sh", "-c", "exit 126"], 60)  # a status of the command's own is kept
+        assert later.returncode == 126, later
     finally:
         await sb.close()
 
@@ -196,6 +232,58 @@ async def test_orphan_cleanup_touches_only_our_dead_runs_containers(sandbox_root
         assert not running(live) and running(foreign)
     finally:
         subprocess.run([*base, "rm", "-f", "-t", "0", "--ignore", foreign, dead, live], capture_output=True)
+
+
+OWNER = """\
+import asyncio, sys
+from pathlib import Path
+from harnessrl.sandbox.config import PodmanSandboxConfig
+from harnessrl.sandbox.podman import PodmanSandboxBackend
+
+async def main() -> None:
+    sb = await PodmanSandboxBackend(PodmanSandboxConfig(root_dir=Path(sys.argv[1]))).create("killed", {"a.txt": "x"})
+    await sb.spawn(["sleep", "300"])
+    while not sb.list_processes():
+        await asyncio.sleep(0.05)
+    print(sb.sandbox_id, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_runs_podman_sandbox_is_swept_with_its_containers(sandbox_root: Path) -> None:
+    base = podman_argv(PodmanSandboxConfig())
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(sandbox_root)], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert owner.stdout is not None
+        sandbox_id = owner.stdout.readline().strip()
+        assert sandbox_id.startswith("killed-"), owner.communicate(timeout=60)
+        os.kill(owner.pid, signal.SIGKILL)  # no teardown: its container, cgroups and directory stay
+        owner.wait()
+
+        def containers() -> list[str]:
+            return subprocess.run([*base, "ps", "-a", "-q", "--filter", f"label={SANDBOX_LABEL}={sandbox_id}"],
+                                  capture_output=True, text=True, check=True).stdout.split()
+
+        assert len(containers()) == 1 and (sandbox_root / sandbox_id / "work" / "a.txt").exists()
+        assert list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}/{sandbox_id}"))
+
+        swept = sweep(sandbox_root, proxy_tmp=sandbox_root)
+
+        assert swept.sandboxes == [sandbox_id] and not swept.errors, swept
+        assert swept.owners[0].startswith(f"{owner.pid}-") and swept.processes >= 1 and swept.cgroups >= 1, swept
+        assert containers() == []
+        assert not (sandbox_root / sandbox_id).exists()
+        assert not list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}/{sandbox_id}"))
+        assert not (sandbox_root / OWNERS / f"{sandbox_id}.sandbox").exists()
+        assert not sweep(sandbox_root, proxy_tmp=sandbox_root), "a second sweep finds nothing"
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
+            owner.wait()
+        sweep(sandbox_root, proxy_tmp=sandbox_root)
 
 
 # ---- a whole rollout ------------------------------------------------------------------------------

@@ -16,15 +16,66 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+from typer.core import TyperGroup, TyperOption
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from harnessrl.config import RunConfig
+
+
+class _OneLineErrors(TyperGroup):
+    """The `harnessrl` command group, whose command-line mistakes (an unknown option, a bad value
+    for an option, a missing argument: typer's `TyperException`s) print as one line naming the
+    command, the option and the value given, exit status 2, like the CLI's config errors
+    (`_fail`), instead of a usage box. `harnessrl` alone still prints the help."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: object) -> object:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, windows_expand_args, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(argv, prog_name, complete_var, False, windows_expand_args, **extra)
+        except typer.TyperException as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # a group named alone: its help was printed
+                sys.exit(2)
+            typer.secho(f"harnessrl: {type(exc).__name__}: {_usage_line(self, exc, argv)}", fg=typer.colors.RED,
+                        err=True)
+            sys.exit(2)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_line(group: TyperGroup, exc: typer.TyperException, argv: list[str]) -> str:
+    """`exc` (a command-line mistake in `argv`) as one line: the command, the option and the
+    value given (a bad value), the message."""
+    words = ["harnessrl"]
+    command: object = group
+    for arg in argv:  # the (sub)command names the mistake belongs to
+        if not isinstance(command, TyperGroup) or arg not in command.commands:
+            break
+        words.append(arg)
+        command = command.commands[arg]
+    where = " ".join(words)
+    if isinstance(exc, typer.BadParameter) and isinstance(exc.param, TyperOption):
+        opts = exc.param.opts + exc.param.secondary_opts
+        given = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in opts]
+        given += [arg.split("=", 1)[1] for arg in argv if "=" in arg and arg.split("=", 1)[0] in opts]
+        shown = f" {given[-1]!r}" if given else ""
+        return f"{where}: {opts[0]}{shown}: {' '.join(exc.message.split())}"
+    return f"{where}: {' '.join(exc.format_message().split())}"
+
 
 app = typer.Typer(
     name="harnessrl",
     help="Asynchronous GRPO for LLM agents through harness interception.",
     no_args_is_help=True,
     add_completion=False,
+    cls=_OneLineErrors,
 )
 session_app = typer.Typer(help="Proxy sessions (rollout keys) on a running `harnessrl serve`.", no_args_is_help=True)
 harness_app = typer.Typer(help="Agent programs (harnesses): installation, options.", no_args_is_help=True)

@@ -102,10 +102,12 @@ class NodeWorker:
         self._lost: str | None = None
         """Why this node is lost (its raylet died), once it is: every call then raises it."""
 
-    async def ready(self, isolation: Literal["required", "best_effort"]) -> dict[str, Any]:
-        """Start the relay and the sandbox backend and apply the isolation policy; returns
-        `{"node_id", "pid", "gaps"}`. Raises SandboxError (the backend's) under "required"
-        when this node's sandboxes would not isolate."""
+    async def ready(self, isolation: Literal["required", "best_effort"], concurrency: int = 1) -> dict[str, Any]:
+        """Start the relay and the sandbox backend and apply the isolation policy for
+        `concurrency` sandboxes at once on this node; returns `{"node_id", "pid", "gaps"}`.
+        Raises SandboxError (the backend's) under "required" when this node's sandboxes would
+        not isolate, and in either mode when `concurrency` of them could take more than this
+        node's file table allows (`sandbox/filetable.py`)."""
         if self._backend is None:
             import ray  # lazy: ray, heavy; not needed at import
 
@@ -117,7 +119,7 @@ class NodeWorker:
             self._node_id = ray.get_runtime_context().get_node_id()
             if self._raylet_pid > 1:
                 self._watch = asyncio.ensure_future(self._watch_raylet())
-        gaps = self._backend.check_isolation(isolation)
+        gaps = self._backend.check_isolation(isolation, concurrency)
         return {"node_id": self._node_id, "pid": os.getpid(), "gaps": gaps}
 
     async def _watch_raylet(self) -> None:
@@ -455,10 +457,12 @@ async def start_ray_rollouts(cfg: Any, proxy_port: int, harness: Harness, verifi
         workers = [actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(*args)
                    for node_id in live]
         mode = cfg.sandbox.isolation or isolation
+        # the most sandboxes one node holds at once: placement's per-node bound, at most the run's
+        per_node = min(rcfg.max_sandboxes_per_node, cfg.concurrent_rollouts)
 
         async def ready(node_id: str, worker: Any) -> dict[str, Any]:
             try:
-                return await asyncio.wrap_future(worker.ready.remote(mode).future())
+                return await asyncio.wrap_future(worker.ready.remote(mode, per_node).future())
             except RayTaskError as exc:  # the node's backend refused (isolation, no runtime, ...)
                 raise SandboxError(f"Ray node {node_id} cannot run the run's sandboxes: {exc.cause}") from None
 

@@ -40,9 +40,9 @@ The mount namespace a command sees:
   * invisible: everything else of the host filesystem, including other sandboxes (the
     sandbox root is covered by a tmpfs before this sandbox's directory is bound back).
 
-Host-wide figures: `/proc/loadavg`, `/proc/stat`, `/proc/sys/fs/file-nr` and
+Host-wide figures: `/proc/loadavg`, `/proc/stat`, `/proc/meminfo`, `/proc/sys/fs/file-nr` and
 `/proc/sys/fs/inode-nr` are constant files (`MASKED_PROC`), so no sandbox reads what the
-others do through them (other host-wide files of `/proc`, such as `meminfo`, are not masked).
+others do through them.
 
 Not isolated here: CPU, memory, process count and disk use (bounded by the local sandbox:
 pids and memory cgroups and a disk watchdog, see `sandbox/local.py`), and the host kernel
@@ -191,16 +191,16 @@ def forwarder_python(system_paths: Sequence[str]) -> tuple[str, list[Path]]:
     return str(base / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"), [base]
 
 
-MASKED_PROC = ("/proc/loadavg", "/proc/stat", "/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr")
+MASKED_PROC = ("/proc/loadavg", "/proc/stat", "/proc/meminfo", "/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr")
 """Host-wide figures of `/proc` a sandbox sees as constants (`masked_proc_texts`): each moves
-with what any process of the host does (a sibling's verifier opening files, running tests),
-so a live agent could read another rollout's hidden test inputs through them."""
+with what any process of the host does (a sibling's verifier opening files, allocating memory,
+running tests), so a live agent could read another rollout's hidden test inputs through them."""
 
 
 @functools.cache
 def masked_proc_texts() -> dict[str, bytes]:
     """The constant text bound over each of `MASKED_PROC`: no load, no open files or inodes,
-    zero CPU times for each of this host's CPUs and its boot time (fixed while it runs), so
+    all memory free (`_meminfo`), zero CPU times for each of this host's CPUs and its boot time (fixed while it runs), so
     tools that parse them (`os.cpus()`, `ps`, `uptime`) still work."""
     cpus = os.cpu_count() or 1
     btime = 0
@@ -216,8 +216,32 @@ def masked_proc_texts() -> dict[str, bytes]:
         file_max = Path("/proc/sys/fs/file-max").read_text().split()[0]
     except (OSError, IndexError):
         file_max = "0"
-    return {"/proc/loadavg": b"0.00 0.00 0.00 1/1 1\n", "/proc/stat": stat.encode(),
+    return {"/proc/loadavg": b"0.00 0.00 0.00 1/1 1\n", "/proc/stat": stat.encode(), "/proc/meminfo": _meminfo(),
             "/proc/sys/fs/file-nr": f"0\t0\t{file_max}\n".encode(), "/proc/sys/fs/inode-nr": b"0\t0\n"}
+
+
+_MEMINFO_KEPT = ("MemTotal", "SwapTotal", "VmallocTotal", "Hugepagesize")
+"""Lines of `/proc/meminfo` whose host value a sandbox sees: sizes fixed while the host runs."""
+
+
+def _meminfo() -> bytes:
+    """The host's `/proc/meminfo` with every line that moves made constant: the sizes of
+    `_MEMINFO_KEPT` as they are, `MemFree` and `MemAvailable` equal to `MemTotal`, `SwapFree`
+    to `SwapTotal`, every other figure 0 (same keys, order and layout, so `free`, `psutil` and
+    Node's `os.freemem()` still parse it)."""
+    try:
+        lines = Path("/proc/meminfo").read_text(encoding="ascii").splitlines()
+    except OSError:
+        return b""
+    values = {line.split(":", 1)[0]: line.split(":", 1)[1].split()[0] for line in lines if ":" in line}
+    same = {"MemFree": "MemTotal", "MemAvailable": "MemTotal", "SwapFree": "SwapTotal"}
+    out = []
+    for line in lines:
+        key, _, rest = line.partition(":")
+        unit = " kB" if rest.strip().endswith("kB") else ""
+        value = values.get(same.get(key, key), "0") if key in _MEMINFO_KEPT or key in same else "0"
+        out.append(f"{key + ':':<16}{value:>8}{unit}")
+    return ("\n".join(out) + "\n").encode()
 
 
 DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}

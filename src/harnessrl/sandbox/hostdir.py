@@ -512,6 +512,11 @@ class HostDirSandbox:
     async def _exec_exited(self, handle: Any) -> None:
         """After the command exited by itself, before its pipes are read to the end."""
 
+    def _exit_status(self, handle: object, code: int) -> int:
+        """The exit status to report for the command `handle` whose host process exited with
+        `code` (the backend's correction of its runtime's status; `code` as it is here)."""
+        return code
+
     async def _exec_timed_out(self, handle: Any, proc: Child) -> None:
         """Kill the command at its timeout and reap it."""
         raise NotImplementedError
@@ -569,7 +574,8 @@ class HostDirSandbox:
         proc.close_pipes()
         outputs = [c.text() for c in captures]
         assert proc.returncode is not None, "the command was waited for"
-        return ExecResult(proc.returncode, outputs[0], outputs[1], timed_out, time.monotonic() - started)
+        return ExecResult(self._exit_status(handle, proc.returncode), outputs[0], outputs[1], timed_out,
+                          time.monotonic() - started)
 
     # --- teardown -------------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ from harnessrl.sandbox.bwrap import (
 )
 from harnessrl.sandbox.config import PodmanSandboxConfig
 from harnessrl.sandbox.fsread import UnsafePathError
-from harnessrl.sandbox import layers, spawn
+from harnessrl.sandbox import layers, spawn, sweep
 from harnessrl.sandbox import owner as owners
 from harnessrl.sandbox.seccomp import SOCKET_FAMILIES, SOCKETPAIR_FAMILIES
 from harnessrl.sandbox.hostdir import HostDirSandbox, HostProcess, complete_shielded, loopback_endpoint, remove_tree
@@ -144,13 +144,23 @@ class PodmanProcess(HostProcess):
 
     `pid` is the host pid of the `podman run` client that waits on the container; its tree is
     the container (every process in it). Its exit status shows a signal N as 128+N (podman's
-    convention).
+    convention); one the sandbox SIGKILLed from the host is 137 (`PodmanSandbox._exit_status`).
     """
 
     def __init__(self, proc: Child, name: str, sandbox: PodmanSandbox) -> None:
         super().__init__(proc)
         self.name = name
         self._sandbox = sandbox
+
+    @property
+    def returncode(self) -> int | None:
+        code = self._proc.returncode
+        return None if code is None else self._sandbox._exit_status(self.name, code)
+
+    async def wait(self, timeout_s: float | None = None) -> int | None:
+        """Exit status, or None when still running after `timeout_s` seconds."""
+        code = await super().wait(timeout_s)
+        return None if code is None else self._sandbox._exit_status(self.name, code)
 
     async def kill_tree(self) -> int:
         """Stop the container (SIGTERM, `kill_grace_s`, SIGKILL) and reap its client; returns
@@ -193,6 +203,9 @@ class PodmanSandbox(HostDirSandbox):
         self._tree_sources: dict[Path, Path] = {}
         """Agent tree -> this sandbox's private overlay of it (`sandbox/layers.py`), bound in its
         place, so no inode of a tree is shared with another sandbox's containers."""
+        self._host_killed: set[str] = set()
+        """Containers whose processes `_disk_stop` SIGKILLed from the host while their client
+        ran (`_exit_status`)."""
 
     def _mount_trees(self) -> None:
         """Mount this sandbox's overlays of the agent trees (`layers.host_mounts`) under its
@@ -267,9 +280,10 @@ class PodmanSandbox(HostDirSandbox):
 
 
     def _masked_proc_args(self) -> list[str]:
-        """Host-wide figures of `/proc` as constants (`bwrap.MASKED_PROC`): `/proc/loadavg` and
-        `/proc/stat` bound from this sandbox's own copies of `bwrap.masked_proc_texts`; the
-        files under `/proc/sys`, where runc refuses a bind, masked (read empty)."""
+        """Host-wide figures of `/proc` as constants (`bwrap.MASKED_PROC`): `/proc/loadavg`,
+        `/proc/stat` and `/proc/meminfo` bound from this sandbox's own copies of
+        `bwrap.masked_proc_texts`; the files under `/proc/sys`, where runc refuses a bind,
+        masked (read empty)."""
         args: list[str] = []
         masked: list[str] = []
         for path, text in masked_proc_texts().items():
@@ -347,6 +361,17 @@ class PodmanSandbox(HostDirSandbox):
     def _pipe_grace_s(self) -> float:
         return _PIPE_GRACE_S
 
+    def _exit_status(self, handle: object, code: int) -> int:
+        """137 (128 + SIGKILL) for a container whose processes `_disk_stop` SIGKILLed while its
+        `podman run` client ran and whose client then exited 125, 126 or 127; `code` otherwise.
+        SIGKILL from the host reaches a container still being created too (its members are then
+        `runc init`), and podman reports that as an OCI runtime error ("runc create failed"),
+        exit 126, or 127 when the message says "no such file": a status that would read as a
+        command that could not start, where the sandbox killed it."""
+        if code in (125, 126, 127) and handle in self._host_killed:
+            return 128 + 9
+        return code
+
     async def _exec_timed_out(self, handle: str, proc: Child) -> None:
         """Kill the container (no grace) and reap its client."""
         await self._stop([handle], 0.0)
@@ -399,6 +424,7 @@ class PodmanSandbox(HostDirSandbox):
         """SIGKILL the containers' processes from the host at once (`kill_members`: a fast
         writer stops within milliseconds, where `podman rm` alone took about a second), then
         remove the containers and reap their clients (`kill_processes`)."""
+        self._host_killed.update(name for name, client in self._clients.items() if client.returncode is None)
         await asyncio.to_thread(kill_members, self.sandbox_id)
         await self.kill_processes()
 
@@ -417,6 +443,7 @@ class PodmanSandbox(HostDirSandbox):
             left = await asyncio.to_thread(remove_cgroups, self.sandbox_id)
             if not self.root.exists():
                 owners.release(self.owner)
+                sweep.release(self.root.parent, self.sandbox_id)
         if left:
             log.warning("sandbox %s: cgroups %s not removed", self.sandbox_id, [str(p) for p in left])
 
@@ -586,6 +613,8 @@ class PodmanSandboxBackend:
         sandbox: PodmanSandbox | None = None
         uid = owners.allocate()
         try:
+            # a killed run's sandbox (its containers too) is swept at the next start
+            sweep.claim(root.parent, sandbox_id, podman_argv(self.config))
             root.mkdir(parents=True, mode=0o700)
             if os.stat(root.parent).st_uid == 0:
                 # root's and 0700: no host user reaches a sandbox (nor a setuid file planted in
@@ -611,5 +640,6 @@ class PodmanSandboxBackend:
             layers.unmount_below(state)
             remove_tree(state)
             owners.release(uid)
+            sweep.release(root.parent, sandbox_id)
             raise
         return sandbox

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -115,35 +116,63 @@ def _is_member(pid: int, sandbox_id: str) -> bool:
 
 def kill_members(sandbox_id: str, timeout_s: float = 2.0) -> int:
     """SIGKILL, from the host, every process in the sandbox's container cgroups, scanning again
-    until a scan finds none or `timeout_s` seconds passed; returns how many pids were signalled.
+    until a scan finds none or `timeout_s` seconds passed, then wait (within the same
+    `timeout_s`) until every process signalled is dead; returns how many pids were signalled.
 
     No `podman` process is started (`podman kill` takes about a second to start and reach
     the runtime; this takes milliseconds). Killing a container's PID 1 also ends its whole PID
     namespace. A pid is signalled through a pidfd opened while it was a member, so a pid
-    reused by another process after the scan is never hit. The containers stay to be removed
-    (`podman rm`)."""
+    reused by another process after the scan is never hit. The wait is needed because a
+    process leaves `cgroup.procs` as soon as it starts exiting, before its memory and files
+    are released and it becomes a zombie (the kernel's css_task_iter skips a leader whose
+    threads are all exiting): an empty scan alone does not mean dead. The wait polls the
+    pidfds (one becomes readable when its process has exited). The containers stay to be
+    removed (`podman rm`).
+
+    Raises nothing; a process still dying after `timeout_s` is left to the caller's
+    `podman rm`."""
     directory = pids_hierarchy() / CGROUP_PARENT / sandbox_id
     deadline = time.monotonic() + timeout_s
-    signalled: set[int] = set()
-    while True:
-        live = 0
-        for pid in cgroup_pids(directory):
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:  # gone since the scan
-                continue
-            try:
-                if _is_member(pid, sandbox_id):
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    signalled.add(pid)
-                    live += 1
-            except ProcessLookupError:
-                pass
-            finally:
-                os.close(fd)
-        if not live or time.monotonic() > deadline:
-            return len(signalled)
-        time.sleep(0.01)
+    signalled: dict[int, int] = {}  # pid -> its pidfd, kept open until the process is dead
+    try:
+        while True:
+            live = 0
+            for pid in cgroup_pids(directory):
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:  # gone since the scan
+                    continue
+                try:
+                    if _is_member(pid, sandbox_id):
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                        live += 1
+                        if pid not in signalled:
+                            signalled[pid], fd = fd, -1
+                except ProcessLookupError:
+                    pass
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
+            if not live or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        _wait_dead(list(signalled.values()), deadline)
+        return len(signalled)
+    finally:
+        for fd in signalled.values():
+            os.close(fd)
+
+
+def _wait_dead(pidfds: list[int], deadline: float) -> None:
+    """Wait until every pidfd of `pidfds` is readable (its process exited) or `deadline`."""
+    waiting = select.poll()
+    for fd in pidfds:
+        waiting.register(fd, select.POLLIN)
+    left = len(pidfds)
+    while left and time.monotonic() < deadline:
+        for fd, _ in waiting.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            waiting.unregister(fd)
+            left -= 1
 
 
 def remove_cgroups(sandbox_id: str, timeout_s: float = 5.0) -> list[Path]:

@@ -16,9 +16,16 @@ then removed; one held is a live run's and everything of it stays. A directory w
 (made by a version without records, or a run between its record and its `mkdir`) is never
 touched. The `.owners` directory sits inside the root that bubblewrap hides from every sandbox.
 
+Podman sandboxes (`sandbox/podman.py`) are recorded the same way, their record adding the
+`podman` command line of their store (a second line, JSON): a dead owner's podman sandbox has
+its containers' processes SIGKILLed through their cgroups (`podman_host.kill_members`), its
+containers removed (`podman rm`, by the `harnessrl.sandbox` label), its container cgroups
+removed, then its directory.
+
 Also swept: the proxy's private agent-socket directories (`harnessrl-proxy-*` in the system
-temp directory) whose socket no longer accepts a connection. Podman containers of a dead run are
-removed by `podman_host.remove_orphans` when a podman backend starts.
+temp directory) whose socket no longer accepts a connection. Podman containers of a dead run
+that has no record here (another sandbox root) are removed by `podman_host.remove_orphans`
+when a podman backend starts.
 """
 
 from __future__ import annotations
@@ -27,19 +34,23 @@ import atexit
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import re
 import secrets
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harnessrl.sandbox import cgroup
 from harnessrl.sandbox.hostdir import remove_tree
+from harnessrl.sandbox.podman_host import CGROUP_PARENT, SANDBOX_LABEL, kill_members, remove_cgroups
 from harnessrl.sandbox.procs import kill_sandbox_processes
 
 OWNERS = ".owners"
@@ -116,13 +127,15 @@ def _drop_lock(path: Path, pid: int) -> None:
         path.unlink(missing_ok=True)
 
 
-def claim(root_dir: Path, sandbox_id: str) -> None:
+def claim(root_dir: Path, sandbox_id: str, podman: Sequence[str] | None = None) -> None:
     """Record sandbox `sandbox_id` under `root_dir` as this live process's, before its directory
-    or cgroups are made. Raises OSError when the record cannot be written."""
+    or cgroups are made; `podman`: the `podman` command line of a podman sandbox's store
+    (`podman_host.podman_argv`), with which a sweep removes its containers. Raises OSError when
+    the record cannot be written."""
     root_dir = root_dir.resolve()
     owner = _own_lock(root_dir)
     record = root_dir / OWNERS / f"{sandbox_id}.sandbox"
-    record.write_text(owner, encoding="utf-8")
+    record.write_text(owner if podman is None else f"{owner}\n{json.dumps(list(podman))}\n", encoding="utf-8")
 
 
 def release(root_dir: Path, sandbox_id: str) -> None:
@@ -160,12 +173,15 @@ def sweep(root_dir: Path, proxy_tmp: Path | None = None) -> Swept:
     root_dir = root_dir.resolve()
     owners = root_dir / OWNERS
     if owners.is_dir():
-        records: dict[str, list[str]] = {}
+        records: dict[str, list[tuple[str, list[str] | None]]] = {}
         for record in owners.glob("*.sandbox"):
             try:
-                records.setdefault(record.read_text(encoding="utf-8").strip(), []).append(record.name[:-8])
-            except OSError:
+                owner, _, podman = record.read_text(encoding="utf-8").strip().partition("\n")
+                argv = [str(arg) for arg in json.loads(podman)] if podman else None
+            except (OSError, ValueError, TypeError) as exc:
+                out.errors.append(f"{record.name}: unreadable record ({exc})")
                 continue
+            records.setdefault(owner, []).append((record.name[:-8], argv))
         names = set(records) | {p.name[:-5] for p in owners.glob("*.lock")}
         for name in sorted(names):
             _sweep_owner(root_dir, name, records.get(name, []), out)
@@ -173,22 +189,47 @@ def sweep(root_dir: Path, proxy_tmp: Path | None = None) -> Swept:
     return out
 
 
-def _sweep_owner(root_dir: Path, name: str, sandbox_ids: list[str], out: Swept) -> None:
+def _sweep_owner(root_dir: Path, name: str, sandboxes: list[tuple[str, list[str] | None]], out: Swept) -> None:
     lock = root_dir / OWNERS / f"{name}.lock"
     fd = _try_lock(lock)
     if fd is None:
         return  # a live run
     try:
-        for sandbox_id in sandbox_ids:
+        for sandbox_id, podman in sandboxes:
+            if podman is not None and not _sweep_containers(sandbox_id, podman, out):
+                continue  # its containers stay: so do its directory and record
             if _sweep_sandbox(root_dir, sandbox_id, out):
                 release(root_dir, sandbox_id)
             out.sandboxes.append(sandbox_id)
         out.owners.append(name)
-        if not any(root_dir.joinpath(OWNERS, f"{s}.sandbox").exists() for s in sandbox_ids):
+        if not any(root_dir.joinpath(OWNERS, f"{s}.sandbox").exists() for s, _ in sandboxes):
             lock.unlink(missing_ok=True)
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _sweep_containers(sandbox_id: str, podman: list[str], out: Swept) -> bool:
+    """SIGKILL a dead podman sandbox's processes through its container cgroups, remove its
+    containers (`podman rm` by its `harnessrl.sandbox` label, with the store's command line
+    `podman`) and its cgroups; True when none of them is left."""
+    out.processes += kill_members(sandbox_id)
+    label = f"label={SANDBOX_LABEL}={sandbox_id}"
+    try:
+        listed = subprocess.run([*podman, "ps", "-a", "-q", "--filter", label], capture_output=True, text=True,
+                                timeout=60, check=True)
+        ids = listed.stdout.split()
+        if ids:
+            subprocess.run([*podman, "rm", "-f", "-t", "0", "--ignore", *ids], capture_output=True, timeout=120,
+                           check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        out.errors.append(f"{sandbox_id}: containers not removed ({exc})")
+        return False
+    present = list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}/{sandbox_id}"))
+    left = remove_cgroups(sandbox_id)
+    out.cgroups += len(present) - len(left)
+    out.errors += [f"cgroup {g} still there" for g in left]
+    return not left
 
 
 def _sweep_sandbox(root_dir: Path, sandbox_id: str, out: Swept) -> bool:
