@@ -189,7 +189,7 @@ async def test_a_client_leaving_a_unary_call_stops_its_generation(engine, chat, 
     engine decoded the whole reply for nobody; now the client's disconnect cancels the
     generation (at most 2 ids after the call is recorded as cancelled), as a dropped stream's,
     on the exact path (`serve_post`) and on the routed `/r/<key>/...` one."""
-    config = ProxyConfig(port=0, max_tokens_cap=3000, temperature=0.0)
+    config = ProxyConfig(port=0, sampling=SamplingConfig(temperature=0.0, max_tokens=3000))
     async with ProxyServer(engine, chat, config) as proxy:
         session_id, key = proxy.open_session("r-hangup", group="g-hangup")
         session = proxy.store.get(session_id)

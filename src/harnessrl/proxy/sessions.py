@@ -74,11 +74,23 @@ class Session:
     """Recent finished turns a later request may bridge on (`capture.py`, `chat.plan_prompt`)."""
     engine_calls: dict[int, CallProgress] = field(default_factory=dict, repr=False)
     """Turn index -> progress of the calls waiting on the engine now (`capture.generate_chat`)."""
+    cut_off: list[CallInFlight] = field(default_factory=list, repr=False)
+    """Engine calls cancelled because their client went away (`cut_off_call`), as they stood
+    then: an agent killed at its timeout drops its connections, which cancels its calls before
+    its session closes, and `close` still reports them (at most `max_in_flight` kept)."""
 
     def calls_in_flight(self, now_s: float | None = None) -> list[CallInFlight]:
-        """The engine calls in flight at `now_s` (`time.perf_counter()`; default now), in turn order."""
+        """The engine calls in flight at `now_s` (`time.perf_counter()`; default now), in turn
+        order, after those cut off by their client (`cut_off`)."""
         now = time.perf_counter() if now_s is None else now_s
-        return [in_flight(i, c, now) for i, c in sorted(self.engine_calls.items())]
+        return [*self.cut_off, *(in_flight(i, c, now) for i, c in sorted(self.engine_calls.items()))]
+
+    def cut_off_call(self, turn_index: int) -> None:
+        """Keep, for `close`, how far the engine had got with call `turn_index` when its client
+        went away; the call leaves `engine_calls`."""
+        call = self.engine_calls.pop(turn_index, None)
+        if call is not None and len(self.cut_off) < self.max_in_flight:
+            self.cut_off.append(in_flight(turn_index, call, time.perf_counter()))
 
     def reserve_turn_index(self) -> int:
         """The next 0-based turn index, in order of arrival.
