@@ -45,6 +45,7 @@ from harnessrl.engine.stats import EngineStats
 from harnessrl.engine.weight_sync import SyncReport
 from harnessrl.jsonl import read_jsonl
 from harnessrl.log import to_run_log
+from harnessrl.loss.token_weights import append_token_weights
 from harnessrl.train.console import (
     bound_line,
     final_table,
@@ -338,6 +339,7 @@ async def trainer_step(run: TrainingRun, batch: StepRows, step: int,
         result = await run.on_trainer(run.trainer.step, batch.rows, step,
                                       verdict.result if verdict is not None else None, version)
         metrics.update(result.metrics)
+        append_token_weights(run.run_dir, step, result.token_weights)  # for the viewer
     else:
         metrics["skipped"] = 1.0
     if metrics.get("skipped") and "skip_reason" not in metrics:
