@@ -27,13 +27,13 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import orjson
 import torch
 
-__all__ = ["DIGITS", "FILE_NAME", "MAX_TOKENS_PER_STEP", "TokenWeightRecorder", "append_token_weights",
-           "read_token_weights", "row_key"]
+__all__ = ["DIGITS", "FILE_NAME", "MAX_TOKENS_PER_STEP", "TokenWeightRecord", "TokenWeightRecorder",
+           "append_token_weights", "read_token_weights", "row_key"]
 
 FILE_NAME = "token_weights.jsonl"
 """The records' file in the run directory, next to `metrics.jsonl`."""
@@ -42,6 +42,18 @@ MAX_TOKENS_PER_STEP = 32768
 keep their counts only."""
 DIGITS = 4
 """Significant digits a weight keeps (a weight far below 1 stays readable, not 0)."""
+
+
+class TokenWeightRecord(TypedDict):
+    """One trained row's line (module docstring)."""
+
+    step: NotRequired[int]
+    rollout_id: str
+    row_key: int
+    n: int
+    w: list[float] | None
+    clipped: list[int] | int
+    bounded: list[int] | int
 
 
 def row_key(input_ids: Sequence[int]) -> int:
@@ -57,7 +69,7 @@ class TokenWeightRecorder:
     """The records of one step, collected micro-batch by micro-batch (`add`), row by row."""
 
     max_tokens: int = MAX_TOKENS_PER_STEP
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[TokenWeightRecord] = field(default_factory=list)
     _weights_kept: int = 0
 
     def add(self, rows: Sequence[tuple[str, Sequence[int]]], seq_ids_T: torch.Tensor, mask_T: torch.Tensor,
@@ -98,7 +110,7 @@ class TokenWeightRecorder:
         self.records.extend(other.records)
 
 
-def append_token_weights(run_dir: Path, step: int, records: Iterable[dict[str, Any]]) -> None:
+def append_token_weights(run_dir: Path, step: int, records: Iterable[TokenWeightRecord]) -> None:
     """Append `records` (`TokenWeightRecorder.records`) as step `step`'s lines of
     `run_dir / FILE_NAME`.
 
@@ -110,11 +122,14 @@ def append_token_weights(run_dir: Path, step: int, records: Iterable[dict[str, A
             fh.write(lines)
 
 
-def read_token_weights(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+_KEYS = ("row_key", "n", "w", "clipped", "bounded")
+
+
+def read_token_weights(run_dir: Path) -> dict[str, list[TokenWeightRecord]]:
     """`run_dir / FILE_NAME`'s records by rollout id (empty when the file is absent); a line
-    that does not parse (a torn tail) is skipped."""
+    that does not parse (a torn tail) or lacks a record's keys is skipped."""
     path = run_dir / FILE_NAME
-    out: dict[str, list[dict[str, Any]]] = {}
+    out: dict[str, list[TokenWeightRecord]] = {}
     if not path.is_file():
         return out
     with path.open("rb") as fh:
@@ -123,6 +138,8 @@ def read_token_weights(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
                 rec = orjson.loads(line)
             except orjson.JSONDecodeError:
                 continue
-            if isinstance(rec, dict) and isinstance(rec.get("rollout_id"), str):
-                out.setdefault(rec["rollout_id"], []).append(rec)
+            if isinstance(rec, dict) and isinstance(rec.get("rollout_id"), str) and all(k in rec for k in _KEYS):
+                out.setdefault(rec["rollout_id"], []).append(TokenWeightRecord(
+                    step=rec.get("step", 0), rollout_id=rec["rollout_id"], row_key=rec["row_key"], n=rec["n"],
+                    w=rec["w"], clipped=rec["clipped"], bounded=rec["bounded"]))
     return out

@@ -45,7 +45,7 @@ from harnessrl.train.distributed import (SINGLE, Ranks, all_reduce, gather_objec
                                          split_by_tokens, zero_contribution)
 from harnessrl.loss.diagnostics import OffPolicyStats, staleness_of
 from harnessrl.loss.losses import LossFn
-from harnessrl.loss.token_weights import TokenWeightRecorder
+from harnessrl.loss.token_weights import TokenWeightRecord, TokenWeightRecorder
 from harnessrl.train.packing import (PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows,
                                      segment_attention)
 from harnessrl.types import Row
@@ -58,7 +58,7 @@ class StepResult:
     updated: list[torch.nn.Parameter] | None = None
     """With `measure_update=False`: the parameters the update changed, for a later
     `update_l2(optimizer, updated)` (before the next optimizer step)."""
-    token_weights: list[dict[str, Any]] = field(default_factory=list)
+    token_weights: list[TokenWeightRecord] = field(default_factory=list)
     """One record per trained row (every rank's): its trained tokens' loss weights and which
     the clip or the weight's bound stopped (`loss/token_weights.py`; the loop writes them)."""
 
@@ -162,7 +162,7 @@ class Accumulated:
     metrics: dict[str, float]
     """loss, ratio_abs_dev, tokens_trained, tokens_packed, micro_batches and the loss's own
     metrics, for the whole step (all ranks)."""
-    token_weights: list[dict[str, Any]] = field(default_factory=list)
+    token_weights: list[TokenWeightRecord] = field(default_factory=list)
     """`TokenWeightRecorder.records` of the step (all ranks)."""
 
 

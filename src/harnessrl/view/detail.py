@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from harnessrl.hooks import Hooks
 from harnessrl.loss.advantages import stamp_advantage
-from harnessrl.loss.token_weights import row_key
+from harnessrl.loss.token_weights import TokenWeightRecord, row_key
 from harnessrl.train.samples import (
     build_rows,
     classify_main,
@@ -114,7 +114,7 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
     }
 
 
-def row_weights(row: Row, records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def row_weights(row: Row, records: Sequence[TokenWeightRecord]) -> dict[str, object] | None:
     """What the loss did with `row`'s trained tokens, from the rollout's `token_weights.jsonl`
     records (`loss/token_weights.py`): the last record whose `row_key` and trained-token count
     are the row's, as `{step, w, clipped, bounded}` (`w`: one weight per trained token in row
@@ -124,7 +124,7 @@ def row_weights(row: Row, records: Sequence[dict[str, Any]]) -> dict[str, Any] |
     key, n = row_key(row.input_ids), row.num_trained_tokens
     for rec in reversed(records):
         if rec.get("row_key") == key and rec.get("n") == n:
-            return {k: rec.get(k) for k in ("step", "w", "clipped", "bounded")}
+            return {"step": rec.get("step"), "w": rec["w"], "clipped": rec["clipped"], "bounded": rec["bounded"]}
     return None
 
 

@@ -35,7 +35,7 @@ from harnessrl.errors import ConfigError
 from harnessrl.hooks import load_hooks, reshape_reward
 from harnessrl.jsonl import read_jsonl
 from harnessrl.loss.advantages import advantage_fn_for
-from harnessrl.loss.token_weights import read_token_weights
+from harnessrl.loss.token_weights import TokenWeightRecord, read_token_weights
 from harnessrl.train.plot import curve_png
 from harnessrl.types import Rollout
 
@@ -60,7 +60,7 @@ class RunIndex:
     """`metrics.jsonl` records, unchanged."""
     bad_lines: int = 0
     """Lines of `rollouts.jsonl` that do not parse (torn or garbage), skipped."""
-    token_weights: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    token_weights: dict[str, list[TokenWeightRecord]] = field(default_factory=dict)
     """`token_weights.jsonl` records by rollout id (`loss/token_weights.py`; empty without the
     file): each trained row's per-token loss weights and clip / bound flags."""
 
