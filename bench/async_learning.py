@@ -38,6 +38,7 @@ rollouts span policy versions, per step), from the arm's step metrics and `rollo
         --arms sync,async-1-behaviour --eval-prompts 32             # a quick run
     .venv/bin/python bench/async_learning.py --task larger --steps 20 --lr 5e-5 --bf16 harnessrl --seeds 0,1,2
     .venv/bin/python bench/async_learning.py --report OUT            # the tables of an earlier OUT again
+    .venv/bin/python bench/async_learning.py --task lookup --eval-prompts 32 --rescore OUT   # final checkpoints scored again
 
 Every flag it does not know is `bench/learning.py`'s (the task, model, lr, steps, groups, ...).
 """
@@ -108,10 +109,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)  # with --arm-only
     p.add_argument("--report", type=Path, default=None, metavar="OUT", help="print the tables of an earlier OUT")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--rescore", type=Path, default=None, metavar="OUT", help="score each harnessrl arm's "
+                   "final checkpoint of an earlier OUT again (held-out greedy and sampled; the earlier "
+                   "scores kept as held_out_before), then print the tables")
     own, rest = p.parse_known_args(argv)
     if own.eval_every < 1:
         p.error("--eval-every must be >= 1")
-    for flag in ("--max-staleness", "--rescore"):
+    for flag in ("--max-staleness",):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             p.error(f"{flag} is not an option here")
     if not any(a == "--dynamic-sampling" or a.startswith("--dynamic-sampling=") for a in rest):
@@ -383,6 +387,23 @@ def report(out: Path) -> dict[int, dict[str, dict]]:
     return runs
 
 
+def rescore(out: Path, bench: argparse.Namespace) -> None:
+    """Each harnessrl arm's final checkpoint under OUT (seed-S/ARM/checkpoints/step-N, N its
+    last curve step) scored again by `learning.evaluate`; its arm.json gets the new `held_out`
+    and final curve point, the earlier scores as `held_out_before`."""
+    for path in sorted(out.glob("seed-*/*/arm.json")):
+        r = json.loads(path.read_text())
+        final = path.parent / "checkpoints" / f"step-{int(r['curve'][-1][0])}"
+        if ARMS.get(r["arm"]) is None or not (final / "config.json").exists():
+            continue
+        bench.seed = r["seed"]
+        scores = asyncio.run(learning.evaluate(final, bench))
+        r.setdefault("held_out_before", r["held_out"])
+        r["held_out"], r["curve"][-1][2] = scores, scores["sampled_pass"]
+        path.write_text(json.dumps(r, indent=1))
+        print(f"{path.parent}: greedy {scores['pass']:.1%}, sampled {scores['sampled_pass']:.1%}", flush=True)
+
+
 def main() -> None:
     own, bench = parse_args()
     import torch
@@ -390,6 +411,10 @@ def main() -> None:
     torch.set_num_threads(2)
     if own.report:
         report(own.report)
+        return
+    if own.rescore:
+        rescore(own.rescore, bench)
+        report(own.rescore)
         return
     from harnessrl.engine.model_store import resolve_model
 
