@@ -391,6 +391,9 @@ def rescore(out: Path, bench: argparse.Namespace) -> None:
     """Each harnessrl arm's final checkpoint under OUT (seed-S/ARM/checkpoints/step-N, N its
     last curve step) scored again by `learning.evaluate`; its arm.json gets the new `held_out`
     and final curve point, the earlier scores as `held_out_before`."""
+    for arm_dir in sorted(out.glob("seed-*/*/checkpoints")):
+        if not (arm_dir.parent / "arm.json").exists() and arm_dir.parent.name in ARMS:
+            _arm_from_run(arm_dir.parent, bench)  # stopped after training: its record from its metrics
     for path in sorted(out.glob("seed-*/*/arm.json")):
         r = json.loads(path.read_text())
         final = path.parent / "checkpoints" / f"step-{int(r['curve'][-1][0])}"
@@ -402,6 +405,26 @@ def rescore(out: Path, bench: argparse.Namespace) -> None:
         r["held_out"], r["curve"][-1][2] = scores, scores["sampled_pass"]
         path.write_text(json.dumps(r, indent=1))
         print(f"{path.parent}: greedy {scores['pass']:.1%}, sampled {scores['sampled_pass']:.1%}", flush=True)
+
+
+def _arm_from_run(out: Path, bench: argparse.Namespace) -> None:
+    """OUT/arm.json of a harnessrl arm whose process was stopped after its training (its
+    `metrics.jsonl` and final checkpoint written, no scores): the training time, clip and probe
+    from its metrics, the final checkpoint's curve point scored by `rescore` (the intermediate
+    checkpoints are not scored; `wall_s` is the training time)."""
+    from harnessrl.jsonl import read_jsonl
+
+    history = read_jsonl(out / "metrics.jsonl").rows
+    times = cumulative_times(history)
+    spec = ARMS[out.name]
+    assert spec is not None
+    label, _ = loss_label(spec.sets, bench.set)
+    r = {"arm": out.name, "seed": int(out.parent.name[5:]), "held_out": {"pass": math.nan, "sampled_pass": math.nan},
+         "train_s": times[max(times)], "wall_s": times[max(times)], "curve": [[max(times), times[max(times)], math.nan]],
+         "loss": label, "clip_max": max_clip(history), "history": learning.jsonable(history),
+         "probe": probe(history, out / "rollouts.jsonl", bench.prompts_per_step), "peak_rss_gb": math.nan,
+         "load": [math.nan, math.nan]}
+    (out / "arm.json").write_text(json.dumps(r, indent=1))
 
 
 def main() -> None:
