@@ -343,6 +343,7 @@ def print_probe(seed: int, results: dict[str, dict]) -> None:
               f"offpolicy lag KL / lag w mean / lag ESS / clip / bounded, groups (versions), spanning groups' "
               f"mean reward")
         for p in r["probe"]:
+            p = {k: math.nan if v is None else v for k, v in p.items()}  # null in a metrics line
             groups = " ".join(f"{g}{v}" for g, v in zip(p["groups"], p["versions"]))
             print(f"  {p['step']:>3} {p.get('reward_mean', math.nan):4.2f} "
                   f"{p['staleness_mean']:4.2f}/{p['staleness_max']:<3.0f} {p['ratio_abs_dev']:8.2e} "
