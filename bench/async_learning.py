@@ -38,6 +38,7 @@ rollouts span policy versions, per step), from the arm's step metrics and `rollo
         --arms sync,async-1-behaviour --eval-prompts 32             # a quick run
     .venv/bin/python bench/async_learning.py --task larger --steps 20 --lr 5e-5 --bf16 harnessrl --seeds 0,1,2
     .venv/bin/python bench/async_learning.py --report OUT            # the tables of an earlier OUT again
+    .venv/bin/python bench/async_learning.py --task lookup --eval-prompts 32 --rescore OUT   # final checkpoints scored again
 
 Every flag it does not know is `bench/learning.py`'s (the task, model, lr, steps, groups, ...).
 """
@@ -108,10 +109,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)  # with --arm-only
     p.add_argument("--report", type=Path, default=None, metavar="OUT", help="print the tables of an earlier OUT")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--rescore", type=Path, default=None, metavar="OUT", help="score each harnessrl arm's "
+                   "final checkpoint of an earlier OUT again (held-out greedy and sampled; the earlier "
+                   "scores kept as held_out_before), then print the tables")
     own, rest = p.parse_known_args(argv)
     if own.eval_every < 1:
         p.error("--eval-every must be >= 1")
-    for flag in ("--max-staleness", "--rescore"):
+    for flag in ("--max-staleness",):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             p.error(f"{flag} is not an option here")
     if not any(a == "--dynamic-sampling" or a.startswith("--dynamic-sampling=") for a in rest):
@@ -339,6 +343,7 @@ def print_probe(seed: int, results: dict[str, dict]) -> None:
               f"offpolicy lag KL / lag w mean / lag ESS / clip / bounded, groups (versions), spanning groups' "
               f"mean reward")
         for p in r["probe"]:
+            p = {k: math.nan if v is None else v for k, v in p.items()}  # null in a metrics line
             groups = " ".join(f"{g}{v}" for g, v in zip(p["groups"], p["versions"]))
             print(f"  {p['step']:>3} {p.get('reward_mean', math.nan):4.2f} "
                   f"{p['staleness_mean']:4.2f}/{p['staleness_max']:<3.0f} {p['ratio_abs_dev']:8.2e} "
@@ -383,6 +388,46 @@ def report(out: Path) -> dict[int, dict[str, dict]]:
     return runs
 
 
+def rescore(out: Path, bench: argparse.Namespace) -> None:
+    """Each harnessrl arm's final checkpoint under OUT (seed-S/ARM/checkpoints/step-N, N its
+    last curve step) scored again by `learning.evaluate`; its arm.json gets the new `held_out`
+    and final curve point, the earlier scores as `held_out_before`."""
+    for arm_dir in sorted(out.glob("seed-*/*/checkpoints")):
+        if not (arm_dir.parent / "arm.json").exists() and arm_dir.parent.name in ARMS:
+            _arm_from_run(arm_dir.parent, bench)  # stopped after training: its record from its metrics
+    for path in sorted(out.glob("seed-*/*/arm.json")):
+        r = json.loads(path.read_text())
+        final = path.parent / "checkpoints" / f"step-{int(r['curve'][-1][0])}"
+        if ARMS.get(r["arm"]) is None or not (final / "config.json").exists():
+            continue
+        bench.seed = r["seed"]
+        scores = asyncio.run(learning.evaluate(final, bench))
+        r.setdefault("held_out_before", r["held_out"])
+        r["held_out"], r["curve"][-1][2] = scores, scores["sampled_pass"]
+        path.write_text(json.dumps(r, indent=1))
+        print(f"{path.parent}: greedy {scores['pass']:.1%}, sampled {scores['sampled_pass']:.1%}", flush=True)
+
+
+def _arm_from_run(out: Path, bench: argparse.Namespace) -> None:
+    """OUT/arm.json of a harnessrl arm whose process was stopped after its training (its
+    `metrics.jsonl` and final checkpoint written, no scores): the training time, clip and probe
+    from its metrics, the final checkpoint's curve point scored by `rescore` (the intermediate
+    checkpoints are not scored; `wall_s` is the training time)."""
+    from harnessrl.jsonl import read_jsonl
+
+    history = read_jsonl(out / "metrics.jsonl").rows
+    times = cumulative_times(history)
+    spec = ARMS[out.name]
+    assert spec is not None
+    label, _ = loss_label(spec.sets, bench.set)
+    r = {"arm": out.name, "seed": int(out.parent.name[5:]), "held_out": {"pass": math.nan, "sampled_pass": math.nan},
+         "train_s": times[max(times)], "wall_s": times[max(times)], "curve": [[max(times), times[max(times)], math.nan]],
+         "loss": label, "clip_max": max_clip(history), "history": learning.jsonable(history),
+         "probe": probe(history, out / "rollouts.jsonl", bench.prompts_per_step), "peak_rss_gb": math.nan,
+         "load": [math.nan, math.nan]}
+    (out / "arm.json").write_text(json.dumps(r, indent=1))
+
+
 def main() -> None:
     own, bench = parse_args()
     import torch
@@ -390,6 +435,10 @@ def main() -> None:
     torch.set_num_threads(2)
     if own.report:
         report(own.report)
+        return
+    if own.rescore:
+        rescore(own.rescore, bench)
+        report(own.rescore)
         return
     from harnessrl.engine.model_store import resolve_model
 

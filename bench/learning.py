@@ -240,7 +240,8 @@ async def held_out_lookup(model_dir: Path, args: argparse.Namespace, threads: in
     tool), `mean_completion_tokens` (model tokens a greedy rollout), `cap_frac` (greedy replies
     cut at `--max-tokens`), `turns_passing` (replies a passing greedy rollout) and `errors`
     (rollouts of either evaluation that ended in an agent, infra or verifier error; each counts
-    as not passing)."""
+    as not passing) and `timeouts` (rollouts of either that ran past `EVAL_AGENT_TIMEOUT_S`,
+    also not passing)."""
     from harnessrl.rollout.summary import ERROR_STATUSES, passed
 
     greedy = await _eval_lookup(model_dir, args, threads, samples=1, temperature=0.0)
@@ -256,10 +257,17 @@ async def held_out_lookup(model_dir: Path, args: argparse.Namespace, threads: in
             "mean_completion_tokens": sum(len(t.completion_ids) for t in turns) / len(greedy),
             "cap_frac": sum(len(t.completion_ids) >= args.max_tokens for t in turns) / max(len(turns), 1),
             "turns_passing": sum(len(r.trace.turns) for r in passing) / len(passing) if passing else 0.0,
-            "errors": float(sum(r.status in ERROR_STATUSES for r in greedy + sampled))}
+            "errors": float(sum(r.status in ERROR_STATUSES for r in greedy + sampled)),
+            "timeouts": float(sum(r.status == "timeout" for r in greedy + sampled))}
 
 
 EVAL_SEED = 0
+EVAL_AGENT_TIMEOUT_S = 3600.0
+"""A held-out rollout's time limit: far above the training run's 180 s, so that on a loaded
+machine (32 greedy and 128 sampled rollouts at once on 2 cores beside other jobs) the
+evaluation scores the policy rather than the machine: at load 16-19, under the 180 s limit, no
+greedy rollout of a final checkpoint recorded a completion token (0% greedy pass, 17% sampled)
+while the same checkpoint, evaluated alone on 3 tasks, passed all 3."""
 """Run seed of every `--task lookup` held-out evaluation (sampling), whatever the training seed."""
 
 
@@ -285,7 +293,7 @@ async def _eval_lookup(model_dir: Path, args: argparse.Namespace, threads: int, 
         'hooks.rollout_reward_fn=""', f"sampling.temperature={temperature or 1.0}",
         f"sampling.top_k={0 if temperature else 1}",
         f"sampling.max_tokens={args.max_tokens}", f"rollout.group_size={samples}",
-        f"seed={EVAL_SEED}",
+        f"rollout.agent_timeout_s={EVAL_AGENT_TIMEOUT_S}", f"seed={EVAL_SEED}",
     ])
     with tempfile.TemporaryDirectory(prefix="lookup-eval-") as tmp:
         async with start_runtime(cfg, run_dir=Path(tmp)) as rt:

@@ -282,3 +282,25 @@ def test_a_record_holding_a_nan_reward_is_unscored_in_the_index(tmp_path: Path, 
                                               for k, r in enumerate(rewards)))
     index = build_index(d)
     assert [s["advantage"] is not None and round(s["advantage"], 3) for s in index.summaries] == [1.0, False, -1.0]
+
+
+def test_a_trained_rows_tokens_carry_the_loss_weight_and_flags_the_trainer_recorded(run_dir: Path, tokenizer) -> None:
+    """The trainer's `token_weights.jsonl` record of a row lands on that row (matched by its ids'
+    key and trained-token count, the last record winning); a record of other ids does not."""
+    from harnessrl.loss.token_weights import append_token_weights, row_key
+
+    rows, _ = build_rows(build_index(run_dir).read(1))
+    row = rows[0]
+    n = row.num_trained_tokens
+    w = [round(0.5 + k / 100, 3) for k in range(n)]
+    key = row_key(row.input_ids)
+    append_token_weights(run_dir, 1, [{"rollout_id": "r1", "row_key": key, "n": n, "w": [1.0] * n,
+                                       "clipped": [], "bounded": []}])
+    append_token_weights(run_dir, 2, [
+        {"rollout_id": "r1", "row_key": key, "n": n, "w": w, "clipped": [1], "bounded": [0, n - 1]},
+        {"rollout_id": "r1", "row_key": key ^ 1, "n": n, "w": [9.0] * n, "clipped": [], "bounded": []},
+        {"rollout_id": "r0", "row_key": key, "n": n, "w": [7.0] * n, "clipped": [], "bounded": []}])
+    d = rollout_detail(build_index(run_dir), 1, tokenizer, Hooks())
+    assert d["rows"][0]["weights"] == {"step": 2, "w": w, "clipped": [1], "bounded": [0, n - 1]}
+    assert all(r["weights"] is None for r in d["rows"][1:])
+    assert rollout_detail(build_index(run_dir), 2, tokenizer, Hooks())["rows"][0]["weights"] is None  # r2

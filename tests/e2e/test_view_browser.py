@@ -88,9 +88,19 @@ def _check_page(page, run: Path, shot: Path) -> None:
     adv = build_index(run).summaries[i]["advantage"]
     sign = "zero" if not adv else ("pos" if adv > 0 else "neg")
     classes = page.get_attribute(".row[data-row='0'] .tok.tr >> nth=0", "class")
-    assert classes.split() == ["tok", "tr", sign], (classes, adv)
+    assert classes.split()[:3] == ["tok", "tr", sign], (classes, adv)
+    assert set(classes.split()[3:]) <= {"clipped", "bounded"}
     title = page.get_attribute(".row[data-row='0'] .tok.tr >> nth=0", "title")
     assert "logprob" in title
+    # the loss's weight on each trained token, from the trainer's token_weights.jsonl
+    from harnessrl.loss.token_weights import read_token_weights
+
+    recorded = read_token_weights(run)
+    assert recorded, "the trainer recorded no token weights"
+    if build_index(run).summaries[i]["rollout_id"] in recorded:
+        assert " · weight " in title
+        shown_w = page.eval_on_selector_all(".tok.tr[data-w]", "els => els.length")
+        assert shown_w == sum(len(ids) for ids in expected)
     assert page.locator(".row[data-row='0'] .mark[data-kind='start']").count() == 1
     # each turn's head says how many of its completion ids train in its row
     heads = page.eval_on_selector_all(".turn .head", "els => els.map(e => e.textContent)")

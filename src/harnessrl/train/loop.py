@@ -44,6 +44,7 @@ from rich.console import Console
 from harnessrl.engine.weight_sync import SyncReport
 from harnessrl.jsonl import read_jsonl
 from harnessrl.log import to_run_log
+from harnessrl.loss.token_weights import append_token_weights
 from harnessrl.train.console import (
     bound_line,
     final_table,
@@ -303,6 +304,7 @@ async def trainer_step(run: TrainingRun, batch: StepRows, step: int,
         CanaryError: from `before_update` (no update applied)."""
     if batch.rows:
         result: StepResult = await run.on_trainer(run.trainer.step, batch.rows, step, before_update, version)
+        append_token_weights(run.run_dir, step, result.token_weights)  # for the viewer
     else:
         result = StepResult({"skipped": 1.0})
     if not result.applied and "skip_reason" not in result.metrics:

@@ -24,7 +24,9 @@ the update changed, from the optimizer's own update: `update_l2`), the loss's ra
 (token-weighted over micro-batches), the `offpolicy/*` diagnostics by staleness
 (`loss/diagnostics.py`), and `ratio_abs_dev`: mean |exp(trainer − sampler) − 1| over
 trained tokens at the weights *before* the update (at step 0 trainer and sampler hold the same
-weights, so this is the sampler/trainer parity check, DESIGN.md §3.2).
+weights, so this is the sampler/trainer parity check, DESIGN.md §3.2). Besides the metrics,
+`StepResult.token_weights`: per trained row, each trained token's loss weight and whether the
+clip or the weight's bound stopped it (`loss/token_weights.py`, for the viewer).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from harnessrl.train.distributed import (SINGLE, Ranks, all_reduce, gather_objec
                                          split_by_tokens, zero_contribution)
 from harnessrl.loss.diagnostics import OffPolicyStats, staleness_of
 from harnessrl.loss.losses import LossFn
+from harnessrl.loss.token_weights import TokenWeightRecord, TokenWeightRecorder
 from harnessrl.train.packing import (PackedBatch, compute_trainer_logprobs, loss_inputs, pack_rows,
                                      segment_attention)
 from harnessrl.types import Row
@@ -61,6 +64,9 @@ class StepResult:
     updated: list[torch.nn.Parameter] | None = None
     """With `measure_update=False`: the parameters the update changed, for a later
     `update_l2(optimizer, updated)` (before the next optimizer step)."""
+    token_weights: list[TokenWeightRecord] = field(default_factory=list)
+    """One record per trained row (every rank's): its trained tokens' loss weights and which
+    the clip or the weight's bound stopped (`loss/token_weights.py`; the loop writes them)."""
 
 
 def optimizer_step(
@@ -142,7 +148,8 @@ def optimizer_step(
     metrics.update(grad_norm=grad_norm, train_s=time.perf_counter() - t0)
     if delta_l2 is not None:
         metrics["param_delta_l2"] = delta_l2
-    return StepResult(metrics, applied=finite, nonfinite=not finite, updated=updated)
+    return StepResult(metrics, applied=finite, nonfinite=not finite, updated=updated,
+                      token_weights=acc.token_weights)
 
 
 def update_norm(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter] | None,
@@ -162,6 +169,8 @@ class Accumulated:
     metrics: dict[str, float]
     """loss, ratio_abs_dev, tokens_trained, tokens_packed, micro_batches and the loss's own
     metrics, for the whole step (all ranks)."""
+    token_weights: list[TokenWeightRecord] = field(default_factory=list)
+    """`TokenWeightRecorder.records` of the step (all ranks)."""
 
 
 def accumulate_gradients(
@@ -197,7 +206,8 @@ def accumulate_gradients(
     maxs: dict[str, float] = {}
     abs_dev_sum = 0.0
     loss_total = 0.0
-    offpolicy = OffPolicyStats()
+    offpolicy, weights = OffPolicyStats(), TokenWeightRecorder()
+    keyed = [(rows[i].rollout_id, rows[i].input_ids) for i in mine]
     with segment_attention(model):  # it sees through a DDP wrapper to the model's config
         for k in range(num_micro):
             sync = k == num_micro - 1 or not isinstance(model, DistributedDataParallel)
@@ -220,14 +230,15 @@ def accumulate_gradients(
             loss_total += float(out.loss.detach())
             offpolicy.add(trainer_lp_T, batch.sampler_logprobs_T, batch.mask_T,
                           staleness_of(batch.policy_versions_T, policy_version), out.clipped_T, out.bounded_T)
+            weights.add(keyed, batch.seq_ids_T, batch.mask_T, out.weight_T, out.clipped_T, out.bounded_T)
             _add_metrics(sums, mins, maxs, out.metrics, batch.num_trained_tokens / num_trained)
     sums.update(loss=loss_total, ratio_abs_dev=abs_dev_sum / num_trained,
                 tokens_trained=float(local_trained), tokens_packed=float(sum(b.num_tokens for b in batches)),
                 micro_batches=float(len(batches)))
     if ranks.distributed:
         sums, mins, maxs = _merge_over_ranks(sums, mins, maxs, ranks)
-        offpolicy = _merge_offpolicy(offpolicy, ranks)
-    return Accumulated(num_trained, {**sums, **mins, **maxs, **offpolicy.metrics()})
+        offpolicy, weights = _merge_offpolicy(offpolicy, weights, ranks)
+    return Accumulated(num_trained, {**sums, **mins, **maxs, **offpolicy.metrics()}, weights.records)
 
 
 def _add_metrics(sums: dict[str, float], mins: dict[str, float], maxs: dict[str, float],
@@ -245,12 +256,15 @@ def _add_metrics(sums: dict[str, float], mins: dict[str, float], maxs: dict[str,
             sums[key] = sums.get(key, 0.0) + weight * value
 
 
-def _merge_offpolicy(mine: OffPolicyStats, ranks: Ranks) -> OffPolicyStats:
-    """Every rank's off-policy sums, added (a collective)."""
-    total = OffPolicyStats()
-    for part in gather_objects(mine, ranks):
+def _merge_offpolicy(mine: OffPolicyStats, weights: TokenWeightRecorder, ranks: Ranks
+                     ) -> tuple[OffPolicyStats, TokenWeightRecorder]:
+    """Every rank's off-policy sums, added, and token weight records, in rank order (a
+    collective)."""
+    total, records = OffPolicyStats(), TokenWeightRecorder()
+    for part, recs in gather_objects((mine, weights), ranks):
         total.merge(part)
-    return total
+        records.merge(recs)
+    return total, records
 
 
 def _merge_over_ranks(sums: dict[str, float], mins: dict[str, float], maxs: dict[str, float],

@@ -8,7 +8,9 @@ trains (`error`, `unfaithful` with `check_turn_faithful`'s reason, `retry_supers
 `auxiliary`), its row and how many of its completion ids train there. Per row: every token id
 with its mask (context 0 / trained 1), sampler logprob and policy version, the turns merged
 into it with the kind of each merge, and where a REALIGN or FORK turn's prompt diverged from
-the ids before it (`Row.divergences`, the builder's own).
+the ids before it (`Row.divergences`, the builder's own), and what the loss did with each
+trained token when the row trained (`weights`: its weight, and whether the ratio clip stopped
+it or its importance weight was truncated or masked; the trainer's `token_weights.jsonl`).
 
 Merge kinds are the builder's own counts: turn j's kind is the counter (`num_clean`,
 `num_realign`, `num_fork`) that building the eligible turns up to j adds over building those up
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from harnessrl.hooks import Hooks
 from harnessrl.loss.advantages import stamp_advantage
+from harnessrl.loss.token_weights import TokenWeightRecord, row_key
 from harnessrl.train.samples import (
     build_rows,
     classify_main,
@@ -75,7 +78,8 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
     Keys: `summary` (the index entry), `error`, `final_answer`, `turns` (list, in arrival order:
     each with the messages new since the previous call, so a tool's output shows in the turn
     after the call that ran it, the reply, its `row` and `trained_tokens`), `rows` (list of
-    `{ids, mask, lp, ver, advantage, trained_ids, segments}`), `stats` (the builder's
+    `{ids, mask, lp, ver, advantage, trained_ids, segments, divergences, weights}`; `weights`:
+    `row_weights`), `stats` (the builder's
     `MergeStats.as_metrics()`), `vocab` (`{id: text}` for every id in the rows, each id
     decoded alone).
 
@@ -101,11 +105,27 @@ def rollout_detail(index: RunIndex, i: int, tokenizer: PreTrainedTokenizerBase,
         "final_answer": rollout.final_answer,
         "turns": _turns(rollout.trace.turns, by_index, is_main, kinds, row_of,
                         _trained_per_turn(rows, eligible, row_of), tokenizer, rejected),
-        "rows": [_row(k, r, eligible, parents, kinds, row_of) for k, r in enumerate(rows)],
+        "rows": [{**_row(k, r, eligible, parents, kinds, row_of),
+                  "weights": row_weights(r, index.token_weights.get(rollout.rollout_id, ()))}
+                 for k, r in enumerate(rows)],
         "stats": stats.as_metrics(),
         "dropped_by_trainer": _dropped_reason(summary, has_rows=bool(rows), rejected=len(rejected)),
         "vocab": dict(zip((str(t) for t in vocab_ids), texts)),
     }
+
+
+def row_weights(row: Row, records: Sequence[TokenWeightRecord]) -> dict[str, object] | None:
+    """What the loss did with `row`'s trained tokens, from the rollout's `token_weights.jsonl`
+    records (`loss/token_weights.py`): the last record whose `row_key` and trained-token count
+    are the row's, as `{step, w, clipped, bounded}` (`w`: one weight per trained token in row
+    order, or None past the step's recording bound; `clipped` / `bounded`: positions among the
+    trained tokens, or counts when `w` is None). None when the row never trained (a
+    zero-advantage or stale row, a run before the file existed)."""
+    key, n = row_key(row.input_ids), row.num_trained_tokens
+    for rec in reversed(records):
+        if rec.get("row_key") == key and rec.get("n") == n:
+            return {"step": rec.get("step"), "w": rec["w"], "clipped": rec["clipped"], "bounded": rec["bounded"]}
+    return None
 
 
 def merge_kinds(rollout: Rollout, kwargs: dict[str, Any]) -> tuple[list[Turn], list[bool], list[str]]:

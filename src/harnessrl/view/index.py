@@ -3,7 +3,8 @@
 Responsibility: open a run of thousands of rollouts without holding them: one pass over
 `rollouts.jsonl` records where each line starts and ends and a few fields of it (ids, task,
 status, reward, turns, tokens, step, advantage); a rollout is read back later by its offsets
-(`RunIndex.read`). Metrics come from `metrics.jsonl` as written (whatever keys it holds).
+(`RunIndex.read`). Metrics come from `metrics.jsonl` as written (whatever keys it holds), the
+trained tokens' loss weights from `token_weights.jsonl` (`loss/token_weights.py`).
 
 Step of a rollout: `harnessrl train` writes a step's groups together, `groups_per_step` groups a
 step, in order; the k-th distinct group of the file is in step `k // groups_per_step + 1`. A run
@@ -34,6 +35,7 @@ from harnessrl.errors import ConfigError
 from harnessrl.hooks import load_hooks, reshape_reward
 from harnessrl.jsonl import read_jsonl
 from harnessrl.loss.advantages import advantage_fn_for
+from harnessrl.loss.token_weights import TokenWeightRecord, read_token_weights
 from harnessrl.train.plot import curve_png
 from harnessrl.types import Rollout
 
@@ -58,6 +60,9 @@ class RunIndex:
     """`metrics.jsonl` records, unchanged."""
     bad_lines: int = 0
     """Lines of `rollouts.jsonl` that do not parse (torn or garbage), skipped."""
+    token_weights: dict[str, list[TokenWeightRecord]] = field(default_factory=dict)
+    """`token_weights.jsonl` records by rollout id (`loss/token_weights.py`; empty without the
+    file): each trained row's per-token loss weights and clip / bound flags."""
 
     def read(self, i: int) -> Rollout:
         """Rollout number `i` (its summary's `i`), read by its byte offsets.
@@ -168,7 +173,7 @@ def build_index(run_dir: Path, cfg: RunConfig | None = None) -> RunIndex:
             summaries[i]["step"] = k // per_step + 1 if metrics else None
     if bad > MAX_WARNINGS:
         log.warning("rollouts.jsonl: %d unreadable lines skipped in all", bad)
-    return RunIndex(run_dir, cfg, summaries, metrics, bad)
+    return RunIndex(run_dir, cfg, summaries, metrics, bad, read_token_weights(run_dir))
 
 
 def _finite(reward: object) -> float | None:

@@ -145,7 +145,8 @@
     root.append(el("h2", { text: "Training rows (" + d.rows.length + "), as they train" }),
       el("div", { class: "legend" }, el("span", { class: "tok ctx", text: "context" }), el("span", { class: "tok tr pos", text: "trained, advantage > 0" }),
         el("span", { class: "tok tr neg", text: "trained, advantage < 0" }), el("span", { class: "tok tr zero", text: "trained, advantage 0" }),
-        el("span", { class: "muted", text: "hover a token: id, logprob, policy version" })));
+        el("span", { class: "tok tr zero clipped", text: "clipped" }), el("span", { class: "tok tr zero bounded", text: "weight truncated / masked" }),
+        el("span", { class: "muted", text: "hover a token: id, logprob, policy version, loss weight" })));
     d.rows.forEach((r, k) => root.append(renderRow(k, r, d.vocab)));
   }
   function renderTurn(t) {
@@ -180,6 +181,24 @@
       if (!marks.has(at)) marks.set(at, []);
       marks.get(at).push(sg);
     }
+    // the loss's weight on each trained token and whether the clip or the weight's bound
+    // stopped it (the trainer's token_weights.jsonl), by position among the trained tokens
+    const wt = r.weights, ordOf = new Map();
+    if (wt) {
+      let c = 0;
+      for (let t = 0; t < r.ids.length; t++) if (r.mask[t] === 1) ordOf.set(t, c++);
+      const n = (v) => Array.isArray(v) ? v.length : v;
+      box.querySelector(".head").textContent += " · trained at step " + wt.step + ": " + n(wt.clipped) + " clipped, " + n(wt.bounded) + " weight-bounded";
+    }
+    const clipped = new Set(wt && Array.isArray(wt.clipped) ? wt.clipped : []), bounded = new Set(wt && Array.isArray(wt.bounded) ? wt.bounded : []);
+    const weightNote = (t, span) => {
+      if (!wt || !ordOf.has(t)) return "";
+      const o = ordOf.get(t), w = wt.w ? wt.w[o] : null;
+      if (w != null) span.dataset.w = w;
+      if (clipped.has(o)) span.classList.add("clipped");
+      if (bounded.has(o)) span.classList.add("bounded");
+      return (w != null ? " · weight " + w : "") + (clipped.has(o) ? " · clipped (no gradient)" : "") + (bounded.has(o) ? " · weight truncated or masked" : "");
+    };
     const toks = el("div", { class: "tokens" });
     const frag = document.createDocumentFragment();
     const emit = (into, a, b) => {
@@ -189,7 +208,7 @@
         const span = document.createElement("span");
         span.className = tr ? "tok tr " + sign : "tok ctx";
         span.dataset.id = id; span.dataset.pos = t;
-        span.title = "id " + id + " · pos " + t + (tr ? " · logprob " + r.lp[t] + " · v" + r.ver[t] : " · context");
+        span.title = "id " + id + " · pos " + t + (tr ? " · logprob " + r.lp[t] + " · v" + r.ver[t] + weightNote(t, span) : " · context");
         span.textContent = vocab[id] ?? ("<" + id + ">");
         into.append(span);
       }
