@@ -209,13 +209,15 @@ def _closing(tmp_path: Path, history: list[dict], written: list[dict], monkeypat
     from harnessrl.config import load_config
     from harnessrl.log import close_logging, setup_logging
     from harnessrl.train import loop
+    from harnessrl.train.setup import loop_settings
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in written))
     drawn: list = []
     monkeypatch.setattr(loop, "write_curve_png", lambda h, path, **kw: drawn.append(list(h)) or None)
     setup_logging("INFO", tmp_path / "run.log")
     try:
-        loop.finish(SimpleNamespace(cfg=load_config(None, []), run_dir=tmp_path), history)  # type: ignore[arg-type]
+        loop.finish(SimpleNamespace(settings=loop_settings(load_config(None, [])), run_dir=tmp_path),  # type: ignore[arg-type]
+                    history)
     finally:
         close_logging()
     return drawn

@@ -118,7 +118,7 @@ async def test_opencode_records_demonstrations_through_the_proxy(tokenizer: obje
     from harnessrl.harness.install import installed_agent_dirs, read_install_record
     from harnessrl.harness.opencode import OpencodeConfig, OpencodeHarness
     from harnessrl.hooks import tool_call_names
-    from harnessrl.proxy.config import ProxyConfig
+    from harnessrl.proxy.config import ProxyConfig, SamplingConfig
     from harnessrl.proxy.server import ProxyServer
     from harnessrl.rewards.exact_match import ExactMatchVerifier
     from harnessrl.rollout.runner import RolloutLimits, run_rollout
@@ -137,7 +137,7 @@ async def test_opencode_records_demonstrations_through_the_proxy(tokenizer: obje
     task = ProceduralSource(kinds=["lookup"], seed_offset=2_000_000).get(0)
     harness = OpencodeHarness(OpencodeConfig(context_tokens=8192, output_tokens=128, tools=["bash"],
                                              system_prompt="Run commands with the bash tool."))
-    config = ProxyConfig(port=0, model_name="harnessrl-policy", max_tokens_cap=128)
+    config = ProxyConfig(port=0, model_name="harnessrl-policy", sampling=SamplingConfig(max_tokens=128))
     async with ProxyServer(engine, ChatLayer(tokenizer), config) as proxy:  # type: ignore[arg-type]
         backend = LocalSandboxBackend(SandboxConfig(root_dir=sandbox_root), ro_binds=installed_agent_dirs(),
                                       proxy_port=proxy.port, proxy_socket=proxy.agent_socket_path)

@@ -148,8 +148,7 @@ def optimizer_step(
     metrics.update(grad_norm=grad_norm, train_s=time.perf_counter() - t0)
     if delta_l2 is not None:
         metrics["param_delta_l2"] = delta_l2
-    return StepResult(metrics, applied=finite, nonfinite=not finite, updated=updated,
-                      token_weights=acc.token_weights)
+    return StepResult(metrics, applied=finite, nonfinite=not finite, updated=updated, token_weights=acc.token_weights)
 
 
 def update_norm(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter] | None,
