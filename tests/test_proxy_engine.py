@@ -155,6 +155,21 @@ async def test_a_session_of_another_group_gets_no_prefix_hit(engine, chat):
     assert await call("attacker") > 0  # the attacker's own group reuses its prompt
 
 
+async def _generation_stopped(engine, session, start: int) -> None:  # type: ignore[no-untyped-def]
+    """The session's one turn is recorded as cancelled, far from its 3000 ids, and the engine
+    decodes at most 2 ids for it afterwards."""
+    for _ in range(2000):
+        if session.trace.turns:
+            break
+        await asyncio.sleep(0.005)
+    at_record = engine.stats().generated_tokens
+    await asyncio.sleep(0.2)
+    assert engine.stats().generated_tokens - at_record <= 2
+    assert at_record - start < 1500
+    (turn,) = session.trace.turns
+    assert turn.status == "error" and "cancelled" in (turn.error or "")
+
+
 async def test_a_client_leaving_mid_stream_stops_its_generation(engine, chat):
     """Attack: an agent opens a stream for a long reply and drops it after the first event.
     Before, the engine decoded the whole reply for nobody; now the generation is cancelled
@@ -170,16 +185,7 @@ async def test_a_client_leaving_mid_stream_stops_its_generation(engine, chat):
                 async for _ in stream.aiter_bytes():
                     if engine.stats().generated_tokens >= start + 20:
                         break  # leave with the reply far from done
-        for _ in range(2000):
-            if session.trace.turns:
-                break
-            await asyncio.sleep(0.005)
-        at_record = engine.stats().generated_tokens
-        await asyncio.sleep(0.2)
-        assert engine.stats().generated_tokens - at_record <= 2
-        assert at_record - start < 1500
-        (turn,) = session.trace.turns
-        assert turn.status == "error" and "cancelled" in (turn.error or "")
+        await _generation_stopped(engine, session, start)
         proxy.close_session(session_id)
 
 
@@ -204,14 +210,5 @@ async def test_a_client_leaving_a_unary_call_stops_its_generation(engine, chat, 
             call.cancel()  # closes the connection with the reply far from done
             with pytest.raises(asyncio.CancelledError):
                 await call
-        for _ in range(2000):
-            if session.trace.turns:
-                break
-            await asyncio.sleep(0.005)
-        at_record = engine.stats().generated_tokens
-        await asyncio.sleep(0.2)
-        assert engine.stats().generated_tokens - at_record <= 2
-        assert at_record - start < 1500
-        (turn,) = session.trace.turns
-        assert turn.status == "error" and "cancelled" in (turn.error or "")
+        await _generation_stopped(engine, session, start)
         proxy.close_session(session_id)
