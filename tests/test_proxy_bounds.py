@@ -247,7 +247,8 @@ async def test_refused_calls_leave_no_memory_behind(tokenizer):
     they leave allocated once answered (tracemalloc, after a collection) is a small fraction of
     what they sent."""
     engine = FakeEngine(max_context_tokens=4096)
-    async with served(tokenizer, engine) as (proxy, http):
+    # no call budget: a prompt past the context is refused (400), not answered with a final stop
+    async with served(tokenizer, engine, max_model_calls=0) as (proxy, http):
         session_id, key = proxy.open_session("rejected")
 
         async def call(i: int, size: int) -> int:

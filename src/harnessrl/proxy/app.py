@@ -68,9 +68,9 @@ ProtocolHandler = Callable[[Request, Session, ProxyDeps], Awaitable[Response]]
 """Serves one protocol route for an authenticated session; may raise `RequestError`."""
 
 _inflight: set[asyncio.Task[ChatOutcome]] = set()
-"""Generations run as tasks (held here while they run). A client that goes away mid-stream,
-or before a unary answer (`generate_unary`), cancels its generation: the engine stops decoding
-for it and the call is recorded as an error turn (`capture.generate_chat`)."""
+"""Streamed generations run as tasks (held here while they run). A client that goes away
+mid-stream cancels its generation: the engine stops decoding for it and the call is recorded
+as an error turn (`capture.generate_chat`)."""
 
 
 ADMIN_MAX_BODY_BYTES = 64 * 1024
@@ -228,37 +228,9 @@ async def chat_completions(request: Request, session: Session, deps: ProxyDeps) 
     if isinstance(prepared, ChatOutcome):
         return json_response(prepared.status_code, prepared.body)
     if not prepared.request.stream:
-        outcome = await generate_unary(deps.capture, prepared, request.receive)
-        if outcome is None:  # nobody to answer
-            return Response(status_code=499)
+        outcome = await generate_chat(deps.capture, prepared)
         return json_response(outcome.status_code, outcome.body)
     return _sse_response(deps, prepared)
-
-
-async def generate_unary(capture: CaptureDeps, prepared: PreparedChat, receive: Receive) -> ChatOutcome | None:
-    """`generate_chat` for a unary (non-streaming) call, cancelled when the client disconnects
-    first (`receive`, the request's ASGI channel, its body already read, yields
-    `http.disconnect`): the engine stops decoding for nobody and the call is recorded as an
-    error turn, as a dropped stream's is (`_stream`). Returns the outcome, or None when the
-    client disconnected (there is nobody to answer)."""
-    task = asyncio.ensure_future(generate_chat(capture, prepared))
-    _inflight.add(task)
-    task.add_done_callback(_inflight.discard)
-    gone = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():  # the client went away (or this call was cancelled)
-            task.cancel()
-            await asyncio.wait({task})
-    return None if task.cancelled() else task.result()
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Return once `receive` yields `http.disconnect` (a request's body was read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _sse_response(deps: ProxyDeps, prepared: PreparedChat) -> StreamingResponse:

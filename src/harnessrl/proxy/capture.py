@@ -235,7 +235,7 @@ async def generate_chat(deps: CaptureDeps, p: PreparedChat) -> ChatOutcome:
     try:
         completion = await deps.engine.generate(p.prompt_ids, p.sampling, affinity=p.session.session_id,
                                                 cache_scope=p.session.cache_scope)
-    except asyncio.CancelledError:  # the client went away (`app._stream`, `app.generate_unary`): recorded, not trained
+    except asyncio.CancelledError:  # the client went away mid-stream (`app._stream`): recorded, not trained
         p.session.cut_off_call(p.turn_index)
         _failed(p, 499, error_body("cancelled", code="cancelled"),
                 "the call was cancelled while it generated (its client went away); its generation was stopped")
